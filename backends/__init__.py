@@ -1,0 +1,1 @@
+"""Backends: one sub-package per backend, each exposing ``BACKEND`` (see portable_ops.dispatch)."""

@@ -1,0 +1,22 @@
+"""The reference backend: plain PyTorch on any device, written to be read.
+
+It accepts every call the public API lets through, so it is where every other
+backend falls back to, and run in float64 it is the conformance suite's oracle.
+"""
+
+from portable_ops.dispatch import Backend, OpImpl
+
+from .adam import adam
+from .attention import attention_bwd, attention_fwd
+from .grad_norm import grad_norm
+
+BACKEND = Backend(
+    name="reference",
+    description="plain PyTorch, any device",
+    ops={
+        "adam": OpImpl(run=adam),
+        "grad_norm": OpImpl(run=grad_norm),
+        "attention_fwd": OpImpl(run=attention_fwd),
+        "attention_bwd": OpImpl(run=attention_bwd),
+    },
+)

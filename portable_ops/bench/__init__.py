@@ -1,0 +1,1 @@
+"""Benchmarks against PyTorch: python -m portable_ops.bench optimizer|clip|attention."""

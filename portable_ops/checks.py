@@ -1,0 +1,126 @@
+"""Argument checks shared by every public entry point.
+
+Each runs before any backend is chosen or any tensor written, so a rejected
+call leaves parameters and optimizer state exactly as they were. Messages name
+the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _name(arg: str, i: int | None) -> str:
+    return arg if i is None else f"{arg}[{i}]"
+
+
+def check_number(arg: str, value, *, low: float | None = None, high: float | None = None,
+                 high_open: bool = False) -> None:
+    """A finite scalar (float or one-element tensor) inside [low, high] or [low, high)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{arg} must be a float or a one-element tensor, got a tensor of shape {tuple(value.shape)}")
+        if value.device.type != "cpu" and value.device.type != "meta":
+            return  # reading a device tensor would sync; device-resident values are trusted
+        value = value.item()
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{arg} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{arg} must be finite, got {value}")
+    if low is not None and value < low:
+        raise ValueError(f"{arg} must be >= {low}, got {value}")
+    if high is not None and (value >= high if high_open else value > high):
+        raise ValueError(f"{arg} must be {'<' if high_open else '<='} {high}, got {value}")
+
+
+def check_adam_hyperparameters(*, lr, beta1, beta2, eps, weight_decay) -> None:
+    check_number("lr", lr, low=0.0)
+    check_number("betas[0]", beta1, low=0.0, high=1.0, high_open=True)
+    check_number("betas[1]", beta2, low=0.0, high=1.0, high_open=True)
+    check_number("eps", eps, low=0.0)
+    check_number("weight_decay", weight_decay, low=0.0)
+
+
+def check_tensor_lists(lists: dict[str, Sequence[torch.Tensor]], *, like: str) -> None:
+    """Every list as long as ``lists[like]``; every tensor shaped, typed and placed like its ``like`` twin."""
+    ref = lists[like]
+    for arg, tensors in lists.items():
+        if not isinstance(tensors, (list, tuple)):
+            raise TypeError(f"{arg} must be a list of tensors, got {type(tensors).__name__}")
+        if len(tensors) != len(ref):
+            raise ValueError(f"{arg} has {len(tensors)} tensors but {like} has {len(ref)}")
+    device = None
+    for i, p in enumerate(ref):
+        for arg, tensors in lists.items():
+            t = tensors[i]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{_name(arg, i)} must be a tensor, got {type(t).__name__}")
+            if t.is_sparse or t.layout != torch.strided:
+                raise ValueError(f"{_name(arg, i)} is {t.layout}; only dense (strided) tensors are supported")
+            if t.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"{_name(arg, i)} has dtype {t.dtype}; expected one of float16, bfloat16, float32, float64")
+            if arg == like:
+                continue
+            if t.shape != p.shape:
+                raise ValueError(f"{_name(arg, i)} has shape {tuple(t.shape)} but {_name(like, i)} has {tuple(p.shape)}")
+            if t.dtype != p.dtype:
+                raise TypeError(f"{_name(arg, i)} has dtype {t.dtype} but {_name(like, i)} has {p.dtype}")
+            if t.device != p.device:
+                raise ValueError(f"{_name(arg, i)} is on {t.device} but {_name(like, i)} is on {p.device}")
+        if device is None:
+            device = p.device
+        elif p.device.type != device.type:
+            raise ValueError(f"{_name(like, i)} is on {p.device} but {_name(like, 0)} is on {device}; "
+                             "one call takes tensors of one device type")
+
+
+def check_steps(state_steps: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+    if len(state_steps) != len(params):
+        raise ValueError(f"state_steps has {len(state_steps)} tensors but params has {len(params)}")
+    for i, (s, p) in enumerate(zip(state_steps, params)):
+        if not isinstance(s, torch.Tensor) or s.numel() != 1 or not s.is_floating_point():
+            raise TypeError(f"state_steps[{i}] must be a one-element floating-point tensor (torch's layout)")
+        if s.device != p.device and s.device.type != "cpu":
+            raise ValueError(f"state_steps[{i}] is on {s.device} but params[{i}] is on {p.device}")
+
+
+def check_scalar_tensor(arg: str, t, device: torch.device | None) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or t.numel() != 1:
+        raise TypeError(f"{arg} must be None or a one-element tensor")
+    if device is not None and t.device.type != device.type:
+        raise ValueError(f"{arg} is on {t.device} but the params are on {device}")
+
+
+def check_attention(q, k, v, scale) -> None:
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{arg} must have 4 dimensions [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{arg} has dtype {t.dtype}; expected float16, bfloat16, float32 or float64")
+    for arg, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{arg} has dtype {t.dtype} but q has {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{arg} is on {t.device} but q is on {q.device}")
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{arg} has batch {t.shape[0]} but q has batch {q.shape[0]}")
+        if t.shape[-1] != q.shape[-1]:
+            raise ValueError(f"{arg} has head_dim {t.shape[-1]} but q has head_dim {q.shape[-1]}")
+    if k.shape != v.shape:
+        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"q has {hq} heads, k and v have {hkv}: q's head count must be a multiple of k's (grouped-query)")
+    if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[-1] == 0:
+        raise ValueError(f"empty attention: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if scale is not None:
+        check_number("scale", scale)

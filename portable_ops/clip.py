@@ -1,0 +1,68 @@
+"""Global-norm gradient clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import checks
+from .dispatch import dispatch
+
+
+def grads_of(parameters) -> list[torch.Tensor]:
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+def grad_norm_call(grads, norm_type):
+    checks.check_tensor_lists({"grads": grads}, like="grads")
+    norm_type = float(norm_type)
+    if math.isnan(norm_type) or norm_type <= 0:
+        raise ValueError(f"norm_type must be a positive number or inf, got {norm_type}")
+    return dict(grads=list(grads), norm_type=norm_type)
+
+
+def total_norm(grads, norm_type=2.0) -> torch.Tensor:
+    """The global norm of ``grads`` as a device scalar, without a host synchronisation."""
+    call = grad_norm_call(grads, norm_type)
+    if not grads:
+        return torch.zeros(())
+    return dispatch("grad_norm", call, grads[0].device).run(**call)
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm) -> torch.Tensor:
+    """min(1, max_norm / (norm + 1e-6)) as a device scalar: torch's clip_grad_norm_ factor."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """Scale the grads of ``parameters`` in place so their global norm is at most ``max_norm``.
+
+    Same meaning as ``torch.nn.utils.clip_grad_norm_``; returns the total norm
+    (before clipping) as a tensor. Only ``error_if_nonfinite=True`` reads the
+    norm on the host; otherwise nothing waits for the device. ``foreach`` is
+    accepted for drop-in compatibility and ignored: the scaling is always one
+    multi-tensor ``_foreach_mul_``.
+    """
+    checks.check_number("max_norm", float(max_norm), low=0.0)
+    grads = grads_of(parameters)
+    norm = total_norm(grads, norm_type)
+    if not grads:
+        return norm
+    if error_if_nonfinite and not torch.isfinite(norm):
+        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+                           "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+                           "by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    coef = clip_coefficient(norm, max_norm)
+    for device_grads in _by_device_and_dtype(grads):
+        torch._foreach_mul_(device_grads, coef.to(device_grads[0].device))
+    return norm
+
+
+def _by_device_and_dtype(tensors):
+    groups: dict[tuple, list] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups.values()

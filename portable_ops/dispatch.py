@@ -1,0 +1,191 @@
+"""Backend selection: which backend runs a call, and why every other one does not.
+
+A backend is a module under ``portable_ops.backends`` exposing ``BACKEND``, a
+:class:`Backend`. It names the device types it is the native choice for and,
+per op, an :class:`OpImpl` whose ``supports(call)`` returns the reasons it
+cannot take ``call`` (empty when it can). Dispatch walks the preference list
+for the tensors' device, keeps every rejection, and either runs the first
+backend that accepts or falls back to ``reference`` with a warning (an error
+under ``PORTABLE_OPS_STRICT=1``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+BACKEND_NAMES = ("triton", "nki", "reference")
+
+# Device types each accelerator backend is the default for. Anything else runs
+# on the reference backend unless a backend is forced.
+NATIVE_DEVICES = {"triton": ("cuda",), "nki": ("xla", "neuron")}
+
+Call = dict  # the keyword arguments of one op call, validated by the public API
+
+
+class BackendUnavailableError(RuntimeError):
+    """A forced or strict call could not run on the backend asked for."""
+
+
+class FallbackWarning(UserWarning):
+    """A call ran on the reference backend because the preferred one can't take it."""
+
+
+@dataclass(frozen=True)
+class OpImpl:
+    run: Callable[..., Any]
+    # Reasons this backend can't take a call; must not touch tensor data.
+    supports: Callable[[Call], list[str]] = lambda call: []
+
+
+@dataclass
+class Backend:
+    name: str
+    ops: dict[str, OpImpl]
+    # Reason the backend can't run at all in this process (library missing, ...), or None.
+    unavailable: Callable[[], str | None] = lambda: None
+    # Reasons the backend can't run on tensors of this device type, empty when it can.
+    device_reasons: Callable[[torch.device], list[str]] = lambda device: []
+    description: str = ""
+
+
+@dataclass
+class Choice:
+    """The outcome of dispatch for one call: who runs it, and why the others don't."""
+
+    op: str
+    backend: str
+    device: torch.device | None
+    preferred: str
+    rejected: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.backend != self.preferred
+
+    def __str__(self) -> str:
+        lines = [f"{self.op} on {self.device}: runs on '{self.backend}'"]
+        if self.is_fallback:
+            lines[0] += f" (fallback from '{self.preferred}')"
+        for name, reasons in self.rejected.items():
+            lines.append(f"  {name}: not used: " + "; ".join(reasons))
+        return "\n".join(lines)
+
+
+_backends: dict[str, Backend] = {}
+_import_errors: dict[str, str] = {}
+_forced = threading.local()
+_warned: set[tuple[str, str, str]] = set()
+_lock = threading.Lock()
+
+
+def get_backend(name: str) -> Backend | None:
+    """The backend called ``name``, imported on first use; None if its module fails to import."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)}")
+    with _lock:
+        if name not in _backends and name not in _import_errors:
+            try:
+                _backends[name] = importlib.import_module(f"portable_ops.backends.{name}").BACKEND
+            except ImportError as exc:
+                _import_errors[name] = f"its module failed to import: {exc}"
+    return _backends.get(name)
+
+
+def unavailable_reason(name: str) -> str | None:
+    backend = get_backend(name)
+    if backend is None:
+        return _import_errors[name]
+    return backend.unavailable()
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Force every op inside the block onto backend ``name`` (overrides ``PORTABLE_OPS_BACKEND``)."""
+    get_backend(name)  # validates the name early
+    previous = getattr(_forced, "name", None)
+    _forced.name = name
+    try:
+        yield
+    finally:
+        _forced.name = previous
+
+
+def forced_backend() -> str | None:
+    name = getattr(_forced, "name", None) or os.environ.get("PORTABLE_OPS_BACKEND") or None
+    if name is not None and name not in BACKEND_NAMES:
+        raise ValueError(f"PORTABLE_OPS_BACKEND={name!r}; expected one of {', '.join(BACKEND_NAMES)}")
+    return name
+
+
+def strict() -> bool:
+    return os.environ.get("PORTABLE_OPS_STRICT", "0") not in ("", "0")
+
+
+def preference(device: torch.device | None, prefer: str | None = None) -> list[str]:
+    """Backends to try for tensors on ``device``, best first; ``reference`` always ends the list."""
+    first = prefer or forced_backend()
+    if first is not None:
+        return [first] if first == "reference" else [first, "reference"]
+    dtype = device.type if device is not None else "cpu"
+    native = [name for name, types in NATIVE_DEVICES.items() if dtype in types]
+    return native + ["reference"]
+
+
+def _reasons(name: str, op: str, call: Call, device: torch.device | None) -> list[str]:
+    reason = unavailable_reason(name)
+    if reason is not None:
+        return [reason]
+    backend = _backends[name]
+    if op not in backend.ops:
+        return [f"{name} does not implement {op}"]
+    reasons = list(backend.device_reasons(device)) if device is not None else []
+    return reasons or backend.ops[op].supports(call)
+
+
+def choose(op: str, call: Call, device: torch.device | None, prefer: str | None = None) -> Choice:
+    """Pick the backend for ``op(**call)``, keeping the reasons of every backend passed over."""
+    order = preference(device, prefer)
+    choice = Choice(op=op, backend="reference", device=device, preferred=order[0])
+    for name in order:
+        reasons = _reasons(name, op, call, device)
+        if not reasons:
+            choice.backend = name
+            break
+        choice.rejected[name] = reasons
+    if choice.backend in choice.rejected:
+        raise ValueError(f"{op}: no backend can run this call: " + "; ".join(choice.rejected["reference"]))
+    kind = device.type if device is not None else "these"
+    for name in BACKEND_NAMES:
+        if name not in order:
+            why = (f"'{order[0]}' is forced" if order[0] != "reference" or forced_backend()
+                   else f"not the default for {kind} tensors (force it with use_backend({name!r}))")
+            choice.rejected[name] = [why]
+    return choice
+
+
+def select(op: str, call: Call, device: torch.device | None, prefer: str | None = None) -> Choice:
+    """:func:`choose`, then warn once (or raise under ``PORTABLE_OPS_STRICT=1``) if it fell back."""
+    choice = choose(op, call, device, prefer)
+    if choice.is_fallback:
+        reasons = "; ".join(choice.rejected[choice.preferred])
+        message = f"portable_ops.{op}: '{choice.preferred}' can't take this call ({reasons}); running 'reference'"
+        if strict():
+            raise BackendUnavailableError(message + " -- refused because PORTABLE_OPS_STRICT=1")
+        key = (op, choice.preferred, reasons)
+        if key not in _warned:
+            _warned.add(key)
+            warnings.warn(message, FallbackWarning, stacklevel=4)
+    return choice
+
+
+def dispatch(op: str, call: Call, device: torch.device | None, prefer: str | None = None) -> OpImpl:
+    """The implementation to run for ``op(**call)``, chosen by :func:`select`."""
+    return _backends[select(op, call, device, prefer).backend].ops[op]

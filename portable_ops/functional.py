@@ -1,0 +1,51 @@
+"""Stateless multi-tensor optimizer steps: the functions the optimizer classes call."""
+
+from __future__ import annotations
+
+import torch
+
+from . import checks
+from .dispatch import dispatch
+
+
+def adam_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad, beta1, beta2,
+              lr, weight_decay, eps, maximize, decoupled_weight_decay, grad_scale=None, found_inf=None,
+              clip_coef=None):
+    """Check every argument of an Adam step; return the call as the backends take it."""
+    checks.check_adam_hyperparameters(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    if amsgrad:
+        lists["max_exp_avg_sqs"] = max_exp_avg_sqs
+    checks.check_tensor_lists(lists, like="params")
+    checks.check_steps(state_steps, params)
+    device = params[0].device if params else None
+    for arg, t in (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef)):
+        checks.check_scalar_tensor(arg, t, device)
+    if isinstance(lr, torch.Tensor):
+        checks.check_scalar_tensor("lr", lr, device)
+    return dict(params=list(params), grads=list(grads), exp_avgs=list(exp_avgs), exp_avg_sqs=list(exp_avg_sqs),
+                max_exp_avg_sqs=list(max_exp_avg_sqs) if amsgrad else [], state_steps=list(state_steps),
+                amsgrad=bool(amsgrad), beta1=float(beta1), beta2=float(beta2), lr=lr,
+                weight_decay=float(weight_decay), eps=float(eps), maximize=bool(maximize),
+                decoupled_weight_decay=bool(decoupled_weight_decay), grad_scale=grad_scale,
+                found_inf=found_inf, clip_coef=clip_coef)
+
+
+def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad=False, beta1=0.9,
+         beta2=0.999, lr=1e-3, weight_decay=0.0, eps=1e-8, maximize=False, decoupled_weight_decay=False,
+         grad_scale=None, found_inf=None, clip_coef=None):
+    """One Adam (``decoupled_weight_decay=False``) or AdamW step over lists of tensors, in place.
+
+    Same meaning as ``torch.optim.adam.adam`` / ``adamw``: ``state_steps`` are
+    one-element float tensors incremented here; ``grad_scale`` divides every
+    grad first (AMP); a non-zero ``found_inf`` makes the step change nothing.
+    ``clip_coef`` (a device scalar, from global-norm clipping) multiplies every
+    grad, so clipping fuses into the step without rewriting the grads.
+    """
+    call = adam_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad=amsgrad,
+                     beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize,
+                     decoupled_weight_decay=decoupled_weight_decay, grad_scale=grad_scale, found_inf=found_inf,
+                     clip_coef=clip_coef)
+    if not call["params"]:
+        return
+    dispatch("adam", call, call["params"][0].device).run(**call)

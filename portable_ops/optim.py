@@ -1,0 +1,153 @@
+"""``torch.optim.Optimizer`` subclasses whose step is one fused multi-tensor call per device.
+
+Constructor arguments, defaults and ``state_dict`` layout are torch's
+(``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so checkpoints move
+between ``torch.optim.Adam/AdamW`` and these classes in both directions.
+``max_grad_norm`` fuses global-norm clipping into the step: the grads are read
+once for the norm and once for the step, and are not rewritten.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import checks
+from .clip import clip_coefficient, total_norm
+from .functional import adam_call
+from .dispatch import dispatch
+
+
+class Adam(torch.optim.Optimizer):
+    """Adam with L2 weight decay (``torch.optim.Adam``), plus ``max_grad_norm``.
+
+    ``foreach``, ``fused`` and ``capturable`` are accepted so that code written
+    for torch runs unchanged; they change nothing here: every step is the fused
+    multi-tensor path, with ``step`` kept on the parameter's device so a step
+    never synchronises and can be captured in a CUDA graph.
+    """
+
+    decoupled_weight_decay = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 maximize=False, max_grad_norm=None, foreach=None, fused=None, capturable=False,
+                 differentiable=False):
+        if differentiable:
+            raise ValueError("differentiable=True is not supported: the fused step is not differentiable")
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair of floats, got {betas!r}")
+        checks.check_adam_hyperparameters(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
+        _check_max_grad_norm(max_grad_norm)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, max_grad_norm=max_grad_norm)
+        super().__init__(params, defaults)
+        self._step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
+        self.last_grad_norm: torch.Tensor | None = None
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:  # checkpoints from torch.optim lack our keys
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("max_grad_norm", self.defaults.get("max_grad_norm"))
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        _check_max_grad_norm(self.param_groups[-1]["max_grad_norm"])
+        if len({g["max_grad_norm"] for g in self.param_groups}) > 1:
+            self.param_groups.pop()
+            raise ValueError("max_grad_norm must be the same in every param group: the clip is one global norm")
+
+    def _calls(self, grad_scale, found_inf):
+        """The checked functional call for every (group, device), and the state to create for new params."""
+        calls, new_state = [], {}
+        for group in self.param_groups:
+            by_device: dict[torch.device, dict[str, list]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state.get(p) or new_state.setdefault(p, _fresh_state(p, group["amsgrad"]))
+                if group["amsgrad"] and "max_exp_avg_sq" not in state:  # amsgrad switched on mid-run
+                    state = new_state[p] = {**state, "max_exp_avg_sq": torch.zeros_like(p)}
+                lists = by_device.setdefault(p.device, {k: [] for k in
+                                             ("params", "grads", "exp_avgs", "exp_avg_sqs", "max", "steps")})
+                lists["params"].append(p)
+                lists["grads"].append(p.grad)
+                lists["exp_avgs"].append(state["exp_avg"])
+                lists["exp_avg_sqs"].append(state["exp_avg_sq"])
+                lists["max"].append(state.get("max_exp_avg_sq"))
+                lists["steps"].append(state["step"])
+            beta1, beta2 = group["betas"]
+            for device, lists in by_device.items():
+                calls.append(adam_call(
+                    lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"],
+                    lists["max"] if group["amsgrad"] else [], lists["steps"], amsgrad=group["amsgrad"],
+                    beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                    maximize=group["maximize"], decoupled_weight_decay=self.decoupled_weight_decay,
+                    grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device)))
+        return calls, new_state
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        calls, new_state = self._calls(grad_scale, found_inf)  # raises before anything is written
+        for p, state in self.state.items():  # torch keeps `step` on the CPU unless fused; ours lives with p
+            if "step" in state and state["step"].device != p.device:
+                state["step"] = state["step"].to(p.device, torch.float32)
+        self.state.update(new_state)
+        for call in calls:  # re-read steps: the loop above may have moved them
+            call["state_steps"] = [self.state[p]["step"] for p in call["params"]]
+        max_grad_norm = self.param_groups[0]["max_grad_norm"] if self.param_groups else None
+        if max_grad_norm is not None and calls:
+            coef = self._clip_coefficient(calls, max_grad_norm, grad_scale)
+            for call in calls:
+                call["clip_coef"] = coef.to(call["params"][0].device)
+        for call in calls:
+            dispatch("adam", call, call["params"][0].device).run(**call)
+        return loss
+
+    def _clip_coefficient(self, calls, max_grad_norm, grad_scale):
+        norms = [total_norm(call["grads"]) for call in calls]
+        first = norms[0].device
+        norm = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]))
+        if grad_scale is not None:
+            norm = norm / grad_scale.to(first)
+        self.last_grad_norm = norm
+        return clip_coefficient(norm, max_grad_norm)
+
+
+class AdamW(Adam):
+    """AdamW: decoupled weight decay (``torch.optim.AdamW``), plus ``max_grad_norm``."""
+
+    decoupled_weight_decay = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, max_grad_norm=None, foreach=None, fused=None, capturable=False,
+                 differentiable=False):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         max_grad_norm=max_grad_norm, foreach=foreach, fused=fused, capturable=capturable,
+                         differentiable=differentiable)
+
+
+def _check_max_grad_norm(value):
+    if value is not None:
+        checks.check_number("max_grad_norm", value, low=0.0)
+        if value <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {value}")
+
+
+def _fresh_state(p, amsgrad):
+    state = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+             "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    if amsgrad:
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
+
+
+def _on(t, device):
+    return None if t is None else t.to(device)
