@@ -1,0 +1,132 @@
+"""The shared case catalogue: the same cases for every backend.
+
+A case names an op family (``adam``, ``clip``, ``attention``), a seed, its
+parameters and a dtype. Inputs are drawn from the seed on the CPU and moved to
+the backend's device, so every backend sees the same numbers. Tolerances are
+keyed by dtype: a value passes when ``|out - ref| <= atol + rtol * |ref|``
+elementwise, against each oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+
+# (atol, rtol). Optimizer: one step's rounding of the stored dtype from the same
+# starting state (the float64 oracle is re-seeded from the backend's state every
+# step). Attention: fp32 allows TF32 matrix units; half types round P before P@V.
+TOLERANCES = {
+    "adam": {F32: (1e-6, 1e-5), F16: (1e-5, 2e-3), BF16: (1e-4, 1.6e-2)},
+    "clip": {F32: (1e-6, 1e-5), F16: (1e-4, 2e-3), BF16: (1e-3, 1.6e-2)},
+    "attention": {F32: (2e-3, 2e-3), F16: (4e-3, 4e-3), BF16: (3e-2, 3e-2)},
+}
+# Gradients of attention sum over a whole sequence: allow a few times the forward's error.
+ATTENTION_GRAD_FACTOR = 4.0
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    op: str  # "adam", "clip" or "attention"
+    dtype: torch.dtype
+    params: dict = field(default_factory=dict)
+    seed: int = 0
+
+    @property
+    def tolerance(self) -> tuple[float, float]:
+        return TOLERANCES[self.op][self.dtype]
+
+    @property
+    def id(self) -> str:
+        return f"{self.name}[{str(self.dtype).removeprefix('torch.')}]"
+
+
+ODD_SIZES = [(1,), (3,), (127,), (129,), (1000,), (33, 65), (5, 7, 11)]
+
+
+def _mixed_sizes(count: int, seed: int) -> list[tuple[int, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(int(n) for n in torch.randint(1, 3000, (1,), generator=g)) for _ in range(count)]
+
+
+def _adam_cases() -> list[Case]:
+    base = dict(shapes=ODD_SIZES, steps=5, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                decoupled=False, amsgrad=False, maximize=False)
+    variants = {
+        "adam_odd_sizes": {},
+        "adam_l2_decay": dict(weight_decay=0.01),
+        "adamw_decoupled": dict(weight_decay=0.1, decoupled=True),
+        "adam_amsgrad": dict(amsgrad=True, weight_decay=0.01),
+        "adamw_amsgrad_maximize": dict(amsgrad=True, maximize=True, decoupled=True, weight_decay=0.05),
+        "adamw_lr_tensor": dict(lr_tensor=True, decoupled=True, weight_decay=0.01, lr=3e-3),
+        "adamw_grad_scale": dict(grad_scale=1024.0, decoupled=True, weight_decay=0.01),
+        "adamw_clip_coef": dict(clip_coef=0.25, decoupled=True, weight_decay=0.01),
+    }
+    cases = []
+    for name, extra in variants.items():
+        for dtype in (F32, BF16, F16):
+            cases.append(Case(name, "adam", dtype, {**base, **extra}))
+    cases += [
+        Case("adam_one_element", "adam", F32, {**base, "shapes": [(1,)]}),
+        Case("adam_many_mixed", "adam", F32, {**base, "shapes": _mixed_sizes(40, 7), "steps": 3}),
+        Case("adam_empty_list", "adam", F32, {**base, "shapes": []}),
+        # found_inf set on a step whose grads hold inf and NaN: nothing may change.
+        Case("adamw_found_inf_skips", "adam", F32,
+             {**base, "decoupled": True, "weight_decay": 0.01, "grad_scale": 65536.0, "found_inf_steps": (1, 3),
+              "nonfinite_steps": (1, 3)}),
+        Case("adamw_found_inf_skips", "adam", BF16,
+             {**base, "decoupled": True, "grad_scale": 8.0, "found_inf_steps": (2,), "nonfinite_steps": (2,)}),
+        # Without found_inf a non-finite grad propagates, as in torch: NaN where the oracle has NaN.
+        Case("adam_nonfinite_grad_propagates", "adam", F32, {**base, "nonfinite_steps": (2,)}),
+    ]
+    for name, extra in {"trajectory_adam": {}, "trajectory_adamw": dict(decoupled=True, weight_decay=0.01),
+                        "trajectory_adamw_amsgrad": dict(decoupled=True, weight_decay=0.01, amsgrad=True),
+                        "trajectory_adam_amsgrad": dict(weight_decay=0.01, amsgrad=True)}.items():
+        cases.append(Case(name, "adam", F32, {**base, **extra, "steps": 50, "shapes": [(7, 13), (300,), (1,)]}))
+    return cases
+
+
+def _clip_cases() -> list[Case]:
+    cases = []
+    for dtype in (F32, BF16, F16):
+        cases.append(Case("clip_l2_odd_sizes", "clip", dtype, dict(shapes=ODD_SIZES, max_norm=1.0, norm_type=2.0)))
+        cases.append(Case("clip_inf_norm", "clip", dtype, dict(shapes=ODD_SIZES, max_norm=0.5, norm_type=float("inf"))))
+    cases += [
+        Case("clip_below_threshold", "clip", F32, dict(shapes=ODD_SIZES, max_norm=1e6, norm_type=2.0)),
+        Case("clip_one_element", "clip", F32, dict(shapes=[(1,)], max_norm=0.1, norm_type=2.0)),
+        Case("clip_many_mixed", "clip", F32, dict(shapes=_mixed_sizes(60, 11), max_norm=2.0, norm_type=2.0)),
+        Case("clip_empty_list", "clip", F32, dict(shapes=[], max_norm=1.0, norm_type=2.0)),
+        # max_grad_norm fused into AdamW: norm, then a step that scales each grad as it reads it.
+        Case("adamw_fused_clip_step", "clip", F32,
+             dict(shapes=ODD_SIZES, max_norm=0.5, norm_type=2.0, fused_step=True, steps=5)),
+        Case("adamw_fused_clip_step", "clip", BF16,
+             dict(shapes=ODD_SIZES, max_norm=0.5, norm_type=2.0, fused_step=True, steps=3)),
+    ]
+    return cases
+
+
+def _attention_cases() -> list[Case]:
+    shapes = {  # name: (B, Hq, Hkv, Sq, Skv, D, causal)
+        "attn_square": (2, 4, 4, 64, 64, 64, False),
+        "attn_causal_ragged": (1, 2, 2, 77, 77, 64, True),
+        "attn_gqa_causal": (1, 8, 2, 50, 50, 32, True),
+        "attn_cross_lengths": (1, 2, 1, 37, 101, 64, False),
+        "attn_causal_bottom_right": (1, 2, 1, 37, 101, 64, True),
+        "attn_causal_more_queries": (1, 2, 2, 20, 12, 32, True),  # first rows see no key
+        "attn_decode_kv_cache": (2, 8, 2, 1, 300, 64, True),
+        "attn_head_dim_128": (1, 2, 2, 70, 70, 128, True),
+        "attn_head_dim_256": (1, 1, 1, 40, 40, 256, False),
+        "attn_one_token": (1, 1, 1, 1, 1, 32, True),
+    }
+    cases = []
+    for name, shape in shapes.items():
+        dtypes = (F16, BF16, F32) if name in ("attn_square", "attn_causal_ragged", "attn_gqa_causal") else (F16,)
+        for dtype in dtypes:
+            cases.append(Case(name, "attention", dtype, dict(zip(("B", "Hq", "Hkv", "Sq", "Skv", "D", "causal"), shape))))
+    return cases
+
+
+CASES: list[Case] = _adam_cases() + _clip_cases() + _attention_cases()

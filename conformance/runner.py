@@ -1,0 +1,343 @@
+"""Run the shared cases on a backend and compare with the oracles.
+
+One runner serves the CLI (``python -m portable_ops.conformance``) and pytest
+(``tests/test_conformance.py``). Each case runs with its backend forced and
+``PORTABLE_OPS_STRICT=1``, so a call the backend declines raises instead of
+quietly running the reference: that case is reported as ``fallback`` with the
+backend's reason, never as a pass.
+
+Oracles: ``float64`` is the reference backend's code run in float64 on the CPU;
+``torch`` is PyTorch itself (``torch.optim`` functional Adam/AdamW,
+``torch.nn.utils.clip_grad_norm_``, ``F.scaled_dot_product_attention``), used for
+the reference backend. Optimizer cases are compared step by step: before each
+step the oracles start from the backend's own state, so the error measured is
+that of one step, in the backend's dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.optim.adam import adam as torch_adam
+
+import portable_ops
+from portable_ops import dispatch
+from portable_ops.backends.reference.adam import adam as reference_adam
+from portable_ops.backends.reference.attention import attention_bwd as reference_attention_bwd
+from portable_ops.backends.reference.attention import attention_fwd as reference_attention_fwd
+from portable_ops.backends.reference.grad_norm import grad_norm as reference_grad_norm
+
+from .cases import ATTENTION_GRAD_FACTOR, CASES, Case
+
+F64 = torch.float64
+
+
+@dataclass
+class Row:
+    backend: str
+    case: str
+    status: str  # pass | fail | fallback | error
+    max_abs: float = 0.0
+    rel: float = 0.0
+    atol: float = 0.0
+    rtol: float = 0.0
+    oracles: list[str] = field(default_factory=list)
+    detail: str = ""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Comparison:
+    """The worst of one case's comparisons: max abs error, relative error, and the first failure."""
+
+    max_abs: float = 0.0
+    rel: float = 0.0
+    failure: str = ""
+    oracles: set = field(default_factory=set)
+
+    def check(self, oracle: str, label: str, out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float):
+        self.oracles.add(oracle)
+        out, ref = out.detach().to("cpu", F64), ref.detach().to("cpu", F64)
+        if out.shape != ref.shape:
+            self.failure = self.failure or f"{label}: shape {tuple(out.shape)} vs {oracle} {tuple(ref.shape)}"
+            return
+        both_nan = out.isnan() & ref.isnan()
+        same_inf = out.isinf() & (out == ref)
+        err = torch.where(both_nan | same_inf, torch.zeros_like(out), (out - ref).abs())
+        err = torch.nan_to_num(err, nan=math.inf)
+        if err.numel():
+            self.max_abs = max(self.max_abs, err.max().item())
+            finite_ref = torch.nan_to_num(ref, nan=0.0, posinf=0.0, neginf=0.0)
+            # Relative to the reference's norm, floored at the absolute tolerance so an all-zero
+            # reference (dq of a one-key row, say) does not divide by zero.
+            floor = max(atol * math.sqrt(err.numel()), 1e-30)
+            self.rel = max(self.rel, (torch.nan_to_num(err, posinf=0.0).norm() / finite_ref.norm().clamp_min(floor)).item())
+        bad = err > atol + rtol * torch.nan_to_num(ref.abs(), nan=0.0, posinf=0.0)
+        if bad.any() and not self.failure:
+            i = int(bad.flatten().nonzero()[0])
+            self.failure = (f"{label} vs {oracle}: element {i} is {out.flatten()[i].item():.6g}, "
+                            f"expected {ref.flatten()[i].item():.6g} (atol {atol:g}, rtol {rtol:g})")
+
+
+def default_device(backend: str) -> torch.device:
+    """Where a backend's cases run: its accelerator when present, else the CPU (interpreter / emulator)."""
+    if backend == "triton" and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def usable_backends() -> list[str]:
+    usable = []
+    for name in dispatch.BACKEND_NAMES:
+        if dispatch.unavailable_reason(name) is None and not dispatch.get_backend(name).device_reasons(default_device(name)):
+            usable.append(name)
+    return usable
+
+
+@contextlib.contextmanager
+def forced_strict(backend: str):
+    previous = os.environ.get("PORTABLE_OPS_STRICT")
+    os.environ["PORTABLE_OPS_STRICT"] = "1"
+    try:
+        with portable_ops.use_backend(backend):
+            yield
+    finally:
+        if previous is None:
+            del os.environ["PORTABLE_OPS_STRICT"]
+        else:
+            os.environ["PORTABLE_OPS_STRICT"] = previous
+
+
+def _f64(tensors):
+    return [t.detach().to("cpu", F64).clone() for t in tensors]
+
+
+def _scalar(value, device, dtype=torch.float32):
+    return None if value is None else torch.tensor(value, dtype=dtype, device=device)
+
+
+# ----------------------------------------------------------------------------- adam
+
+def _adam_oracle(oracle, state, grads, kw):
+    """One step of the oracle on float64 CPU copies of ``state`` (params, exp_avgs, exp_avg_sqs, maxs, steps)."""
+    params, exp_avgs, exp_avg_sqs, maxs, steps = state
+    if oracle == "float64":
+        reference_adam(params, grads, exp_avgs, exp_avg_sqs, maxs, steps, **kw)
+        return
+    # torch's functional adam (its fused CPU kernel takes grad_scale/found_inf); clip_coef is ours alone.
+    clip = kw["clip_coef"]
+    grads = [g * clip.item() for g in grads] if clip is not None else grads
+    steps32 = [s.float() for s in steps]
+    torch_adam(params, grads, exp_avgs, exp_avg_sqs, maxs, steps32, fused=True,
+               grad_scale=None if kw["grad_scale"] is None else kw["grad_scale"].float(),
+               found_inf=None if kw["found_inf"] is None else kw["found_inf"].float(),
+               decoupled_weight_decay=kw["decoupled_weight_decay"], amsgrad=kw["amsgrad"],
+               beta1=kw["beta1"], beta2=kw["beta2"],
+               lr=kw["lr"].item() if isinstance(kw["lr"], torch.Tensor) else kw["lr"],
+               weight_decay=kw["weight_decay"], eps=kw["eps"], maximize=kw["maximize"])
+    for s, s32 in zip(steps, steps32):
+        s.copy_(s32)
+
+
+def run_adam(case: Case, backend: str, device: torch.device, oracles: list[str], result: Comparison):
+    p, dtype = case.params, case.dtype
+    gen = torch.Generator().manual_seed(case.seed)
+    shapes = p["shapes"]
+    params = [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
+    exp_avgs = [torch.zeros_like(t) for t in params]
+    exp_avg_sqs = [torch.zeros_like(t) for t in params]
+    maxs = [torch.zeros_like(t) for t in params] if p["amsgrad"] else []
+    steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in params]
+    scale = p.get("grad_scale", 1.0)
+    kw = dict(amsgrad=p["amsgrad"], beta1=p["betas"][0], beta2=p["betas"][1], weight_decay=p["weight_decay"],
+              eps=p["eps"], maximize=p["maximize"], decoupled_weight_decay=p["decoupled"],
+              lr=_scalar(p["lr"], device) if p.get("lr_tensor") else p["lr"],
+              grad_scale=_scalar(p.get("grad_scale"), device), clip_coef=_scalar(p.get("clip_coef"), device))
+    atol, rtol = case.tolerance
+    for step in range(p["steps"]):
+        grads = [(torch.randn(s, generator=gen) * scale).to(device, dtype) for s in shapes]
+        if step in p.get("nonfinite_steps", ()) and grads:
+            grads[0].view(-1)[0] = math.inf
+            grads[-1].view(-1)[-1] = math.nan
+        skip = step in p.get("found_inf_steps", ())
+        kw["found_inf"] = _scalar(float(skip), device) if "found_inf_steps" in p else None
+        state = (params, exp_avgs, exp_avg_sqs, maxs, steps)
+        before = [_f64(ts) for ts in state]
+        with forced_strict(backend):
+            portable_ops.functional.adam(params, grads, exp_avgs, exp_avg_sqs, maxs, steps, **kw)
+        kw64 = {k: (v.to("cpu", F64) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+        for oracle in oracles:
+            expected = [[t.clone() for t in ts] for ts in before]
+            _adam_oracle(oracle, expected, _f64(grads), kw64)
+            tol = (0.0, 0.0) if skip else (atol, rtol)  # a skipped step must leave every bit as it was
+            for label, outs, refs in zip(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"), state, expected):
+                for i, (out, ref) in enumerate(zip(outs, refs)):
+                    result.check(oracle, f"step {step + 1} {label}[{i}]", out, ref, *tol)
+
+
+# ----------------------------------------------------------------------------- clip
+
+def _leaves(values, grads):
+    leaves = []
+    for value, grad in zip(values, grads):
+        leaf = value.clone().requires_grad_(True)
+        leaf.grad = grad
+        leaves.append(leaf)
+    return leaves
+
+
+def run_clip(case: Case, backend: str, device: torch.device, oracles: list[str], result: Comparison):
+    p, dtype = case.params, case.dtype
+    gen = torch.Generator().manual_seed(case.seed)
+    shapes = p["shapes"]
+    atol, rtol = case.tolerance
+    if p.get("fused_step"):
+        return _run_fused_clip_step(case, backend, device, oracles, result, gen)
+    values = [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
+    grads = [(3 * torch.randn(s, generator=gen)).to(device, dtype) for s in shapes]
+    before = _f64(grads)
+    leaves = _leaves(values, grads)
+    with forced_strict(backend):
+        norm = portable_ops.clip_grad_norm_(leaves, p["max_norm"], norm_type=p["norm_type"])
+    for oracle in oracles:
+        ref_leaves = _leaves(_f64(values), [g.clone() for g in before])
+        if oracle == "float64":
+            ref_norm = reference_grad_norm([l.grad for l in ref_leaves], p["norm_type"])
+            coef = (p["max_norm"] / (ref_norm + 1e-6)).clamp(max=1.0)
+            for leaf in ref_leaves:
+                leaf.grad.mul_(coef)
+        else:
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref_leaves, p["max_norm"], norm_type=p["norm_type"])
+        result.check(oracle, "total norm", norm, ref_norm, atol, rtol)
+        for i, (leaf, ref) in enumerate(zip(leaves, ref_leaves)):
+            result.check(oracle, f"grad[{i}]", leaf.grad, ref.grad, atol, rtol)
+
+
+def _run_fused_clip_step(case, backend, device, oracles, result, gen):
+    """AdamW(max_grad_norm=...) against clip-then-step by each oracle, from the same state every step."""
+    p, dtype = case.params, case.dtype
+    atol, rtol = case.tolerance
+    params = [torch.randn(s, generator=gen).to(device, dtype).requires_grad_(True) for s in p["shapes"]]
+    opt = portable_ops.optim.AdamW(params, lr=1e-2, weight_decay=0.01, max_grad_norm=p["max_norm"])
+    for step in range(p["steps"]):
+        for t in params:
+            t.grad = (3 * torch.randn(t.shape, generator=gen)).to(device, dtype)
+        before = {k: _f64([opt.state[t][k] for t in params]) for k in ("exp_avg", "exp_avg_sq", "step")} if step else None
+        values, grads = _f64(params), _f64([t.grad for t in params])
+        with forced_strict(backend):
+            opt.step()
+        for oracle in oracles:
+            leaves = _leaves(values, [g.clone() for g in grads])
+            if oracle == "float64":
+                norm = reference_grad_norm([l.grad for l in leaves], p["norm_type"])
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(leaves, math.inf)  # the norm only: coef 1
+            coef = (p["max_norm"] / (norm + 1e-6)).clamp(max=1.0)
+            if before:
+                start = {k: [t.clone() for t in ts] for k, ts in before.items()}
+            else:
+                start = {"exp_avg": [torch.zeros_like(v) for v in values],
+                         "exp_avg_sq": [torch.zeros_like(v) for v in values],
+                         "step": [torch.zeros((), dtype=F64) for _ in values]}
+            state = [[l.detach() for l in leaves], start["exp_avg"], start["exp_avg_sq"], [], start["step"]]
+            kw = dict(amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-2, weight_decay=0.01, eps=1e-8, maximize=False,
+                      decoupled_weight_decay=True, grad_scale=None, found_inf=None, clip_coef=coef)
+            with torch.no_grad():
+                _adam_oracle(oracle, state, [l.grad for l in leaves], kw)
+            result.check(oracle, f"step {step + 1} grad norm", opt.last_grad_norm, norm, atol, rtol)
+            for i, (t, ref) in enumerate(zip(params, state[0])):
+                result.check(oracle, f"step {step + 1} param[{i}]", t, ref, atol, rtol)
+
+
+# ----------------------------------------------------------------------------- attention
+
+def _sdpa(q, k, v, causal, scale):
+    sq, skv = q.shape[-2], k.shape[-2]
+    mask = None
+    if causal:  # bottom-right alignment; SDPA's is_causal is top-left when Sq != Skv
+        mask = torch.ones(sq, skv, dtype=torch.bool).tril(diagonal=skv - sq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def run_attention(case: Case, backend: str, device: torch.device, oracles: list[str], result: Comparison):
+    p, dtype = case.params, case.dtype
+    gen = torch.Generator().manual_seed(case.seed)
+    q = torch.randn(p["B"], p["Hq"], p["Sq"], p["D"], generator=gen)
+    k = torch.randn(p["B"], p["Hkv"], p["Skv"], p["D"], generator=gen)
+    v = torch.randn(p["B"], p["Hkv"], p["Skv"], p["D"], generator=gen)
+    dout = torch.randn(p["B"], p["Hq"], p["Sq"], p["D"], generator=gen)
+    inputs = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+    with forced_strict(backend):
+        out = portable_ops.attention(*inputs, causal=p["causal"])
+        out.backward(dout.to(device, dtype))
+    scale = 1.0 / math.sqrt(p["D"])
+    atol, rtol = case.tolerance
+    # The oracles see the inputs rounded to the case's dtype, as the backend did.
+    q64, k64, v64 = _f64(inputs)
+    dout64 = dout.to(dtype).to(F64)
+    for oracle in oracles:
+        if oracle == "float64":
+            ref, lse = reference_attention_fwd(q64, k64, v64, causal=p["causal"], scale=scale)
+            grads = reference_attention_bwd(q64, k64, v64, ref, lse, dout64, causal=p["causal"], scale=scale)
+        else:
+            if p["causal"] and p["Sq"] > p["Skv"]:
+                continue  # SDPA gives NaN for rows that see no key; the float64 oracle covers them
+            leaves = [t.clone().requires_grad_(True) for t in (q64, k64, v64)]
+            ref = _sdpa(*leaves, p["causal"], scale)
+            grads = torch.autograd.grad(ref, leaves, dout64)
+        result.check(oracle, "out", out, ref, atol, rtol)
+        for label, t, g in zip(("dq", "dk", "dv"), inputs, grads):
+            result.check(oracle, label, t.grad, g, atol * ATTENTION_GRAD_FACTOR, rtol * ATTENTION_GRAD_FACTOR)
+
+
+RUNNERS = {"adam": run_adam, "clip": run_clip, "attention": run_attention}
+
+
+def run_case(case: Case, backend: str, device: torch.device | None = None) -> Row:
+    device = device or default_device(backend)
+    oracles = ["float64", "torch"] if backend == "reference" else ["float64"]
+    atol, rtol = case.tolerance
+    row = Row(backend, case.id, "pass", atol=atol, rtol=rtol)
+    result = Comparison()
+    try:
+        RUNNERS[case.op](case, backend, device, oracles, result)
+    except dispatch.BackendUnavailableError as exc:
+        row.status, row.detail = "fallback", str(exc).split(" -- ")[0]
+        return row
+    except Exception as exc:  # a crash is a failure of the case, reported, not raised
+        row.status, row.detail = "error", f"{type(exc).__name__}: {exc}"
+        return row
+    row.max_abs, row.rel, row.oracles = result.max_abs, result.rel, sorted(result.oracles)
+    if result.failure:
+        row.status, row.detail = "fail", result.failure
+    return row
+
+
+def run(backends: list[str], cases: list[Case] = CASES, device: torch.device | None = None, progress=None) -> list[Row]:
+    rows = []
+    for backend in backends:
+        for case in cases:
+            rows.append(run_case(case, backend, device))
+            if progress:
+                progress(rows[-1])
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    header = f"{'backend':<10} {'case':<44} {'status':<8} {'max abs':>9} {'rel':>9} {'atol':>7} {'rtol':>7}  oracles / detail"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        note = r.detail if r.status != "pass" else ",".join(r.oracles)
+        lines.append(f"{r.backend:<10} {r.case:<44} {r.status:<8} {r.max_abs:>9.2e} {r.rel:>9.2e} "
+                     f"{r.atol:>7.0e} {r.rtol:>7.0e}  {note}")
+    counts = {s: sum(r.status == s for r in rows) for s in ("pass", "fail", "fallback", "error")}
+    lines.append("-" * len(header))
+    lines.append(", ".join(f"{n} {s}" for s, n in counts.items()) + f" of {len(rows)} cases")
+    return "\n".join(lines)
