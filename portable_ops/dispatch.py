@@ -94,8 +94,8 @@ def get_backend(name: str) -> Backend | None:
         if name not in _backends and name not in _import_errors:
             try:
                 _backends[name] = importlib.import_module(f"portable_ops.backends.{name}").BACKEND
-            except ImportError as exc:
-                _import_errors[name] = f"its module failed to import: {exc}"
+            except Exception as exc:  # a broken backend is reported by doctor/explain, never fatal
+                _import_errors[name] = f"portable_ops.backends.{name} failed to load: {type(exc).__name__}: {exc}"
     return _backends.get(name)
 
 

@@ -1,0 +1,122 @@
+import types
+import warnings
+
+import pytest
+import torch
+
+import portable_ops
+from portable_ops import dispatch
+
+
+def qkv(sq=8, skv=8, d=16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(1, 2, sq, d, generator=g, dtype=dtype), torch.randn(1, 2, skv, d, generator=g, dtype=dtype),
+            torch.randn(1, 2, skv, d, generator=g, dtype=dtype))
+
+
+def test_cpu_tensors_default_to_reference_and_say_why_not_others():
+    choice = portable_ops.explain(portable_ops.attention, *qkv())
+    assert choice.backend == "reference" and not choice.is_fallback
+    text = str(choice)
+    assert "runs on 'reference'" in text
+    assert "triton: not used: not the default for cpu tensors" in text
+    assert "use_backend('nki')" in text
+
+
+def test_preference_by_device_type():
+    assert dispatch.preference(torch.device("cuda")) == ["triton", "reference"]
+    assert dispatch.preference(torch.device("xla")) == ["nki", "reference"]
+    # The native Neuron device registers through privateuseone under the name "neuron"; only .type is read.
+    assert dispatch.preference(types.SimpleNamespace(type="neuron")) == ["nki", "reference"]
+    assert dispatch.preference(torch.device("cpu")) == ["reference"]
+
+
+def test_use_backend_forces_and_nests(fake_backend):
+    fake_backend("triton")
+    with portable_ops.use_backend("triton"):
+        assert portable_ops.explain("attention", *qkv()).backend == "triton"
+        with portable_ops.use_backend("reference"):
+            assert portable_ops.explain("attention", *qkv()).backend == "reference"
+        assert portable_ops.explain("attention", *qkv()).backend == "triton"
+    assert portable_ops.explain("attention", *qkv()).backend == "reference"
+
+
+def test_env_var_forces_backend(fake_backend, monkeypatch):
+    fake_backend("nki")
+    monkeypatch.setenv("PORTABLE_OPS_BACKEND", "nki")
+    assert portable_ops.explain("attention", *qkv()).backend == "nki"
+    monkeypatch.setenv("PORTABLE_OPS_BACKEND", "cuda-magic")
+    with pytest.raises(ValueError, match="PORTABLE_OPS_BACKEND='cuda-magic'"):
+        portable_ops.explain("attention", *qkv())
+
+
+def test_unknown_backend_name_is_rejected():
+    with pytest.raises(ValueError, match="unknown backend 'cudnn'"):
+        with portable_ops.use_backend("cudnn"):
+            pass
+
+
+def test_fallback_warns_once_with_the_reason_and_runs_reference(fake_backend):
+    fake_backend("triton", reasons=["head_dim 16 is too small"])
+    q, k, v = qkv()
+    with portable_ops.use_backend("triton"):
+        with pytest.warns(portable_ops.FallbackWarning, match="head_dim 16 is too small"):
+            out = portable_ops.attention(q, k, v)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a second identical fallback stays quiet
+            portable_ops.attention(q, k, v)
+        choice = portable_ops.explain("attention", q, k, v)
+    assert choice.is_fallback and choice.backend == "reference"
+    assert choice.rejected["triton"] == ["head_dim 16 is too small"]
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
+
+
+def test_strict_mode_turns_fallback_into_an_error(fake_backend, monkeypatch):
+    fake_backend("triton", reasons=["float64 is not supported"])
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
+    params = [torch.zeros(3)]
+    before = params[0].clone()
+    with portable_ops.use_backend("triton"):
+        with pytest.raises(portable_ops.BackendUnavailableError, match="float64 is not supported.*STRICT"):
+            portable_ops.functional.adam(params, [torch.ones(3)], [torch.zeros(3)], [torch.zeros(3)], [],
+                                         [torch.zeros(())])
+    assert torch.equal(params[0], before)
+
+
+def test_backend_that_does_not_run_on_the_device_is_passed_over(fake_backend):
+    fake_backend("triton", devices=("cuda",))
+    with portable_ops.use_backend("triton"):
+        choice = portable_ops.explain("attention", *qkv())
+    assert choice.backend == "reference"
+    assert choice.rejected["triton"] == ["triton does not run on cpu"]
+
+
+def test_backend_missing_an_op_is_passed_over(fake_backend):
+    fake_backend("nki", ops=("adam",))
+    with portable_ops.use_backend("nki"):
+        choice = portable_ops.explain("attention", *qkv())
+    assert choice.rejected["nki"] == ["nki does not implement attention_fwd"]
+
+
+def test_backward_runs_on_the_forward_backend_or_falls_back(fake_backend):
+    fake_backend("triton", ops=("attention_fwd",))
+    q, k, v = (t.requires_grad_(True) for t in qkv())
+    with portable_ops.use_backend("triton"):
+        out = portable_ops.attention(q, k, v, causal=True)
+    with pytest.warns(portable_ops.FallbackWarning, match="triton does not implement attention_bwd"):
+        out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_a_backend_that_fails_to_import_is_reported_not_raised(monkeypatch):
+    monkeypatch.setitem(dispatch._import_errors, "nki", "portable_ops.backends.nki failed to load: boom")
+    monkeypatch.delitem(dispatch._backends, "nki", raising=False)
+    assert "boom" in dispatch.unavailable_reason("nki")
+    with portable_ops.use_backend("nki"):
+        choice = portable_ops.explain("attention", *qkv())
+    assert choice.backend == "reference" and "boom" in choice.rejected["nki"][0]
+
+
+def test_explain_names_unknown_ops():
+    with pytest.raises(ValueError, match="unknown op 'softmax'"):
+        portable_ops.explain("softmax")
