@@ -157,6 +157,6 @@ def test_bad_clip_input_is_rejected_and_grads_untouched():
         portable_ops.clip_grad_norm_(params, math.nan)
     on_meta = torch.nn.Parameter(torch.empty(3, device="meta"))
     on_meta.grad = torch.empty(3, device="meta")
-    with pytest.raises(ValueError, match=r"grads\[1\] is on meta but grads\[0\] is on cpu"):
+    with pytest.raises(ValueError, match=r"grads\[2\] is on meta but grads\[0\] is on cpu"):
         portable_ops.clip_grad_norm_(params + [on_meta], 1.0)
     assert torch.equal(params[0].grad, before[0])
