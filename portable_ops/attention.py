@@ -67,6 +67,20 @@ def _backward(ctx, dout, _dlse):
 _attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _layout(t):
+    return tuple(t.shape), tuple(t.stride()), str(t.dtype).removeprefix("torch.")
+
+
+@torch._dynamo.assume_constant_result
+def _backend_for(device: str, q_layout, k_layout, v_layout, causal: bool, scale: float) -> str:
+    # Dispatch reads only shapes, strides, dtypes and devices, so under torch.compile it runs once,
+    # at trace time, on meta stand-ins, and the chosen name is a constant of the graph.
+    meta = [torch.empty_strided(shape, stride, dtype=getattr(torch, dtype), device="meta")
+            for shape, stride, dtype in (q_layout, k_layout, v_layout)]
+    call = dict(q=meta[0], k=meta[1], v=meta[2], causal=causal, scale=scale)
+    return select("attention_fwd", call, torch.device(device)).backend
+
+
 def attention(q, k, v, *, causal=False, scale=None):
     """Softmax attention of q ``[B, Hq, Sq, D]`` over k, v ``[B, Hkv, Skv, D]``, ``Hq % Hkv == 0``.
 
@@ -77,6 +91,6 @@ def attention(q, k, v, *, causal=False, scale=None):
     enable_gqa=True)`` when ``Sq == Skv``. Differentiable in q, k and v.
     """
     call = attention_call(q, k, v, causal, scale)
-    backend = select("attention_fwd", call, q.device).backend
+    backend = _backend_for(str(q.device), _layout(q), _layout(k), _layout(v), call["causal"], call["scale"])
     out, _lse = _attention_fwd(q, k, v, call["causal"], call["scale"], backend)
     return out

@@ -1,0 +1,32 @@
+"""The shared conformance suite, parametrised over every backend: one test body for all of them.
+
+A backend unusable on this machine is skipped with its reason; a case the backend
+declines is reported as a fallback (skipped with the reason, and a non-zero exit
+from the CLI), never as a pass.
+"""
+
+import pytest
+
+from portable_ops import dispatch
+from portable_ops.conformance import CASES, run_case, usable_backends
+from portable_ops.conformance.runner import default_device
+
+USABLE = usable_backends()
+
+
+def _why_unusable(name):
+    reason = dispatch.unavailable_reason(name)
+    if reason:
+        return reason
+    return "; ".join(dispatch.get_backend(name).device_reasons(default_device(name)))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("backend", dispatch.BACKEND_NAMES)
+def test_case(backend, case):
+    if backend not in USABLE:
+        pytest.skip(f"{backend} is not usable here: {_why_unusable(backend)}")
+    row = run_case(case, backend)
+    if row.status == "fallback":
+        pytest.skip(f"FALLBACK (not a pass): {row.detail}")
+    assert row.status == "pass", row.detail
