@@ -1,0 +1,59 @@
+"""A broken CI matrix fails here, not on the runner: schema-check every workflow and pin its shape."""
+
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WORKFLOWS = sorted((ROOT / "ci" / "workflows").glob("*.yml"))
+
+
+def load(name):
+    return yaml.safe_load((ROOT / "ci" / "workflows" / name).read_text())
+
+
+def test_every_workflow_matches_the_github_workflow_schema():
+    assert {p.name for p in WORKFLOWS} == {"cpu.yml", "gpu.yml", "trainium.yml"}
+    exe = shutil.which("check-jsonschema") or str(pathlib.Path(sys.executable).parent / "check-jsonschema")
+    result = subprocess.run([exe, "--builtin-schema", "vendor.github-workflows", *map(str, WORKFLOWS)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_schema_check_rejects_a_broken_workflow(tmp_path):
+    broken = tmp_path / "broken.yml"
+    broken.write_text("name: x\non: push\njobs:\n  a:\n    steps:\n      - run: true\n")  # no runs-on
+    exe = shutil.which("check-jsonschema") or str(pathlib.Path(sys.executable).parent / "check-jsonschema")
+    result = subprocess.run([exe, "--builtin-schema", "vendor.github-workflows", str(broken)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+
+
+def test_cpu_job_runs_the_same_script_as_ci_and_every_backend():
+    jobs = load("cpu.yml")["jobs"]
+    assert any(step.get("run") == "bash .ci/run" for step in jobs["tests"]["steps"])
+    assert jobs["conformance"]["strategy"]["matrix"]["backend"] == ["reference", "triton", "nki"]
+
+
+def test_gpu_and_trainium_jobs_run_on_their_self_hosted_runners():
+    gpu = load("gpu.yml")["jobs"]["cuda"]
+    trn = load("trainium.yml")["jobs"]["trn2"]
+    assert "self-hosted" in gpu["runs-on"] and "gpu" in gpu["runs-on"]
+    assert "self-hosted" in trn["runs-on"] and "trn2" in trn["runs-on"]
+    assert any("--backend triton" in s.get("run", "") for s in gpu["steps"])
+    trn_runs = " ".join(s.get("run", "") for s in trn["steps"])
+    assert "neuronx-cc" in trn_runs and "--backend nki --device xla" in trn_runs
+    for workflow in WORKFLOWS:
+        for name, job in yaml.safe_load(workflow.read_text())["jobs"].items():
+            assert "timeout-minutes" in job, f"{workflow.name}:{name} has no timeout"
+
+
+def test_ci_script_runs_the_readme_test_command():
+    readme = (ROOT / "README.md").read_text()
+    script = (ROOT / ".ci" / "run").read_text()
+    command = next(line.strip() for line in readme.splitlines() if "pip install" in line and "[test]" in line)
+    assert command in script
