@@ -46,6 +46,10 @@ def check_adam_hyperparameters(*, lr, beta1, beta2, eps, weight_decay) -> None:
     check_number("weight_decay", weight_decay, low=0.0)
 
 
+def _layout(t):
+    return t.shape, t.dtype, t.device, t.layout
+
+
 def check_tensor_lists(lists: dict[str, Sequence[torch.Tensor]], *, like: str) -> None:
     """Every list as long as ``lists[like]``; every tensor shaped, typed and placed like its ``like`` twin."""
     ref = lists[like]
@@ -54,6 +58,21 @@ def check_tensor_lists(lists: dict[str, Sequence[torch.Tensor]], *, like: str) -
             raise TypeError(f"{arg} must be a list of tensors, got {type(tensors).__name__}")
         if len(tensors) != len(ref):
             raise ValueError(f"{arg} has {len(tensors)} tensors but {like} has {len(ref)}")
+    # Fast path, run on every optimizer step over hundreds of tensors: compare layouts in bulk and
+    # only walk the lists one by one, to name the culprit, when something is off.
+    try:
+        expected = [_layout(t) for t in ref]
+        ok = all(lay[1] in FLOAT_DTYPES and lay[3] == torch.strided for lay in expected)
+        ok = ok and all(lay[2] == expected[0][2] for lay in expected)
+        ok = ok and all([_layout(t) for t in tensors] == expected for arg, tensors in lists.items() if arg != like)
+    except AttributeError:
+        ok = False
+    if not ok:
+        _explain_tensor_lists(lists, like)
+
+
+def _explain_tensor_lists(lists, like) -> None:
+    ref = lists[like]
     device = None
     for i, p in enumerate(ref):
         for arg, tensors in lists.items():
@@ -74,19 +93,22 @@ def check_tensor_lists(lists: dict[str, Sequence[torch.Tensor]], *, like: str) -
                 raise ValueError(f"{_name(arg, i)} is on {t.device} but {_name(like, i)} is on {p.device}")
         if device is None:
             device = p.device
-        elif p.device.type != device.type:
+        elif p.device != device:
             raise ValueError(f"{_name(like, i)} is on {p.device} but {_name(like, 0)} is on {device}; "
-                             "one call takes tensors of one device type")
+                             "one call takes tensors of one device")
 
 
 def check_steps(state_steps: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
     if len(state_steps) != len(params):
         raise ValueError(f"state_steps has {len(state_steps)} tensors but params has {len(params)}")
-    for i, (s, p) in enumerate(zip(state_steps, params)):
-        if not isinstance(s, torch.Tensor) or s.numel() != 1 or not s.is_floating_point():
-            raise TypeError(f"state_steps[{i}] must be a one-element floating-point tensor (torch's layout)")
-        if s.device != p.device and s.device.type != "cpu":
-            raise ValueError(f"state_steps[{i}] is on {s.device} but params[{i}] is on {p.device}")
+    try:
+        ok = all(s.numel() == 1 and s.is_floating_point() for s in state_steps)
+    except AttributeError:
+        ok = False
+    if not ok:
+        bad = next(i for i, s in enumerate(state_steps)
+                   if not isinstance(s, torch.Tensor) or s.numel() != 1 or not s.is_floating_point())
+        raise TypeError(f"state_steps[{bad}] must be a one-element floating-point tensor (torch's layout)")
 
 
 def check_scalar_tensor(arg: str, t, device: torch.device | None) -> None:

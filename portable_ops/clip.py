@@ -27,8 +27,14 @@ def grad_norm_call(grads, norm_type):
 def total_norm(grads, norm_type=2.0) -> torch.Tensor:
     """The global norm of ``grads`` as a device scalar, without a host synchronisation."""
     call = grad_norm_call(grads, norm_type)
+    return checked_total_norm(call["grads"], call["norm_type"])
+
+
+def checked_total_norm(grads, norm_type: float) -> torch.Tensor:
+    """:func:`total_norm` of grads already checked (the optimizer checks them with its step)."""
     if not grads:
         return torch.zeros(())
+    call = dict(grads=grads, norm_type=norm_type)
     return dispatch("grad_norm", call, grads[0].device).run(**call)
 
 

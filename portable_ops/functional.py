@@ -8,9 +8,9 @@ from . import checks
 from .dispatch import dispatch
 
 
-def adam_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad, beta1, beta2,
-              lr, weight_decay, eps, maximize, decoupled_weight_decay, grad_scale=None, found_inf=None,
-              clip_coef=None):
+def adam_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad=False, beta1=0.9,
+              beta2=0.999, lr=1e-3, weight_decay=0.0, eps=1e-8, maximize=False, decoupled_weight_decay=False,
+              grad_scale=None, found_inf=None, clip_coef=None):
     """Check every argument of an Adam step; return the call as the backends take it."""
     checks.check_adam_hyperparameters(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import checks
-from .clip import clip_coefficient, total_norm
+from .clip import checked_total_norm, clip_coefficient
 from .functional import adam_call
 from .dispatch import dispatch
 
@@ -68,8 +68,10 @@ class Adam(torch.optim.Optimizer):
                 state = self.state.get(p) or new_state.setdefault(p, _fresh_state(p, group["amsgrad"]))
                 if group["amsgrad"] and "max_exp_avg_sq" not in state:  # amsgrad switched on mid-run
                     state = new_state[p] = {**state, "max_exp_avg_sq": torch.zeros_like(p)}
-                lists = by_device.setdefault(p.device, {k: [] for k in
-                                             ("params", "grads", "exp_avgs", "exp_avg_sqs", "max", "steps")})
+                lists = by_device.get(p.device)
+                if lists is None:
+                    lists = by_device[p.device] = {k: [] for k in ("params", "grads", "exp_avgs", "exp_avg_sqs",
+                                                                   "max", "steps")}
                 lists["params"].append(p)
                 lists["grads"].append(p.grad)
                 lists["exp_avgs"].append(state["exp_avg"])
@@ -111,7 +113,7 @@ class Adam(torch.optim.Optimizer):
         return loss
 
     def _clip_coefficient(self, calls, max_grad_norm, grad_scale):
-        norms = [total_norm(call["grads"]) for call in calls]
+        norms = [checked_total_norm(call["grads"], 2.0) for call in calls]
         first = norms[0].device
         norm = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]))
         if grad_scale is not None:
