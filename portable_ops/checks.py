@@ -50,8 +50,12 @@ def _layout(t):
     return t.shape, t.dtype, t.device, t.layout
 
 
-def check_tensor_lists(lists: dict[str, Sequence[torch.Tensor]], *, like: str) -> None:
-    """Every list as long as ``lists[like]``; every tensor shaped, typed and placed like its ``like`` twin."""
+def check_tensor_lists(lists: dict[str, Sequence[torch.Tensor]], *, like: str, one_device: bool = True) -> None:
+    """Every list as long as ``lists[like]``; every tensor shaped, typed and placed like its ``like`` twin.
+
+    ``one_device``: all of ``lists[like]`` on one device (one kernel launch serves them), else
+    only of one device type.
+    """
     ref = lists[like]
     for arg, tensors in lists.items():
         if not isinstance(tensors, (list, tuple)):
@@ -63,15 +67,16 @@ def check_tensor_lists(lists: dict[str, Sequence[torch.Tensor]], *, like: str) -
     try:
         expected = [_layout(t) for t in ref]
         ok = all(lay[1] in FLOAT_DTYPES and lay[3] == torch.strided for lay in expected)
-        ok = ok and all(lay[2] == expected[0][2] for lay in expected)
+        places = {lay[2] if one_device else lay[2].type for lay in expected}
+        ok = ok and len(places) <= 1
         ok = ok and all([_layout(t) for t in tensors] == expected for arg, tensors in lists.items() if arg != like)
     except AttributeError:
         ok = False
     if not ok:
-        _explain_tensor_lists(lists, like)
+        _explain_tensor_lists(lists, like, one_device)
 
 
-def _explain_tensor_lists(lists, like) -> None:
+def _explain_tensor_lists(lists, like, one_device) -> None:
     ref = lists[like]
     device = None
     for i, p in enumerate(ref):
@@ -93,9 +98,9 @@ def _explain_tensor_lists(lists, like) -> None:
                 raise ValueError(f"{_name(arg, i)} is on {t.device} but {_name(like, i)} is on {p.device}")
         if device is None:
             device = p.device
-        elif p.device != device:
-            raise ValueError(f"{_name(like, i)} is on {p.device} but {_name(like, 0)} is on {device}; "
-                             "one call takes tensors of one device")
+        elif p.device != device if one_device else p.device.type != device.type:
+            raise ValueError(f"{_name(like, i)} is on {p.device} but {_name(like, 0)} is on {device}; one call "
+                             f"takes tensors of one {'device' if one_device else 'device type'}")
 
 
 def check_steps(state_steps: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:

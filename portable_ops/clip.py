@@ -8,6 +8,7 @@ import torch
 
 from . import checks
 from .dispatch import dispatch
+from .distributed import global_norm, local
 
 
 def grads_of(parameters) -> list[torch.Tensor]:
@@ -17,7 +18,7 @@ def grads_of(parameters) -> list[torch.Tensor]:
 
 
 def grad_norm_call(grads, norm_type):
-    checks.check_tensor_lists({"grads": grads}, like="grads")
+    checks.check_tensor_lists({"grads": grads}, like="grads", one_device=False)
     norm_type = float(norm_type)
     if math.isnan(norm_type) or norm_type <= 0:
         raise ValueError(f"norm_type must be a positive number or inf, got {norm_type}")
@@ -50,20 +51,22 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     (before clipping) as a tensor. Only ``error_if_nonfinite=True`` reads the
     norm on the host; otherwise nothing waits for the device. ``foreach`` is
     accepted for drop-in compatibility and ignored: the scaling is always one
-    multi-tensor ``_foreach_mul_``.
+    multi-tensor ``_foreach_mul_``. DTensor grads (FSDP2) are reduced across
+    the ranks that hold their shards, so every rank clips by the same factor.
     """
     checks.check_number("max_norm", float(max_norm), low=0.0)
     grads = grads_of(parameters)
-    norm = total_norm(grads, norm_type)
+    call = grad_norm_call([local(g) for g in grads], norm_type)
     if not grads:
-        return norm
+        return torch.zeros(())
+    norm = global_norm(grads, call["norm_type"], checked_total_norm)
     if error_if_nonfinite and not torch.isfinite(norm):
         raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
                            "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
                            "by the non-finite norm anyway, set `error_if_nonfinite=False`")
     coef = clip_coefficient(norm, max_norm)
-    for device_grads in _by_device_and_dtype(grads):
-        torch._foreach_mul_(device_grads, coef.to(device_grads[0].device))
+    for same_device in _by_device_and_dtype(call["grads"]):
+        torch._foreach_mul_(same_device, coef.to(same_device[0].device))
     return norm
 
 

@@ -13,6 +13,7 @@ import torch
 
 from . import checks
 from .clip import checked_total_norm, clip_coefficient
+from .distributed import global_norm, local
 from .functional import adam_call
 from .dispatch import dispatch
 
@@ -58,7 +59,10 @@ class Adam(torch.optim.Optimizer):
             raise ValueError("max_grad_norm must be the same in every param group: the clip is one global norm")
 
     def _calls(self, grad_scale, found_inf):
-        """The checked functional call for every (group, device), and the state to create for new params."""
+        """(params, checked functional call) for every (group, device), and the state to create for new params.
+
+        DTensor parameters (FSDP2) contribute their local shards: the step is elementwise.
+        """
         calls, new_state = [], {}
         for group in self.param_groups:
             by_device: dict[torch.device, dict[str, list]] = {}
@@ -70,22 +74,23 @@ class Adam(torch.optim.Optimizer):
                     state = new_state[p] = {**state, "max_exp_avg_sq": torch.zeros_like(p)}
                 lists = by_device.get(p.device)
                 if lists is None:
-                    lists = by_device[p.device] = {k: [] for k in ("params", "grads", "exp_avgs", "exp_avg_sqs",
-                                                                   "max", "steps")}
-                lists["params"].append(p)
-                lists["grads"].append(p.grad)
-                lists["exp_avgs"].append(state["exp_avg"])
-                lists["exp_avg_sqs"].append(state["exp_avg_sq"])
-                lists["max"].append(state.get("max_exp_avg_sq"))
+                    lists = by_device[p.device] = {k: [] for k in ("keys", "params", "grads", "exp_avgs",
+                                                                   "exp_avg_sqs", "max", "steps")}
+                lists["keys"].append(p)
+                lists["params"].append(local(p))
+                lists["grads"].append(local(p.grad))
+                lists["exp_avgs"].append(local(state["exp_avg"]))
+                lists["exp_avg_sqs"].append(local(state["exp_avg_sq"]))
+                lists["max"].append(local(state["max_exp_avg_sq"]) if group["amsgrad"] else None)
                 lists["steps"].append(state["step"])
             beta1, beta2 = group["betas"]
             for device, lists in by_device.items():
-                calls.append(adam_call(
+                calls.append((lists["keys"], adam_call(
                     lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"],
                     lists["max"] if group["amsgrad"] else [], lists["steps"], amsgrad=group["amsgrad"],
                     beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                     maximize=group["maximize"], decoupled_weight_decay=self.decoupled_weight_decay,
-                    grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device)))
+                    grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device))))
         return calls, new_state
 
     @torch.no_grad()
@@ -97,27 +102,25 @@ class Adam(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         calls, new_state = self._calls(grad_scale, found_inf)  # raises before anything is written
-        for p, state in self.state.items():  # torch keeps `step` on the CPU unless fused; ours lives with p
-            if "step" in state and state["step"].device != p.device:
-                state["step"] = state["step"].to(p.device, torch.float32)
         self.state.update(new_state)
-        for call in calls:  # re-read steps: the loop above may have moved them
-            call["state_steps"] = [self.state[p]["step"] for p in call["params"]]
+        for keys, call in calls:  # torch keeps `step` on the CPU unless fused; ours lives with its param
+            for i, p in enumerate(keys):
+                if call["state_steps"][i].device != call["params"][i].device:
+                    self.state[p]["step"] = call["state_steps"][i] = call["state_steps"][i].to(
+                        call["params"][i].device, torch.float32)
         max_grad_norm = self.param_groups[0]["max_grad_norm"] if self.param_groups else None
         if max_grad_norm is not None and calls:
-            coef = self._clip_coefficient(calls, max_grad_norm, grad_scale)
-            for call in calls:
+            coef = self._clip_coefficient([p.grad for keys, _ in calls for p in keys], max_grad_norm, grad_scale)
+            for _, call in calls:
                 call["clip_coef"] = coef.to(call["params"][0].device)
-        for call in calls:
+        for _, call in calls:
             dispatch("adam", call, call["params"][0].device).run(**call)
         return loss
 
-    def _clip_coefficient(self, calls, max_grad_norm, grad_scale):
-        norms = [checked_total_norm(call["grads"], 2.0) for call in calls]
-        first = norms[0].device
-        norm = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]))
+    def _clip_coefficient(self, grads, max_grad_norm, grad_scale):
+        norm = global_norm(grads, 2.0, checked_total_norm)
         if grad_scale is not None:
-            norm = norm / grad_scale.to(first)
+            norm = norm / grad_scale.to(norm.device)
         self.last_grad_norm = norm
         return clip_coefficient(norm, max_grad_norm)
 

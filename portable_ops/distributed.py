@@ -1,0 +1,68 @@
+"""DTensor parameters (FSDP2's ``fully_shard``, tensor parallel): kernels see local shards.
+
+The fused step is elementwise, so it runs on each rank's local shard as is. The global
+norm is not: each rank takes the norm of its shards with the backend's kernel, then
+ranks combine ``norm ** p`` (sum) or the max over the mesh dimensions the grads are
+sharded on, through torch.distributed, so every rank clips by the same coefficient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    return DTensor
+
+
+def is_dtensor(t) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The rank-local tensor behind a DTensor (writes to it write the DTensor), else ``t``."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def global_norm(grads, norm_type: float, local_norm) -> torch.Tensor:
+    """The norm of ``grads`` (plain tensors or DTensors) across every rank that holds a shard of them.
+
+    ``local_norm(tensors, norm_type)`` is the backend's norm of plain local tensors.
+    """
+    groups: dict[tuple, list] = {}
+    for g in grads:
+        key = (g.device_mesh, tuple(g.placements)) if is_dtensor(g) else (g.device,)
+        groups.setdefault(key, []).append(local(g))
+    norms = []
+    for key, tensors in groups.items():
+        norm = local_norm(tensors, norm_type)
+        if len(key) == 2:
+            norm = _reduce_over_shards(norm, norm_type, *key)
+        norms.append(norm)
+    if len(norms) == 1:
+        return norms[0]
+    stacked = torch.stack([n.to(norms[0].device) for n in norms])
+    return stacked.max() if math.isinf(norm_type) else torch.linalg.vector_norm(stacked, norm_type)
+
+
+def _reduce_over_shards(norm, norm_type, mesh, placements):
+    import torch.distributed as dist
+
+    if any(p.is_partial() for p in placements):
+        raise ValueError("grads with Partial placements are not reduced yet; redistribute them to Shard or "
+                         "Replicate before clipping")
+    sharded = [dim for dim, p in enumerate(placements) if p.is_shard()]
+    if not sharded:
+        return norm
+    inf = math.isinf(norm_type)
+    value = norm.clone() if inf else norm.pow(norm_type)
+    for dim in sharded:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(dim))
+    return value if inf else value.pow(1.0 / norm_type)
