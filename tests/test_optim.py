@@ -164,3 +164,28 @@ def test_closure_is_called_and_its_loss_returned():
 def test_differentiable_is_refused():
     with pytest.raises(ValueError, match="differentiable=True is not supported"):
         portable_ops.optim.Adam([torch.nn.Parameter(torch.zeros(1))], differentiable=True)
+
+
+def test_real_grad_scaler_unscales_and_skips_inf_steps():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = portable_ops.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    x = torch.randn(16, 8)
+    for _ in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        scaler.scale(model(x).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        ref(x).square().mean().backward()
+        ref_opt.step()
+    torch.testing.assert_close(model.weight, ref.weight)
+    before = copy.deepcopy(opt.state_dict()), model.weight.detach().clone()
+    opt.zero_grad()
+    scaler.scale(model(x * float("inf")).square().mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(model.weight, before[1]) and scaler.get_scale() == 512.0
+    assert float(opt.state[model.weight]["step"]) == 3
