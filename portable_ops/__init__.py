@@ -5,11 +5,21 @@ Public API: ``optim.Adam``, ``optim.AdamW``, ``functional.adam``, ``clip_grad_no
 (Trainium), ``reference`` (plain PyTorch, any device).
 """
 
-from . import functional, optim
-from .attention import attention
-from .clip import clip_grad_norm_
-from .dispatch import BackendUnavailableError, FallbackWarning, use_backend
-from .explain import explain
+import os as _os
+
+import torch as _torch
+
+# Triton runs kernels on CPU tensors only in its interpreter, which must be on before triton is
+# first imported (torch._dynamo imports it, and so does this package): on a machine with no CUDA
+# device, switch it on now, first. An explicit TRITON_INTERPRET wins.
+if not _torch.cuda.is_available():
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from . import functional, optim  # noqa: E402
+from .attention import attention  # noqa: E402
+from .clip import clip_grad_norm_  # noqa: E402
+from .dispatch import BackendUnavailableError, FallbackWarning, use_backend  # noqa: E402
+from .explain import explain  # noqa: E402
 
 __version__ = "0.1.0"
 

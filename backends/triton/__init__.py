@@ -1,0 +1,55 @@
+"""The Triton backend: multi-tensor Adam, two-phase norm, flash attention, for CUDA tensors.
+
+CPU tensors run the same kernels in Triton's interpreter, which must be switched on before
+any kernel is decorated: on a machine with no CUDA device this module switches it on itself
+(``TRITON_INTERPRET=1``) before importing the kernels.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from portable_ops.dispatch import Backend, OpImpl
+
+if importlib.util.find_spec("triton") is None:
+    BACKEND = Backend(name="triton", ops={}, unavailable=lambda: "triton is not installed (pip install 'portable-ops[triton]')",
+                      description="Triton kernels")
+else:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    import triton.language as tl
+
+    # triton decides at import whether its own helpers (tl.zeros, ...) are interpreted; if it was
+    # imported before the switch above, interpreted kernels can't call them.
+    LATE_SWITCH = INTERPRETED and type(tl.zeros).__name__ != "InterpretedFunction"
+
+    from .adam import adam, adam_supports
+    from .attention import attention_bwd, attention_fwd, attention_supports
+    from .grad_norm import grad_norm, grad_norm_supports
+
+    def _device_reasons(device: torch.device) -> list[str]:
+        if LATE_SWITCH:
+            return ["triton was imported before TRITON_INTERPRET=1 was set; set it before importing "
+                    "torch._dynamo, triton or portable_ops"]
+        if device.type == "cuda":
+            return [] if not INTERPRETED else ["CUDA tensors while the Triton interpreter is on (TRITON_INTERPRET=1)"]
+        if device.type == "cpu":
+            return [] if INTERPRETED else ["CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 "
+                                           "before importing portable_ops"]
+        return [f"Triton does not run on {device.type} tensors"]
+
+    BACKEND = Backend(
+        name="triton",
+        description="Triton kernels" + (", in the interpreter" if INTERPRETED else ""),
+        ops={
+            "adam": OpImpl(run=adam, supports=adam_supports),
+            "grad_norm": OpImpl(run=grad_norm, supports=grad_norm_supports),
+            "attention_fwd": OpImpl(run=attention_fwd, supports=attention_supports),
+            "attention_bwd": OpImpl(run=attention_bwd, supports=attention_supports),
+        },
+        device_reasons=_device_reasons,
+    )

@@ -1,0 +1,139 @@
+"""Fused Adam / AdamW / AMSGrad over many tensors: one launch per dtype.
+
+Every hyperparameter that changes between steps (step count, lr as a tensor, grad_scale,
+found_inf, clip coefficient) is read from device memory inside the kernel, so a step
+never synchronises, never recompiles as training advances, and can be captured in a CUDA
+graph. Arithmetic is float32 whatever the storage dtype; the result is rounded on the store.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .multi_tensor import CHUNK, by_dtype, not_contiguous, tables
+
+BLOCK = 1024
+
+
+@triton.jit
+def _adam_kernel(addresses, chunk_tensor, chunk_start, numels, n_tensors, step_addresses,
+                 lr_ptr, lr_value, grad_scale_ptr, found_inf_ptr, clip_coef_ptr,
+                 beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
+                 DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, AMSGRAD: tl.constexpr,
+                 MAXIMIZE: tl.constexpr, WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr,
+                 HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr):
+    chunk = tl.program_id(0)
+    t = tl.load(chunk_tensor + chunk)
+    start = tl.load(chunk_start + chunk)
+    numel = tl.load(numels + t)
+    param = tl.load(addresses + t).to(tl.pointer_type(DTYPE))
+    grad = tl.load(addresses + n_tensors + t).to(tl.pointer_type(DTYPE))
+    exp_avg = tl.load(addresses + 2 * n_tensors + t).to(tl.pointer_type(DTYPE))
+    exp_avg_sq = tl.load(addresses + 3 * n_tensors + t).to(tl.pointer_type(DTYPE))
+    if AMSGRAD:
+        max_exp_avg_sq = tl.load(addresses + 4 * n_tensors + t).to(tl.pointer_type(DTYPE))
+
+    step = tl.load(tl.load(step_addresses + t).to(tl.pointer_type(tl.float32)))  # already incremented
+    if LR_IS_TENSOR:
+        lr = tl.load(lr_ptr).to(tl.float32)
+    else:
+        lr = lr_value
+    bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)
+    bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
+    step_size = lr / bias_correction1
+    grad_factor = 1.0
+    if HAS_GRAD_SCALE:
+        grad_factor = grad_factor / tl.load(grad_scale_ptr).to(tl.float32)
+    if HAS_CLIP:
+        grad_factor = grad_factor * tl.load(clip_coef_ptr).to(tl.float32)
+    if HAS_FOUND_INF:
+        found_inf = tl.load(found_inf_ptr)
+
+    for block in tl.range(0, CHUNK, BLOCK):
+        offs = start + block + tl.arange(0, BLOCK)
+        mask = offs < numel
+        store = mask
+        if HAS_FOUND_INF:
+            store = mask & (tl.zeros([BLOCK], dtype=tl.float32) + found_inf == 0)
+        g = tl.load(grad + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GRAD_SCALE or HAS_CLIP:
+            g = g * grad_factor
+        if MAXIMIZE:
+            g = -g
+        p = tl.load(param + offs, mask=mask, other=0.0).to(tl.float32)
+        if WEIGHT_DECAY:  # skipped when zero, as in torch: 0 * a NaN param would poison the grad
+            if DECOUPLED:
+                p = p * (1.0 - lr * weight_decay)
+            else:
+                g = g + weight_decay * p
+        m = tl.load(exp_avg + offs, mask=mask, other=0.0).to(tl.float32)
+        # torch.lerp's two formulas, so that the moments round as torch's do
+        w = 1.0 - beta1
+        m = tl.where(w < 0.5, m + w * (g - m), g - (g - m) * (1.0 - w))
+        v = tl.load(exp_avg_sq + offs, mask=mask, other=0.0).to(tl.float32)
+        v = v * beta2 + (1.0 - beta2) * g * g
+        second = v
+        if AMSGRAD:
+            second = tl.maximum(tl.load(max_exp_avg_sq + offs, mask=mask, other=0.0).to(tl.float32), v)
+            tl.store(max_exp_avg_sq + offs, second.to(DTYPE), mask=store)
+        denom = tl.sqrt(second) / bias_correction2_sqrt + eps
+        p = p - step_size * m / denom
+        tl.store(param + offs, p.to(DTYPE), mask=store)
+        tl.store(exp_avg + offs, m.to(DTYPE), mask=store)
+        tl.store(exp_avg_sq + offs, v.to(DTYPE), mask=store)
+
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def _log2(beta: float) -> float:
+    return math.log2(beta) if beta > 0 else -math.inf
+
+
+def adam_supports(call) -> list[str]:
+    reasons = []
+    dtypes = {p.dtype for p in call["params"]}
+    if torch.float64 in dtypes:
+        reasons.append("float64 parameters are not supported (the kernels compute in float32)")
+    lists = {k: call[k] for k in ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs")}
+    reasons += not_contiguous(lists)
+    for i, s in enumerate(call["state_steps"]):
+        if call["params"] and s.device != call["params"][i].device:
+            reasons.append(f"state_steps[{i}] is on {s.device}, not with its param on {call['params'][i].device}")
+            break
+        if s.dtype != torch.float32:
+            reasons.append(f"state_steps[{i}] is {s.dtype}; the kernel reads float32 steps")
+            break
+    return reasons
+
+
+def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad, beta1, beta2, lr,
+         weight_decay, eps, maximize, decoupled_weight_decay, grad_scale=None, found_inf=None, clip_coef=None):
+    if found_inf is None:
+        torch._foreach_add_(state_steps, 1.0)
+    else:  # a skipped step keeps its count: add 1 - (found_inf != 0)
+        torch._foreach_add_(state_steps, (found_inf == 0).to(torch.float32))
+    dummy = state_steps[0]
+    lr_is_tensor = isinstance(lr, torch.Tensor)
+    for dtype, idx in by_dtype(params).items():
+        lists = [[params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
+                 [exp_avg_sqs[i] for i in idx]]
+        if amsgrad:
+            lists.append([max_exp_avg_sqs[i] for i in idx])
+        t = tables(lists)
+        steps = tables([[state_steps[i] for i in idx]], chunk=1).addresses
+        if t.chunks == 0:
+            continue
+        _adam_kernel[(t.chunks,)](
+            t.addresses, t.chunk_tensor, t.chunk_start, t.numels, len(idx), steps,
+            lr if lr_is_tensor else dummy, 0.0 if lr_is_tensor else float(lr),
+            grad_scale if grad_scale is not None else dummy, found_inf if found_inf is not None else dummy,
+            clip_coef if clip_coef is not None else dummy,
+            beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
+            DTYPE=_TL_DTYPE[dtype], CHUNK=CHUNK, BLOCK=BLOCK, AMSGRAD=amsgrad, MAXIMIZE=maximize, WEIGHT_DECAY=weight_decay != 0,
+            DECOUPLED=decoupled_weight_decay, LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None,
+            HAS_FOUND_INF=found_inf is not None, HAS_CLIP=clip_coef is not None, num_warps=8)

@@ -1,0 +1,86 @@
+"""Global gradient norm in two launches and no host synchronisation.
+
+Phase 1 (one launch per dtype): each program reduces one chunk of one grad to a float32
+partial: its sum of squares, or its largest magnitude for the inf-norm. Phase 2 (one
+program): reduces the partials to the norm. The result stays on the device, ready to be
+turned into a clip coefficient that the optimizer kernel reads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .adam import _TL_DTYPE
+from .multi_tensor import CHUNK, by_dtype, not_contiguous, tables
+
+BLOCK = 1024
+FINAL_BLOCK = 1024
+
+
+@triton.jit
+def _partials_kernel(addresses, chunk_tensor, chunk_start, numels, partials, offset,
+                     DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, INF: tl.constexpr):
+    chunk = tl.program_id(0)
+    t = tl.load(chunk_tensor + chunk)
+    start = tl.load(chunk_start + chunk)
+    numel = tl.load(numels + t)
+    grad = tl.load(addresses + t).to(tl.pointer_type(DTYPE))
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for block in tl.range(0, CHUNK, BLOCK):
+        offs = start + block + tl.arange(0, BLOCK)
+        g = tl.load(grad + offs, mask=offs < numel, other=0.0).to(tl.float32)
+        if INF:
+            acc = tl.maximum(acc, tl.abs(g))
+        else:
+            acc += g * g
+    if INF:
+        tl.store(partials + offset + chunk, tl.max(acc, axis=0))
+    else:
+        tl.store(partials + offset + chunk, tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _final_kernel(partials, n, out, BLOCK: tl.constexpr, INF: tl.constexpr):
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in tl.range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(partials + offs, mask=offs < n, other=0.0)
+        if INF:
+            acc = tl.maximum(acc, x)
+        else:
+            acc += x
+    if INF:
+        tl.store(out, tl.max(acc, axis=0))
+    else:
+        tl.store(out, tl.sqrt(tl.sum(acc, axis=0)))
+
+
+def grad_norm_supports(call) -> list[str]:
+    reasons = []
+    if call["norm_type"] not in (2.0, math.inf):
+        reasons.append(f"norm_type {call['norm_type']} is not supported (2 and inf are)")
+    if any(g.dtype == torch.float64 for g in call["grads"]):
+        reasons.append("float64 grads are not supported (the kernels accumulate in float32)")
+    if len({g.device for g in call["grads"]}) > 1:
+        reasons.append("grads on several devices: one launch reads one device")
+    return reasons + not_contiguous({"grads": call["grads"]})
+
+
+def grad_norm(grads, norm_type):
+    inf = math.isinf(norm_type)
+    groups = [(dtype, tables([[grads[i] for i in idx]])) for dtype, idx in by_dtype(grads).items()]
+    total = sum(t.chunks for _, t in groups)
+    partials = torch.empty(max(total, 1), dtype=torch.float32, device=grads[0].device)
+    offset = 0
+    for dtype, t in groups:
+        if t.chunks:
+            _partials_kernel[(t.chunks,)](t.addresses, t.chunk_tensor, t.chunk_start, t.numels, partials, offset,
+                                          DTYPE=_TL_DTYPE[dtype], CHUNK=CHUNK, BLOCK=BLOCK, INF=inf, num_warps=8)
+        offset += t.chunks
+    out = torch.empty((), dtype=torch.float32, device=grads[0].device)
+    _final_kernel[(1,)](partials, total, out, BLOCK=FINAL_BLOCK, INF=inf, num_warps=4)
+    return out

@@ -1,0 +1,70 @@
+"""Multi-tensor launches: one kernel over many tensors through device-side address tables.
+
+A list of tensors is cut into chunks of ``CHUNK`` elements; program ``i`` of the launch
+handles chunk ``i``, reading which tensor it belongs to and where the chunk starts from
+two small device arrays, and the tensors' base addresses from one int64 table per list.
+Tables are built once per set of tensors (keyed by their addresses and sizes) and cached,
+so a steady-state optimizer step builds nothing on the host but a dictionary key.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+CHUNK = 16384  # elements per program: large enough to stream, small enough to balance ~300 tensors
+_CACHE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Tables:
+    addresses: torch.Tensor  # int64 [lists, tensors]: base address of tensor j of list i
+    chunk_tensor: torch.Tensor  # int32 [chunks]: which tensor a chunk belongs to
+    chunk_start: torch.Tensor  # int64 [chunks]: the chunk's first element in its tensor
+    numels: torch.Tensor  # int64 [tensors]
+    chunks: int
+
+
+_cache: OrderedDict[tuple, Tables] = OrderedDict()
+
+
+def tables(lists: list[list[torch.Tensor]], chunk: int = CHUNK) -> Tables:
+    """Address and chunk tables for parallel lists of same-shaped tensors (the first list sets the sizes)."""
+    first = lists[0]
+    key = (chunk, first[0].device, tuple(t.numel() for t in first),
+           tuple(t.data_ptr() for ts in lists for t in ts))
+    hit = _cache.get(key)
+    if hit is not None:
+        _cache.move_to_end(key)
+        return hit
+    device = first[0].device
+    numels = [t.numel() for t in first]
+    counts = [-(-n // chunk) for n in numels]
+    chunk_tensor = torch.repeat_interleave(torch.arange(len(first), dtype=torch.int32), torch.tensor(counts))
+    chunk_start = torch.cat([torch.arange(c, dtype=torch.int64) * chunk for c in counts]) if counts else \
+        torch.zeros(0, dtype=torch.int64)
+    addresses = torch.tensor([[t.data_ptr() for t in ts] for ts in lists], dtype=torch.int64)
+    built = Tables(addresses.to(device), chunk_tensor.to(device), chunk_start.to(device),
+                   torch.tensor(numels, dtype=torch.int64).to(device), int(sum(counts)))
+    _cache[key] = built
+    if len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
+    return built
+
+
+def by_dtype(indices_of: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    """Positions of the tensors grouped by dtype: one launch per dtype."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(indices_of):
+        groups.setdefault(t.dtype, []).append(i)
+    return groups
+
+
+def not_contiguous(lists: dict[str, list[torch.Tensor]]) -> list[str]:
+    for name, tensors in lists.items():
+        for i, t in enumerate(tensors):
+            if not t.is_contiguous():
+                return [f"{name}[{i}] is not contiguous (the multi-tensor kernels address flat storage)"]
+    return []
