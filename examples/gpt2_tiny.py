@@ -30,8 +30,8 @@ class Config:
     vocab: int = 64
     seq: int = 64
     d_model: int = 64
-    heads: int = 4
-    kv_heads: int = 2  # grouped-query attention
+    heads: int = 2
+    kv_heads: int = 1  # grouped-query attention; head_dim 32
     layers: int = 2
     batch: int = 8
     lr: float = 3e-3

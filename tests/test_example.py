@@ -3,6 +3,10 @@
 Tolerance: float32 training is chaotic, so curves from different kernels drift apart by rounding
 alone (our reference against SDPA + torch fused AdamW drifts by 0.015 over 300 steps). Each
 step's loss must stay within 0.05 of the reference's, and the mean of the last 20 within 0.02.
+The reference trains 200 steps; the interpreted backends (Triton interpreter, NKI emulator) run
+30 steps of a smaller batch against the reference on the same batches, to fit CPU CI (a step of
+the interpreted Triton kernels takes about a second there). On a GPU, the command line trains
+any backend for as long as asked.
 """
 
 import pathlib
@@ -18,6 +22,8 @@ import gpt2_tiny  # noqa: E402
 
 STEPS = 200
 CFG = gpt2_tiny.Config()
+SHORT_STEPS = 30
+SHORT_CFG = gpt2_tiny.Config(batch=2)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +35,7 @@ def assert_curves_agree(losses, expected):
     assert len(losses) == len(expected)
     worst = max(abs(a - b) for a, b in zip(losses, expected))
     assert worst <= 0.05, f"a step's loss differs by {worst:.4f}"
-    tail = abs(sum(losses[-20:]) - sum(expected[-20:])) / 20
+    tail = abs(sum(losses[-20:]) - sum(expected[-20:])) / min(20, len(losses))
     assert tail <= 0.02, f"last-20 mean differs by {tail:.4f}"
 
 
@@ -42,9 +48,11 @@ def test_reference_learns_and_matches_torch(reference_run):
 
 @pytest.mark.parametrize("backend", [b for b in usable_backends() if b != "reference"
                                      and default_device(b).type == "cpu"])
-def test_every_backend_trains_the_same(backend, reference_run):
-    run = gpt2_tiny.train(CFG, STEPS, backend=backend)
-    assert_curves_agree(run["losses"], reference_run["losses"])
+def test_every_backend_trains_the_same(backend):
+    run = gpt2_tiny.train(SHORT_CFG, SHORT_STEPS, backend=backend)
+    expected = gpt2_tiny.train(SHORT_CFG, SHORT_STEPS, backend="reference")
+    assert_curves_agree(run["losses"], expected["losses"])
+    assert run["losses"][-1] < run["losses"][0] - 1.0  # it learns
 
 
 def test_command_line_with_progress_and_json(tmp_path, capsys):

@@ -20,8 +20,9 @@ if importlib.util.find_spec("triton") is None:
 else:
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     import triton.language as tl
+
+    from .interpreter import INTERPRETED
 
     # triton decides at import whether its own helpers (tl.zeros, ...) are interpreted; if it was
     # imported before the switch above, interpreted kernels can't call them.

@@ -9,18 +9,15 @@ query heads itself, so dK and dV are written once, without atomics.
 
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .interpreter import INTERPRETED
+
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 HEAD_DIMS = (32, 64, 128, 256)
-# The interpreter computes bf16 dot products wrongly (seen with triton 3.9): upcast there.
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -176,6 +173,7 @@ def _blocks(d: int) -> tuple[int, int, int]:
 
 
 def _upcast(dtype) -> bool:
+    # The interpreter computes bf16 dot products wrongly (seen with triton 3.9): upcast there.
     return INTERPRETED and dtype == torch.bfloat16
 
 

@@ -14,7 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-CHUNK = 16384  # elements per program: large enough to stream, small enough to balance ~300 tensors
+from .interpreter import INTERPRETED
+
+# Elements per program: on a GPU large enough to stream, small enough to balance ~300 tensors;
+# in the interpreter one block, since every masked-off iteration costs real time there.
+CHUNK = 1024 if INTERPRETED else 16384
 _CACHE_SIZE = 16
 
 
