@@ -35,6 +35,9 @@ from portable_ops.backends.reference.grad_norm import grad_norm as reference_gra
 from .cases import ATTENTION_GRAD_FACTOR, CASES, Case
 
 F64 = torch.float64
+# Adam divides by sqrt(v) + eps: where the grad (after L2 decay) nearly cancels, its float32
+# rounding is amplified in the update. A parameter may be off by this fraction of its own update.
+UPDATE_RTOL = 1e-3
 
 
 @dataclass
@@ -62,7 +65,9 @@ class Comparison:
     failure: str = ""
     oracles: set = field(default_factory=set)
 
-    def check(self, oracle: str, label: str, out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float):
+    def check(self, oracle: str, label: str, out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float,
+              slack: torch.Tensor | float = 0.0):
+        """Pass where ``|out - ref| <= atol + rtol * |ref| + slack`` elementwise."""
         self.oracles.add(oracle)
         out, ref = out.detach().to("cpu", F64), ref.detach().to("cpu", F64)
         if out.shape != ref.shape:
@@ -79,7 +84,7 @@ class Comparison:
             # reference (dq of a one-key row, say) does not divide by zero.
             floor = max(atol * math.sqrt(err.numel()), 1e-30)
             self.rel = max(self.rel, (torch.nan_to_num(err, posinf=0.0).norm() / finite_ref.norm().clamp_min(floor)).item())
-        bad = err > atol + rtol * torch.nan_to_num(ref.abs(), nan=0.0, posinf=0.0)
+        bad = err > atol + rtol * torch.nan_to_num(ref.abs(), nan=0.0, posinf=0.0) + slack
         if bad.any() and not self.failure:
             i = int(bad.flatten().nonzero()[0])
             self.failure = (f"{label} vs {oracle}: element {i} is {out.flatten()[i].item():.6g}, "
@@ -179,7 +184,10 @@ def run_adam(case: Case, backend: str, device: torch.device, oracles: list[str],
             tol = (0.0, 0.0) if skip else (atol, rtol)  # a skipped step must leave every bit as it was
             for label, outs, refs in zip(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"), state, expected):
                 for i, (out, ref) in enumerate(zip(outs, refs)):
-                    result.check(oracle, f"step {step + 1} {label}[{i}]", out, ref, *tol)
+                    slack = 0.0
+                    if label == "param" and not skip:
+                        slack = UPDATE_RTOL * torch.nan_to_num((ref - before[0][i]).abs(), nan=0.0, posinf=0.0)
+                    result.check(oracle, f"step {step + 1} {label}[{i}]", out, ref, *tol, slack=slack)
 
 
 # ----------------------------------------------------------------------------- clip
