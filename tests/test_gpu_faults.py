@@ -67,3 +67,21 @@ def test_step_allocates_no_temporaries_proportional_to_the_parameters():
     # A per-step copy of anything would be >= 1/60 of the parameter bytes; allow small tables.
     assert results["portable_ops"] < max(numel_bytes // 100, 1 << 20), results
     print(f"peak extra bytes per step: {results} (parameters: {numel_bytes} bytes)")
+
+
+@cuda
+def test_one_tensor_past_two_to_the_31_elements():
+    """Offsets are 64-bit: the step and the norm reach the last element of a 2**31 + 4099 element tensor."""
+    n = 2**31 + 4099
+    if torch.cuda.get_device_properties(0).total_memory < 5 * n * 2:
+        pytest.skip("needs about 22 GB of GPU memory")
+    p = torch.nn.Parameter(torch.zeros(n, device="cuda", dtype=torch.bfloat16))
+    p.grad = torch.ones(n, device="cuda", dtype=torch.bfloat16)
+    with portable_ops.use_backend("triton"):
+        norm = portable_ops.clip.total_norm([p.grad])
+        opt = portable_ops.optim.AdamW([p], lr=1e-3, weight_decay=0.0)
+        opt.step()
+    torch.testing.assert_close(norm, torch.tensor(float(n) ** 0.5, device="cuda"), rtol=1e-4, atol=0)
+    expected = torch.full((8,), -1e-3, device="cuda", dtype=torch.bfloat16)
+    for start in (0, 2**31 - 4, n - 8):
+        torch.testing.assert_close(p.detach()[start:start + 8], expected)

@@ -1,0 +1,63 @@
+"""Timing and reporting shared by the benchmarks: CUDA-event medians, copy bandwidth, JSON and plots."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import platform
+
+import torch
+
+
+def median_ms(fn, warmup: int = 5, iters: int = 30) -> float:
+    """Median wall time of ``fn()`` on the current CUDA stream, from CUDA events, in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(gib: float = 2.0) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    n = int(gib * 2**30) // 4
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), warmup=3, iters=20)
+    return 2 * n * 4 / (ms * 1e-3)
+
+
+def device_info() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    return {"device": props.name, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "python": platform.python_version(),
+            "triton": __import__("triton").__version__}
+
+
+def write(name: str, rows: list[dict], info: dict, out_dir: str | pathlib.Path) -> pathlib.Path:
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    return path
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+    return "" if v is None else str(v)
