@@ -46,7 +46,8 @@ def test_captured_step_replays_and_follows_a_changed_lr(max_grad_norm):
     torch.cuda.synchronize()
     for a, b in zip(params, twin):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    assert float(opt.state[params[0]]["step"]) == float(eager.state[twin[0]]["step"]) == 6
+    # warm-up, side-stream step, then three replays (capturing runs nothing)
+    assert float(opt.state[params[0]]["step"]) == float(eager.state[twin[0]]["step"]) == 5
 
 
 @cuda

@@ -25,7 +25,8 @@ def _adam_kernel(addresses, chunk_tensor, chunk_start, numels, n_tensors, step_a
                  beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
                  DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, AMSGRAD: tl.constexpr,
                  MAXIMIZE: tl.constexpr, WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr,
-                 HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr):
+                 HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr,
+                 ALIGNED: tl.constexpr):
     chunk = tl.program_id(0)
     t = tl.load(chunk_tensor + chunk)
     start = tl.load(chunk_start + chunk)
@@ -36,6 +37,11 @@ def _adam_kernel(addresses, chunk_tensor, chunk_start, numels, n_tensors, step_a
     exp_avg_sq = tl.load(addresses + 3 * n_tensors + t).to(tl.pointer_type(DTYPE))
     if AMSGRAD:
         max_exp_avg_sq = tl.load(addresses + 4 * n_tensors + t).to(tl.pointer_type(DTYPE))
+    if ALIGNED:  # addresses read from memory carry no alignment: say so, or loads stay scalar
+        param, grad = tl.multiple_of(param, 16), tl.multiple_of(grad, 16)
+        exp_avg, exp_avg_sq = tl.multiple_of(exp_avg, 16), tl.multiple_of(exp_avg_sq, 16)
+        if AMSGRAD:
+            max_exp_avg_sq = tl.multiple_of(max_exp_avg_sq, 16)
 
     step = tl.load(tl.load(step_addresses + t).to(tl.pointer_type(tl.float32)))  # already incremented
     if LR_IS_TENSOR:
@@ -55,6 +61,8 @@ def _adam_kernel(addresses, chunk_tensor, chunk_start, numels, n_tensors, step_a
 
     for block in tl.range(0, CHUNK, BLOCK):
         offs = start + block + tl.arange(0, BLOCK)
+        if ALIGNED:
+            offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
         mask = offs < numel
         store = mask
         if HAS_FOUND_INF:
@@ -136,4 +144,4 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
             beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
             DTYPE=_TL_DTYPE[dtype], CHUNK=CHUNK, BLOCK=BLOCK, AMSGRAD=amsgrad, MAXIMIZE=maximize, WEIGHT_DECAY=weight_decay != 0,
             DECOUPLED=decoupled_weight_decay, LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None,
-            HAS_FOUND_INF=found_inf is not None, HAS_CLIP=clip_coef is not None, num_warps=8)
+            HAS_FOUND_INF=found_inf is not None, HAS_CLIP=clip_coef is not None, ALIGNED=t.aligned, num_warps=8)

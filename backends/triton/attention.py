@@ -15,8 +15,8 @@ import triton.language as tl
 
 from .interpreter import INTERPRETED
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)  # kernels may read only constexpr globals
+LN2 = tl.constexpr(0.6931471805599453)
 HEAD_DIMS = (32, 64, 128, 256)
 
 
@@ -200,7 +200,7 @@ def attention_fwd(q, k, v, *, causal, scale):
     block_m, block_n, warps = _blocks(d)
     _fwd_kernel[(triton.cdiv(sq, block_m), b * h)](
         q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), h, h // hkv, sq, skv, scale * LOG2E,
+        v.stride(0), v.stride(1), v.stride(2), h, h // hkv, sq, skv, scale * LOG2E.value,
         CAUSAL=causal, D=d, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q.dtype), num_warps=warps)
     return out, lse
 
@@ -220,9 +220,9 @@ def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
     common = dict(CAUSAL=causal, D=d, UPCAST=_upcast(q.dtype), num_warps=warps)
     # dK/dV tiles are keyed by keys: use the smaller block there, the larger over queries.
     _bwd_dkdv_kernel[(triton.cdiv(skv, block_n), b * hkv)](
-        q, k, v, dout, lse, delta, dk, dv, *strides, hkv, h // hkv, sq, skv, scale, scale * LOG2E,
+        q, k, v, dout, lse, delta, dk, dv, *strides, hkv, h // hkv, sq, skv, scale, scale * LOG2E.value,
         BLOCK_M=block_n, BLOCK_N=block_n, **common)
     _bwd_dq_kernel[(triton.cdiv(sq, block_m), b * h)](
-        q, k, v, dout, lse, delta, dq, *strides, h, h // hkv, sq, skv, scale, scale * LOG2E,
+        q, k, v, dout, lse, delta, dq, *strides, h, h // hkv, sq, skv, scale, scale * LOG2E.value,
         BLOCK_M=block_m, BLOCK_N=block_n, **common)
     return dq, dk, dv

@@ -23,15 +23,20 @@ FINAL_BLOCK = 1024
 
 @triton.jit
 def _partials_kernel(addresses, chunk_tensor, chunk_start, numels, partials, offset,
-                     DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, INF: tl.constexpr):
+                     DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, INF: tl.constexpr,
+                     ALIGNED: tl.constexpr):
     chunk = tl.program_id(0)
     t = tl.load(chunk_tensor + chunk)
     start = tl.load(chunk_start + chunk)
     numel = tl.load(numels + t)
     grad = tl.load(addresses + t).to(tl.pointer_type(DTYPE))
+    if ALIGNED:  # see the Adam kernel: table addresses carry no alignment of their own
+        grad = tl.multiple_of(grad, 16)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for block in tl.range(0, CHUNK, BLOCK):
         offs = start + block + tl.arange(0, BLOCK)
+        if ALIGNED:
+            offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
         g = tl.load(grad + offs, mask=offs < numel, other=0.0).to(tl.float32)
         if INF:
             acc = tl.maximum(acc, tl.abs(g))
@@ -79,7 +84,8 @@ def grad_norm(grads, norm_type):
     for dtype, t in groups:
         if t.chunks:
             _partials_kernel[(t.chunks,)](t.addresses, t.chunk_tensor, t.chunk_start, t.numels, partials, offset,
-                                          DTYPE=_TL_DTYPE[dtype], CHUNK=CHUNK, BLOCK=BLOCK, INF=inf, num_warps=8)
+                                          DTYPE=_TL_DTYPE[dtype], CHUNK=CHUNK, BLOCK=BLOCK, INF=inf,
+                                          ALIGNED=t.aligned, num_warps=8)
         offset += t.chunks
     out = torch.empty((), dtype=torch.float32, device=grads[0].device)
     _final_kernel[(1,)](partials, total, out, BLOCK=FINAL_BLOCK, INF=inf, num_warps=4)

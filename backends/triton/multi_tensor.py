@@ -29,6 +29,7 @@ class Tables:
     chunk_start: torch.Tensor  # int64 [chunks]: the chunk's first element in its tensor
     numels: torch.Tensor  # int64 [tensors]
     chunks: int
+    aligned: bool  # every base address a multiple of 16 bytes: the kernels may use vector loads
 
 
 _cache: OrderedDict[tuple, Tables] = OrderedDict()
@@ -51,7 +52,8 @@ def tables(lists: list[list[torch.Tensor]], chunk: int = CHUNK) -> Tables:
         torch.zeros(0, dtype=torch.int64)
     addresses = torch.tensor([[t.data_ptr() for t in ts] for ts in lists], dtype=torch.int64)
     built = Tables(addresses.to(device), chunk_tensor.to(device), chunk_start.to(device),
-                   torch.tensor(numels, dtype=torch.int64).to(device), int(sum(counts)))
+                   torch.tensor(numels, dtype=torch.int64).to(device), int(sum(counts)),
+                   all(t.data_ptr() % 16 == 0 for ts in lists for t in ts))
     _cache[key] = built
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
