@@ -14,7 +14,7 @@ import torch
 from .common import device_info, table, write
 
 COLUMNS = {
-    "optimizer": ["bench", "variant", "ms", "TB/s", "of copy", "vs torch fused"],
+    "optimizer": ["bench", "variant", "ms", "host ms", "TB/s", "of copy", "vs torch fused"],
     "clip": ["bench", "variant", "ms", "clip ms", "vs torch pair"],
     "attention": ["variant", "dir", "D", "S", "B", "Hkv", "causal", "ms", "TFLOP/s", "error"],
 }

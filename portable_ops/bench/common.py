@@ -26,6 +26,34 @@ def median_ms(fn, warmup: int = 5, iters: int = 30) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def graphed(step, warmup: int = 3):
+    """``step`` captured in a CUDA graph (after warm-up on a side stream); returns the replay function."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def host_ms(fn, iters: int = 20) -> float:
+    """Median host time to enqueue ``fn()`` (the device is drained before each call)."""
+    import time
+
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
 def copy_bandwidth(gib: float = 2.0) -> float:
     """Measured device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     n = int(gib * 2**30) // 4
