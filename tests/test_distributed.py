@@ -60,6 +60,7 @@ def train(kind, model, opt, data):
 def _worker(rank, world, port, out_file, kind, steps, device_type):
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                          set_optimizer_state_dict)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -69,10 +70,11 @@ def _worker(rank, world, port, out_file, kind, steps, device_type):
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     try:
         model = make_model(kind).to(device)
+        mesh = init_device_mesh(device_type, (world,))  # explicit: FSDP2 defaults to CUDA when it sees a GPU
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
-                fully_shard(module)
-        fully_shard(model)
+                fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         opt = portable_ops.optim.AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.05)
         data = batches(kind, steps, device)  # every rank the same batch: FSDP's averaged grad is one process's
         half = steps // 2
@@ -99,7 +101,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_fsdp_against_one_process(tmp_path, kind, steps, device_type, tol):
+def run_fsdp_against_one_process(tmp_path, kind, steps, device_type, tol, param_tol=None):
     out_file = str(tmp_path / "rank0.pt")
     mp.start_processes(_worker, args=(2, free_port(), out_file, kind, steps, device_type), nprocs=2, join=True,
                        start_method="spawn")
@@ -112,7 +114,7 @@ def run_fsdp_against_one_process(tmp_path, kind, steps, device_type, tol):
     torch.testing.assert_close(losses, expected, **tol)
     torch.testing.assert_close(norms[0], norms[1])
     for a, b in zip(params, model.parameters()):
-        torch.testing.assert_close(a, b.detach().cpu(), **tol)
+        torch.testing.assert_close(a, b.detach().cpu(), **(param_tol or tol))
     assert saved_step == steps // 2
 
 
@@ -122,8 +124,11 @@ def test_fsdp2_on_gloo_matches_one_process_with_fused_clip_and_checkpoint(tmp_pa
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_fsdp2_on_two_gpus_matches_one_gpu(tmp_path):
-    # NCCL's reduce-scatter sums in another order than one GPU's backward: rounding, then chaos.
-    run_fsdp_against_one_process(tmp_path, "gpt", 20, "cuda", dict(rtol=2e-3, atol=2e-3))
+    # NCCL's reduce-scatter sums in another order than one GPU's backward. Losses stay within
+    # 2e-3; Adam moves an element whose grad is near zero by about lr in a direction the rounding
+    # picks, so a parameter may differ by up to one lr step (1e-2); seen: 2.3e-3 on H200s.
+    run_fsdp_against_one_process(tmp_path, "gpt", 20, "cuda", dict(rtol=2e-3, atol=2e-3),
+                                 param_tol=dict(rtol=0.0, atol=1e-2))
 
 
 def test_clip_grad_norm_of_dtensor_grads_in_one_process_mesh():
