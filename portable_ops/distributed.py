@@ -17,13 +17,15 @@ def _dtensor_type():
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
-        return None
+        return ()
     return DTensor
 
 
+_DTENSOR = _dtensor_type()  # resolved once: this is asked of every tensor of every step
+
+
 def is_dtensor(t) -> bool:
-    cls = _dtensor_type()
-    return cls is not None and isinstance(t, cls)
+    return isinstance(t, _DTENSOR)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -10,14 +10,20 @@ from .dispatch import dispatch
 
 def adam_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad=False, beta1=0.9,
               beta2=0.999, lr=1e-3, weight_decay=0.0, eps=1e-8, maximize=False, decoupled_weight_decay=False,
-              grad_scale=None, found_inf=None, clip_coef=None):
-    """Check every argument of an Adam step; return the call as the backends take it."""
+              grad_scale=None, found_inf=None, clip_coef=None, state_checked=False):
+    """Check every argument of an Adam step; return the call as the backends take it.
+
+    ``state_checked``: the moment and step lists were checked against ``params`` on an earlier
+    step and have not changed since (the optimizer classes know); only the grads are checked.
+    """
     checks.check_adam_hyperparameters(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-    lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
-    if amsgrad:
-        lists["max_exp_avg_sqs"] = max_exp_avg_sqs
+    lists = {"params": params, "grads": grads}
+    if not state_checked:
+        lists.update(exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
+        if amsgrad:
+            lists["max_exp_avg_sqs"] = max_exp_avg_sqs
+        checks.check_steps(state_steps, params)
     checks.check_tensor_lists(lists, like="params")
-    checks.check_steps(state_steps, params)
     device = params[0].device if params else None
     for arg, t in (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef)):
         checks.check_scalar_tensor(arg, t, device)

@@ -43,9 +43,12 @@ class Adam(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
         self.last_grad_norm: torch.Tensor | None = None
+        self._lists_cache: dict[int, tuple] = {}
+        self._pending_cache: dict[int, tuple] = {}
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self._lists_cache, self._pending_cache = {}, {}  # load_state_dict comes through here
         for group in self.param_groups:  # checkpoints from torch.optim lack our keys
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -58,39 +61,57 @@ class Adam(torch.optim.Optimizer):
             self.param_groups.pop()
             raise ValueError("max_grad_norm must be the same in every param group: the clip is one global norm")
 
+    def _state_lists(self, group):
+        """Per device, the params with grads and their state as lists, and the state to create.
+
+        Rebuilding these lists is most of a step's host time (hundreds of tensors), so they are
+        kept while the same params have grads and their state dicts are the same objects; replace
+        optimizer state through ``load_state_dict``, which drops the cache.
+        """
+        with_grad = [p for p in group["params"] if p.grad is not None]
+        cached = self._lists_cache.get(id(group))
+        if (cached is not None and cached[0] == group["amsgrad"] and len(cached[1]) == len(with_grad)
+                and all(a is b for a, b in zip(cached[1], with_grad))
+                and all(self.state.get(p) is s for p, s in zip(with_grad, cached[2]))):
+            return cached[3], {}, True
+        by_device: dict[torch.device, dict[str, list]] = {}
+        new_state, states = {}, []
+        for p in with_grad:
+            state = self.state.get(p) or new_state.setdefault(p, _fresh_state(p, group["amsgrad"]))
+            if group["amsgrad"] and "max_exp_avg_sq" not in state:  # amsgrad switched on mid-run
+                state = new_state[p] = {**state, "max_exp_avg_sq": torch.zeros_like(p)}
+            states.append(state)
+            lists = by_device.get(p.device)
+            if lists is None:
+                lists = by_device[p.device] = {k: [] for k in ("keys", "params", "exp_avgs", "exp_avg_sqs", "max",
+                                                               "steps")}
+            lists["keys"].append(p)
+            lists["params"].append(local(p))
+            lists["exp_avgs"].append(local(state["exp_avg"]))
+            lists["exp_avg_sqs"].append(local(state["exp_avg_sq"]))
+            lists["max"].append(local(state["max_exp_avg_sq"]) if group["amsgrad"] else None)
+            lists["steps"].append(state["step"])
+        self._pending_cache[id(group)] = (group["amsgrad"], with_grad, states, by_device)
+        return by_device, new_state, False
+
     def _calls(self, grad_scale, found_inf):
         """(params, checked functional call) for every (group, device), and the state to create for new params.
 
         DTensor parameters (FSDP2) contribute their local shards: the step is elementwise.
         """
         calls, new_state = [], {}
+        self._pending_cache = {}
         for group in self.param_groups:
-            by_device: dict[torch.device, dict[str, list]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state.get(p) or new_state.setdefault(p, _fresh_state(p, group["amsgrad"]))
-                if group["amsgrad"] and "max_exp_avg_sq" not in state:  # amsgrad switched on mid-run
-                    state = new_state[p] = {**state, "max_exp_avg_sq": torch.zeros_like(p)}
-                lists = by_device.get(p.device)
-                if lists is None:
-                    lists = by_device[p.device] = {k: [] for k in ("keys", "params", "grads", "exp_avgs",
-                                                                   "exp_avg_sqs", "max", "steps")}
-                lists["keys"].append(p)
-                lists["params"].append(local(p))
-                lists["grads"].append(local(p.grad))
-                lists["exp_avgs"].append(local(state["exp_avg"]))
-                lists["exp_avg_sqs"].append(local(state["exp_avg_sq"]))
-                lists["max"].append(local(state["max_exp_avg_sq"]) if group["amsgrad"] else None)
-                lists["steps"].append(state["step"])
+            by_device, created, checked = self._state_lists(group)
+            new_state.update(created)
             beta1, beta2 = group["betas"]
             for device, lists in by_device.items():
                 calls.append((lists["keys"], adam_call(
-                    lists["params"], lists["grads"], lists["exp_avgs"], lists["exp_avg_sqs"],
+                    lists["params"], [local(p.grad) for p in lists["keys"]], lists["exp_avgs"], lists["exp_avg_sqs"],
                     lists["max"] if group["amsgrad"] else [], lists["steps"], amsgrad=group["amsgrad"],
                     beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                     maximize=group["maximize"], decoupled_weight_decay=self.decoupled_weight_decay,
-                    grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device))))
+                    grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device), state_checked=checked)))
         return calls, new_state
 
     @torch.no_grad()
@@ -108,6 +129,11 @@ class Adam(torch.optim.Optimizer):
                 if call["state_steps"][i].device != call["params"][i].device:
                     self.state[p]["step"] = call["state_steps"][i] = call["state_steps"][i].to(
                         call["params"][i].device, torch.float32)
+        for key, (amsgrad, with_grad, _, by_device) in self._pending_cache.items():
+            states = [self.state[p] for p in with_grad]  # the dicts as committed above
+            for lists in by_device.values():
+                lists["steps"] = [self.state[p]["step"] for p in lists["keys"]]
+            self._lists_cache[key] = (amsgrad, with_grad, states, by_device)
         max_grad_norm = self.param_groups[0]["max_grad_norm"] if self.param_groups else None
         if max_grad_norm is not None and calls:
             coef = self._clip_coefficient([p.grad for keys, _ in calls for p in keys], max_grad_norm, grad_scale)
