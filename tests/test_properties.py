@@ -60,32 +60,22 @@ def check(backend, case):
     assert row.status == "pass", f"{case.params}: {row.detail}"
 
 
+STRATEGIES = {
+    "adam": (adam_params, DTYPES),
+    "clip": (clip_params, DTYPES),
+    "attention": (attention_params, st.sampled_from([torch.float32, torch.float16])),
+}
+
+
+@pytest.mark.parametrize("op", STRATEGIES)
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_adam_any_hyperparameters(backend):
+def test_any_valid_input(backend, op):
+    params_strategy, dtypes = STRATEGIES[op]
+
     @examples(backend)
-    @given(params=adam_params, dtype=DTYPES)
+    @given(params=params_strategy, dtype=dtypes)
     def prop(params, dtype):
-        check(backend, Case("property_adam", "adam", dtype, params))
-
-    prop()
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_clip_any_sizes(backend):
-    @examples(backend)
-    @given(params=clip_params, dtype=DTYPES)
-    def prop(params, dtype):
-        check(backend, Case("property_clip", "clip", dtype, params))
-
-    prop()
-
-
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_attention_any_shape(backend):
-    @examples(backend)
-    @given(params=attention_params, dtype=st.sampled_from([torch.float32, torch.float16]))
-    def prop(params, dtype):
-        check(backend, Case("property_attention", "attention", dtype, params))
+        check(backend, Case(f"property_{op}", op, dtype, params))
 
     prop()
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .multi_tensor import CHUNK, by_dtype, not_contiguous, tables
+from .multi_tensor import CHUNK, address, block_offsets, by_dtype, not_contiguous, tables, this_chunk
 
 BLOCK = 1024
 
@@ -27,23 +27,15 @@ def _adam_kernel(addresses, chunk_tensor, chunk_start, numels, n_tensors, step_a
                  MAXIMIZE: tl.constexpr, WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr,
                  HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr,
                  ALIGNED: tl.constexpr):
-    chunk = tl.program_id(0)
-    t = tl.load(chunk_tensor + chunk)
-    start = tl.load(chunk_start + chunk)
-    numel = tl.load(numels + t)
-    param = tl.load(addresses + t).to(tl.pointer_type(DTYPE))
-    grad = tl.load(addresses + n_tensors + t).to(tl.pointer_type(DTYPE))
-    exp_avg = tl.load(addresses + 2 * n_tensors + t).to(tl.pointer_type(DTYPE))
-    exp_avg_sq = tl.load(addresses + 3 * n_tensors + t).to(tl.pointer_type(DTYPE))
+    t, start, numel = this_chunk(chunk_tensor, chunk_start, numels)
+    param = address(addresses, 0, n_tensors, t, DTYPE, ALIGNED)
+    grad = address(addresses, 1, n_tensors, t, DTYPE, ALIGNED)
+    exp_avg = address(addresses, 2, n_tensors, t, DTYPE, ALIGNED)
+    exp_avg_sq = address(addresses, 3, n_tensors, t, DTYPE, ALIGNED)
     if AMSGRAD:
-        max_exp_avg_sq = tl.load(addresses + 4 * n_tensors + t).to(tl.pointer_type(DTYPE))
-    if ALIGNED:  # addresses read from memory carry no alignment: say so, or loads stay scalar
-        param, grad = tl.multiple_of(param, 16), tl.multiple_of(grad, 16)
-        exp_avg, exp_avg_sq = tl.multiple_of(exp_avg, 16), tl.multiple_of(exp_avg_sq, 16)
-        if AMSGRAD:
-            max_exp_avg_sq = tl.multiple_of(max_exp_avg_sq, 16)
+        max_exp_avg_sq = address(addresses, 4, n_tensors, t, DTYPE, ALIGNED)
 
-    step = tl.load(tl.load(step_addresses + t).to(tl.pointer_type(tl.float32)))  # already incremented
+    step = tl.load(address(step_addresses, 0, 0, t, tl.float32, False))  # already incremented
     if LR_IS_TENSOR:
         lr = tl.load(lr_ptr).to(tl.float32)
     else:
@@ -60,9 +52,7 @@ def _adam_kernel(addresses, chunk_tensor, chunk_start, numels, n_tensors, step_a
         found_inf = tl.load(found_inf_ptr)
 
     for block in tl.range(0, CHUNK, BLOCK):
-        offs = start + block + tl.arange(0, BLOCK)
-        if ALIGNED:
-            offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
+        offs = block_offsets(start, block, BLOCK, ALIGNED)
         mask = offs < numel
         store = mask
         if HAS_FOUND_INF:

@@ -21,6 +21,12 @@ HEAD_DIMS = (32, 64, 128, 256)
 
 
 @triton.jit
+def _tile(base, rows, row_stride, offs_d, n_rows):
+    """A [rows, D] tile whose rows past ``n_rows`` read as zeros."""
+    return tl.load(base + rows[:, None] * row_stride + offs_d[None, :], mask=rows[:, None] < n_rows, other=0.0)
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                 H, GROUP, SQ, SKV, scale_log2,
                 CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -31,7 +37,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h,
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :], mask=offs_m[:, None] < SQ, other=0.0)
+    q = _tile(Q + b * sq_b + h * sq_h, offs_m, sq_m, offs_d, SQ)
     k_base = K + b * sk_b + (h // GROUP) * sk_h
     v_base = V + b * sv_b + (h // GROUP) * sv_h
     if UPCAST:
@@ -47,7 +53,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h,
     for start_n in tl.range(0, hi, BLOCK_N):
         cols = start_n + offs_n
         k = tl.load(k_base + cols[None, :] * sk_n + offs_d[:, None], mask=cols[None, :] < SKV, other=0.0)
-        v = tl.load(v_base + cols[:, None] * sv_n + offs_d[None, :], mask=cols[:, None] < SKV, other=0.0)
+        v = _tile(v_base, cols, sv_n, offs_d, SKV)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.dot(q, k) * scale_log2
@@ -93,8 +99,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sq_b, sq_h, sq_m, sk_b, sk
     cols = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
-    k = tl.load(K + b * sk_b + hk * sk_h + cols[:, None] * sk_n + offs_d[None, :], mask=cols[:, None] < SKV, other=0.0)
-    v = tl.load(V + b * sv_b + hk * sv_h + cols[:, None] * sv_n + offs_d[None, :], mask=cols[:, None] < SKV, other=0.0)
+    k = _tile(K + b * sk_b + hk * sk_h, cols, sk_n, offs_d, SKV)
+    v = _tile(V + b * sv_b + hk * sv_h, cols, sv_n, offs_d, SKV)
     if UPCAST:
         k, v = k.to(tl.float32), v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
@@ -108,8 +114,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sq_b, sq_h, sq_m, sk_b, sk
         q_base = Q + b * sq_b + (hk * GROUP + g) * sq_h
         for start_m in tl.range(lo, SQ, BLOCK_M):
             rows = start_m + offs_m
-            q = tl.load(q_base + rows[:, None] * sq_m + offs_d[None, :], mask=rows[:, None] < SQ, other=0.0)
-            do = tl.load(DO + h * SQ * D + rows[:, None] * D + offs_d[None, :], mask=rows[:, None] < SQ, other=0.0)
+            q = _tile(q_base, rows, sq_m, offs_d, SQ)
+            do = _tile(DO + h * SQ * D, rows, D, offs_d, SQ)
             lse = tl.load(LSE + h * SQ + rows, mask=rows < SQ, other=float("-inf"))
             delta = tl.load(DELTA + h * SQ + rows, mask=rows < SQ, other=0.0)
             if UPCAST:
@@ -135,8 +141,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sq_b, sq_h, sq_m, sk_b, sk_h, sk
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + b * sq_b + h * sq_h + rows[:, None] * sq_m + offs_d[None, :], mask=rows[:, None] < SQ, other=0.0)
-    do = tl.load(DO + bh * SQ * D + rows[:, None] * D + offs_d[None, :], mask=rows[:, None] < SQ, other=0.0)
+    q = _tile(Q + b * sq_b + h * sq_h, rows, sq_m, offs_d, SQ)
+    do = _tile(DO + bh * SQ * D, rows, D, offs_d, SQ)
     lse = tl.load(LSE + bh * SQ + rows, mask=rows < SQ, other=float("-inf"))
     delta = tl.load(DELTA + bh * SQ + rows, mask=rows < SQ, other=0.0)
     if UPCAST:
@@ -149,8 +155,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sq_b, sq_h, sq_m, sk_b, sk_h, sk
         hi = tl.minimum(SKV, (start_m + 1) * BLOCK_M + SKV - SQ)
     for start_n in tl.range(0, hi, BLOCK_N):
         cols = start_n + offs_n
-        k = tl.load(k_base + cols[:, None] * sk_n + offs_d[None, :], mask=cols[:, None] < SKV, other=0.0)
-        v = tl.load(v_base + cols[:, None] * sv_n + offs_d[None, :], mask=cols[:, None] < SKV, other=0.0)
+        k = _tile(k_base, cols, sk_n, offs_d, SKV)
+        v = _tile(v_base, cols, sv_n, offs_d, SKV)
         if UPCAST:
             k, v = k.to(tl.float32), v.to(tl.float32)
         p = _scores(q, tl.trans(k), lse, rows, cols, SQ, SKV, scale_log2, CAUSAL)

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .adam import _TL_DTYPE
-from .multi_tensor import CHUNK, by_dtype, not_contiguous, tables
+from .multi_tensor import CHUNK, address, block_offsets, by_dtype, not_contiguous, tables, this_chunk
 
 BLOCK = 1024
 FINAL_BLOCK = 1024
@@ -25,27 +25,20 @@ FINAL_BLOCK = 1024
 def _partials_kernel(addresses, chunk_tensor, chunk_start, numels, partials, offset,
                      DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, INF: tl.constexpr,
                      ALIGNED: tl.constexpr):
-    chunk = tl.program_id(0)
-    t = tl.load(chunk_tensor + chunk)
-    start = tl.load(chunk_start + chunk)
-    numel = tl.load(numels + t)
-    grad = tl.load(addresses + t).to(tl.pointer_type(DTYPE))
-    if ALIGNED:  # see the Adam kernel: table addresses carry no alignment of their own
-        grad = tl.multiple_of(grad, 16)
+    t, start, numel = this_chunk(chunk_tensor, chunk_start, numels)
+    grad = address(addresses, 0, 0, t, DTYPE, ALIGNED)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for block in tl.range(0, CHUNK, BLOCK):
-        offs = start + block + tl.arange(0, BLOCK)
-        if ALIGNED:
-            offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
+        offs = block_offsets(start, block, BLOCK, ALIGNED)
         g = tl.load(grad + offs, mask=offs < numel, other=0.0).to(tl.float32)
         if INF:
             acc = tl.maximum(acc, tl.abs(g))
         else:
             acc += g * g
     if INF:
-        tl.store(partials + offset + chunk, tl.max(acc, axis=0))
+        tl.store(partials + offset + tl.program_id(0), tl.max(acc, axis=0))
     else:
-        tl.store(partials + offset + chunk, tl.sum(acc, axis=0))
+        tl.store(partials + offset + tl.program_id(0), tl.sum(acc, axis=0))
 
 
 @triton.jit

@@ -13,6 +13,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from .interpreter import INTERPRETED
 
@@ -33,6 +35,31 @@ class Tables:
 
 
 _cache: OrderedDict[tuple, Tables] = OrderedDict()
+
+
+@triton.jit
+def this_chunk(chunk_tensor, chunk_start, numels):
+    """(tensor index, first element, tensor size) of the chunk this program handles."""
+    t = tl.load(chunk_tensor + tl.program_id(0))
+    return t, tl.load(chunk_start + tl.program_id(0)), tl.load(numels + t)
+
+
+@triton.jit
+def address(addresses, row, n_tensors, t, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Base pointer of tensor ``t`` of list ``row``. Addresses read from memory carry no alignment:
+    say so when the host checked it, or every load stays scalar."""
+    pointer = tl.load(addresses + row * n_tensors + t).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
+
+
+@triton.jit
+def block_offsets(start, block, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    offs = start + block + tl.arange(0, BLOCK)
+    if ALIGNED:
+        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
+    return offs
 
 
 def tables(lists: list[list[torch.Tensor]], chunk: int = CHUNK) -> Tables:
