@@ -117,6 +117,8 @@ def _attention_cases() -> list[Case]:
         "attn_causal_bottom_right": (1, 2, 1, 37, 101, 64, True),
         "attn_causal_more_queries": (1, 2, 2, 20, 12, 32, True),  # first rows see no key
         "attn_decode_kv_cache": (2, 8, 2, 1, 300, 64, True),
+        "attn_decode_long_cache": (1, 2, 1, 1, 1100, 64, True),  # few heads: keys split across programs
+        "attn_chunked_prefill": (1, 2, 1, 5, 900, 64, True),
         "attn_head_dim_128": (1, 2, 2, 70, 70, 128, True),
         "attn_head_dim_256": (1, 1, 1, 40, 40, 256, False),
         "attn_one_token": (1, 1, 1, 1, 1, 32, True),

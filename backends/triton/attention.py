@@ -28,11 +28,12 @@ def _tile(base, rows, row_stride, offs_d, n_rows):
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
-                H, GROUP, SQ, SKV, scale_log2,
+                H, GROUP, SQ, SKV, scale_log2, KEYS_PER_SPLIT,
                 CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 UPCAST: tl.constexpr):
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
+    split = tl.program_id(2)  # which range of keys, when decode splits them across programs
     b, h = bh // H, bh % H
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -47,10 +48,11 @@ def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     diagonal = SKV - SQ
-    hi = SKV
+    lo = split * KEYS_PER_SPLIT
+    hi = tl.minimum(SKV, lo + KEYS_PER_SPLIT)
     if CAUSAL:  # keys past the block's last visible one never contribute
-        hi = tl.minimum(SKV, (start_m + 1) * BLOCK_M + diagonal)
-    for start_n in tl.range(0, hi, BLOCK_N):
+        hi = tl.minimum(hi, (start_m + 1) * BLOCK_M + diagonal)
+    for start_n in tl.range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = tl.load(k_base + cols[None, :] * sk_n + offs_d[:, None], mask=cols[None, :] < SKV, other=0.0)
         v = _tile(v_base, cols, sv_n, offs_d, SKV)
@@ -71,9 +73,10 @@ def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h,
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    o_offs = bh * SQ * D + offs_m[:, None] * D + offs_d[None, :]
+    row = (split * tl.num_programs(1) + bh) * SQ  # outputs are [splits, B * H, SQ, ...]
+    o_offs = (row + offs_m[:, None]) * D + offs_d[None, :]
     tl.store(O + o_offs, out.to(O.dtype.element_ty), mask=offs_m[:, None] < SQ)
-    tl.store(LSE + bh * SQ + offs_m, lse, mask=offs_m < SQ)
+    tl.store(LSE + row + offs_m, lse, mask=offs_m < SQ)
 
 
 @triton.jit
@@ -197,18 +200,38 @@ def attention_supports(call) -> list[str]:
     return reasons
 
 
+def _splits(b, h, sq, skv, block_m, block_n) -> int:
+    """How many key ranges to split a forward into: decode (one query block) over a long cache
+    leaves most of the GPU idle unless the keys are shared out too."""
+    if sq > block_m:
+        return 1
+    programs = b * h
+    target = 4 if INTERPRETED else 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    by_length = skv // (8 * block_n)  # keep each range at least 8 key blocks long
+    return max(1, min(by_length, triton.cdiv(target, programs)))
+
+
 def attention_fwd(q, k, v, *, causal, scale):
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     b, h, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
-    out = torch.empty((b, h, sq, d), dtype=q.dtype, device=q.device)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     block_m, block_n, warps = _blocks(d)
-    _fwd_kernel[(triton.cdiv(sq, block_m), b * h)](
+    splits = _splits(b, h, sq, skv, block_m, block_n)
+    keys_per_split = triton.cdiv(triton.cdiv(skv, splits), block_n) * block_n
+    splits = triton.cdiv(skv, keys_per_split)
+    # Split partial results stay in float32 until they are merged.
+    out = torch.empty((splits, b, h, sq, d), dtype=q.dtype if splits == 1 else torch.float32, device=q.device)
+    lse = torch.empty((splits, b, h, sq), dtype=torch.float32, device=q.device)
+    _fwd_kernel[(triton.cdiv(sq, block_m), b * h, splits)](
         q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), h, h // hkv, sq, skv, scale * LOG2E.value,
+        v.stride(0), v.stride(1), v.stride(2), h, h // hkv, sq, skv, scale * LOG2E.value, keys_per_split,
         CAUSAL=causal, D=d, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q.dtype), num_warps=warps)
-    return out, lse
+    if splits == 1:
+        return out[0], lse[0]
+    # Merge: each range's output weighs exp(its lse - the total lse); a range that saw no key weighs 0.
+    total = torch.logsumexp(lse, dim=0)
+    weights = torch.nan_to_num(torch.exp(lse - total), nan=0.0)
+    return (weights[..., None] * out).sum(0).to(q.dtype), total
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
