@@ -14,9 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .multi_tensor import CHUNK, address, block_offsets, by_dtype, not_contiguous, tables, this_chunk
+from . import multi_tensor as mt
+from .multi_tensor import PlanCache, address, block_offsets, by_dtype, not_contiguous, tables, this_chunk
 
-BLOCK = 1024
+_plans = PlanCache()
 
 
 @triton.jit
@@ -109,29 +110,42 @@ def adam_supports(call) -> list[str]:
     return reasons
 
 
-def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad, beta1, beta2, lr,
-         weight_decay, eps, maximize, decoupled_weight_decay, grad_scale=None, found_inf=None, clip_coef=None):
-    if found_inf is None:
-        torch._foreach_add_(state_steps, 1.0)
-    else:  # a skipped step keeps its count: add 1 - (found_inf != 0)
-        torch._foreach_add_(state_steps, (found_inf == 0).to(torch.float32))
-    dummy = state_steps[0]
-    lr_is_tensor = isinstance(lr, torch.Tensor)
+def _plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad):
+    """Per dtype: (dtype, tables, step address table, tensor count), cached by the tensors' addresses."""
+    key = _plans.key(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, extra=(amsgrad,))
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    plan = []
     for dtype, idx in by_dtype(params).items():
         lists = [[params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
                  [exp_avg_sqs[i] for i in idx]]
         if amsgrad:
             lists.append([max_exp_avg_sqs[i] for i in idx])
         t = tables(lists)
-        steps = tables([[state_steps[i] for i in idx]], chunk=1).addresses
-        if t.chunks == 0:
-            continue
+        if t.chunks:
+            plan.append((dtype, t, tables([[state_steps[i] for i in idx]], chunk=1).addresses, len(idx)))
+    return _plans.put(key, plan)
+
+
+def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad, beta1, beta2, lr,
+         weight_decay, eps, maximize, decoupled_weight_decay, grad_scale=None, found_inf=None, clip_coef=None):
+    if not params:
+        return
+    if found_inf is None:
+        torch._foreach_add_(state_steps, 1.0)
+    else:  # a skipped step keeps its count: add 1 - (found_inf != 0)
+        torch._foreach_add_(state_steps, (found_inf == 0).to(torch.float32))
+    dummy = state_steps[0]
+    lr_is_tensor = isinstance(lr, torch.Tensor)
+    for dtype, t, steps, n in _plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad):
         _adam_kernel[(t.chunks,)](
-            t.addresses, t.chunk_tensor, t.chunk_start, t.numels, len(idx), steps,
+            t.addresses, t.chunk_tensor, t.chunk_start, t.numels, n, steps,
             lr if lr_is_tensor else dummy, 0.0 if lr_is_tensor else float(lr),
             grad_scale if grad_scale is not None else dummy, found_inf if found_inf is not None else dummy,
             clip_coef if clip_coef is not None else dummy,
             beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
-            DTYPE=_TL_DTYPE[dtype], CHUNK=CHUNK, BLOCK=BLOCK, AMSGRAD=amsgrad, MAXIMIZE=maximize, WEIGHT_DECAY=weight_decay != 0,
-            DECOUPLED=decoupled_weight_decay, LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None,
-            HAS_FOUND_INF=found_inf is not None, HAS_CLIP=clip_coef is not None, ALIGNED=t.aligned, num_warps=8)
+            DTYPE=_TL_DTYPE[dtype], CHUNK=mt.CHUNK, BLOCK=mt.BLOCK, AMSGRAD=amsgrad, MAXIMIZE=maximize,
+            WEIGHT_DECAY=weight_decay != 0, DECOUPLED=decoupled_weight_decay, LR_IS_TENSOR=lr_is_tensor,
+            HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+            HAS_CLIP=clip_coef is not None, ALIGNED=t.aligned, num_warps=mt.NUM_WARPS)

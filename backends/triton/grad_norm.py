@@ -15,10 +15,11 @@ import triton
 import triton.language as tl
 
 from .adam import _TL_DTYPE
-from .multi_tensor import CHUNK, address, block_offsets, by_dtype, not_contiguous, tables, this_chunk
+from . import multi_tensor as mt
+from .multi_tensor import PlanCache, address, block_offsets, by_dtype, not_contiguous, tables, this_chunk
 
-BLOCK = 1024
 FINAL_BLOCK = 1024
+_plans = PlanCache()
 
 
 @triton.jit
@@ -70,15 +71,18 @@ def grad_norm_supports(call) -> list[str]:
 
 def grad_norm(grads, norm_type):
     inf = math.isinf(norm_type)
-    groups = [(dtype, tables([[grads[i] for i in idx]])) for dtype, idx in by_dtype(grads).items()]
+    key = _plans.key(grads)
+    groups = _plans.get(key)
+    if groups is None:
+        groups = _plans.put(key, [(dtype, tables([[grads[i] for i in idx]])) for dtype, idx in by_dtype(grads).items()])
     total = sum(t.chunks for _, t in groups)
     partials = torch.empty(max(total, 1), dtype=torch.float32, device=grads[0].device)
     offset = 0
     for dtype, t in groups:
         if t.chunks:
             _partials_kernel[(t.chunks,)](t.addresses, t.chunk_tensor, t.chunk_start, t.numels, partials, offset,
-                                          DTYPE=_TL_DTYPE[dtype], CHUNK=CHUNK, BLOCK=BLOCK, INF=inf,
-                                          ALIGNED=t.aligned, num_warps=8)
+                                          DTYPE=_TL_DTYPE[dtype], CHUNK=mt.CHUNK, BLOCK=mt.BLOCK, INF=inf,
+                                          ALIGNED=t.aligned, num_warps=mt.NUM_WARPS)
         offset += t.chunks
     out = torch.empty((), dtype=torch.float32, device=grads[0].device)
     _final_kernel[(1,)](partials, total, out, BLOCK=FINAL_BLOCK, INF=inf, num_warps=4)

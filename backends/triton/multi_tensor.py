@@ -9,6 +9,7 @@ so a steady-state optimizer step builds nothing on the host but a dictionary key
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -20,7 +21,10 @@ from .interpreter import INTERPRETED
 
 # Elements per program: on a GPU large enough to stream, small enough to balance ~300 tensors;
 # in the interpreter one block, since every masked-off iteration costs real time there.
+# Module globals read at call time, so a benchmark can sweep them.
 CHUNK = 1024 if INTERPRETED else 16384
+BLOCK = 1024  # elements per inner iteration of a program
+NUM_WARPS = 8
 _CACHE_SIZE = 16
 
 
@@ -62,8 +66,9 @@ def block_offsets(start, block, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     return offs
 
 
-def tables(lists: list[list[torch.Tensor]], chunk: int = CHUNK) -> Tables:
+def tables(lists: list[list[torch.Tensor]], chunk: int | None = None) -> Tables:
     """Address and chunk tables for parallel lists of same-shaped tensors (the first list sets the sizes)."""
+    chunk = CHUNK if chunk is None else chunk
     first = lists[0]
     key = (chunk, first[0].device, tuple(t.numel() for t in first),
            tuple(t.data_ptr() for ts in lists for t in ts))
@@ -85,6 +90,42 @@ def tables(lists: list[list[torch.Tensor]], chunk: int = CHUNK) -> Tables:
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
     return built
+
+
+class PlanCache:
+    """Launch plans keyed by every tensor's address, the first list's sizes and dtypes.
+
+    A steady-state step computes one key (a C-level ``map`` over the tensors) and one dict
+    lookup; everything else a launch needs was built on the first step with these tensors.
+    """
+
+    def __init__(self, size: int = _CACHE_SIZE):
+        self._plans: OrderedDict[tuple, object] = OrderedDict()
+        self._size = size
+
+    @staticmethod
+    def key(first: list[torch.Tensor], *lists: list[torch.Tensor], extra=()) -> tuple:
+        ptrs = tuple(map(_data_ptr, first))
+        for more in lists:
+            ptrs += tuple(map(_data_ptr, more))
+        return (CHUNK, *extra, ptrs, tuple(map(_numel, first)), tuple(map(_dtype, first)))
+
+    def get(self, key):
+        plan = self._plans.get(key)
+        if plan is not None:
+            self._plans.move_to_end(key)
+        return plan
+
+    def put(self, key, plan):
+        self._plans[key] = plan
+        if len(self._plans) > self._size:
+            self._plans.popitem(last=False)
+        return plan
+
+
+_data_ptr = torch.Tensor.data_ptr
+_numel = torch.Tensor.numel
+_dtype = operator.attrgetter("dtype")
 
 
 def by_dtype(indices_of: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
