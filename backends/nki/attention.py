@@ -1,13 +1,297 @@
-"""Flash attention for the NKI backend: not written yet (this commit carries Adam and the norm)."""
+"""Flash attention forward and backward as NKI kernels (online softmax, GQA, bottom-right causal).
+
+Layout: a query tile holds up to 128 rows on the partitions; a key tile holds up to 128 keys.
+Scores ``S = Q K^T`` come from ``nc_matmul(stationary=Q^T [D, bq], moving=K^T [D, bk])`` into
+PSUM, so the head dim is the contraction and must fit the 128 partitions (``D <= 128``).
+``Q^T`` / ``K^T`` / ``P^T`` are made on the Tensor Engine with ``nc_transpose``. Ragged
+sequence lengths use smaller static edge tiles; the causal mask (query ``i`` sees key ``j``
+iff ``j <= i + Skv - Sq``) is one GpSimd ``affine_select`` on the diagonal blocks only, and
+key blocks no row of a query tile can see are skipped at trace time. GQA reads K/V head
+``h // (Hq // Hkv)`` in place (query heads loop inside their KV head), never a repeated copy.
+
+Forward returns ``out`` and ``lse`` (float32, natural log; ``-inf`` and zero output for rows that
+see no key). Backward recomputes P from ``lse`` in two passes: dQ with query tiles outside,
+then dK/dV with key tiles outside and every query head of the group inside, so dK/dV are
+summed over the group in SBUF. Semantics: ``backends/reference/attention.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .compat import nki, nisa, nl
+from .runtime import launch
+
+B_Q = 128  # query rows per tile (partition axis)
+B_K = 128  # keys per tile (P^T needs the keys on <= 128 partitions)
+NEG = -1.0e30  # finite "minus infinity" for masked scores: exp(NEG - m) == 0, no inf - inf
 
 
-def attention_supports(call):
-    return ["NKI attention kernels are not written yet"]
+def _transposed(src, rows, cols, dtype):
+    """``src [rows, cols]`` (SBUF) -> ``[cols, rows]`` in SBUF, through a Tensor Engine transpose."""
+    t_ps = nl.ndarray((cols, rows), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(t_ps, src)
+    t_sb = nl.ndarray((cols, rows), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(t_sb, t_ps)
+    return t_sb
 
 
-def attention_fwd(**call):
-    raise NotImplementedError("NKI attention forward is not written yet")
+def _load(src, rows, cols, dtype):
+    tile = nl.ndarray((rows, cols), dtype=dtype, buffer=nl.sbuf)
+    nisa.dma_copy(tile, src)
+    return tile
 
 
-def attention_bwd(**call):
-    raise NotImplementedError("NKI attention backward is not written yet")
+def _visible_key_blocks(q0, bq, Sq, Skv, causal):
+    """Key blocks that some row of the query tile [q0, q0 + bq) can see."""
+    n_k = (Skv + B_K - 1) // B_K
+    if not causal:
+        return n_k
+    last = q0 + bq - 1 + Skv - Sq  # the last row's last visible key
+    return 0 if last < 0 else min(n_k, last // B_K + 1)
+
+
+def _scores(qT, kT, bq, bk, q0, k0, shift, scale, causal):
+    """Scaled, masked scores ``[bq, bk]`` in float32 SBUF."""
+    s_ps = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(s_ps, qT, kT, accumulate=False)
+    s = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(s, op=nl.copy, data=s_ps, scale=scale)
+    if causal and k0 + bk - 1 > q0 + shift:  # some (row, key) of this block is above the diagonal
+        # keep where (q0 + p) + shift - (k0 + j) >= 0
+        nisa.affine_select(s, pattern=[[-1, bk]], offset=q0 + shift - k0, channel_multiplier=1,
+                           on_true_tile=s, on_false_value=NEG, cmp_op=nl.greater_equal)
+    return s
+
+
+def _rows_without_keys(tile, q0, shift, width, fill):
+    """Set rows that see no key (query q0 + p with q0 + p + shift < 0) to ``fill``."""
+    nisa.affine_select(tile, pattern=[[0, width]], offset=q0 + shift, channel_multiplier=1,
+                       on_true_tile=tile, on_false_value=fill, cmp_op=nl.greater_equal)
+
+
+@nki.jit
+def attention_fwd_kernel(q, k, v, scale=1.0, causal=False):
+    """``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Skv, D]`` -> ``out`` like q, ``lse [B, Hq, Sq, 1]`` fp32."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    dt = q.dtype
+    shift = Skv - Sq
+    out = nl.ndarray(q.shape, dtype=dt, buffer=nl.shared_hbm)
+    lse = nl.ndarray((B, Hq, Sq, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    n_q = (Sq + B_Q - 1) // B_Q
+    for b in nl.affine_range(B):
+        for hkv in nl.affine_range(Hkv):
+            for g in nl.affine_range(G):
+                h = hkv * G + g
+                for qi in nl.static_range(n_q):
+                    q0 = qi * B_Q
+                    bq = min(B_Q, Sq - q0)
+                    q_sb = _load(q[b, h, q0:q0 + bq, 0:D], bq, D, dt)
+                    qT = _transposed(q_sb, bq, D, dt)
+                    m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.memset(m, NEG)
+                    l_sum = nl.zeros((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+                    acc = nl.zeros((bq, D), dtype=nl.float32, buffer=nl.sbuf)
+                    for ki in nl.static_range(_visible_key_blocks(q0, bq, Sq, Skv, causal)):
+                        k0 = ki * B_K
+                        bk = min(B_K, Skv - k0)
+                        k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
+                        kT = _transposed(k_sb, bk, D, dt)
+                        v_sb = _load(v[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
+                        s = _scores(qT, kT, bq, bk, q0, k0, shift, scale, causal)
+                        # online softmax: m_new = max(m, rowmax(s)); alpha = exp(m - m_new)
+                        m_new = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+                        nisa.tensor_reduce(m_new, op=nl.maximum, data=s, axis=1, keepdims=True)
+                        nisa.tensor_tensor(m_new, m_new, m, op=nl.maximum)
+                        neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+                        nisa.tensor_scalar(neg_m, m_new, op0=nl.multiply, operand0=-1.0)
+                        alpha = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+                        nisa.activation(alpha, op=nl.exp, data=m, bias=neg_m)
+                        # p = exp(s - m_new) in the input dtype; its fp32 row sums on the way
+                        p = nl.ndarray((bq, bk), dtype=dt, buffer=nl.sbuf)
+                        row_sum = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+                        nisa.activation(p, op=nl.exp, data=s, bias=neg_m, reduce_op=nl.add, reduce_res=row_sum,
+                                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+                        nisa.scalar_tensor_tensor(l_sum, data=l_sum, op0=nl.multiply, operand0=alpha,
+                                                  op1=nl.add, operand1=row_sum)
+                        # acc = acc * alpha + P V  (P^T is the stationary operand: keys contract)
+                        pT = _transposed(p, bq, bk, dt)
+                        pv = nl.ndarray((bq, D), dtype=nl.float32, buffer=nl.psum)
+                        nisa.nc_matmul(pv, pT, v_sb, accumulate=False)
+                        nisa.scalar_tensor_tensor(acc, data=acc, op0=nl.multiply, operand0=alpha,
+                                                  op1=nl.add, operand1=pv)
+                        nisa.tensor_copy(m, m_new)
+                    inv_l = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.reciprocal(inv_l, l_sum)
+                    o = nl.ndarray((bq, D), dtype=dt, buffer=nl.sbuf)
+                    nisa.tensor_scalar(o, acc, op0=nl.multiply, operand0=inv_l)
+                    lse_t = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.activation(lse_t, op=nl.log, data=l_sum)
+                    nisa.tensor_tensor(lse_t, lse_t, m, op=nl.add)
+                    if causal and q0 + shift < 0:  # rows that see no key: out 0, lse -inf
+                        _rows_without_keys(o, q0, shift, D, 0.0)
+                        _rows_without_keys(lse_t, q0, shift, 1, -math.inf)
+                    nisa.dma_copy(out[b, h, q0:q0 + bq, 0:D], o)
+                    nisa.dma_copy(lse[b, h, q0:q0 + bq, 0:1], lse_t)
+    return out, lse
+
+
+def _query_side(q, o, do, lse, b, h, q0, bq, D, dt, shift, causal):
+    """Per query tile: Q, dO, their transposes, -lse (NEG for rows without keys) and
+    delta = rowsum(dO * O)."""
+    q_sb = _load(q[b, h, q0:q0 + bq, 0:D], bq, D, dt)
+    do_sb = _load(do[b, h, q0:q0 + bq, 0:D], bq, D, dt)
+    o_sb = _load(o[b, h, q0:q0 + bq, 0:D], bq, D, dt)
+    qT = _transposed(q_sb, bq, D, dt)
+    doT = _transposed(do_sb, bq, D, dt)
+    lse_t = _load(lse[b, h, q0:q0 + bq, 0:1], bq, 1, nl.float32)
+    neg_lse = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(neg_lse, lse_t, op0=nl.multiply, operand0=-1.0)
+    if causal and q0 + shift < 0:
+        _rows_without_keys(neg_lse, q0, shift, 1, NEG)  # lse = -inf there: P must be 0, not exp(+inf)
+    prod = nl.ndarray((bq, D), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(prod, do_sb, o_sb, op=nl.multiply)
+    delta = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(delta, op=nl.add, data=prod, axis=1, keepdims=True)
+    return q_sb, do_sb, qT, doT, neg_lse, delta
+
+
+def _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, bq, bk, q0, k0, shift, scale, causal):
+    """P = exp(S - lse) and dS = P * (dO V^T - delta), both ``[bq, bk]`` float32."""
+    s = _scores(qT, kT, bq, bk, q0, k0, shift, scale, causal)
+    p = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(p, op=nl.exp, data=s, bias=neg_lse)
+    dp_ps = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dp_ps, doT, vT, accumulate=False)
+    ds = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(ds, data=dp_ps, op0=nl.subtract, operand0=delta, op1=nl.multiply, operand1=p)
+    return p, ds
+
+
+def _cast(src, rows, cols, dtype):
+    if src.dtype == dtype:
+        return src
+    dst = nl.ndarray((rows, cols), dtype=dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst, src)
+    return dst
+
+
+def _first_visible_query_tile(k0, Sq, Skv, causal):
+    """Query tiles before this one have no row that sees key block k0 (rows i >= k0 - shift do)."""
+    if not causal:
+        return 0
+    first_row = k0 - (Skv - Sq)
+    return max(0, first_row) // B_Q
+
+
+@nki.jit
+def attention_bwd_kernel(q, k, v, o, lse, do, scale=1.0, causal=False):
+    """Gradients ``(dq, dk, dv)``; ``lse`` is ``[B, Hq, Sq, 1]`` float32 from the forward."""
+    B, Hq, Sq, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    dt = q.dtype
+    shift = Skv - Sq
+    dq = nl.ndarray(q.shape, dtype=dt, buffer=nl.shared_hbm)
+    dk = nl.ndarray(k.shape, dtype=dt, buffer=nl.shared_hbm)
+    dv = nl.ndarray(v.shape, dtype=dt, buffer=nl.shared_hbm)
+    n_q = (Sq + B_Q - 1) // B_Q
+    n_k = (Skv + B_K - 1) // B_K
+
+    # Pass 1: dQ = scale * dS K, query tiles outside.
+    for b in nl.affine_range(B):
+        for hkv in nl.affine_range(Hkv):
+            for g in nl.affine_range(G):
+                h = hkv * G + g
+                for qi in nl.static_range(n_q):
+                    q0 = qi * B_Q
+                    bq = min(B_Q, Sq - q0)
+                    _, _, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, b, h, q0, bq, D, dt, shift, causal)
+                    dq_acc = nl.zeros((bq, D), dtype=nl.float32, buffer=nl.sbuf)
+                    for ki in nl.static_range(_visible_key_blocks(q0, bq, Sq, Skv, causal)):
+                        k0 = ki * B_K
+                        bk = min(B_K, Skv - k0)
+                        k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
+                        v_sb = _load(v[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
+                        kT = _transposed(k_sb, bk, D, dt)
+                        vT = _transposed(v_sb, bk, D, dt)
+                        _, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, bq, bk, q0, k0, shift, scale, causal)
+                        dsT = _transposed(_cast(ds, bq, bk, dt), bq, bk, dt)
+                        dq_ps = nl.ndarray((bq, D), dtype=nl.float32, buffer=nl.psum)
+                        nisa.nc_matmul(dq_ps, dsT, k_sb, accumulate=False)
+                        nisa.tensor_tensor(dq_acc, dq_acc, dq_ps, op=nl.add)
+                    dq_t = nl.ndarray((bq, D), dtype=dt, buffer=nl.sbuf)
+                    nisa.tensor_scalar(dq_t, dq_acc, op0=nl.multiply, operand0=scale)
+                    nisa.dma_copy(dq[b, h, q0:q0 + bq, 0:D], dq_t)
+
+    # Pass 2: dV = P^T dO and dK = scale * dS^T Q, key tiles outside, summed over the GQA group.
+    for b in nl.affine_range(B):
+        for hkv in nl.affine_range(Hkv):
+            for ki in nl.static_range(n_k):
+                k0 = ki * B_K
+                bk = min(B_K, Skv - k0)
+                k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
+                v_sb = _load(v[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
+                kT = _transposed(k_sb, bk, D, dt)
+                vT = _transposed(v_sb, bk, D, dt)
+                dk_acc = nl.zeros((bk, D), dtype=nl.float32, buffer=nl.sbuf)
+                dv_acc = nl.zeros((bk, D), dtype=nl.float32, buffer=nl.sbuf)
+                for g in nl.static_range(G):
+                    h = hkv * G + g
+                    for qi in nl.static_range(_first_visible_query_tile(k0, Sq, Skv, causal), n_q):
+                        q0 = qi * B_Q
+                        bq = min(B_Q, Sq - q0)
+                        q_sb, do_sb, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, b, h, q0, bq, D, dt,
+                                                                            shift, causal)
+                        p, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, bq, bk, q0, k0, shift, scale,
+                                                   causal)
+                        dv_ps = nl.ndarray((bk, D), dtype=nl.float32, buffer=nl.psum)
+                        nisa.nc_matmul(dv_ps, _cast(p, bq, bk, dt), do_sb, accumulate=False)
+                        nisa.tensor_tensor(dv_acc, dv_acc, dv_ps, op=nl.add)
+                        dk_ps = nl.ndarray((bk, D), dtype=nl.float32, buffer=nl.psum)
+                        nisa.nc_matmul(dk_ps, _cast(ds, bq, bk, dt), q_sb, accumulate=False)
+                        nisa.tensor_tensor(dk_acc, dk_acc, dk_ps, op=nl.add)
+                dk_t = nl.ndarray((bk, D), dtype=dt, buffer=nl.sbuf)
+                nisa.tensor_scalar(dk_t, dk_acc, op0=nl.multiply, operand0=scale)
+                nisa.dma_copy(dk[b, hkv, k0:k0 + bk, 0:D], dk_t)
+                dv_t = _cast(dv_acc, bk, D, dt)
+                nisa.dma_copy(dv[b, hkv, k0:k0 + bk, 0:D], dv_t)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- host side
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 128
+
+
+def attention_supports(call) -> list[str]:
+    q, k, v = call["q"], call["k"], call["v"]
+    reasons = []
+    if q.dtype not in SUPPORTED_DTYPES:
+        reasons.append(f"NKI attention takes float32, bfloat16 and float16; got {str(q.dtype).removeprefix('torch.')}")
+    if not (q.dtype == k.dtype == v.dtype):
+        reasons.append("NKI attention needs q, k and v in one dtype")
+    d = q.shape[-1]
+    if d > MAX_HEAD_DIM:
+        reasons.append(f"head_dim {d} > {MAX_HEAD_DIM}: the NKI kernels contract the head dim over the 128 "
+                       "partitions of one tile")
+    if q.shape[-2] == 0 or k.shape[-2] == 0 or d == 0:
+        reasons.append("NKI attention needs non-empty sequences and head dim")
+    return reasons
+
+
+def attention_fwd(q, k, v, *, causal, scale):
+    out, lse = launch(attention_fwd_kernel, q.contiguous(), k.contiguous(), v.contiguous(),
+                      scale=float(scale), causal=bool(causal))
+    return out, lse.reshape(q.shape[:-1])
+
+
+def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
+    lse4 = lse.to(torch.float32).reshape(*q.shape[:-1], 1).contiguous()
+    dq, dk, dv = launch(attention_bwd_kernel, q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+                        lse4, dout.to(q.dtype).contiguous(), scale=float(scale), causal=bool(causal))
+    return dq, dk, dv
