@@ -1,0 +1,257 @@
+"""The nki backend's ops on CPU tensors (forced with use_backend("nki"): the NKI emulator runs the
+kernels) against backends/reference in float64, at sizes that cross tile boundaries; plus the
+device wiring with the Neuron SDK mocked at the import boundary (a fake ``nki`` in sys.modules).
+"""
+
+import importlib
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+import portable_ops
+from portable_ops import dispatch
+from portable_ops.backends import nki as nki_backend
+from portable_ops.backends.nki import compat, emulator, runtime
+from portable_ops.backends.reference.adam import adam as reference_adam
+from portable_ops.backends.reference.attention import attention_bwd as reference_bwd
+from portable_ops.backends.reference.attention import attention_fwd as reference_fwd
+from portable_ops.backends.reference.grad_norm import grad_norm as reference_grad_norm
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+# (atol, rtol) by dtype, as conformance/cases.py
+ADAM_TOL = {F32: (1e-6, 1e-5), F16: (1e-5, 2e-3), BF16: (1e-4, 1.6e-2)}
+ATTN_TOL = {F32: (2e-3, 2e-3), F16: (4e-3, 4e-3), BF16: (3e-2, 3e-2)}
+OPS = nki_backend.BACKEND.ops
+
+
+def close(out, ref, tol, factor=1.0):
+    atol, rtol = tol
+    out, ref = out.double(), ref.double()
+    bound = factor * (atol + rtol * ref.abs())
+    both_nan = out.isnan() & ref.isnan()
+    assert bool(((out - ref).abs() <= bound).logical_or(both_nan).all()), float((out - ref).abs().max())
+
+
+def test_backend_is_available_and_default_for_trainium_devices():
+    assert dispatch.unavailable_reason("nki") is None
+    assert nki_backend.BACKEND.device_reasons(torch.device("cpu")) == []
+    assert dispatch.preference(torch.device("xla"))[0] == "nki"
+    if not compat.USING_SDK:
+        reasons = nki_backend.BACKEND.device_reasons(torch.device("xla"))
+        assert reasons and "Neuron SDK" in reasons[0]
+
+
+# 129 and 300 are not multiples of 128; 128*2048 + 129 crosses the 2048-wide free-axis tile.
+ADAM_SHAPES = [(1,), (129,), (3, 100), (128 * 2048 + 129,)]
+ADAM_VARIANTS = {
+    "adam": {},
+    "adam_l2": dict(weight_decay=0.01),
+    "adamw": dict(weight_decay=0.1, decoupled_weight_decay=True),
+    "amsgrad_maximize": dict(amsgrad=True, maximize=True, weight_decay=0.05, decoupled_weight_decay=True),
+    "scaled_clipped_lr_tensor": dict(grad_scale=1024.0, clip_coef=0.25, found_inf=0.0, lr="tensor"),
+}
+
+
+def _adam_state(dtype, amsgrad, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=g).to(dtype) for s in ADAM_SHAPES]
+    grads = [torch.randn(s, generator=g).to(dtype) for s in ADAM_SHAPES]
+    exp_avgs = [(0.1 * torch.randn(s, generator=g)).to(dtype) for s in ADAM_SHAPES]
+    exp_avg_sqs = [(0.01 * torch.rand(s, generator=g)).to(dtype) for s in ADAM_SHAPES]
+    maxes = [(v.float() * 1.5).to(dtype) for v in exp_avg_sqs] if amsgrad else []
+    steps = [torch.tensor(float(i + 2)) for i in range(len(ADAM_SHAPES))]
+    return params, grads, exp_avgs, exp_avg_sqs, maxes, steps
+
+
+def _adam_kwargs(dtype_dev, extra):
+    kw = dict(amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-3, weight_decay=0.0, eps=1e-8, maximize=False,
+              decoupled_weight_decay=False, grad_scale=None, found_inf=None, clip_coef=None)
+    kw.update(extra)
+    for key in ("grad_scale", "clip_coef", "found_inf"):
+        if kw[key] is not None:
+            kw[key] = torch.tensor(kw[key], dtype=dtype_dev)
+    if kw["lr"] == "tensor":
+        kw["lr"] = torch.tensor(3e-3)
+    return kw
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=str)
+@pytest.mark.parametrize("variant", ADAM_VARIANTS)
+def test_adam_matches_float64_reference(variant, dtype):
+    extra = ADAM_VARIANTS[variant]
+    kw = _adam_kwargs(torch.float32, extra)
+    state = _adam_state(dtype, kw["amsgrad"])
+    oracle = [[t.double() for t in group] for group in state]
+    oracle[5] = [s.double() for s in state[5]]
+    OPS["adam"].run(*state, **kw)
+    ref_kw = dict(kw, lr=kw["lr"].double() if isinstance(kw["lr"], torch.Tensor) else kw["lr"])
+    reference_adam(*oracle, **ref_kw)
+    for mine, ref in zip(state[:5], oracle[:5]):
+        for a, b in zip(mine, ref):
+            assert a.dtype == dtype
+            # the oracle rounds once to the stored dtype, like the kernel
+            close(a, b.to(dtype), ADAM_TOL[dtype])
+    assert [float(s) for s in state[5]] == [float(s) for s in oracle[5]]
+
+
+def test_adam_found_inf_changes_nothing_even_with_nonfinite_grads():
+    kw = _adam_kwargs(torch.float32, dict(grad_scale=8.0, found_inf=1.0, amsgrad=True, weight_decay=0.1,
+                                          decoupled_weight_decay=True))
+    state = _adam_state(BF16, True)
+    state[1][0].fill_(float("inf"))
+    state[1][1][5] = float("nan")
+    before = [[t.clone() for t in group] for group in state]
+    names = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps")
+    call = dict(zip(names, state), **kw)
+    with portable_ops.use_backend("nki"):
+        assert dispatch.select("adam", call, torch.device("cpu")).backend == "nki"
+        dispatch.dispatch("adam", call, torch.device("cpu")).run(**call)
+    for group, old in zip(state, before):
+        for a, b in zip(group, old):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_grad_norm_matches_float64_reference(norm_type, dtype):
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(s, generator=g).to(dtype) for s in [(1,), (127,), (129,), (5, 7, 11), (128 * 2048 + 3,)]]
+    out = OPS["grad_norm"].run(grads=grads, norm_type=norm_type)
+    ref = reference_grad_norm([x.double() for x in grads], norm_type)
+    assert out.dtype == torch.float32 and out.shape == ()
+    close(out, ref, (1e-6, 1e-5))
+
+
+def test_grad_norm_declines_other_norms_with_a_reason():
+    reasons = OPS["grad_norm"].supports(dict(grads=[torch.zeros(3)], norm_type=1.0))
+    assert reasons and "norm_type 2 and inf" in reasons[0]
+    assert OPS["grad_norm"].supports(dict(grads=[torch.zeros(3, dtype=torch.float64)], norm_type=2.0))
+
+
+ATTN_SHAPES = {  # (B, Hq, Hkv, Sq, Skv, D, causal)
+    "square_crosses_tiles": (1, 2, 2, 130, 130, 32, True),
+    "gqa_cross_lengths": (1, 4, 2, 70, 200, 64, False),
+    "causal_bottom_right": (1, 2, 1, 37, 150, 16, True),
+    "more_queries_than_keys": (1, 2, 2, 140, 12, 32, True),  # the first 128 rows see no key
+    "decode": (2, 4, 1, 1, 260, 64, True),
+    "head_dim_128": (1, 1, 1, 20, 20, 128, True),
+}
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("name", ATTN_SHAPES)
+def test_attention_fwd_bwd_match_float64_reference(name, dtype):
+    B, Hq, Hkv, Sq, Skv, D, causal = ATTN_SHAPES[name]
+    g = torch.Generator().manual_seed(5)
+    q, do = (torch.randn(B, Hq, Sq, D, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(B, Hkv, Skv, D, generator=g).to(dtype) for _ in range(2))
+    scale = D ** -0.5
+    out, lse = OPS["attention_fwd"].run(q=q, k=k, v=v, causal=causal, scale=scale)
+    r_out, r_lse = reference_fwd(q.double(), k.double(), v.double(), causal=causal, scale=scale)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (B, Hq, Sq)
+    close(out, r_out, ATTN_TOL[dtype])
+    assert torch.equal(torch.isinf(lse), torch.isinf(r_lse))
+    close(lse.nan_to_num(neginf=0.0), r_lse.nan_to_num(neginf=0.0), ATTN_TOL[F32])
+    grads = OPS["attention_bwd"].run(q=q, k=k, v=v, out=out, lse=lse, dout=do, causal=causal, scale=scale)
+    r_grads = reference_bwd(q.double(), k.double(), v.double(), r_out, r_lse, do.double(),
+                                          causal=causal, scale=scale)
+    for mine, ref, like in zip(grads, r_grads, (q, k, v)):
+        assert mine.shape == like.shape and mine.dtype == dtype
+        close(mine, ref, ATTN_TOL[dtype], factor=4.0)
+    if name == "more_queries_than_keys":
+        assert torch.equal(out[:, :, :128], torch.zeros_like(out[:, :, :128]))
+        assert torch.equal(grads[0][:, :, :128], torch.zeros_like(grads[0][:, :, :128]))
+
+
+def test_attention_through_the_public_api_with_autograd():
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 4, 33, 32, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, 33, 32, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, 33, 32, generator=g, requires_grad=True)
+    with portable_ops.use_backend("nki"):
+        assert portable_ops.explain("attention", q, k, v, causal=True).backend == "nki"
+        out = portable_ops.attention(q, k, v, causal=True)
+        out.sum().backward()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+    torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=True).sum().backward()
+    for a, b in zip((q, k, v), (qr, kr, vr)):
+        torch.testing.assert_close(a.grad, b.grad, atol=8e-3, rtol=8e-3)
+
+
+def test_attention_declines_head_dim_over_128_with_a_reason():
+    q = torch.zeros(1, 1, 4, 160)
+    reasons = OPS["attention_fwd"].supports(dict(q=q, k=q, v=q, causal=False, scale=1.0))
+    assert reasons and "head_dim 160 > 128" in reasons[0]
+
+
+# ----------------------------------------------------------------------------- SDK wiring, mocked
+@pytest.fixture
+def fake_sdk(monkeypatch):
+    """A stand-in Neuron SDK at the import boundary: ``nki`` with jit/simulate; language/isa are
+    the emulator's (so kernels still compute), and every simulate/jit call is recorded."""
+    calls = []
+
+    def install(functional=True):
+        nki = types.ModuleType("nki")
+        if functional:
+            nki.jit = emulator.jit
+
+            def simulate(kernel):
+                calls.append(("simulate", getattr(kernel, "__name__", kernel)))
+                return emulator.simulate(kernel)
+
+            nki.simulate = simulate
+            monkeypatch.setitem(sys.modules, "nki.language", emulator.language)
+            monkeypatch.setitem(sys.modules, "nki.isa", emulator.isa)
+            nki.language, nki.isa = emulator.language, emulator.isa
+        else:  # what PyPI's placeholder looks like: an importable, empty package
+            monkeypatch.setitem(sys.modules, "nki.language", types.ModuleType("nki.language"))
+            monkeypatch.setitem(sys.modules, "nki.isa", types.ModuleType("nki.isa"))
+        monkeypatch.setitem(sys.modules, "nki", nki)
+        monkeypatch.delenv("PORTABLE_OPS_NKI_EMULATOR", raising=False)
+        importlib.reload(compat)
+        return calls
+
+    yield install
+    monkeypatch.undo()
+    importlib.reload(compat)
+
+
+def test_real_sdk_is_used_when_functional_and_cpu_tensors_go_through_nki_simulate(fake_sdk):
+    calls = fake_sdk(functional=True)
+    assert compat.USING_SDK and compat.HAS_SIMULATOR and compat.MODE == "sdk"
+    assert runtime.where(torch.device("cpu")) == "simulator"
+    assert runtime.where(torch.device("xla")) == "device"
+    assert nki_backend.BACKEND.device_reasons(torch.device("xla")) == []
+    assert nki_backend.BACKEND.device_reasons(types.SimpleNamespace(type="neuron")) == []
+    grads = [torch.randn(300)]
+    out = OPS["grad_norm"].run(grads=grads, norm_type=2.0)
+    torch.testing.assert_close(out, grads[0].norm())
+    assert [c[0] for c in calls] == ["simulate"] * 3  # body, tail, finish: every launch went to nki.simulate
+
+
+def test_trainium_tensors_call_the_jit_kernel_directly(fake_sdk, monkeypatch):
+    fake_sdk(functional=True)
+    seen = []
+
+    def kernel(*args, **static):
+        seen.append((args, static))
+        return "device result"
+
+    monkeypatch.setattr(runtime, "where", lambda device: "device")
+    assert runtime.launch(kernel, torch.zeros(2), scale=0.5) == "device result"
+    assert seen and seen[0][1] == {"scale": 0.5}
+
+
+def test_placeholder_nki_package_falls_back_to_the_emulator(fake_sdk):
+    fake_sdk(functional=False)
+    assert not compat.USING_SDK and compat.nki is emulator
+    assert "placeholder" in compat.SDK_REASON
+    reasons = nki_backend.BACKEND.device_reasons(torch.device("xla"))
+    assert reasons and "placeholder" in reasons[0]
+    assert runtime.where(torch.device("cpu")) == "emulator"

@@ -1,0 +1,237 @@
+"""The NKI emulator's rules: each kernel that breaks one is rejected with a message naming it.
+
+The emulator is a test double for the Neuron compiler and a NeuronCore (see
+backends/nki/emulator/__init__.py); these tests pin what it rejects and how it computes.
+"""
+
+import pytest
+import torch
+
+from portable_ops.backends.nki import emulator
+from portable_ops.backends.nki.adam import adam_kernel
+from portable_ops.backends.nki.emulator import EmulatorError
+from portable_ops.backends.nki.emulator import isa as nisa
+from portable_ops.backends.nki.emulator import language as nl
+
+jit = emulator.jit
+
+
+def rejects(rule, fn, *args, **kwargs):
+    with pytest.raises(EmulatorError) as info:
+        fn(*args, **kwargs)
+    assert info.value.rule == rule and f"[{rule}]" in str(info.value), str(info.value)
+    return str(info.value)
+
+
+@jit
+def _broken_201_partitions(x):
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    tile = nl.ndarray((201, 4), dtype=x.dtype, buffer=nl.sbuf)  # 201 partitions: over nl.tile_size.pmax
+    nisa.dma_copy(tile, x)
+    nisa.dma_copy(out, tile)
+    return out
+
+
+def test_broken_kernel_with_201_partitions_is_rejected():
+    message = rejects("partition-dim", _broken_201_partitions, torch.zeros(201, 4))
+    assert "201 partitions" in message and "128" in message
+
+
+def _alloc(shape, dtype=nl.float32, buffer=nl.sbuf):
+    @jit
+    def kernel(x):
+        nl.ndarray(shape, dtype=dtype, buffer=buffer)
+        return x
+    return kernel
+
+
+def test_sbuf_capacity_per_partition():
+    _alloc((128, 224 * 1024 // 4))(torch.zeros(1))  # exactly 224 KiB per partition fits on trn2
+    message = rejects("sbuf-capacity", _alloc((128, 224 * 1024 // 4 + 1)), torch.zeros(1))
+    assert "224 KiB" in message
+    with emulator.use_target("trn3"):  # 32 MiB SBUF on NeuronCore-v4
+        _alloc((128, 240 * 1024 // 4))(torch.zeros(1))
+
+
+def test_sbuf_capacity_counts_live_tiles_and_frees_loop_iterations():
+    @jit
+    def loop_ok(x):
+        for _ in nl.affine_range(50):  # each iteration's 128 KiB tile is freed when it ends
+            nl.ndarray((128, 32 * 1024), dtype=nl.float32, buffer=nl.sbuf)
+        return x
+
+    @jit
+    def too_many_live(x):
+        a = nl.ndarray((128, 32 * 1024), dtype=nl.float32, buffer=nl.sbuf)
+        b = nl.ndarray((128, 32 * 1024), dtype=nl.float32, buffer=nl.sbuf)
+        return x, a, b
+
+    loop_ok(torch.zeros(1))
+    rejects("sbuf-capacity", too_many_live, torch.zeros(1))
+
+
+def test_psum_tile_must_fit_one_bank_and_psum_has_eight_banks():
+    _alloc((128, 512), buffer=nl.psum)(torch.zeros(1))
+    rejects("psum-bank", _alloc((128, 513), buffer=nl.psum), torch.zeros(1))
+
+    @jit
+    def nine_banks(x):
+        tiles = [nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum) for _ in range(9)]
+        return x, tiles
+
+    rejects("psum-capacity", nine_banks, torch.zeros(1))
+
+
+def _matmul(k, m, n, dtype=nl.bfloat16, stationary_buffer=nl.sbuf, dst_dtype=nl.float32, moving_k=None):
+    @jit
+    def kernel(x):
+        s = nl.zeros((k, m), dtype=dtype, buffer=stationary_buffer)
+        mv = nl.zeros((moving_k or k, n), dtype=dtype, buffer=nl.sbuf)
+        d = nl.ndarray((min(m, 128), min(n, 512)), dtype=dst_dtype, buffer=nl.psum)  # a legal dst
+        nisa.nc_matmul(d, s, mv, accumulate=False)
+        return x
+    return kernel
+
+
+def test_matmul_limits():
+    _matmul(128, 128, 512)(torch.zeros(1))
+    rejects("matmul-stationary-fmax", _matmul(128, 129, 64), torch.zeros(1))
+    rejects("matmul-moving-fmax", _matmul(128, 64, 513, dst_dtype=nl.float32), torch.zeros(1))
+    rejects("matmul-contraction", _matmul(64, 64, 64, moving_k=32), torch.zeros(1))
+    rejects("matmul-memory", _matmul(64, 64, 64, stationary_buffer=nl.psum, dtype=nl.float32), torch.zeros(1))
+    rejects("matmul-dtype", _matmul(64, 64, 64, dtype=nl.int32), torch.zeros(1))
+
+
+def test_matmul_accumulates_in_psum_in_fp32():
+    @jit
+    def kernel(a, b):
+        out = nl.ndarray((4, 6), dtype=nl.float32, buffer=nl.shared_hbm)
+        sa = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.sbuf)
+        sb = nl.ndarray(b.shape, dtype=b.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(sa, a)
+        nisa.dma_copy(sb, b)
+        acc = nl.ndarray((4, 6), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(acc, sa, sb, accumulate=False)
+        nisa.nc_matmul(acc, sa, sb, accumulate=True)
+        res = nl.ndarray((4, 6), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(res, acc)
+        nisa.dma_copy(out, res)
+        return out
+
+    a, b = torch.randn(8, 4).bfloat16(), torch.randn(8, 6).bfloat16()
+    expected = 2 * (a.float().T @ b.float())
+    torch.testing.assert_close(kernel(a, b), expected)
+
+
+def test_engines_cannot_read_hbm_and_dma_cannot_touch_psum():
+    @jit
+    def engine_on_hbm(x):
+        t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(t, x, x, op=nl.add)
+        return x
+
+    @jit
+    def dma_to_psum(x):
+        t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.psum)
+        nisa.dma_copy(t, x)
+        return x
+
+    rejects("engine-memory", engine_on_hbm, torch.zeros(4, 4))
+    rejects("dma-psum", dma_to_psum, torch.zeros(4, 4))
+
+
+def test_gpsimd_cannot_access_psum():
+    @jit
+    def select_in_psum(x):
+        t = nl.zeros((4, 4), dtype=nl.float32, buffer=nl.psum)
+        nisa.affine_select(t, pattern=[[-1, 4]], offset=0, channel_multiplier=1, on_true_tile=t,
+                           on_false_value=0.0, cmp_op=nl.greater_equal)
+        return x
+
+    rejects("gpsimd-psum", select_in_psum, torch.zeros(1))
+
+
+def test_dtypes_the_engines_cannot_take():
+    rejects("dtype-unsupported", _broken_201_partitions, torch.zeros(4, 4, dtype=torch.float64))
+
+    @jit
+    def dma_cast(x):
+        t = nl.ndarray(x.shape, dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(t, x)
+        return x
+
+    @jit
+    def float_predicate(x):
+        t = nl.zeros((4, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy_predicated(t, t, t)
+        return x
+
+    rejects("dma-dtype", dma_cast, torch.zeros(4, 4))
+    rejects("predicate-dtype", float_predicate, torch.zeros(1))
+
+
+def test_reduce_axis_and_transpose_shape():
+    @jit
+    def reduce_partitions(x):
+        t = nl.zeros((4, 4), dtype=nl.float32, buffer=nl.sbuf)
+        r = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(r, op=nl.add, data=t, axis=0)
+        return x
+
+    @jit
+    def transpose_too_wide(x):
+        t = nl.zeros((64, 200), dtype=nl.float32, buffer=nl.sbuf)
+        r = nl.ndarray((200, 64), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(r, t)
+        return x
+
+    rejects("reduce-axis", reduce_partitions, torch.zeros(1))
+    # 200 output partitions are refused when the PSUM tile is declared, before the transpose
+    with pytest.raises(EmulatorError):
+        transpose_too_wide(torch.zeros(1))
+
+
+def test_bf16_is_stored_as_bf16_with_one_rounding():
+    @jit
+    def kernel(x):
+        out = nl.ndarray(x.shape, dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(t, x)
+        b = nl.ndarray(x.shape, dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_scalar(b, t, op0=nl.add, operand0=0.0)
+        nisa.dma_copy(out, b)
+        return out
+
+    x = torch.tensor([[1 + 2 ** -9, 1 + 3 * 2 ** -9, 3.14159]], dtype=torch.float32)
+    out = kernel(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, x.to(torch.bfloat16))  # round-to-nearest-even, once
+
+
+def test_affine_select_matches_its_documented_predicate():
+    @jit
+    def kernel(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(t, x)
+        nisa.affine_select(t, pattern=[[-1, x.shape[1]]], offset=2, channel_multiplier=1, on_true_tile=t,
+                           on_false_value=-5.0, cmp_op=nl.greater_equal)
+        nisa.dma_copy(out, t)
+        return out
+
+    x = torch.ones(6, 9)
+    rows, cols = torch.arange(6)[:, None], torch.arange(9)[None, :]
+    expected = torch.where(2 + rows - cols >= 0, x, torch.tensor(-5.0))
+    assert torch.equal(kernel(x), expected)
+
+
+def test_instruction_counts_per_engine():
+    hp = torch.zeros(128, 10)
+    p = torch.zeros(128, 3000)
+    with emulator.count_instructions() as stats:
+        adam_kernel(p, p, p, p, p, hp, amsgrad=False, decay_mode=0, gated=False, scale_grad=False)
+    counts = stats.instructions
+    # two free-axis tiles (2048 + 952): 4 loads + 3 stores each, plus the hyperparameter load
+    assert counts["dma"] == 2 * 7 + 1
+    assert counts["scalar"] == 2 and counts["vector"] > 0
+    assert stats.dma_bytes == (4 + 3) * 128 * 3000 * 4 + 128 * 10 * 4
