@@ -67,6 +67,8 @@ def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h,
                 CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 UPCAST: tl.constexpr):
     start_m = tl.program_id(0)
+    if CAUSAL:  # the last query blocks see the most keys: start them first, so the tail of the grid is light
+        start_m = tl.num_programs(0) - 1 - start_m
     bh = tl.program_id(1)
     split = tl.program_id(2)  # which range of keys, when decode splits them across programs
     b, h = bh // H, bh % H
@@ -245,6 +247,8 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sq_b, sq_h, sq_m, sk_b, sk_h, sk
                    CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    UPCAST: tl.constexpr):
     start_m = tl.program_id(0)
+    if CAUSAL:  # heaviest query blocks first, as in the forward
+        start_m = tl.num_programs(0) - 1 - start_m
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -281,9 +285,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sq_b, sq_h, sq_m, sk_b, sk_h, sk
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim on a GPU; chosen from a sweep
 # on an H100 (docs/performance.md). Overridable for benchmarking through CONFIGS.
 CONFIGS = {
-    "fwd": {32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)},
-    "dkdv": {32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 8, 2), 256: (32, 32, 4, 2)},
-    "dq": {32: (128, 64, 8, 3), 64: (128, 64, 8, 3), 128: (128, 64, 8, 2), 256: (64, 32, 8, 2)},
+    "fwd": {32: (128, 64, 4, 3), 64: (128, 64, 8, 3), 128: (128, 128, 8, 3), 256: (64, 64, 8, 2)},
+    "dkdv": {32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: (64, 128, 8, 3), 256: (32, 32, 4, 2)},
+    "dq": {32: (128, 64, 8, 3), 64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)},
 }
 _INTERPRETER_CONFIG = (32, 32, 4, 1)  # one small tile: every tile costs real time there
 

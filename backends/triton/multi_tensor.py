@@ -22,8 +22,10 @@ from .interpreter import INTERPRETED
 # Elements per program: on a GPU large enough to stream, small enough to balance ~300 tensors;
 # in the interpreter one block, since every masked-off iteration costs real time there.
 # Module globals read at call time, so a benchmark can sweep them.
-CHUNK = 1024 if INTERPRETED else 16384
-BLOCK = 1024  # elements per inner iteration of a program
+# From the sweeps on an H100 (python -m portable_ops.bench.sweep, docs/performance.md): 4096-element
+# chunks in 2048-element blocks, 8 warps: 98% of copy bandwidth on the 292-tensor list.
+CHUNK = 1024 if INTERPRETED else 4096
+BLOCK = 1024 if INTERPRETED else 2048  # elements per inner iteration of a program
 NUM_WARPS = 8
 _CACHE_SIZE = 16
 

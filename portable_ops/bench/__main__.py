@@ -14,8 +14,9 @@ import torch
 from .common import device_info, table, write
 
 COLUMNS = {
-    "optimizer": ["bench", "variant", "ms", "host ms", "TB/s", "of copy", "vs torch fused"],
-    "clip": ["bench", "variant", "ms", "clip ms", "vs torch pair"],
+    "optimizer": ["bench", "variant", "ms", "host ms", "TB/s", "of copy", "vs torch fused", "steady ms",
+                  "steady vs torch fused"],
+    "clip": ["bench", "variant", "ms", "clip ms", "vs torch pair", "steady ms", "steady vs torch pair"],
     "attention": ["variant", "dir", "D", "S", "B", "Hkv", "causal", "ms", "TFLOP/s", "error"],
 }
 

@@ -26,6 +26,21 @@ def median_ms(fn, warmup: int = 5, iters: int = 30) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def steady_ms(fn, warmup: int = 3, iters: int = 20) -> float:
+    """Mean time per call of ``iters`` calls enqueued back to back (one sync at the end), in ms:
+    a training loop's view, where the host enqueues the next step while the device runs this one."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def graphed(step, warmup: int = 3):
     """``step`` captured in a CUDA graph (after warm-up on a side stream); returns the replay function."""
     stream = torch.cuda.Stream()

@@ -6,7 +6,7 @@ import torch
 
 import portable_ops
 
-from .common import copy_bandwidth, graphed, host_ms, median_ms
+from .common import copy_bandwidth, graphed, host_ms, median_ms, steady_ms
 
 BYTES_PER_ELEMENT = {False: 28, True: 36}  # fp32 AdamW; AMSGrad adds max_exp_avg_sq read+write
 
@@ -45,17 +45,20 @@ def run_optimizer(amsgrad_options=(False, True)) -> list[dict]:
             "portable_ops, graph": lambda: portable_ops.optim.AdamW(params, lr=torch.tensor(1e-4, device="cuda"),
                                                                     amsgrad=amsgrad),
         }
-        times, hosts = {}, {}
+        times, hosts, steady = {}, {}, {}
         for name, make in variants.items():
             opt = make()
             step = graphed(opt.step) if name.endswith("graph") else opt.step
             times[name] = median_ms(step)
+            steady[name] = steady_ms(step)
             hosts[name] = host_ms(opt.step) if not name.endswith("graph") else None
             del opt, step
             torch.cuda.empty_cache()
         for name, ms in times.items():
-            baseline = times["torch fused, graph" if name.endswith("graph") else "torch fused"]
+            base = "torch fused, graph" if name.endswith("graph") else "torch fused"
+            baseline = times[base]
             rows.append({"bench": "adamw" + (" amsgrad" if amsgrad else ""), "variant": name, "ms": ms,
+                         "steady ms": steady[name], "steady vs torch fused": steady[base] / steady[name],
                          "host ms": hosts[name], "TB/s": BYTES_PER_ELEMENT[amsgrad] * numel / (ms * 1e-3) / 1e12,
                          "of copy": floor_ms / ms, "vs torch fused": baseline / ms})
     rows.append({"bench": "copy", "variant": "device copy", "TB/s": copy / 1e12, "tensors": len(shapes),
@@ -66,22 +69,34 @@ def run_optimizer(amsgrad_options=(False, True)) -> list[dict]:
 def run_clip_step(max_norm: float = 1.0) -> list[dict]:
     shapes = gpt2_medium_shapes()
     params = _params(shapes)
-    torch_opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    rows = []
+    for graph in (False, True):
+        lr = torch.tensor(1e-4, device="cuda") if graph else 1e-4
+        torch_opt = torch.optim.AdamW(params, lr=lr, fused=True, capturable=graph)
 
-    def torch_pair():
-        torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        torch_opt.step()
+        def torch_pair():
+            torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+            torch_opt.step()
 
-    torch_ms = median_ms(torch_pair)
-    clip_ms = median_ms(lambda: torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
-    del torch_opt
-    torch.cuda.empty_cache()
-    ours = portable_ops.optim.AdamW(params, lr=1e-4, max_grad_norm=max_norm)
-    ours_ms = median_ms(ours.step)
-    norm_ms = median_ms(lambda: portable_ops.clip.total_norm([p.grad for p in params]))
-    return [
-        {"bench": "clip+step", "variant": "torch clip_grad_norm_(foreach) + fused AdamW", "ms": torch_ms,
-         "clip ms": clip_ms, "vs torch pair": 1.0},
-        {"bench": "clip+step", "variant": "portable_ops AdamW(max_grad_norm)", "ms": ours_ms, "clip ms": norm_ms,
-         "vs torch pair": torch_ms / ours_ms},
-    ]
+        fn = graphed(torch_pair) if graph else torch_pair
+        torch_ms, torch_steady = median_ms(fn), steady_ms(fn)
+        clip = lambda: torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)  # noqa: E731
+        clip_ms = median_ms(graphed(clip) if graph else clip)
+        del torch_opt, fn
+        torch.cuda.empty_cache()
+        ours = portable_ops.optim.AdamW(params, lr=lr, max_grad_norm=max_norm)
+        fn = graphed(ours.step) if graph else ours.step
+        ours_ms, ours_steady = median_ms(fn), steady_ms(fn)
+        norm = lambda: portable_ops.clip.total_norm([p.grad for p in params])  # noqa: E731
+        norm_ms = median_ms(graphed(norm) if graph else norm)
+        del ours, fn
+        torch.cuda.empty_cache()
+        suffix = ", graph" if graph else ""
+        rows += [
+            {"bench": "clip+step", "variant": "torch clip_grad_norm_(foreach) + fused AdamW" + suffix, "ms": torch_ms,
+             "steady ms": torch_steady, "clip ms": clip_ms, "vs torch pair": 1.0, "steady vs torch pair": 1.0},
+            {"bench": "clip+step", "variant": "portable_ops AdamW(max_grad_norm)" + suffix, "ms": ours_ms,
+             "steady ms": ours_steady, "clip ms": norm_ms, "vs torch pair": torch_ms / ours_ms,
+             "steady vs torch pair": torch_steady / ours_steady},
+        ]
+    return rows
