@@ -83,6 +83,8 @@ _backends: dict[str, Backend] = {}
 _import_errors: dict[str, str] = {}
 _forced = threading.local()
 _warned: set[tuple[str, str, str]] = set()
+_memo: dict[tuple, Choice] = {}
+_MEMO_SIZE = 4096  # a decode loop meets a new cache length every token: bounded, cleared when full
 _lock = threading.Lock()
 
 
@@ -183,6 +185,23 @@ def select(op: str, call: Call, device: torch.device | None, prefer: str | None 
         if key not in _warned:
             _warned.add(key)
             warnings.warn(message, FallbackWarning, stacklevel=4)
+    return choice
+
+
+def select_by_layout(op: str, layout: tuple, make_call: Callable[[], Call], device: torch.device | None,
+                     prefer: str | None = None) -> Choice:
+    """:func:`select` for an op whose choice depends only on ``layout`` (shapes, strides, dtypes,
+    flags), memoised: eager attention pays this on every call, and ``make_call`` (meta stand-ins)
+    and the backends' checks cost tens of microseconds. Fallbacks are not memoised, so each one
+    still warns once or, under strict mode, raises."""
+    key = (op, layout, device, prefer, forced_backend(), strict(), tuple(map(id, _backends.values())))
+    choice = _memo.get(key)
+    if choice is None:
+        choice = select(op, make_call(), device, prefer)
+        if not choice.is_fallback:
+            if len(_memo) >= _MEMO_SIZE:
+                _memo.clear()
+            _memo[key] = choice
     return choice
 
 
