@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .autotune import Tuner, bucket
 from .interpreter import INTERPRETED
 
 LOG2E = tl.constexpr(1.4426950408889634)  # kernels may read only constexpr globals
@@ -282,23 +283,37 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sq_b, sq_h, sq_m, sk_b, sk_h, sk
 
 # ----------------------------------------------------------------------------- tile choices
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim on a GPU; chosen from a sweep
-# on an H100 (docs/performance.md). Overridable for benchmarking through CONFIGS.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per kernel and head dim, timed per shape
+# bucket on first use (autotune.py). The first of each list is the best at D=128 / D=64, S=4096 in
+# the H100 sweep (docs/performance.md); the others are the sweep's runners-up that give more
+# programs on short sequences or fewer registers. Mutable, for the sweep (portable_ops.bench.sweep).
 CONFIGS = {
-    "fwd": {32: (128, 64, 4, 3), 64: (128, 64, 8, 3), 128: (128, 128, 8, 3), 256: (64, 64, 8, 2)},
-    "dkdv": {32: (32, 128, 4, 3), 64: (32, 128, 4, 3), 128: (64, 128, 8, 3), 256: (32, 32, 4, 2)},
-    "dq": {32: (128, 64, 8, 3), 64: (128, 64, 8, 3), 128: (128, 64, 8, 3), 256: (64, 32, 8, 2)},
+    "fwd": {32: [(128, 64, 4, 3), (64, 64, 4, 3)],
+            64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 4)],
+            128: [(128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+            256: [(64, 64, 8, 2), (64, 32, 4, 2)]},
+    "dkdv": {32: [(32, 128, 4, 3), (32, 64, 4, 3)],
+             64: [(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3)],
+             128: [(64, 128, 8, 3), (32, 64, 4, 3), (64, 128, 8, 2)],
+             256: [(32, 32, 4, 2)]},
+    "dq": {32: [(128, 64, 8, 3), (64, 64, 4, 3)],
+           64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
+           128: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
+           256: [(64, 32, 8, 2), (32, 32, 4, 2)]},
 }
 _INTERPRETER_CONFIG = (32, 32, 4, 1)  # one small tile: every tile costs real time there
+_DECODE_CONFIG = {False: (16, 64, 4, 3), True: (16, 32, 4, 3)}  # by d > 128: a tall query tile would be padding
+_tuner = Tuner()
 
 
-def _config(kernel: str, d: int):
-    return _INTERPRETER_CONFIG if INTERPRETED else CONFIGS[kernel][d]
-
-
-def _blocks(d: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the forward for head dim ``d``."""
-    return _config("fwd", d)[:3]
+def _config(kernel: str, q, k, causal, launch) -> tuple:
+    if INTERPRETED:
+        return _INTERPRETER_CONFIG
+    b, h, sq, d = q.shape
+    if kernel == "fwd" and sq <= 16:
+        return _DECODE_CONFIG[d > 128]
+    key = (kernel, d, q.dtype, causal, bucket(sq), bucket(k.shape[2]), bucket(b * h), h // k.shape[1])
+    return _tuner.pick(key, CONFIGS[kernel][d], launch)
 
 
 def _upcast(dtype) -> bool:
@@ -344,11 +359,14 @@ def _splits(b, h, sq, skv, block_m, block_n, device=None) -> int:
 
 def attention_fwd(q, k, v, *, causal, scale):
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    config = _config("fwd", q, k, causal, lambda c: _forward(q, k, v, causal, scale, c))
+    return _forward(q, k, v, causal, scale, config)
+
+
+def _forward(q, k, v, causal, scale, config):
     b, h, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
-    block_m, block_n, warps, stages = _config("fwd", d)
-    if sq <= 16 and not INTERPRETED:  # decode: a tall query tile would be mostly padding
-        block_m, block_n, warps, stages = 16, 64 if d <= 128 else 32, 4, 3
+    block_m, block_n, warps, stages = config
     splits = _splits(b, h, sq, skv, block_m, block_n, q.device)
     keys_per_split = triton.cdiv(triton.cdiv(skv, splits), block_n) * block_n
     splits = triton.cdiv(skv, keys_per_split)
@@ -383,12 +401,20 @@ def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2))
     common = dict(CAUSAL=causal, D=d, UPCAST=_upcast(q.dtype))
-    block_m, block_n, warps, stages = _config("dkdv", d)
-    _bwd_dkdv_kernel[(triton.cdiv(skv, block_n), b * hkv)](
-        q, k, v, dout, lse, delta, dk, dv, *strides, hkv, h // hkv, sq, skv, scale, scale * LOG2E.value,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common)
-    block_m, block_n, warps, stages = _config("dq", d)
-    _bwd_dq_kernel[(triton.cdiv(sq, block_m), b * h)](
-        q, k, v, dout, lse, delta, dq, *strides, h, h // hkv, sq, skv, scale, scale * LOG2E.value,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common)
+
+    def run_dkdv(config):
+        block_m, block_n, warps, stages = config
+        _bwd_dkdv_kernel[(triton.cdiv(skv, block_n), b * hkv)](
+            q, k, v, dout, lse, delta, dk, dv, *strides, hkv, h // hkv, sq, skv, scale, scale * LOG2E.value,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common)
+
+    def run_dq(config):
+        block_m, block_n, warps, stages = config
+        _bwd_dq_kernel[(triton.cdiv(sq, block_m), b * h)](
+            q, k, v, dout, lse, delta, dq, *strides, h, h // hkv, sq, skv, scale, scale * LOG2E.value,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common)
+
+    # Both kernels overwrite their outputs, so timing a candidate leaves nothing to undo.
+    run_dkdv(_config("dkdv", q, k, causal, run_dkdv))
+    run_dq(_config("dq", q, k, causal, run_dq))
     return dq, dk, dv

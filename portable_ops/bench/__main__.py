@@ -1,4 +1,4 @@
-"""python -m portable_ops.bench optimizer|clip|attention [--out DIR]
+"""python -m portable_ops.bench optimizer|clip|attention|decode [--out DIR]
 
 Times portable_ops against PyTorch's own kernels in the same run, on the GPU, prints a table,
 and writes JSON and a plot into DIR (default docs/perf).
@@ -17,7 +17,9 @@ COLUMNS = {
     "optimizer": ["bench", "variant", "ms", "host ms", "TB/s", "of copy", "vs torch fused", "steady ms",
                   "steady vs torch fused"],
     "clip": ["bench", "variant", "ms", "clip ms", "vs torch pair", "steady ms", "steady vs torch pair"],
-    "attention": ["variant", "dir", "D", "S", "B", "Hkv", "causal", "ms", "TFLOP/s", "error"],
+    "attention": ["variant", "dir", "D", "S", "B", "Hkv", "causal", "ms", "TFLOP/s", "steady ms", "steady TFLOP/s",
+                  "error"],
+    "decode": ["variant", "B", "cache", "us", "steady us", "graph us", "graph GB/s", "error"],
 }
 
 
@@ -28,7 +30,19 @@ def plot(name, rows, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    if name == "attention":
+    if name == "decode":
+        for variant in sorted({r["variant"] for r in rows}):
+            for b in sorted({r["B"] for r in rows}):
+                pts = [(r["cache"], r["graph us"]) for r in rows if r["variant"] == variant and r["B"] == b
+                       and r.get("graph us")]
+                if pts:
+                    xs, ys = zip(*sorted(pts))
+                    ax.plot(xs, ys, marker="o", label=f"{variant} B={b}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("KV cache length (Sq = 1, 32 query heads over 8 KV heads, D=128, bf16)")
+        ax.set_ylabel("us per call, CUDA graph replay")
+    elif name == "attention":
         for variant in sorted({r["variant"] for r in rows}):
             for direction in ("fwd", "bwd"):
                 pts = [(r["S"], r["TFLOP/s"]) for r in rows if r["variant"] == variant and r["dir"] == direction
@@ -43,7 +57,8 @@ def plot(name, rows, path):
         timed = [r for r in rows if r.get("ms")]
         ax.barh([f"{r['bench']}: {r['variant']}" for r in timed], [r["ms"] for r in timed])
         ax.set_xlabel("ms per step (lower is better)")
-    ax.legend(fontsize=7) if name == "attention" else None
+    if name in ("attention", "decode"):
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -61,6 +76,8 @@ def main(argv=None) -> int:
         from .optimizer import run_optimizer as run
     elif args.bench == "clip":
         from .optimizer import run_clip_step as run
+    elif args.bench == "decode":
+        from .attention import run_decode as run
     else:
         from .attention import run_attention
 

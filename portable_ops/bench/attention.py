@@ -1,4 +1,5 @@
-"""Attention benchmarks: portable_ops against each of SDPA's backends, forward and backward, in TFLOP/s."""
+"""Attention benchmarks: portable_ops against each of SDPA's backends, forward and backward, in
+TFLOP/s; and decode (one query token against a KV cache), in microseconds and GB/s."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import portable_ops
 
-from .common import median_ms
+from .common import graphed, median_ms, steady_ms
 
 SDPA = {"sdpa flash": SDPBackend.FLASH_ATTENTION, "sdpa cudnn": SDPBackend.CUDNN_ATTENTION,
         "sdpa efficient": SDPBackend.EFFICIENT_ATTENTION}
@@ -20,12 +21,24 @@ def _flops(b, h, s, d, causal, direction):
 
 
 def _time(fn, q, k, v, direction):
+    """(ms with the device drained before each call, ms per call enqueued back to back)."""
     if direction == "fwd":
         with torch.no_grad():
-            return median_ms(lambda: fn(q, k, v), iters=20)
+            return median_ms(lambda: fn(q, k, v), iters=20), steady_ms(lambda: fn(q, k, v))
     out = fn(q, k, v)
     dout = torch.randn_like(out)
-    return median_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), iters=20)
+    backward = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+    return median_ms(backward, iters=20), steady_ms(backward)
+
+
+def _sdpa_variants(causal, gqa):
+    variants = {}
+    for name, backend in SDPA.items():
+        def sdpa(q, k, v, backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        variants[name] = sdpa
+    return variants
 
 
 def run_attention(seqs=(512, 1024, 2048, 4096, 8192, 16384), head_dims=(64, 128), tokens=16384, heads=16,
@@ -39,23 +52,47 @@ def run_attention(seqs=(512, 1024, 2048, 4096, 8192, 16384), head_dims=(64, 128)
                     q = torch.randn(b, heads, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                     k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                     v = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                    variants = {"portable_ops": lambda q, k, v: portable_ops.attention(q, k, v, causal=causal)}
-                    for name, backend in SDPA.items():
-                        def sdpa(q, k, v, backend=backend):
-                            with sdpa_kernel(backend):
-                                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hkv != heads)
-                        variants[name] = sdpa
+                    variants = {"portable_ops": lambda q, k, v: portable_ops.attention(q, k, v, causal=causal),
+                                **_sdpa_variants(causal, hkv != heads)}
                     for direction in ("fwd", "bwd"):
                         for name, fn in variants.items():
                             try:
-                                ms = _time(fn, q, k, v, direction)
+                                ms, steady = _time(fn, q, k, v, direction)
                             except RuntimeError as exc:  # an SDPA backend that can't take this shape
                                 rows.append({"bench": "attention", "variant": name, "dir": direction, "D": d,
                                              "S": s, "B": b, "Hkv": hkv, "causal": causal,
                                              "error": str(exc).splitlines()[0][:80]})
                                 continue
                             rows.append({"bench": "attention", "variant": name, "dir": direction, "D": d, "S": s,
-                                         "B": b, "Hkv": hkv, "causal": causal, "ms": ms,
-                                         "TFLOP/s": _flops(b, heads, s, d, causal, direction) / (ms * 1e-3) / 1e12})
+                                         "B": b, "Hkv": hkv, "causal": causal, "ms": ms, "steady ms": steady,
+                                         "TFLOP/s": _flops(b, heads, s, d, causal, direction) / (ms * 1e-3) / 1e12,
+                                         "steady TFLOP/s": _flops(b, heads, s, d, causal, direction) / (steady * 1e-3) / 1e12})
                     del q, k, v
+    return rows
+
+
+def run_decode(caches=(1024, 4096, 16384, 65536), batches=(1, 8), heads=32, kv_heads=8, d=128) -> list[dict]:
+    """One new token per sequence (Sq = 1, causal: it sees the whole cache) in bf16, forward only.
+    GB/s counts the K and V bytes read, which bound decode."""
+    rows = []
+    for b in batches:
+        for s in caches:
+            q = torch.randn(b, heads, 1, d, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(b, kv_heads, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            kv_bytes = 2 * k.numel() * k.element_size()
+            variants = {"portable_ops": lambda q, k, v: portable_ops.attention(q, k, v, causal=True),
+                        **_sdpa_variants(True, True)}
+            for name, fn in variants.items():
+                call = lambda fn=fn: fn(q, k, v)  # noqa: E731
+                row = {"bench": "decode", "variant": name, "B": b, "cache": s, "Hq": heads, "Hkv": kv_heads, "D": d}
+                try:
+                    with torch.no_grad():
+                        row["us"] = 1e3 * median_ms(call, iters=30)
+                        row["steady us"] = 1e3 * steady_ms(call, iters=50)
+                        row["graph us"] = 1e3 * median_ms(graphed(call), iters=30)
+                    row["graph GB/s"] = kv_bytes / (row["graph us"] * 1e-6) / 1e9
+                except RuntimeError as exc:
+                    row["error"] = str(exc).splitlines()[0][:80]
+                rows.append(row)
+            del q, k, v
     return rows
