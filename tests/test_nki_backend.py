@@ -138,6 +138,12 @@ ATTN_SHAPES = {  # (B, Hq, Hkv, Sq, Skv, D, causal)
     "more_queries_than_keys": (1, 2, 2, 140, 12, 32, True),  # the first 128 rows see no key
     "decode": (2, 4, 1, 1, 260, 64, True),
     "head_dim_128": (1, 1, 1, 20, 20, 128, True),
+    # head dims over 128: Q K^T and dO V^T contract over two chunks of partitions (192 = 128 + 64)
+    "head_dim_192_gqa_causal": (1, 4, 2, 130, 150, 192, True),
+    "head_dim_192_decode": (1, 2, 1, 1, 200, 192, True),
+    "head_dim_256_causal": (1, 2, 2, 140, 140, 256, True),
+    "head_dim_256_gqa_cross": (1, 4, 1, 70, 200, 256, False),
+    "head_dim_256_decode": (2, 4, 2, 1, 260, 256, True),
 }
 
 
@@ -183,10 +189,13 @@ def test_attention_through_the_public_api_with_autograd():
         torch.testing.assert_close(a.grad, b.grad, atol=8e-3, rtol=8e-3)
 
 
-def test_attention_declines_head_dim_over_128_with_a_reason():
-    q = torch.zeros(1, 1, 4, 160)
+def test_attention_takes_head_dims_up_to_256_and_declines_larger_with_a_reason():
+    for d in (160, 256):
+        q = torch.zeros(1, 1, 4, d)
+        assert OPS["attention_fwd"].supports(dict(q=q, k=q, v=q, causal=False, scale=1.0)) == []
+    q = torch.zeros(1, 1, 4, 320)
     reasons = OPS["attention_fwd"].supports(dict(q=q, k=q, v=q, causal=False, scale=1.0))
-    assert reasons and "head_dim 160 > 128" in reasons[0]
+    assert reasons and "head_dim 320 > 256" in reasons[0]
 
 
 # ----------------------------------------------------------------------------- SDK wiring, mocked

@@ -2,8 +2,11 @@
 
 Layout: a query tile holds up to 128 rows on the partitions; a key tile holds up to 128 keys.
 Scores ``S = Q K^T`` come from ``nc_matmul(stationary=Q^T [D, bq], moving=K^T [D, bk])`` into
-PSUM, so the head dim is the contraction and must fit the 128 partitions (``D <= 128``).
-``Q^T`` / ``K^T`` / ``P^T`` are made on the Tensor Engine with ``nc_transpose``. Ragged
+PSUM, so the head dim is the contraction, on the partitions. A head dim over 128 is split into
+chunks of at most 128 partitions (``[128, n_chunks, rows]`` tiles) whose matmuls accumulate into
+one PSUM tile; where D is a free size (``P V`` and the gradients, ``[rows, D]`` in PSUM) it needs
+no split up to 512 fp32 per bank. ``Q^T`` / ``K^T`` / ``P^T`` are made on the Tensor Engine with
+``nc_transpose``. Ragged
 sequence lengths use smaller static edge tiles; the causal mask (query ``i`` sees key ``j``
 iff ``j <= i + Skv - Sq``) is one GpSimd ``affine_select`` on the diagonal blocks only, and
 key blocks no row of a query tile can see are skipped at trace time. GQA reads K/V head
@@ -27,15 +30,48 @@ from .runtime import launch
 B_Q = 128  # query rows per tile (partition axis)
 B_K = 128  # keys per tile (P^T needs the keys on <= 128 partitions)
 NEG = -1.0e30  # finite "minus infinity" for masked scores: exp(NEG - m) == 0, no inf - inf
+PMAX = 128  # partitions: the most a matmul contracts over, and a transpose's largest side
 
 
 def _transposed(src, rows, cols, dtype):
-    """``src [rows, cols]`` (SBUF) -> ``[cols, rows]`` in SBUF, through a Tensor Engine transpose."""
+    """``src [rows, cols]`` (SBUF, ``cols <= 128``) -> ``[cols, rows]`` in SBUF, through a Tensor Engine transpose."""
     t_ps = nl.ndarray((cols, rows), dtype=nl.float32, buffer=nl.psum)
     nisa.nc_transpose(t_ps, src)
     t_sb = nl.ndarray((cols, rows), dtype=dtype, buffer=nl.sbuf)
     nisa.tensor_copy(t_sb, t_ps)
     return t_sb
+
+
+def _chunks(n):
+    """``(index, start, size)`` of the pieces of at most 128 that a dimension of ``n`` splits into."""
+    return [(c, c0, min(PMAX, n - c0)) for c, c0 in enumerate(range(0, n, PMAX))]
+
+
+def _transposed_chunks(src, rows, cols, dtype):
+    """``src [rows, cols]`` (SBUF) -> ``[min(cols, 128), n_chunks, rows]`` in SBUF: chunk ``c`` is
+    ``src[:, c0:c0 + size]`` transposed, on its first ``size`` partitions (the layout
+    :func:`_matmul_chunked` contracts over). All chunks share one PSUM tile (a bank holds
+    ``n_chunks * rows <= 512`` fp32), so a wider head dim costs no extra PSUM bank."""
+    chunks = _chunks(cols)
+    shape = (min(cols, PMAX), len(chunks), rows)
+    t_ps = nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum)
+    for c, c0, size in chunks:
+        nisa.nc_transpose(t_ps[0:size, c, :], src[:, c0:c0 + size])
+    t_sb = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
+    full, ragged = divmod(cols, PMAX)
+    if full:  # the full chunks in one copy
+        nisa.tensor_copy(t_sb[:, 0:full, :], t_ps[:, 0:full, :])
+    if ragged:  # only the written partitions of the last chunk
+        nisa.tensor_copy(t_sb[0:ragged, full, :], t_ps[0:ragged, full, :])
+    return t_sb
+
+
+def _matmul_chunked(dst, stationary, moving, size):
+    """``dst = stationary^T moving`` contracting over ``size`` rows that may exceed the 128
+    partitions: both operands are in :func:`_transposed_chunks`' layout, and the chunk matmuls
+    accumulate into the one PSUM tile ``dst``."""
+    for c, _, part in _chunks(size):
+        nisa.nc_matmul(dst, stationary[0:part, c, :], moving[0:part, c, :], accumulate=c > 0)
 
 
 def _load(src, rows, cols, dtype):
@@ -53,10 +89,10 @@ def _visible_key_blocks(q0, bq, Sq, Skv, causal):
     return 0 if last < 0 else min(n_k, last // B_K + 1)
 
 
-def _scores(qT, kT, bq, bk, q0, k0, shift, scale, causal):
+def _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, causal):
     """Scaled, masked scores ``[bq, bk]`` in float32 SBUF."""
     s_ps = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_matmul(s_ps, qT, kT, accumulate=False)
+    _matmul_chunked(s_ps, qT, kT, D)
     s = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(s, op=nl.copy, data=s_ps, scale=scale)
     if causal and k0 + bk - 1 > q0 + shift:  # some (row, key) of this block is above the diagonal
@@ -91,7 +127,7 @@ def attention_fwd_kernel(q, k, v, scale=1.0, causal=False):
                     q0 = qi * B_Q
                     bq = min(B_Q, Sq - q0)
                     q_sb = _load(q[b, h, q0:q0 + bq, 0:D], bq, D, dt)
-                    qT = _transposed(q_sb, bq, D, dt)
+                    qT = _transposed_chunks(q_sb, bq, D, dt)
                     m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.memset(m, NEG)
                     l_sum = nl.zeros((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -100,9 +136,9 @@ def attention_fwd_kernel(q, k, v, scale=1.0, causal=False):
                         k0 = ki * B_K
                         bk = min(B_K, Skv - k0)
                         k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
-                        kT = _transposed(k_sb, bk, D, dt)
+                        kT = _transposed_chunks(k_sb, bk, D, dt)
                         v_sb = _load(v[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
-                        s = _scores(qT, kT, bq, bk, q0, k0, shift, scale, causal)
+                        s = _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, causal)
                         # online softmax: m_new = max(m, rowmax(s)); alpha = exp(m - m_new)
                         m_new = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
                         nisa.tensor_reduce(m_new, op=nl.maximum, data=s, axis=1, keepdims=True)
@@ -146,8 +182,8 @@ def _query_side(q, o, do, lse, b, h, q0, bq, D, dt, shift, causal):
     q_sb = _load(q[b, h, q0:q0 + bq, 0:D], bq, D, dt)
     do_sb = _load(do[b, h, q0:q0 + bq, 0:D], bq, D, dt)
     o_sb = _load(o[b, h, q0:q0 + bq, 0:D], bq, D, dt)
-    qT = _transposed(q_sb, bq, D, dt)
-    doT = _transposed(do_sb, bq, D, dt)
+    qT = _transposed_chunks(q_sb, bq, D, dt)
+    doT = _transposed_chunks(do_sb, bq, D, dt)
     lse_t = _load(lse[b, h, q0:q0 + bq, 0:1], bq, 1, nl.float32)
     neg_lse = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(neg_lse, lse_t, op0=nl.multiply, operand0=-1.0)
@@ -160,13 +196,13 @@ def _query_side(q, o, do, lse, b, h, q0, bq, D, dt, shift, causal):
     return q_sb, do_sb, qT, doT, neg_lse, delta
 
 
-def _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, bq, bk, q0, k0, shift, scale, causal):
+def _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, bq, bk, q0, k0, shift, scale, causal):
     """P = exp(S - lse) and dS = P * (dO V^T - delta), both ``[bq, bk]`` float32."""
-    s = _scores(qT, kT, bq, bk, q0, k0, shift, scale, causal)
+    s = _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, causal)
     p = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(p, op=nl.exp, data=s, bias=neg_lse)
     dp_ps = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.psum)
-    nisa.nc_matmul(dp_ps, doT, vT, accumulate=False)
+    _matmul_chunked(dp_ps, doT, vT, D)
     ds = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(ds, data=dp_ps, op0=nl.subtract, operand0=delta, op1=nl.multiply, operand1=p)
     return p, ds
@@ -217,9 +253,9 @@ def attention_bwd_kernel(q, k, v, o, lse, do, scale=1.0, causal=False):
                         bk = min(B_K, Skv - k0)
                         k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
                         v_sb = _load(v[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
-                        kT = _transposed(k_sb, bk, D, dt)
-                        vT = _transposed(v_sb, bk, D, dt)
-                        _, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, bq, bk, q0, k0, shift, scale, causal)
+                        kT = _transposed_chunks(k_sb, bk, D, dt)
+                        vT = _transposed_chunks(v_sb, bk, D, dt)
+                        _, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, bq, bk, q0, k0, shift, scale, causal)
                         dsT = _transposed(_cast(ds, bq, bk, dt), bq, bk, dt)
                         dq_ps = nl.ndarray((bq, D), dtype=nl.float32, buffer=nl.psum)
                         nisa.nc_matmul(dq_ps, dsT, k_sb, accumulate=False)
@@ -236,8 +272,8 @@ def attention_bwd_kernel(q, k, v, o, lse, do, scale=1.0, causal=False):
                 bk = min(B_K, Skv - k0)
                 k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
                 v_sb = _load(v[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
-                kT = _transposed(k_sb, bk, D, dt)
-                vT = _transposed(v_sb, bk, D, dt)
+                kT = _transposed_chunks(k_sb, bk, D, dt)
+                vT = _transposed_chunks(v_sb, bk, D, dt)
                 dk_acc = nl.zeros((bk, D), dtype=nl.float32, buffer=nl.sbuf)
                 dv_acc = nl.zeros((bk, D), dtype=nl.float32, buffer=nl.sbuf)
                 for g in nl.static_range(G):
@@ -247,8 +283,8 @@ def attention_bwd_kernel(q, k, v, o, lse, do, scale=1.0, causal=False):
                         bq = min(B_Q, Sq - q0)
                         q_sb, do_sb, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, b, h, q0, bq, D, dt,
                                                                             shift, causal)
-                        p, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, bq, bk, q0, k0, shift, scale,
-                                                   causal)
+                        p, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, bq, bk, q0, k0, shift,
+                                                   scale, causal)
                         dv_ps = nl.ndarray((bk, D), dtype=nl.float32, buffer=nl.psum)
                         nisa.nc_matmul(dv_ps, _cast(p, bq, bk, dt), do_sb, accumulate=False)
                         nisa.tensor_tensor(dv_acc, dv_acc, dv_ps, op=nl.add)
@@ -265,7 +301,9 @@ def attention_bwd_kernel(q, k, v, o, lse, do, scale=1.0, causal=False):
 
 # ----------------------------------------------------------------------------- host side
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_HEAD_DIM = 128
+# Declared where it is tested. The kernels' own bound is 512: P V and the gradients hold a
+# [rows, D] fp32 tile in one 2 KiB PSUM bank, and a matmul's moving free size is at most 512.
+MAX_HEAD_DIM = 256
 
 
 def attention_supports(call) -> list[str]:
@@ -277,8 +315,8 @@ def attention_supports(call) -> list[str]:
         reasons.append("NKI attention needs q, k and v in one dtype")
     d = q.shape[-1]
     if d > MAX_HEAD_DIM:
-        reasons.append(f"head_dim {d} > {MAX_HEAD_DIM}: the NKI kernels contract the head dim over the 128 "
-                       "partitions of one tile")
+        reasons.append(f"head_dim {d} > {MAX_HEAD_DIM}: the NKI attention kernels are tested up to head dim "
+                       f"{MAX_HEAD_DIM} (chunks of 128 partitions accumulated in PSUM)")
     if q.shape[-2] == 0 or k.shape[-2] == 0 or d == 0:
         reasons.append("NKI attention needs non-empty sequences and head dim")
     return reasons
