@@ -66,12 +66,12 @@ def _transposed_chunks(src, rows, cols, dtype):
     return t_sb
 
 
-def _matmul_chunked(dst, stationary, moving, size):
-    """``dst = stationary^T moving`` contracting over ``size`` rows that may exceed the 128
-    partitions: both operands are in :func:`_transposed_chunks`' layout, and the chunk matmuls
-    accumulate into the one PSUM tile ``dst``."""
-    for c, _, part in _chunks(size):
-        nisa.nc_matmul(dst, stationary[0:part, c, :], moving[0:part, c, :], accumulate=c > 0)
+def _matmul_chunked(dst, stationary, moving, contraction):
+    """``dst = stationary^T moving`` over a contraction that may exceed the 128 partitions: both
+    operands are in :func:`_transposed_chunks`' layout, and the chunk matmuls accumulate into the
+    one PSUM tile ``dst``."""
+    for c, _, size in _chunks(contraction):
+        nisa.nc_matmul(dst, stationary[0:size, c, :], moving[0:size, c, :], accumulate=c > 0)
 
 
 def _load(src, rows, cols, dtype):

@@ -52,14 +52,16 @@ def measure():
     with emulator.count_instructions() as s:
         norm_partials_kernel(p)
     rows.append(("grad norm phase 1, fp32, 1,048,576 elements", s, "fp32", 0))
-    B, H, S, D = 1, 4, 512, 128
-    q, k, v = (torch.randn(B, H, S, D).bfloat16() for _ in range(3))
-    with emulator.count_instructions() as s:
-        out, lse = attention_fwd_kernel(q, k, v, scale=D ** -0.5, causal=True)
-    rows.append((f"attention fwd bf16 causal B={B} H={H} S={S} D={D}", s, "bf16", 2 * 2 * B * H * S * S * D / 2))
-    with emulator.count_instructions() as s:
-        attention_bwd_kernel(q, k, v, out, lse, q, scale=D ** -0.5, causal=True)
-    rows.append((f"attention bwd bf16 causal B={B} H={H} S={S} D={D}", s, "bf16", 2.5 * 2 * 2 * B * H * S * S * D / 2))
+    B, H, S = 1, 4, 512
+    for D in (128, 256):  # 256: two chunks of 128 partitions per Q K^T / dO V^T contraction
+        q, k, v = (torch.randn(B, H, S, D).bfloat16() for _ in range(3))
+        with emulator.count_instructions() as s:
+            out, lse = attention_fwd_kernel(q, k, v, scale=D ** -0.5, causal=True)
+        rows.append((f"attention fwd bf16 causal B={B} H={H} S={S} D={D}", s, "bf16", 2 * 2 * B * H * S * S * D / 2))
+        with emulator.count_instructions() as s:
+            attention_bwd_kernel(q, k, v, out, lse, q, scale=D ** -0.5, causal=True)
+        rows.append((f"attention bwd bf16 causal B={B} H={H} S={S} D={D}", s, "bf16",
+                     2.5 * 2 * 2 * B * H * S * S * D / 2))
     return rows
 
 
