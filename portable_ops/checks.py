@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _name(arg: str, i: int | None) -> str:
@@ -46,15 +47,31 @@ def check_adam_hyperparameters(*, lr, beta1, beta2, eps, weight_decay) -> None:
     check_number("weight_decay", weight_decay, low=0.0)
 
 
+def check_state_dtype(state_dtype) -> None:
+    if state_dtype is None or state_dtype is torch.float32:
+        return
+    if not isinstance(state_dtype, torch.dtype):
+        raise TypeError(f"state_dtype must be None or torch.float32, got {type(state_dtype).__name__} {state_dtype!r}")
+    raise ValueError(f"state_dtype must be None (state in the param's dtype) or torch.float32, got {state_dtype}")
+
+
+def state_dtype_for(param_dtype: torch.dtype, state_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of a param's optimizer state: float32 for half params under ``state_dtype=torch.float32``,
+    else the param's own (float32 state never narrows a float64 param's)."""
+    return state_dtype if state_dtype is not None and param_dtype in HALF_DTYPES else param_dtype
+
+
 def _layout(t):
     return t.shape, t.dtype, t.device, t.layout
 
 
-def check_tensor_lists(lists: dict[str, Sequence[torch.Tensor]], *, like: str, one_device: bool = True) -> None:
+def check_tensor_lists(lists: dict[str, Sequence[torch.Tensor]], *, like: str, one_device: bool = True,
+                       state: Sequence[str] = (), state_dtype: torch.dtype | None = None) -> None:
     """Every list as long as ``lists[like]``; every tensor shaped, typed and placed like its ``like`` twin.
 
     ``one_device``: all of ``lists[like]`` on one device (one kernel launch serves them), else
-    only of one device type.
+    only of one device type. The lists named in ``state`` are typed ``state_dtype_for(their twin's
+    dtype, state_dtype)`` instead.
     """
     ref = lists[like]
     for arg, tensors in lists.items():
@@ -69,14 +86,18 @@ def check_tensor_lists(lists: dict[str, Sequence[torch.Tensor]], *, like: str, o
         ok = all(lay[1] in FLOAT_DTYPES and lay[3] == torch.strided for lay in expected)
         places = {lay[2] if one_device else lay[2].type for lay in expected}
         ok = ok and len(places) <= 1
-        ok = ok and all([_layout(t) for t in tensors] == expected for arg, tensors in lists.items() if arg != like)
+        expected_state = expected
+        if state_dtype is not None:
+            expected_state = [(s, state_dtype_for(d, state_dtype), dev, lay) for s, d, dev, lay in expected]
+        ok = ok and all([_layout(t) for t in tensors] == (expected_state if arg in state else expected)
+                        for arg, tensors in lists.items() if arg != like)
     except AttributeError:
         ok = False
     if not ok:
-        _explain_tensor_lists(lists, like, one_device)
+        _explain_tensor_lists(lists, like, one_device, state, state_dtype)
 
 
-def _explain_tensor_lists(lists, like, one_device) -> None:
+def _explain_tensor_lists(lists, like, one_device, state, state_dtype) -> None:
     ref = lists[like]
     device = None
     for i, p in enumerate(ref):
@@ -92,7 +113,9 @@ def _explain_tensor_lists(lists, like, one_device) -> None:
                 continue
             if t.shape != p.shape:
                 raise ValueError(f"{_name(arg, i)} has shape {tuple(t.shape)} but {_name(like, i)} has {tuple(p.shape)}")
-            if t.dtype != p.dtype:
+            if arg in state:
+                _check_state_tensor_dtype(_name(arg, i), t.dtype, _name(like, i), p.dtype, state_dtype)
+            elif t.dtype != p.dtype:
                 raise TypeError(f"{_name(arg, i)} has dtype {t.dtype} but {_name(like, i)} has {p.dtype}")
             if t.device != p.device:
                 raise ValueError(f"{_name(arg, i)} is on {t.device} but {_name(like, i)} is on {p.device}")
@@ -101,6 +124,19 @@ def _explain_tensor_lists(lists, like, one_device) -> None:
         elif p.device != device if one_device else p.device.type != device.type:
             raise ValueError(f"{_name(like, i)} is on {p.device} but {_name(like, 0)} is on {device}; one call "
                              f"takes tensors of one {'device' if one_device else 'device type'}")
+
+
+def _check_state_tensor_dtype(arg, dtype, like, param_dtype, state_dtype) -> None:
+    expected = state_dtype_for(param_dtype, state_dtype)
+    if dtype == expected:
+        return
+    if state_dtype is None and dtype == torch.float32 and param_dtype in HALF_DTYPES:
+        raise TypeError(f"{arg} has dtype {dtype} but {like} has {param_dtype}; "
+                        f"pass state_dtype=torch.float32 for float32 state")
+    if state_dtype is None:
+        raise TypeError(f"{arg} has dtype {dtype} but {like} has {param_dtype}")
+    raise TypeError(f"{arg} has dtype {dtype}, but with state_dtype={state_dtype} the state of a {param_dtype} "
+                    f"{like} is {expected}")
 
 
 def check_steps(state_steps: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:

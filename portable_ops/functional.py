@@ -10,20 +10,24 @@ from .dispatch import dispatch
 
 def adam_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad=False, beta1=0.9,
               beta2=0.999, lr=1e-3, weight_decay=0.0, eps=1e-8, maximize=False, decoupled_weight_decay=False,
-              grad_scale=None, found_inf=None, clip_coef=None, state_checked=False):
+              grad_scale=None, found_inf=None, clip_coef=None, state_dtype=None, state_checked=False):
     """Check every argument of an Adam step; return the call as the backends take it.
+
+    Backends read the state's dtype from the tensors, so ``state_dtype`` is checked, not passed on.
 
     ``state_checked``: the moment and step lists were checked against ``params`` on an earlier
     step and have not changed since (the optimizer classes know); only the grads are checked.
     """
     checks.check_adam_hyperparameters(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    checks.check_state_dtype(state_dtype)
     lists = {"params": params, "grads": grads}
     if not state_checked:
         lists.update(exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
         if amsgrad:
             lists["max_exp_avg_sqs"] = max_exp_avg_sqs
         checks.check_steps(state_steps, params)
-    checks.check_tensor_lists(lists, like="params")
+    checks.check_tensor_lists(lists, like="params", state=("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
+                              state_dtype=state_dtype)
     device = params[0].device if params else None
     for arg, t in (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef)):
         checks.check_scalar_tensor(arg, t, device)
@@ -39,7 +43,7 @@ def adam_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
 
 def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad=False, beta1=0.9,
          beta2=0.999, lr=1e-3, weight_decay=0.0, eps=1e-8, maximize=False, decoupled_weight_decay=False,
-         grad_scale=None, found_inf=None, clip_coef=None):
+         grad_scale=None, found_inf=None, clip_coef=None, state_dtype=None):
     """One Adam (``decoupled_weight_decay=False``) or AdamW step over lists of tensors, in place.
 
     Same meaning as ``torch.optim.adam.adam`` / ``adamw``: ``state_steps`` are
@@ -47,11 +51,16 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     grad first (AMP); a non-zero ``found_inf`` makes the step change nothing.
     ``clip_coef`` (a device scalar, from global-norm clipping) multiplies every
     grad, so clipping fuses into the step without rewriting the grads.
+
+    ``state_dtype`` says what the caller's moment tensors hold: None, the param's dtype (as
+    torch); ``torch.float32``, float32 for float16/bfloat16 params (and the param's dtype for
+    float32/float64 ones). The step is then computed in float32 from the float32 state and the
+    param is rounded once, to its dtype.
     """
     call = adam_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad=amsgrad,
                      beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize,
                      decoupled_weight_decay=decoupled_weight_decay, grad_scale=grad_scale, found_inf=found_inf,
-                     clip_coef=clip_coef)
+                     clip_coef=clip_coef, state_dtype=state_dtype)
     if not call["params"]:
         return
     dispatch("adam", call, call["params"][0].device).run(**call)

@@ -4,7 +4,8 @@ Constructor arguments, defaults and ``state_dict`` layout are torch's
 (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so checkpoints move
 between ``torch.optim.Adam/AdamW`` and these classes in both directions.
 ``max_grad_norm`` fuses global-norm clipping into the step: the grads are read
-once for the norm and once for the step, and are not rewritten.
+once for the norm and once for the step, and are not rewritten. ``state_dtype=torch.float32``
+keeps the moments of float16/bfloat16 params in float32.
 """
 
 from __future__ import annotations
@@ -25,21 +26,28 @@ class Adam(torch.optim.Optimizer):
     for torch runs unchanged; they change nothing here: every step is the fused
     multi-tensor path, with ``step`` kept on the parameter's device so a step
     never synchronises and can be captured in a CUDA graph.
+
+    ``state_dtype``: None keeps ``exp_avg``, ``exp_avg_sq`` and ``max_exp_avg_sq`` in the
+    param's dtype, as torch does; ``torch.float32`` keeps them in float32 for float16/bfloat16
+    params (float32 and float64 params keep their own dtype), so the moments do not lose the
+    small updates a 16-bit format rounds away. It is a per-group option; the state follows it when
+    created, when loaded (``load_state_dict``) and on the next step after it is changed.
     """
 
     decoupled_weight_decay = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 maximize=False, max_grad_norm=None, foreach=None, fused=None, capturable=False,
-                 differentiable=False):
+                 maximize=False, max_grad_norm=None, state_dtype=None, foreach=None, fused=None,
+                 capturable=False, differentiable=False):
         if differentiable:
             raise ValueError("differentiable=True is not supported: the fused step is not differentiable")
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair of floats, got {betas!r}")
         checks.check_adam_hyperparameters(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
         _check_max_grad_norm(max_grad_norm)
+        checks.check_state_dtype(state_dtype)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, max_grad_norm=max_grad_norm)
+                        maximize=maximize, max_grad_norm=max_grad_norm, state_dtype=state_dtype)
         super().__init__(params, defaults)
         self._step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
         self.last_grad_norm: torch.Tensor | None = None
@@ -53,13 +61,41 @@ class Adam(torch.optim.Optimizer):
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("max_grad_norm", self.defaults.get("max_grad_norm"))
+            group.setdefault("state_dtype", self.defaults.get("state_dtype"))
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
-        _check_max_grad_norm(self.param_groups[-1]["max_grad_norm"])
-        if len({g["max_grad_norm"] for g in self.param_groups}) > 1:
+        group = self.param_groups[-1]
+        try:
+            _check_max_grad_norm(group["max_grad_norm"])
+            checks.check_state_dtype(group["state_dtype"])
+            if len({g["max_grad_norm"] for g in self.param_groups}) > 1:
+                raise ValueError("max_grad_norm must be the same in every param group: the clip is one global norm")
+        except (TypeError, ValueError):
             self.param_groups.pop()
-            raise ValueError("max_grad_norm must be the same in every param group: the clip is one global norm")
+            raise
+
+    def load_state_dict(self, state_dict):
+        """torch's, except that each group keeps this optimizer's ``state_dtype`` and the moments take it.
+
+        torch casts floating-point state to the param's dtype, which would round a float32 checkpoint's
+        moments to bfloat16 on the way in; for groups with float32 state they are read again from the
+        checkpoint's own tensors, so float32 state loads exactly and torch's bfloat16 state is upcast
+        (exactly). A float32-state checkpoint loaded with ``state_dtype=None`` is rounded to the
+        param's dtype, as ``torch.optim`` would.
+        """
+        state_dtypes = [g["state_dtype"] for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for saved_group, group, state_dtype in zip(state_dict["param_groups"], self.param_groups, state_dtypes):
+            group["state_dtype"] = state_dtype
+            for saved_id, p in zip(saved_group["params"], group["params"]):
+                saved, state = state_dict["state"].get(saved_id), self.state.get(p)
+                if saved is None or state is None:
+                    continue
+                dtype = checks.state_dtype_for(p.dtype, state_dtype)
+                for key in _MOMENTS:
+                    if key in state and state[key].dtype != dtype:
+                        state[key] = saved[key].to(p.device, dtype)
 
     def _state_lists(self, group):
         """Per device, the params with grads and their state as lists, and the state to create.
@@ -69,17 +105,21 @@ class Adam(torch.optim.Optimizer):
         optimizer state through ``load_state_dict``, which drops the cache.
         """
         with_grad = [p for p in group["params"] if p.grad is not None]
+        flags = (group["amsgrad"], group["state_dtype"])
         cached = self._lists_cache.get(id(group))
-        if (cached is not None and cached[0] == group["amsgrad"] and len(cached[1]) == len(with_grad)
+        if (cached is not None and cached[0] == flags and len(cached[1]) == len(with_grad)
                 and all(a is b for a, b in zip(cached[1], with_grad))
                 and all(self.state.get(p) is s for p, s in zip(with_grad, cached[2]))):
             return cached[3], {}, True
+        checks.check_state_dtype(group["state_dtype"])
         by_device: dict[torch.device, dict[str, list]] = {}
         new_state, states = {}, []
         for p in with_grad:
-            state = self.state.get(p) or new_state.setdefault(p, _fresh_state(p, group["amsgrad"]))
-            if group["amsgrad"] and "max_exp_avg_sq" not in state:  # amsgrad switched on mid-run
-                state = new_state[p] = {**state, "max_exp_avg_sq": torch.zeros_like(p)}
+            dtype = checks.state_dtype_for(p.dtype, group["state_dtype"])
+            state = self.state.get(p) or new_state.setdefault(p, _fresh_state(p, group["amsgrad"], dtype))
+            conformed = _conformed_state(state, p, group["amsgrad"], dtype)
+            if conformed is not state:
+                state = new_state[p] = conformed
             states.append(state)
             lists = by_device.get(p.device)
             if lists is None:
@@ -91,7 +131,7 @@ class Adam(torch.optim.Optimizer):
             lists["exp_avg_sqs"].append(local(state["exp_avg_sq"]))
             lists["max"].append(local(state["max_exp_avg_sq"]) if group["amsgrad"] else None)
             lists["steps"].append(state["step"])
-        self._pending_cache[id(group)] = (group["amsgrad"], with_grad, states, by_device)
+        self._pending_cache[id(group)] = (flags, with_grad, states, by_device)
         return by_device, new_state, False
 
     def _calls(self, grad_scale, found_inf):
@@ -111,7 +151,8 @@ class Adam(torch.optim.Optimizer):
                     lists["max"] if group["amsgrad"] else [], lists["steps"], amsgrad=group["amsgrad"],
                     beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                     maximize=group["maximize"], decoupled_weight_decay=self.decoupled_weight_decay,
-                    grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device), state_checked=checked)))
+                    grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device),
+                    state_dtype=group["state_dtype"], state_checked=checked)))
         return calls, new_state
 
     @torch.no_grad()
@@ -129,11 +170,11 @@ class Adam(torch.optim.Optimizer):
                 if call["state_steps"][i].device != call["params"][i].device:
                     self.state[p]["step"] = call["state_steps"][i] = call["state_steps"][i].to(
                         call["params"][i].device, torch.float32)
-        for key, (amsgrad, with_grad, _, by_device) in self._pending_cache.items():
+        for key, (flags, with_grad, _, by_device) in self._pending_cache.items():
             states = [self.state[p] for p in with_grad]  # the dicts as committed above
             for lists in by_device.values():
                 lists["steps"] = [self.state[p]["step"] for p in lists["keys"]]
-            self._lists_cache[key] = (amsgrad, with_grad, states, by_device)
+            self._lists_cache[key] = (flags, with_grad, states, by_device)
         max_grad_norm = self.param_groups[0]["max_grad_norm"] if self.param_groups else None
         if max_grad_norm is not None and calls:
             coef = self._clip_coefficient([p.grad for keys, _ in calls for p in keys], max_grad_norm, grad_scale)
@@ -157,11 +198,11 @@ class AdamW(Adam):
     decoupled_weight_decay = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, max_grad_norm=None, foreach=None, fused=None, capturable=False,
-                 differentiable=False):
+                 maximize=False, max_grad_norm=None, state_dtype=None, foreach=None, fused=None,
+                 capturable=False, differentiable=False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                         max_grad_norm=max_grad_norm, foreach=foreach, fused=fused, capturable=capturable,
-                         differentiable=differentiable)
+                         max_grad_norm=max_grad_norm, state_dtype=state_dtype, foreach=foreach, fused=fused,
+                         capturable=capturable, differentiable=differentiable)
 
 
 def _check_max_grad_norm(value):
@@ -171,13 +212,23 @@ def _check_max_grad_norm(value):
             raise ValueError(f"max_grad_norm must be > 0 or None, got {value}")
 
 
-def _fresh_state(p, amsgrad):
-    state = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-             "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-             "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-    if amsgrad:
-        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _fresh_state(p, amsgrad, dtype):
+    state = {"step": torch.zeros((), dtype=torch.float32, device=p.device)}
+    for key in _MOMENTS[:3 if amsgrad else 2]:
+        state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
     return state
+
+
+def _conformed_state(state, p, amsgrad, dtype):
+    """``state`` with ``max_exp_avg_sq`` added if amsgrad was switched on and the moments cast if
+    ``state_dtype`` was changed since they were made; ``state`` itself when neither happened."""
+    changed = {key: state[key].to(dtype) for key in _MOMENTS if key in state and state[key].dtype != dtype}
+    if amsgrad and "max_exp_avg_sq" not in state:
+        changed["max_exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+    return {**state, **changed} if changed else state
 
 
 def _on(t, device):

@@ -1,9 +1,11 @@
-"""Fused Adam / AdamW / AMSGrad over many tensors: one launch per dtype.
+"""Fused Adam / AdamW / AMSGrad over many tensors: one launch per (param dtype, state dtype).
 
 Every hyperparameter that changes between steps (step count, lr as a tensor, grad_scale,
 found_inf, clip coefficient) is read from device memory inside the kernel, so a step
 never synchronises, never recompiles as training advances, and can be captured in a CUDA
 graph. Arithmetic is float32 whatever the storage dtype; the result is rounded on the store.
+The moments may be float32 under half-precision params (``state_dtype=torch.float32``): they
+are then read and stored through float32 pointers, so only the param is rounded to 16 bits.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import triton
 import triton.language as tl
 
 from . import multi_tensor as mt
-from .multi_tensor import PlanCache, address, block_offsets, by_dtype, not_contiguous, tables, this_chunk
+from .multi_tensor import PlanCache, address, block_offsets, by_dtype, dtype_of, not_contiguous, tables, this_chunk
 
 _plans = PlanCache()
 
@@ -24,17 +26,17 @@ _plans = PlanCache()
 def _adam_kernel(addresses, chunk_tensor, chunk_start, numels, n_tensors, step_addresses,
                  lr_ptr, lr_value, grad_scale_ptr, found_inf_ptr, clip_coef_ptr,
                  beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
-                 DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, AMSGRAD: tl.constexpr,
-                 MAXIMIZE: tl.constexpr, WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, LR_IS_TENSOR: tl.constexpr,
-                 HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_CLIP: tl.constexpr,
-                 ALIGNED: tl.constexpr):
+                 DTYPE: tl.constexpr, STATE_DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
+                 LR_IS_TENSOR: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+                 HAS_CLIP: tl.constexpr, ALIGNED: tl.constexpr):
     t, start, numel = this_chunk(chunk_tensor, chunk_start, numels)
     param = address(addresses, 0, n_tensors, t, DTYPE, ALIGNED)
     grad = address(addresses, 1, n_tensors, t, DTYPE, ALIGNED)
-    exp_avg = address(addresses, 2, n_tensors, t, DTYPE, ALIGNED)
-    exp_avg_sq = address(addresses, 3, n_tensors, t, DTYPE, ALIGNED)
+    exp_avg = address(addresses, 2, n_tensors, t, STATE_DTYPE, ALIGNED)
+    exp_avg_sq = address(addresses, 3, n_tensors, t, STATE_DTYPE, ALIGNED)
     if AMSGRAD:
-        max_exp_avg_sq = address(addresses, 4, n_tensors, t, DTYPE, ALIGNED)
+        max_exp_avg_sq = address(addresses, 4, n_tensors, t, STATE_DTYPE, ALIGNED)
 
     step = tl.load(address(step_addresses, 0, 0, t, tl.float32, False))  # already incremented
     if LR_IS_TENSOR:
@@ -78,12 +80,12 @@ def _adam_kernel(addresses, chunk_tensor, chunk_start, numels, n_tensors, step_a
         second = v
         if AMSGRAD:
             second = tl.maximum(tl.load(max_exp_avg_sq + offs, mask=mask, other=0.0).to(tl.float32), v)
-            tl.store(max_exp_avg_sq + offs, second.to(DTYPE), mask=store)
+            tl.store(max_exp_avg_sq + offs, second.to(STATE_DTYPE), mask=store)
         denom = tl.sqrt(second) / bias_correction2_sqrt + eps
         p = p - step_size * m / denom
         tl.store(param + offs, p.to(DTYPE), mask=store)
-        tl.store(exp_avg + offs, m.to(DTYPE), mask=store)
-        tl.store(exp_avg_sq + offs, v.to(DTYPE), mask=store)
+        tl.store(exp_avg + offs, m.to(STATE_DTYPE), mask=store)
+        tl.store(exp_avg_sq + offs, v.to(STATE_DTYPE), mask=store)
 
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -111,20 +113,26 @@ def adam_supports(call) -> list[str]:
 
 
 def _plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad):
-    """Per dtype: (dtype, tables, step address table, tensor count), cached by the tensors' addresses."""
-    key = _plans.key(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, extra=(amsgrad,))
+    """Per (param dtype, state dtype): (dtypes, tables, step address table, tensor count), cached by
+    the tensors' addresses and dtypes.
+
+    The public API gives a param's moments one dtype, so ``exp_avgs`` stands for all three. Their
+    dtypes are in the key: a float32 moment may be allocated where a bfloat16 one was freed.
+    """
+    key = _plans.key(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                     extra=(amsgrad, tuple(map(dtype_of, exp_avgs))))
     plan = _plans.get(key)
     if plan is not None:
         return plan
     plan = []
-    for dtype, idx in by_dtype(params).items():
+    for dtypes, idx in by_dtype(params, exp_avgs).items():
         lists = [[params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
                  [exp_avg_sqs[i] for i in idx]]
         if amsgrad:
             lists.append([max_exp_avg_sqs[i] for i in idx])
         t = tables(lists)
         if t.chunks:
-            plan.append((dtype, t, tables([[state_steps[i] for i in idx]], chunk=1).addresses, len(idx)))
+            plan.append((dtypes, t, tables([[state_steps[i] for i in idx]], chunk=1).addresses, len(idx)))
     return _plans.put(key, plan)
 
 
@@ -138,14 +146,15 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
         torch._foreach_add_(state_steps, (found_inf == 0).to(torch.float32))
     dummy = state_steps[0]
     lr_is_tensor = isinstance(lr, torch.Tensor)
-    for dtype, t, steps, n in _plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad):
+    plan = _plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad)
+    for (dtype, state_dtype), t, steps, n in plan:
         _adam_kernel[(t.chunks,)](
             t.addresses, t.chunk_tensor, t.chunk_start, t.numels, n, steps,
             lr if lr_is_tensor else dummy, 0.0 if lr_is_tensor else float(lr),
             grad_scale if grad_scale is not None else dummy, found_inf if found_inf is not None else dummy,
             clip_coef if clip_coef is not None else dummy,
             beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
-            DTYPE=_TL_DTYPE[dtype], CHUNK=mt.CHUNK, BLOCK=mt.BLOCK, AMSGRAD=amsgrad, MAXIMIZE=maximize,
-            WEIGHT_DECAY=weight_decay != 0, DECOUPLED=decoupled_weight_decay, LR_IS_TENSOR=lr_is_tensor,
-            HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+            DTYPE=_TL_DTYPE[dtype], STATE_DTYPE=_TL_DTYPE[state_dtype], CHUNK=mt.CHUNK, BLOCK=mt.BLOCK,
+            AMSGRAD=amsgrad, MAXIMIZE=maximize, WEIGHT_DECAY=weight_decay != 0, DECOUPLED=decoupled_weight_decay,
+            LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
             HAS_CLIP=clip_coef is not None, ALIGNED=t.aligned, num_warps=mt.NUM_WARPS)

@@ -74,7 +74,7 @@ def grad_norm(grads, norm_type):
     key = _plans.key(grads)
     groups = _plans.get(key)
     if groups is None:
-        groups = _plans.put(key, [(dtype, tables([[grads[i] for i in idx]])) for dtype, idx in by_dtype(grads).items()])
+        groups = _plans.put(key, [(dtype, tables([[grads[i] for i in idx]])) for (dtype,), idx in by_dtype(grads).items()])
     total = sum(t.chunks for _, t in groups)
     partials = torch.empty(max(total, 1), dtype=torch.float32, device=grads[0].device)
     offset = 0

@@ -110,7 +110,7 @@ class PlanCache:
         ptrs = tuple(map(_data_ptr, first))
         for more in lists:
             ptrs += tuple(map(_data_ptr, more))
-        return (CHUNK, *extra, ptrs, tuple(map(_numel, first)), tuple(map(_dtype, first)))
+        return (CHUNK, *extra, ptrs, tuple(map(_numel, first)), tuple(map(dtype_of, first)))
 
     def get(self, key):
         plan = self._plans.get(key)
@@ -127,14 +127,15 @@ class PlanCache:
 
 _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
-_dtype = operator.attrgetter("dtype")
+dtype_of = operator.attrgetter("dtype")
 
 
-def by_dtype(indices_of: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
-    """Positions of the tensors grouped by dtype: one launch per dtype."""
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(indices_of):
-        groups.setdefault(t.dtype, []).append(i)
+def by_dtype(*lists: list[torch.Tensor]) -> dict[tuple[torch.dtype, ...], list[int]]:
+    """Positions grouped by the dtypes of the parallel lists' tensors at each position: one launch
+    per group, since a kernel's pointer element types are compile-time constants."""
+    groups: dict[tuple[torch.dtype, ...], list[int]] = {}
+    for i, ts in enumerate(zip(*lists)):
+        groups.setdefault(tuple(t.dtype for t in ts), []).append(i)
     return groups
 
 
