@@ -4,7 +4,8 @@ A case names an op family (``adam``, ``clip``, ``attention``), a seed, its
 parameters and a dtype. Inputs are drawn from the seed on the CPU and moved to
 the backend's device, so every backend sees the same numbers. Tolerances are
 keyed by dtype: a value passes when ``|out - ref| <= atol + rtol * |ref|``
-elementwise, against each oracle.
+elementwise, against each oracle. Adam cases with ``state_dtype`` in their params keep
+the moments in that dtype and check them with its tolerance.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ TOLERANCES = {
 }
 # Gradients of attention sum over a whole sequence: allow a few times the forward's error.
 ATTENTION_GRAD_FACTOR = 4.0
+# A half-precision param stepped from float32 moments: the float32 step, then one rounding to the
+# param's dtype. float16: half an ulp (2**-11) with room for a tie. bfloat16: one ulp (2**-7), since
+# the Triton interpreter that CI runs truncates float32 to bfloat16 where GPUs round to nearest.
+FP32_STATE_PARAM_TOLERANCES = {F16: (1e-7, 1e-3), BF16: (1e-7, 8e-3)}
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,15 @@ class Case:
 
     @property
     def tolerance(self) -> tuple[float, float]:
+        """The param's (or output's) tolerance."""
+        if self.params.get("state_dtype") is not None:
+            return FP32_STATE_PARAM_TOLERANCES[self.dtype]
         return TOLERANCES[self.op][self.dtype]
+
+    @property
+    def state_tolerance(self) -> tuple[float, float]:
+        """The optimizer moments' tolerance: their own dtype's."""
+        return TOLERANCES[self.op][self.params.get("state_dtype") or self.dtype]
 
     @property
     def id(self) -> str:
@@ -82,10 +95,23 @@ def _adam_cases() -> list[Case]:
         # Without found_inf a non-finite grad propagates, as in torch: NaN where the oracle has NaN.
         Case("adam_nonfinite_grad_propagates", "adam", F32, {**base, "nonfinite_steps": (2,)}),
     ]
+    fp32_state = {
+        "adam_fp32_state": dict(weight_decay=0.01),
+        "adamw_fp32_state": dict(weight_decay=0.1, decoupled=True),
+        # masked stores through float32 pointers: a skipped step must leave the fp32 moments as they were
+        "adamw_amsgrad_fp32_state_found_inf": dict(amsgrad=True, decoupled=True, weight_decay=0.05,
+                                                   grad_scale=8.0, found_inf_steps=(2,), nonfinite_steps=(2,)),
+    }
+    for name, extra in fp32_state.items():
+        for dtype in (BF16, F16):
+            cases.append(Case(name, "adam", dtype, {**base, **extra, "state_dtype": F32}))
     for name, extra in {"trajectory_adam": {}, "trajectory_adamw": dict(decoupled=True, weight_decay=0.01),
                         "trajectory_adamw_amsgrad": dict(decoupled=True, weight_decay=0.01, amsgrad=True),
                         "trajectory_adam_amsgrad": dict(weight_decay=0.01, amsgrad=True)}.items():
         cases.append(Case(name, "adam", F32, {**base, **extra, "steps": 50, "shapes": [(7, 13), (300,), (1,)]}))
+    cases.append(Case("trajectory_adamw_fp32_state", "adam", BF16,
+                      {**base, "decoupled": True, "weight_decay": 0.01, "amsgrad": True, "state_dtype": F32,
+                       "steps": 50, "shapes": [(7, 13), (300,), (1,)]}))
     return cases
 
 

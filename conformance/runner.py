@@ -156,16 +156,18 @@ def run_adam(case: Case, backend: str, device: torch.device, oracles: list[str],
     gen = torch.Generator().manual_seed(case.seed)
     shapes = p["shapes"]
     params = [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
-    exp_avgs = [torch.zeros_like(t) for t in params]
-    exp_avg_sqs = [torch.zeros_like(t) for t in params]
-    maxs = [torch.zeros_like(t) for t in params] if p["amsgrad"] else []
+    state_dtype = p.get("state_dtype")
+    exp_avgs = [torch.zeros_like(t, dtype=state_dtype) for t in params]
+    exp_avg_sqs = [torch.zeros_like(t, dtype=state_dtype) for t in params]
+    maxs = [torch.zeros_like(t, dtype=state_dtype) for t in params] if p["amsgrad"] else []
     steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in params]
     scale = p.get("grad_scale", 1.0)
     kw = dict(amsgrad=p["amsgrad"], beta1=p["betas"][0], beta2=p["betas"][1], weight_decay=p["weight_decay"],
               eps=p["eps"], maximize=p["maximize"], decoupled_weight_decay=p["decoupled"],
               lr=_scalar(p["lr"], device) if p.get("lr_tensor") else p["lr"],
               grad_scale=_scalar(p.get("grad_scale"), device), clip_coef=_scalar(p.get("clip_coef"), device))
-    atol, rtol = case.tolerance
+    tolerances = {"param": case.tolerance, "step": case.tolerance, "exp_avg": case.state_tolerance,
+                  "exp_avg_sq": case.state_tolerance, "max_exp_avg_sq": case.state_tolerance}
     for step in range(p["steps"]):
         grads = [(torch.randn(s, generator=gen) * scale).to(device, dtype) for s in shapes]
         if step in p.get("nonfinite_steps", ()) and grads:
@@ -176,13 +178,14 @@ def run_adam(case: Case, backend: str, device: torch.device, oracles: list[str],
         state = (params, exp_avgs, exp_avg_sqs, maxs, steps)
         before = [_f64(ts) for ts in state]
         with forced_strict(backend):
-            portable_ops.functional.adam(params, grads, exp_avgs, exp_avg_sqs, maxs, steps, **kw)
+            portable_ops.functional.adam(params, grads, exp_avgs, exp_avg_sqs, maxs, steps, state_dtype=state_dtype,
+                                         **kw)
         kw64 = {k: (v.to("cpu", F64) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
         for oracle in oracles:
             expected = [[t.clone() for t in ts] for ts in before]
             _adam_oracle(oracle, expected, _f64(grads), kw64)
-            tol = (0.0, 0.0) if skip else (atol, rtol)  # a skipped step must leave every bit as it was
             for label, outs, refs in zip(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"), state, expected):
+                tol = (0.0, 0.0) if skip else tolerances[label]  # a skipped step must leave every bit as it was
                 for i, (out, ref) in enumerate(zip(outs, refs)):
                     slack = 0.0
                     if label == "param" and not skip:
