@@ -127,9 +127,18 @@ def progress(step: int, total: int, loss: float, start: float, stream=None):
     stream.flush()
 
 
+WARMUP_STEPS = 10  # kernels compile (and triton's attention tunes its tiles) here: not counted in tokens/s
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
 def train(cfg: Config, steps: int, device="cpu", backend: str | None = None, use_torch: bool = False,
           seed: int = 0, show_progress: bool = False) -> dict:
-    """Train from a seeded initialisation; returns the per-step losses and tokens per second."""
+    """Train from a seeded initialisation; returns the per-step losses and the tokens per second of
+    the steps after the first ``WARMUP_STEPS`` (all steps when there are no more than that)."""
     torch.manual_seed(seed)
     dtype = getattr(torch, cfg.dtype)
     model = GPT(cfg, use_torch).to(device, dtype)
@@ -138,6 +147,7 @@ def train(cfg: Config, steps: int, device="cpu", backend: str | None = None, use
     else:
         opt = portable_ops.optim.AdamW(model.parameters(), lr=cfg.lr, max_grad_norm=cfg.max_grad_norm)
     losses, start = [], time.perf_counter()
+    timed_from, timed_start = 0, start
     context = portable_ops.use_backend(backend) if backend else _nothing()
     with context:
         for step, (x, y) in enumerate(batches(cfg, steps, device, seed), 1):
@@ -150,11 +160,14 @@ def train(cfg: Config, steps: int, device="cpu", backend: str | None = None, use
             losses.append(loss.detach())
             if show_progress:
                 progress(step, steps, losses[-1].item(), start)
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    return {"losses": [l.item() for l in losses], "tokens_per_s": steps * cfg.batch * cfg.seq / elapsed,
-            "seconds": elapsed}
+            if step == WARMUP_STEPS and steps > WARMUP_STEPS:
+                _sync(device)
+                timed_from, timed_start = step, time.perf_counter()
+    _sync(device)
+    end = time.perf_counter()
+    return {"losses": [l.item() for l in losses],
+            "tokens_per_s": (steps - timed_from) * cfg.batch * cfg.seq / (end - timed_start),
+            "seconds": end - start, "warmup_seconds": timed_start - start}
 
 
 class _nothing:
@@ -183,7 +196,7 @@ def main(argv=None) -> int:
         if name in result:
             r = result[name]
             print(f"{name:<13} first loss {r['losses'][0]:.4f}  last loss {r['losses'][-1]:.4f}  "
-                  f"{r['tokens_per_s']:,.0f} tokens/s")
+                  f"{r['tokens_per_s']:,.0f} tokens/s (warm-up {r['warmup_seconds']:.1f} s)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f)
