@@ -161,6 +161,7 @@ ATTN_CASES = {  # B, Hq, Hkv, Sq, Skv, D, causal
     "more_queries_than_keys": (1, 2, 1, 40, 9, 32, True),  # first rows see no key
     "decode": (2, 4, 2, 1, 200, 64, True),
     "decode_long_split": (1, 2, 1, 1, 700, 32, True),
+    "decode_gqa_packed_split": (1, 8, 2, 3, 1100, 64, True),  # 4 heads x 3 tokens share a program; keys split
     "head_dim_128": (1, 1, 1, 40, 40, 128, True),
     "head_dim_256": (1, 1, 1, 20, 33, 256, False),
 }

@@ -30,7 +30,7 @@ HEAD_DIMS = (32, 64, 128, 256)
 # ----------------------------------------------------------------------------- forward
 
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_n, sv_n, offs_m, offs_n, offs_d, lo, hi, SKV, diagonal,
+def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_n, sv_n, pos, offs_n, offs_d, lo, hi, SKV, diagonal,
                scale_log2, MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
     for start_n in tl.range(lo, hi, offs_n.shape[0]):
         cols = start_n + offs_n
@@ -46,7 +46,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_n, sv_n, offs_m, offs_n, off
         if MASK:
             visible = cols[None, :] < SKV
             if CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + diagonal)
+                visible = visible & (cols[None, :] <= pos[:, None] + diagonal)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
             m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
@@ -66,22 +66,36 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_n, sv_n, offs_m, offs_n, off
 def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                 H, GROUP, SQ, SKV, scale_log2, KEYS_PER_SPLIT,
                 CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                UPCAST: tl.constexpr):
+                UPCAST: tl.constexpr, PACK_GROUP: tl.constexpr):
     start_m = tl.program_id(0)
     if CAUSAL:  # the last query blocks see the most keys: start them first, so the tail of the grid is light
         start_m = tl.num_programs(0) - 1 - start_m
-    bh = tl.program_id(1)
     split = tl.program_id(2)  # which range of keys, when decode splits them across programs
-    b, h = bh // H, bh % H
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if PACK_GROUP:
+        # Decode under GQA: one program takes every query head of a KV head's group as its rows
+        # (head-major, then position), so each K/V tile is read once for the whole group.
+        b, hk = tl.program_id(1) // (H // GROUP), tl.program_id(1) % (H // GROUP)
+        h = hk * GROUP + r // SQ
+        pos = r % SQ
+        valid = r < GROUP * SQ
+        pos_lo, pos_hi = 0, SQ - 1
+        n_bh = tl.num_programs(1) * GROUP
+    else:
+        b, h = tl.program_id(1) // H, tl.program_id(1) % H
+        hk = h // GROUP
+        pos = r
+        valid = r < SQ
+        pos_lo, pos_hi = start_m * BLOCK_M, start_m * BLOCK_M + BLOCK_M - 1
+        n_bh = tl.num_programs(1)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    q = tl.load(Q + b.to(tl.int64) * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :], mask=offs_m[:, None] < SQ,
+    q = tl.load(Q + b.to(tl.int64) * sq_b + (h * sq_h + pos * sq_m)[:, None] + offs_d[None, :], mask=valid[:, None],
                 other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    k_base = K + b.to(tl.int64) * sk_b + (h // GROUP) * sk_h
-    v_base = V + b.to(tl.int64) * sv_b + (h // GROUP) * sv_h
+    k_base = K + b.to(tl.int64) * sk_b + hk * sk_h
+    v_base = V + b.to(tl.int64) * sv_b + hk * sv_h
 
     # m_i is already in the log2 domain (scaled); -inf until the row sees a key
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -93,19 +107,19 @@ def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h,
     # keys [lo, full) are visible to every row of the block and in bounds: no mask needed
     full = SKV // BLOCK_N * BLOCK_N
     if CAUSAL:
-        hi = tl.minimum(hi, (start_m + 1) * BLOCK_M + diagonal)
-        full = tl.minimum(full, tl.maximum(start_m * BLOCK_M + diagonal + 1, 0) // BLOCK_N * BLOCK_N)
+        hi = tl.minimum(hi, pos_hi + 1 + diagonal)
+        full = tl.minimum(full, tl.maximum(pos_lo + diagonal + 1, 0) // BLOCK_N * BLOCK_N)
     full = tl.maximum(tl.minimum(full, hi), lo)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_n, sv_n, offs_m, offs_n, offs_d, lo, full,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_n, sv_n, pos, offs_n, offs_d, lo, full,
                                SKV, diagonal, scale_log2, False, CAUSAL, UPCAST)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_n, sv_n, offs_m, offs_n, offs_d, full, hi,
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_n, sv_n, pos, offs_n, offs_d, full, hi,
                                SKV, diagonal, scale_log2, True, CAUSAL, UPCAST)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    row = (split * tl.num_programs(1) + bh).to(tl.int64) * SQ  # outputs are [splits, B * H, SQ, ...]
-    tl.store(O + (row + offs_m[:, None]) * D + offs_d[None, :], out.to(O.dtype.element_ty), mask=offs_m[:, None] < SQ)
-    tl.store(LSE + row + offs_m, lse, mask=offs_m < SQ)
+    row = (split * n_bh + b * H + h).to(tl.int64) * SQ + pos  # outputs are [splits, B * H, SQ, ...]
+    tl.store(O + row[:, None] * D + offs_d[None, :], out.to(O.dtype.element_ty), mask=valid[:, None])
+    tl.store(LSE + row, lse, mask=valid)
 
 
 @triton.jit
@@ -367,17 +381,20 @@ def _forward(q, k, v, causal, scale, config):
     b, h, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     block_m, block_n, warps, stages = config
-    splits = _splits(b, h, sq, skv, block_m, block_n, q.device)
+    group = h // hkv
+    pack = group > 1 and group * sq <= block_m  # decode under GQA: the group's heads share one program
+    heads, rows = (hkv, group * sq) if pack else (h, sq)
+    splits = _splits(b, heads, rows, skv, block_m, block_n, q.device)
     keys_per_split = triton.cdiv(triton.cdiv(skv, splits), block_n) * block_n
     splits = triton.cdiv(skv, keys_per_split)
     # Split partial results stay in float32 until they are merged.
     out = torch.empty((splits, b, h, sq, d), dtype=q.dtype if splits == 1 else torch.float32, device=q.device)
     lse = torch.empty((splits, b, h, sq), dtype=torch.float32, device=q.device)
-    _fwd_kernel[(triton.cdiv(sq, block_m), b * h, splits)](
+    _fwd_kernel[(triton.cdiv(rows, block_m), b * heads, splits)](
         q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), h, h // hkv, sq, skv, scale * LOG2E.value, keys_per_split,
-        CAUSAL=causal, D=d, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q.dtype), num_warps=warps,
-        num_stages=stages)
+        v.stride(0), v.stride(1), v.stride(2), h, group, sq, skv, scale * LOG2E.value, keys_per_split,
+        CAUSAL=causal, D=d, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q.dtype), PACK_GROUP=pack,
+        num_warps=warps, num_stages=stages)
     if splits == 1:
         return out[0], lse[0]
     merged = torch.empty((b, h, sq, d), dtype=q.dtype, device=q.device)
