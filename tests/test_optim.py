@@ -1,11 +1,13 @@
 """portable_ops.optim against torch.optim: free-running trajectories, checkpoints both ways, AMP, fused clip."""
 
 import copy
+import io
 
 import pytest
 import torch
 
 import portable_ops
+from portable_ops import dispatch
 
 
 def model_and_batches(seed=0, steps=50):
@@ -189,3 +191,152 @@ def test_real_grad_scaler_unscales_and_skips_inf_steps():
     scaler.update()
     assert torch.equal(model.weight, before[1]) and scaler.get_scale() == 512.0
     assert float(opt.state[model.weight]["step"]) == 3
+
+
+# ----------------------------------------------------------------------------- state_dtype
+
+def pull_trajectory(dtype, state_dtype, steps, lr, backend="reference", seed=0):
+    """AdamW on a noisy quadratic pull: params of scale 0.02, grads of scale 1e-3 (a typical unscaled
+    size), each grad taken in float64 from the param as stored, then rounded to its dtype.
+    Returns the start, the final param and its moments, in float64."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randn(256, generator=g, dtype=torch.float64) * 0.02
+    target = torch.randn(256, generator=g, dtype=torch.float64) * 0.02
+    w = torch.nn.Parameter(start.to(dtype, copy=True))
+    opt = portable_ops.optim.AdamW([w], lr=lr, weight_decay=0.0, state_dtype=state_dtype)
+    for _ in range(steps):
+        noise = torch.randn(256, generator=g, dtype=torch.float64)
+        w.grad = (1e-3 * ((w.detach().double() - target) / 0.02 + noise)).to(dtype)
+        with portable_ops.use_backend(backend):
+            opt.step()
+    state = opt.state[w]
+    return start, w.detach().double(), state["exp_avg"].double(), state["exp_avg_sq"].double()
+
+
+def distances_to_float64(dtype, steps, lr, backend="reference"):
+    """Per state_dtype (None, float32): the param's distance to the float64 run's over the float64
+    run's displacement, and exp_avg_sq's relative distance."""
+    start, w64, _, v64 = pull_trajectory(torch.float64, None, steps, lr)
+    out = {}
+    for state_dtype in (None, torch.float32):
+        _, w, _, v = pull_trajectory(dtype, state_dtype, steps, lr, backend)
+        out[state_dtype] = (float((w - w64).norm() / (w64 - start).norm()), float((v - v64).norm() / v64.norm()))
+    return out
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton", "nki"])
+def test_fp32_state_tracks_float64_where_fp16_state_underflows(backend, monkeypatch):
+    """float16 exp_avg_sq of 1e-3 grads is (1 - beta2) * 1e-6: below float16's smallest subnormal, so it
+    flushes to zero and the step becomes lr * m / eps. float32 state keeps it."""
+    if dispatch.unavailable_reason(backend):
+        pytest.skip(dispatch.unavailable_reason(backend))
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")  # the backend's own kernel, not a fallback
+    d = distances_to_float64(torch.float16, steps=100, lr=1e-3, backend=backend)
+    fp16_state, fp32_state = d[None][0], d[torch.float32][0]
+    assert fp32_state < 2e-3  # float16 rounding of the param itself (measured 6e-4)
+    assert fp16_state > 100 * fp32_state  # measured 4e1: the run is ruined
+
+
+def test_fp32_state_keeps_bf16_moments_from_drifting():
+    """bfloat16 has 8 significant bits: once exp_avg_sq's per-step change (about 1/1000 of it at
+    beta2 = 0.999) is under half an ulp (2**-9), the change is rounded away and the moment drifts
+    from the float64 run's, taking the step size with it. Over the first 100 steps the change is
+    still larger, and the param's own bfloat16 rounding dominates (measured 1.0-1.1x closer with
+    float32 state); after 2000 steps float32 state is 4-6x closer."""
+    d = distances_to_float64(torch.bfloat16, steps=2000, lr=3e-3)
+    (p16, v16), (p32, v32) = d[None], d[torch.float32]
+    assert v32 < v16 / 100  # measured 3e-4 vs 1.8e-1
+    assert p32 < p16 / 3  # measured 3-4e-3 vs 1.6-1.7e-2
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_state_dtype_sets_the_moments_dtype(amsgrad):
+    params = [torch.nn.Parameter(torch.randn(3, dtype=dt)) for dt in (torch.bfloat16, torch.float16, torch.float32)]
+    for state_dtype, expected in ((None, [p.dtype for p in params]), (torch.float32, [torch.float32] * 3)):
+        opt = portable_ops.optim.AdamW(params, amsgrad=amsgrad, state_dtype=state_dtype)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+        for p, dtype in zip(params, expected):
+            assert {k: opt.state[p][k].dtype for k in keys} == dict.fromkeys(keys, dtype)
+            assert opt.state[p]["step"].dtype == torch.float32
+    p64 = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))  # float32 state never narrows a float64 param's
+    opt = portable_ops.optim.Adam([p64], state_dtype=torch.float32)
+    p64.grad = torch.randn_like(p64)
+    opt.step()
+    assert opt.state[p64]["exp_avg"].dtype == torch.float64
+
+
+def bf16_model_and_batches(steps):
+    model, batches = model_and_batches(steps=steps)
+    return model.to(torch.bfloat16), [(x.bfloat16(), y.bfloat16()) for x, y in batches]
+
+
+def moments(opt):
+    return [{k: v for k, v in s.items() if k != "step"} for s in opt.state_dict()["state"].values()]
+
+
+def test_fp32_state_survives_a_checkpoint_round_trip():
+    model, batches = bf16_model_and_batches(steps=20)
+    kw = dict(lr=1e-2, amsgrad=True, state_dtype=torch.float32)
+    opt = portable_ops.optim.AdamW(model.parameters(), **kw)
+    train(model, opt, batches[:10])
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert all(t.dtype == torch.float32 for m in moments(opt) for t in m.values())
+
+    model_b = copy.deepcopy(model)
+    opt_b = portable_ops.optim.AdamW(model_b.parameters(), **kw)
+    opt_b.load_state_dict(saved)
+    for a, b in zip(moments(opt), moments(opt_b)):
+        for k in a:
+            assert b[k].dtype == torch.float32 and torch.equal(a[k], b[k]), k
+    assert train(model_b, opt_b, batches[10:]) == train(model, opt, batches[10:])  # bit for bit
+    for a, b in zip(model.parameters(), model_b.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_torch_bf16_checkpoint_is_upcast_exactly_into_fp32_state():
+    model, batches = bf16_model_and_batches(steps=20)
+    torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, torch_opt, batches[:10])
+    saved = copy.deepcopy(torch_opt.state_dict())
+    assert all(t.dtype == torch.bfloat16 for m in moments(torch_opt) for t in m.values())
+
+    opt = portable_ops.optim.AdamW(copy.deepcopy(model).parameters(), lr=1e-2, state_dtype=torch.float32)
+    opt.load_state_dict(saved)
+    assert all(g["state_dtype"] is torch.float32 for g in opt.param_groups)  # the loading optimizer's setting
+    for theirs, ours in zip(moments(torch_opt), moments(opt)):
+        for k in theirs:
+            assert ours[k].dtype == torch.float32 and torch.equal(ours[k], theirs[k].float()), k
+
+
+def test_fp32_state_checkpoint_loads_into_bf16_state_as_torch_would():
+    model, batches = bf16_model_and_batches(steps=20)
+    opt = portable_ops.optim.AdamW(model.parameters(), lr=1e-2, state_dtype=torch.float32)
+    train(model, opt, batches[:10])
+    saved = copy.deepcopy(opt.state_dict())
+    for target in (portable_ops.optim.AdamW, torch.optim.AdamW):
+        model_b = copy.deepcopy(model)
+        opt_b = target(model_b.parameters(), lr=1e-2)
+        opt_b.load_state_dict(copy.deepcopy(saved))
+        for ours, loaded in zip(moments(opt), moments(opt_b)):
+            for k in ours:
+                assert loaded[k].dtype == torch.bfloat16 and torch.equal(loaded[k], ours[k].bfloat16()), k
+        train(model_b, opt_b, batches[10:])  # and the run goes on
+
+
+def test_changing_a_groups_state_dtype_converts_the_state_on_the_next_step():
+    p = torch.nn.Parameter(torch.randn(5, dtype=torch.bfloat16))
+    opt = portable_ops.optim.Adam([p], lr=1e-2)
+    for state_dtype, expected in ((None, torch.bfloat16), (torch.float32, torch.float32), (None, torch.bfloat16)):
+        opt.param_groups[0]["state_dtype"] = state_dtype
+        before = opt.state[p]["exp_avg"].clone() if opt.state else None
+        p.grad = torch.zeros_like(p)  # exp_avg only decays: 0.9 * its old value, rounded to the new dtype
+        opt.step()
+        assert opt.state[p]["exp_avg"].dtype == opt.state[p]["exp_avg_sq"].dtype == expected
+        if before is not None:
+            torch.testing.assert_close(opt.state[p]["exp_avg"].float(), before.float() * 0.9, rtol=2 ** -7, atol=0)
