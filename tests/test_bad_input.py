@@ -51,6 +51,9 @@ BAD_HYPER = {
     "negative weight_decay": (dict(weight_decay=-0.1), ValueError, "weight_decay must be >= 0"),
     "grad_scale not scalar": (dict(grad_scale=torch.ones(2)), TypeError, "grad_scale must be None or a one-element tensor"),
     "found_inf on another device": (dict(found_inf=torch.zeros((), device="meta")), ValueError, "found_inf is on meta"),
+    "state_dtype float16": (dict(state_dtype=torch.float16), ValueError,
+                            r"state_dtype must be None \(state in the param's dtype\) or torch.float32, got torch.float16"),
+    "state_dtype a string": (dict(state_dtype="float32"), TypeError, "state_dtype must be None or torch.float32"),
 }
 
 
@@ -75,6 +78,75 @@ def test_bad_adam_hyperparameters_are_rejected_before_anything_changes(name):
         run_adam(lists, amsgrad=True, **kw)
     for key, tensors in lists.items():
         assert_bit_identical(before[key], tensors)
+
+
+def set_dtype(key, i, dtype):
+    return mutate(key, i, lambda t: t.to(dtype))
+
+
+def fp32_state(lists):
+    for key in ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"):
+        lists[key] = [t.float() for t in lists[key]]
+
+
+# bfloat16 params: (change, state_dtype, error, message)
+BAD_STATE_DTYPES = {
+    "fp32 state without state_dtype": (fp32_state, None, TypeError,
+                                       r"exp_avgs\[0\] has dtype torch.float32 but params\[0\] has torch.bfloat16; "
+                                       r"pass state_dtype=torch.float32"),
+    "bf16 state under state_dtype=float32": (lambda lists: None, torch.float32, TypeError,
+                                             r"exp_avgs\[0\] has dtype torch.bfloat16, but with "
+                                             r"state_dtype=torch.float32 the state of a torch.bfloat16 params\[0\]"),
+    "one moment left in bf16": (lambda lists: (fp32_state(lists), set_dtype("exp_avg_sqs", 2, torch.bfloat16)(lists)),
+                                torch.float32, TypeError, r"exp_avg_sqs\[2\] has dtype torch.bfloat16"),
+    "float16 state": (set_dtype("max_exp_avg_sqs", 1, torch.float16), None, TypeError,
+                      r"max_exp_avg_sqs\[1\] has dtype torch.float16 but params\[1\] has torch.bfloat16"),
+    "float64 state": (lambda lists: (fp32_state(lists), set_dtype("exp_avgs", 1, torch.float64)(lists)),
+                      torch.float32, TypeError, r"exp_avgs\[1\] has dtype torch.float64"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_STATE_DTYPES)
+def test_state_dtype_must_match_the_moments_passed(name):
+    change, state_dtype, error, message = BAD_STATE_DTYPES[name]
+    lists = adam_lists(dtype=torch.bfloat16)
+    change(lists)
+    before = {k: snapshot(v) for k, v in lists.items()}
+    with pytest.raises(error, match=message):
+        run_adam(lists, amsgrad=True, state_dtype=state_dtype)
+    for key, tensors in lists.items():
+        assert_bit_identical(before[key], tensors)
+
+
+def test_fp32_state_is_taken_under_half_params_and_means_the_params_own_dtype_otherwise():
+    half = adam_lists(dtype=torch.bfloat16)
+    fp32_state(half)
+    run_adam(half, amsgrad=True, state_dtype=torch.float32)
+    run_adam(adam_lists(dtype=torch.float64), amsgrad=True, state_dtype=torch.float32)
+    wide = adam_lists(dtype=torch.float64)
+    fp32_state(wide)
+    with pytest.raises(TypeError, match=r"exp_avgs\[0\] has dtype torch.float32, but with state_dtype=torch.float32 "
+                                        r"the state of a torch.float64 params\[0\] is torch.float64"):
+        run_adam(wide, amsgrad=True, state_dtype=torch.float32)
+
+
+def test_optimizer_rejects_a_bad_state_dtype_before_anything_changes():
+    p = torch.nn.Parameter(torch.randn(3, dtype=torch.bfloat16))
+    for bad, error in ((torch.float16, ValueError), (torch.bfloat16, ValueError), ("float32", TypeError)):
+        with pytest.raises(error, match="state_dtype must be None"):
+            portable_ops.optim.AdamW([p], state_dtype=bad)
+    opt = portable_ops.optim.AdamW([p], state_dtype=torch.float32)
+    with pytest.raises(ValueError, match="state_dtype must be None"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "state_dtype": torch.float64})
+    assert len(opt.param_groups) == 1
+    p.grad = torch.randn_like(p)
+    opt.step()
+    before_param, before_state = p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}
+    opt.param_groups[0]["state_dtype"] = torch.float16  # set by hand: checked on the next step
+    with pytest.raises(ValueError, match="state_dtype must be None"):
+        opt.step()
+    assert_bit_identical([before_param], [p.detach()])
+    assert_bit_identical(list(before_state.values()), list(opt.state[p].values()))
 
 
 def test_optimizer_constructor_rejects_bad_hyperparameters():
