@@ -72,18 +72,27 @@ def run_attention(seqs=(512, 1024, 2048, 4096, 8192, 16384), head_dims=(64, 128)
 
 
 def run_decode(caches=(1024, 4096, 16384, 65536), batches=(1, 8), heads=32, kv_heads=8, d=128) -> list[dict]:
-    """One new token per sequence (Sq = 1, causal: it sees the whole cache) in bf16, forward only.
-    GB/s counts the K and V bytes read, which bound decode."""
+    """One new token per sequence against a KV cache, bf16, forward only. SDPA gets
+    ``is_causal=False``: its causal mask is aligned top-left, which would show the token only the
+    first key; ours is bottom-right, so ``causal=True`` sees the whole cache. SDPA's flash and
+    efficient kernels take no GQA, so they get K/V expanded to every query head before timing
+    (and read 4x the bytes). GB/s counts the K/V bytes of the GQA cache, which bound decode."""
     rows = []
     for b in batches:
         for s in caches:
             q = torch.randn(b, heads, 1, d, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(b, kv_heads, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             kv_bytes = 2 * k.numel() * k.element_size()
+            inputs = {name: (q, k, v) for name in ("portable_ops", "sdpa cudnn")}
+            expanded = (q, *(t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v)))
+            inputs.update({"sdpa flash (K/V expanded)": expanded, "sdpa efficient (K/V expanded)": expanded})
+            sdpa = _sdpa_variants(False, False)
             variants = {"portable_ops": lambda q, k, v: portable_ops.attention(q, k, v, causal=True),
-                        **_sdpa_variants(True, True)}
+                        "sdpa cudnn": _sdpa_variants(False, True)["sdpa cudnn"],
+                        "sdpa flash (K/V expanded)": sdpa["sdpa flash"],
+                        "sdpa efficient (K/V expanded)": sdpa["sdpa efficient"]}
             for name, fn in variants.items():
-                call = lambda fn=fn: fn(q, k, v)  # noqa: E731
+                call = lambda fn=fn, args=inputs[name]: fn(*args)  # noqa: E731
                 row = {"bench": "decode", "variant": name, "B": b, "cache": s, "Hq": heads, "Hkv": kv_heads, "D": d}
                 try:
                     with torch.no_grad():
@@ -94,5 +103,5 @@ def run_decode(caches=(1024, 4096, 16384, 65536), batches=(1, 8), heads=32, kv_h
                 except RuntimeError as exc:
                     row["error"] = str(exc).splitlines()[0][:80]
                 rows.append(row)
-            del q, k, v
+            del q, k, v, expanded
     return rows
