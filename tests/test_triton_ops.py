@@ -124,6 +124,68 @@ def test_adam_many_tensors_mixed_dtypes_one_call():
             _close([a], [b], ADAM_TOL[a.dtype] if a.dtype == torch.float32 else (0.5 * ADAM_KW["lr"], 2e-2))
 
 
+class _Launches:
+    """Stands in for the Adam kernel and records each launch's (param dtype, state dtype)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.dtypes = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.dtypes.append((kw["DTYPE"], kw["STATE_DTYPE"]))
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.float32])
+def test_adam_one_launch_per_param_and_state_dtype(state_dtype, monkeypatch):
+    triton_adam = importlib.import_module("portable_ops.backends.triton.adam")
+    launches = _Launches(triton_adam._adam_kernel)
+    monkeypatch.setattr(triton_adam, "_adam_kernel", launches)
+    sizes = [1, 33, 1500, 4097, 600] * 3
+    g = _gen(4)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    params = [torch.randn(n, generator=g).to(dtypes[i % 3]).to(DEVICE) for i, n in enumerate(sizes)]
+    grads = [(torch.randn(p.shape, generator=g) * 1e-2).to(p.dtype).to(DEVICE) for p in params]
+    moments = [[torch.zeros_like(p, dtype=torch.float32 if state_dtype else p.dtype) for p in params] for _ in range(3)]
+    state = (params, grads, *moments, [torch.zeros((), device=DEVICE) for _ in params])
+    kw = dict(ADAM_KW, amsgrad=True, maximize=False, weight_decay=0.01, decoupled_weight_decay=True)
+    ref = [[t.double().cpu() for t in ts] for ts in state[:5]] + [[s.clone().cpu() for s in state[5]]]
+    with portable_ops.use_backend("triton"):
+        portable_ops.functional.adam(*state, state_dtype=state_dtype, **kw)
+    ref_adam_mod.adam(*ref, **kw, grad_scale=None, found_inf=None, clip_coef=None)
+    expected = {(triton_adam._TL_DTYPE[d], triton_adam._TL_DTYPE[state_dtype or d]) for d in dtypes}
+    assert sorted(launches.dtypes, key=str) == sorted(expected, key=str)
+    for k in range(5):  # the param at its dtype's tolerance, the moments at their own
+        for a, b in zip(state[k], ref[k]):
+            _close([a], [b], ADAM_TOL[a.dtype])
+    assert all(m.dtype == (torch.float32 if state_dtype else p.dtype) for m, p in zip(moments[0], params))
+
+
+def test_adam_plan_is_keyed_by_the_state_dtype_not_only_its_address():
+    """A float32 moment can be allocated where a bfloat16 one was freed: same addresses, other
+    pointer types. Here the bfloat16 moments are views of the float32 ones' memory."""
+    sizes = (5, 1030)
+    g = _gen(5)
+    params = [torch.randn(n, generator=g).bfloat16().to(DEVICE) for n in sizes]
+    grads = [(torch.randn(n, generator=g) * 1e-2).bfloat16().to(DEVICE) for n in sizes]
+    wide = [[torch.zeros(n, device=DEVICE) for n in sizes] for _ in range(2)]
+    narrow = [[t.view(torch.bfloat16)[:t.numel()] for t in ts] for ts in wide]
+    assert narrow[0][1].data_ptr() == wide[0][1].data_ptr()
+    steps = [torch.zeros((), device=DEVICE) for _ in sizes]
+    kw = dict(ADAM_KW, amsgrad=False, maximize=False, weight_decay=0.0, decoupled_weight_decay=True)
+    with portable_ops.use_backend("triton"):
+        portable_ops.functional.adam(params, grads, *narrow, [], steps, **kw)
+        for t in wide[0] + wide[1]:
+            t.zero_()
+        state = (params, grads, *wide, [], steps)
+        ref = [[t.double().cpu() for t in ts] for ts in state[:5]] + [[s.clone().cpu() for s in state[5]]]
+        portable_ops.functional.adam(*state, state_dtype=torch.float32, **kw)
+    ref_adam_mod.adam(*ref, **kw, grad_scale=None, found_inf=None, clip_coef=None)
+    for k in (1, 2):
+        _close(state[k + 1], ref[k + 1], ADAM_TOL[torch.float32])
+
+
 def test_adam_non_finite_grad_propagates_like_reference():
     state = _adam_state((5, 1030), torch.float32, False)
     state[1][1][17] = float("nan")
