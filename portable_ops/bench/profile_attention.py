@@ -1,0 +1,74 @@
+"""Workloads to profile the attention kernels (GPU).
+
+``python -m portable_ops.bench.profile_attention ncu`` runs one forward + backward of
+portable_ops (triton) and of SDPA's cuDNN backend at D=128, S=4096, B=4, 16 heads, bf16, inside a
+cudaProfilerStart/Stop range, for Nsight Compute::
+
+    PORTABLE_OPS_AUTOTUNE=0 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \\
+        --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \\
+        --section MemoryWorkloadAnalysis --section SchedulerStats \\
+        python -m portable_ops.bench.profile_attention ncu
+
+(autotuning off: under ncu every timed candidate would be profiled too; the first candidates
+are the tuned ones at this shape). ``... host`` prints a cProfile of 500 decode calls (one token
+against a 4k cache, 32 query heads over 8 KV heads): where the host time of a call goes.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import portable_ops
+
+
+def host_profile(calls: int = 500) -> str:
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 8, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        for _ in range(20):
+            portable_ops.attention(q, k, v, causal=True)
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(calls):
+            portable_ops.attention(q, k, v, causal=True)
+        profiler.disable()
+        torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+    return out.getvalue()
+
+
+def kernels_under_profiler(b=4, h=16, s=4096, d=128) -> None:
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    variants = (lambda: portable_ops.attention(q, k, v), cudnn)
+    for fn in variants:  # compile outside the profiled range
+        torch.autograd.grad(fn(), (q, k, v), dout)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for fn in variants:
+        torch.autograd.grad(fn(), (q, k, v), dout)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["host"]:
+        print(host_profile())
+    elif sys.argv[1:] == ["ncu"]:
+        kernels_under_profiler()
+    else:
+        sys.exit(__doc__)
