@@ -120,3 +120,27 @@ def test_a_backend_that_fails_to_import_is_reported_not_raised(monkeypatch):
 def test_explain_names_unknown_ops():
     with pytest.raises(ValueError, match="unknown op 'softmax'"):
         portable_ops.explain("softmax")
+
+
+def test_layout_memo_reuses_a_choice_but_not_a_fallback(fake_backend, monkeypatch):
+    built = []
+
+    def make_call():
+        built.append(1)
+        return dict(q=torch.empty(1, 1, 4, 16), k=torch.empty(1, 1, 4, 16), v=torch.empty(1, 1, 4, 16),
+                    causal=False, scale=0.25)
+
+    layout = ("a layout only this test uses",)
+    cpu = torch.device("cpu")
+    fake_backend("triton")
+    with portable_ops.use_backend("triton"):
+        assert dispatch.select_by_layout("attention_fwd", layout, make_call, cpu).backend == "triton"
+        assert dispatch.select_by_layout("attention_fwd", layout, make_call, cpu).backend == "triton"
+    assert len(built) == 1  # the second call was served from the memo
+    assert dispatch.select_by_layout("attention_fwd", layout, make_call, cpu).backend == "reference"  # not forced
+    fake_backend("triton", reasons=["declines everything"])  # a new backend object: a new memo key
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
+    with portable_ops.use_backend("triton"):
+        for _ in range(2):  # a fallback is decided afresh each time, so strict mode refuses each time
+            with pytest.raises(dispatch.BackendUnavailableError, match="declines everything"):
+                dispatch.select_by_layout("attention_fwd", layout, make_call, cpu)
