@@ -13,7 +13,8 @@ synchronisation. Only structural flags (amsgrad, decay mode, whether there is a 
 multiplier) and shapes select a compiled variant.
 
 Semantics are ``backends/reference/adam.py``: arithmetic in fp32 whatever the storage dtype,
-one rounding per stored tensor, and a non-zero ``found_inf`` leaves param, moments and step
+one rounding per stored tensor (the moments may be float32 under bf16/fp16 params: tiles are
+loaded in their own dtype and outputs take their input's, so that needs no variant), and a non-zero ``found_inf`` leaves param, moments and step
 unchanged (the new values are discarded with a predicated copy, so NaN/inf grads cannot leak).
 """
 
