@@ -8,6 +8,7 @@ the argument and what was expected.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Sequence
 
 import torch
@@ -61,8 +62,7 @@ def state_dtype_for(param_dtype: torch.dtype, state_dtype: torch.dtype | None) -
     return state_dtype if state_dtype is not None and param_dtype in HALF_DTYPES else param_dtype
 
 
-def _layout(t):
-    return t.shape, t.dtype, t.device, t.layout
+_layout = operator.attrgetter("shape", "dtype", "device", "layout")  # C-level: runs per tensor per step
 
 
 def check_tensor_lists(lists: dict[str, Sequence[torch.Tensor]], *, like: str, one_device: bool = True,
@@ -82,14 +82,14 @@ def check_tensor_lists(lists: dict[str, Sequence[torch.Tensor]], *, like: str, o
     # Fast path, run on every optimizer step over hundreds of tensors: compare layouts in bulk and
     # only walk the lists one by one, to name the culprit, when something is off.
     try:
-        expected = [_layout(t) for t in ref]
+        expected = list(map(_layout, ref))
         ok = all(lay[1] in FLOAT_DTYPES and lay[3] == torch.strided for lay in expected)
         places = {lay[2] if one_device else lay[2].type for lay in expected}
         ok = ok and len(places) <= 1
         expected_state = expected
         if state_dtype is not None:
             expected_state = [(s, state_dtype_for(d, state_dtype), dev, lay) for s, d, dev, lay in expected]
-        ok = ok and all([_layout(t) for t in tensors] == (expected_state if arg in state else expected)
+        ok = ok and all(list(map(_layout, tensors)) == (expected_state if arg in state else expected)
                         for arg, tensors in lists.items() if arg != like)
     except AttributeError:
         ok = False

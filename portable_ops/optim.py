@@ -10,13 +10,17 @@ keeps the moments of float16/bfloat16 params in float32.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from . import checks
 from .clip import checked_total_norm, clip_coefficient
-from .distributed import global_norm, local
+from .distributed import global_norm, is_dtensor, local
 from .functional import adam_call
 from .dispatch import dispatch
+
+_grad = operator.attrgetter("grad")
 
 
 class Adam(torch.optim.Optimizer):
@@ -108,8 +112,8 @@ class Adam(torch.optim.Optimizer):
         flags = (group["amsgrad"], group["state_dtype"])
         cached = self._lists_cache.get(id(group))
         if (cached is not None and cached[0] == flags and len(cached[1]) == len(with_grad)
-                and all(a is b for a, b in zip(cached[1], with_grad))
-                and all(self.state.get(p) is s for p, s in zip(with_grad, cached[2]))):
+                and all(map(operator.is_, cached[1], with_grad))
+                and all(map(operator.is_, map(self.state.get, with_grad), cached[2]))):
             return cached[3], {}, True
         checks.check_state_dtype(group["state_dtype"])
         by_device: dict[torch.device, dict[str, list]] = {}
@@ -131,6 +135,8 @@ class Adam(torch.optim.Optimizer):
             lists["exp_avg_sqs"].append(local(state["exp_avg_sq"]))
             lists["max"].append(local(state["max_exp_avg_sq"]) if group["amsgrad"] else None)
             lists["steps"].append(state["step"])
+        for lists in by_device.values():
+            lists["sharded"] = any(map(is_dtensor, lists["keys"]))
         self._pending_cache[id(group)] = (flags, with_grad, states, by_device)
         return by_device, new_state, False
 
@@ -146,8 +152,11 @@ class Adam(torch.optim.Optimizer):
             new_state.update(created)
             beta1, beta2 = group["betas"]
             for device, lists in by_device.items():
+                grads = list(map(_grad, lists["keys"]))  # C-level: hundreds of tensors per step
+                if lists["sharded"]:
+                    grads = list(map(local, grads))
                 calls.append((lists["keys"], adam_call(
-                    lists["params"], [local(p.grad) for p in lists["keys"]], lists["exp_avgs"], lists["exp_avg_sqs"],
+                    lists["params"], grads, lists["exp_avgs"], lists["exp_avg_sqs"],
                     lists["max"] if group["amsgrad"] else [], lists["steps"], amsgrad=group["amsgrad"],
                     beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                     maximize=group["maximize"], decoupled_weight_decay=self.decoupled_weight_decay,
