@@ -11,6 +11,7 @@ are then read and stored through float32 pointers, so only the param is rounded 
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 import triton
@@ -95,20 +96,26 @@ def _log2(beta: float) -> float:
     return math.log2(beta) if beta > 0 else -math.inf
 
 
+_device_and_dtype = operator.attrgetter("device", "dtype")
+_dtype = operator.attrgetter("dtype")
+
+
 def adam_supports(call) -> list[str]:
     reasons = []
-    dtypes = {p.dtype for p in call["params"]}
+    dtypes = set(map(_dtype, call["params"]))
     if torch.float64 in dtypes:
         reasons.append("float64 parameters are not supported (the kernels compute in float32)")
     lists = {k: call[k] for k in ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs")}
     reasons += not_contiguous(lists)
-    for i, s in enumerate(call["state_steps"]):
-        if call["params"] and s.device != call["params"][i].device:
-            reasons.append(f"state_steps[{i}] is on {s.device}, not with its param on {call['params'][i].device}")
-            break
-        if s.dtype != torch.float32:
-            reasons.append(f"state_steps[{i}] is {s.dtype}; the kernel reads float32 steps")
-            break
+    steps = call["state_steps"]
+    if call["params"] and set(map(_device_and_dtype, steps)) != {(call["params"][0].device, torch.float32)}:
+        for i, s in enumerate(steps):  # name the first culprit (params share one device: functional checks)
+            if s.device != call["params"][i].device:
+                reasons.append(f"state_steps[{i}] is on {s.device}, not with its param on {call['params'][i].device}")
+                break
+            if s.dtype != torch.float32:
+                reasons.append(f"state_steps[{i}] is {s.dtype}; the kernel reads float32 steps")
+                break
     return reasons
 
 
