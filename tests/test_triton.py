@@ -1,5 +1,7 @@
 """Triton-specific paths the shared suite reaches only through its shapes (interpreter on CPU)."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -28,13 +30,34 @@ def test_decode_splits_keys_across_programs_and_merges_exactly():
 
 
 def test_multi_tensor_tables_are_reused_while_the_tensors_are():
-    from portable_ops.backends.triton.multi_tensor import CHUNK, tables
+    from portable_ops.backends.triton.multi_tensor import tables
 
     xs = [torch.zeros(n) for n in (3, 5000)]
-    first = tables([xs])
-    assert tables([xs]) is first
-    assert first.chunks == sum(-(-x.numel() // CHUNK) for x in xs)
-    assert tables([[torch.zeros(3), torch.zeros(5000)]]) is not first
+    first = tables([xs], 1024)
+    assert tables([xs], 1024) is first
+    assert first.chunks == 1 + 5
+    assert tables([xs], 2048) is not first and tables([xs], 2048).chunks == 1 + 3
+    assert tables([[torch.zeros(3), torch.zeros(5000)]], 1024) is not first
+
+
+def test_launch_shapes_follow_the_element_sizes(monkeypatch):
+    adam = importlib.import_module("portable_ops.backends.triton.adam")  # the package exports functions of these names
+    grad_norm = importlib.import_module("portable_ops.backends.triton.grad_norm")
+    mt = importlib.import_module("portable_ops.backends.triton.multi_tensor")
+
+    monkeypatch.setattr(mt, "INTERPRETED", False)
+    launches = []
+    monkeypatch.setattr(adam, "tables", lambda lists, chunk: launches.append(chunk) or mt.Tables(*[None] * 4, 0, True))
+    monkeypatch.setattr(adam, "LAUNCH", {(4, 4): mt.Launch(100, 1, 1), (2, 2): mt.Launch(200, 1, 1),
+                                         (2, 4): mt.Launch(300, 1, 1)})
+    monkeypatch.setattr(grad_norm, "LAUNCH", {4: mt.Launch(400, 1, 1), 2: mt.Launch(500, 1, 1)})
+    for param_dtype, state_dtype, chunk in [(torch.float32, torch.float32, 100), (torch.bfloat16, torch.bfloat16, 200),
+                                            (torch.float16, torch.float32, 300), (torch.float32, torch.float16, 100)]:
+        launches.clear()
+        p, m = torch.zeros(3, dtype=param_dtype), torch.zeros(3, dtype=state_dtype)
+        adam._plan([p], [p], [m], [m], [], [torch.zeros(())], amsgrad=False)
+        assert launches[0] == chunk, (param_dtype, state_dtype)  # the last pair has no entry: the first one
+    assert mt.launch_for(grad_norm.LAUNCH, torch.bfloat16.itemsize).chunk == 500
 
 
 def test_tuner_times_each_candidate_once_per_key_and_skips_ones_that_do_not_fit(monkeypatch):

@@ -18,9 +18,48 @@ import triton
 import triton.language as tl
 
 from . import multi_tensor as mt
-from .multi_tensor import PlanCache, address, block_offsets, by_dtype, dtype_of, not_contiguous, tables, this_chunk
+from .multi_tensor import (PlanCache, address, block_offsets, by_dtype, dtype_of, load_f32, not_contiguous, store_as,
+                           tables, this_chunk)
 
 _plans = PlanCache()
+# Launch shapes by (param, state) element sizes in bytes (see multi_tensor.launch_for). Blocks of
+# 2048 give each thread 16-byte accesses of 2-byte tensors and two of 4-byte ones; chunks are the
+# sweep's best (H100: fp32 100% of copy bandwidth, bf16 99%, bf16 with float32 state 99%).
+LAUNCH = {(4, 4): mt.Launch(2048, 2048, 8), (2, 2): mt.Launch(4096, 2048, 8),
+          (2, 4): mt.Launch(8192, 2048, 8)}
+
+
+@triton.jit
+def _adam_block(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, offs, mask, store,
+                lr, step_size, grad_factor, bias_correction2_sqrt, beta1, beta2, eps, weight_decay,
+                FULL: tl.constexpr, STORE_MASKED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
+                WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, SCALE_GRAD: tl.constexpr):
+    g = load_f32(grad, offs, mask, FULL)
+    if SCALE_GRAD:
+        g = g * grad_factor
+    if MAXIMIZE:
+        g = -g
+    p = load_f32(param, offs, mask, FULL)
+    if WEIGHT_DECAY:  # skipped when zero, as in torch: 0 * a NaN param would poison the grad
+        if DECOUPLED:
+            p = p * (1.0 - lr * weight_decay)
+        else:
+            g = g + weight_decay * p
+    m = load_f32(exp_avg, offs, mask, FULL)
+    # torch.lerp's two formulas, so that the moments round as torch's do
+    w = 1.0 - beta1
+    m = tl.where(w < 0.5, m + w * (g - m), g - (g - m) * (1.0 - w))
+    v = load_f32(exp_avg_sq, offs, mask, FULL)
+    v = v * beta2 + (1.0 - beta2) * g * g
+    second = v
+    if AMSGRAD:
+        second = tl.maximum(load_f32(max_exp_avg_sq, offs, mask, FULL), v)
+        store_as(max_exp_avg_sq, offs, second, store, STORE_MASKED)
+    denom = tl.sqrt(second) / bias_correction2_sqrt + eps
+    p = p - step_size * m / denom
+    store_as(param, offs, p, store, STORE_MASKED)
+    store_as(exp_avg, offs, m, store, STORE_MASKED)
+    store_as(exp_avg_sq, offs, v, store, STORE_MASKED)
 
 
 @triton.jit
@@ -36,6 +75,7 @@ def _adam_kernel(addresses, chunk_tensor, chunk_start, numels, n_tensors, step_a
     grad = address(addresses, 1, n_tensors, t, DTYPE, ALIGNED)
     exp_avg = address(addresses, 2, n_tensors, t, STATE_DTYPE, ALIGNED)
     exp_avg_sq = address(addresses, 3, n_tensors, t, STATE_DTYPE, ALIGNED)
+    max_exp_avg_sq = exp_avg_sq
     if AMSGRAD:
         max_exp_avg_sq = address(addresses, 4, n_tensors, t, STATE_DTYPE, ALIGNED)
 
@@ -52,41 +92,22 @@ def _adam_kernel(addresses, chunk_tensor, chunk_start, numels, n_tensors, step_a
         grad_factor = grad_factor / tl.load(grad_scale_ptr).to(tl.float32)
     if HAS_CLIP:
         grad_factor = grad_factor * tl.load(clip_coef_ptr).to(tl.float32)
+    # found_inf != 0 skips the step: every store is masked off
+    keep = tl.full([BLOCK], True, tl.int1)
     if HAS_FOUND_INF:
-        found_inf = tl.load(found_inf_ptr)
+        keep = (tl.zeros([BLOCK], dtype=tl.float32) + tl.load(found_inf_ptr)) == 0
 
     for block in tl.range(0, CHUNK, BLOCK):
         offs = block_offsets(start, block, BLOCK, ALIGNED)
         mask = offs < numel
-        store = mask
-        if HAS_FOUND_INF:
-            store = mask & (tl.zeros([BLOCK], dtype=tl.float32) + found_inf == 0)
-        g = tl.load(grad + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_GRAD_SCALE or HAS_CLIP:
-            g = g * grad_factor
-        if MAXIMIZE:
-            g = -g
-        p = tl.load(param + offs, mask=mask, other=0.0).to(tl.float32)
-        if WEIGHT_DECAY:  # skipped when zero, as in torch: 0 * a NaN param would poison the grad
-            if DECOUPLED:
-                p = p * (1.0 - lr * weight_decay)
-            else:
-                g = g + weight_decay * p
-        m = tl.load(exp_avg + offs, mask=mask, other=0.0).to(tl.float32)
-        # torch.lerp's two formulas, so that the moments round as torch's do
-        w = 1.0 - beta1
-        m = tl.where(w < 0.5, m + w * (g - m), g - (g - m) * (1.0 - w))
-        v = tl.load(exp_avg_sq + offs, mask=mask, other=0.0).to(tl.float32)
-        v = v * beta2 + (1.0 - beta2) * g * g
-        second = v
-        if AMSGRAD:
-            second = tl.maximum(tl.load(max_exp_avg_sq + offs, mask=mask, other=0.0).to(tl.float32), v)
-            tl.store(max_exp_avg_sq + offs, second.to(STATE_DTYPE), mask=store)
-        denom = tl.sqrt(second) / bias_correction2_sqrt + eps
-        p = p - step_size * m / denom
-        tl.store(param + offs, p.to(DTYPE), mask=store)
-        tl.store(exp_avg + offs, m.to(STATE_DTYPE), mask=store)
-        tl.store(exp_avg_sq + offs, v.to(STATE_DTYPE), mask=store)
+        if start + block + BLOCK <= numel:
+            _adam_block(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, offs, mask, keep,
+                        lr, step_size, grad_factor, bias_correction2_sqrt, beta1, beta2, eps, weight_decay,
+                        True, HAS_FOUND_INF, AMSGRAD, MAXIMIZE, WEIGHT_DECAY, DECOUPLED, HAS_GRAD_SCALE or HAS_CLIP)
+        else:
+            _adam_block(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, offs, mask, mask & keep,
+                        lr, step_size, grad_factor, bias_correction2_sqrt, beta1, beta2, eps, weight_decay,
+                        False, True, AMSGRAD, MAXIMIZE, WEIGHT_DECAY, DECOUPLED, HAS_GRAD_SCALE or HAS_CLIP)
 
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -120,7 +141,7 @@ def adam_supports(call) -> list[str]:
 
 
 def _plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad):
-    """Per (param dtype, state dtype): (dtypes, tables, step address table, tensor count), cached by
+    """Per (param dtype, state dtype): (dtypes, launch shape, tables, step address table, tensor count), cached by
     the tensors' addresses and dtypes.
 
     The public API gives a param's moments one dtype, so ``exp_avgs`` stands for all three. Their
@@ -137,9 +158,10 @@ def _plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, am
                  [exp_avg_sqs[i] for i in idx]]
         if amsgrad:
             lists.append([max_exp_avg_sqs[i] for i in idx])
-        t = tables(lists)
+        launch = mt.launch_for(LAUNCH, tuple(d.itemsize for d in dtypes))
+        t = tables(lists, launch.chunk)
         if t.chunks:
-            plan.append((dtypes, t, tables([[state_steps[i] for i in idx]], chunk=1).addresses, len(idx)))
+            plan.append((dtypes, launch, t, tables([[state_steps[i] for i in idx]], chunk=1).addresses, len(idx)))
     return _plans.put(key, plan)
 
 
@@ -154,14 +176,14 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     dummy = state_steps[0]
     lr_is_tensor = isinstance(lr, torch.Tensor)
     plan = _plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad)
-    for (dtype, state_dtype), t, steps, n in plan:
+    for (dtype, state_dtype), launch, t, steps, n in plan:
         _adam_kernel[(t.chunks,)](
             t.addresses, t.chunk_tensor, t.chunk_start, t.numels, n, steps,
             lr if lr_is_tensor else dummy, 0.0 if lr_is_tensor else float(lr),
             grad_scale if grad_scale is not None else dummy, found_inf if found_inf is not None else dummy,
             clip_coef if clip_coef is not None else dummy,
             beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
-            DTYPE=_TL_DTYPE[dtype], STATE_DTYPE=_TL_DTYPE[state_dtype], CHUNK=mt.CHUNK, BLOCK=mt.BLOCK,
+            DTYPE=_TL_DTYPE[dtype], STATE_DTYPE=_TL_DTYPE[state_dtype], CHUNK=launch.chunk, BLOCK=launch.block,
             AMSGRAD=amsgrad, MAXIMIZE=maximize, WEIGHT_DECAY=weight_decay != 0, DECOUPLED=decoupled_weight_decay,
             LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-            HAS_CLIP=clip_coef is not None, ALIGNED=t.aligned, num_warps=mt.NUM_WARPS)
+            HAS_CLIP=clip_coef is not None, ALIGNED=t.aligned, num_warps=launch.num_warps)

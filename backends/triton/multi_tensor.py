@@ -12,6 +12,7 @@ from __future__ import annotations
 import operator
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -19,14 +20,27 @@ import triton.language as tl
 
 from .interpreter import INTERPRETED
 
-# Elements per program: on a GPU large enough to stream, small enough to balance ~300 tensors;
-# in the interpreter one block, since every masked-off iteration costs real time there.
-# Module globals read at call time, so a benchmark can sweep them.
-# From the sweeps on an H100 (python -m portable_ops.bench.sweep, docs/performance.md): 4096-element
-# chunks in 2048-element blocks, 8 warps: 98% of copy bandwidth on the 292-tensor list.
-CHUNK = 1024 if INTERPRETED else 4096
-BLOCK = 1024 if INTERPRETED else 2048  # elements per inner iteration of a program
-NUM_WARPS = 8
+
+class Launch(NamedTuple):
+    chunk: int  # elements per program
+    block: int  # elements per inner iteration of a program
+    num_warps: int
+
+
+# Each kernel keeps a table of launch shapes, from the sweeps on an H100 (python -m
+# portable_ops.bench.sweep, docs/performance.md); a sweep may set entries (and clear the caches
+# below). The interpreter runs one block per program, since every masked-off iteration costs real
+# time there.
+INTERPRETER_LAUNCH = Launch(1024, 1024, 4)
+
+
+def launch_for(table: dict, key) -> Launch:
+    """The shape for ``key`` (element sizes in bytes), else the table's first entry."""
+    if INTERPRETED:
+        return INTERPRETER_LAUNCH
+    return table.get(key) or next(iter(table.values()))
+
+
 _CACHE_SIZE = 16
 
 
@@ -68,9 +82,26 @@ def block_offsets(start, block, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     return offs
 
 
-def tables(lists: list[list[torch.Tensor]], chunk: int | None = None) -> Tables:
+@triton.jit
+def load_f32(pointer, offs, mask, FULL: tl.constexpr):
+    """Load as float32. A full block goes unmasked: a bounds mask against a size read from memory
+    has unknown constancy, so the compiler would split every access into scalar ones."""
+    if FULL:
+        return tl.load(pointer + offs).to(tl.float32)
+    else:
+        return tl.load(pointer + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_as(pointer, offs, value, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(pointer + offs, value.to(pointer.dtype.element_ty), mask=mask)
+    else:
+        tl.store(pointer + offs, value.to(pointer.dtype.element_ty))
+
+
+def tables(lists: list[list[torch.Tensor]], chunk: int) -> Tables:
     """Address and chunk tables for parallel lists of same-shaped tensors (the first list sets the sizes)."""
-    chunk = CHUNK if chunk is None else chunk
     first = lists[0]
     key = (chunk, first[0].device, tuple(t.numel() for t in first),
            tuple(t.data_ptr() for ts in lists for t in ts))
@@ -110,7 +141,7 @@ class PlanCache:
         ptrs = tuple(map(_data_ptr, first))
         for more in lists:
             ptrs += tuple(map(_data_ptr, more))
-        return (CHUNK, *extra, ptrs, tuple(map(_numel, first)), tuple(map(dtype_of, first)))
+        return (*extra, ptrs, tuple(map(_numel, first)), tuple(map(dtype_of, first)))
 
     def get(self, key):
         plan = self._plans.get(key)
