@@ -8,6 +8,7 @@ import torch
 
 import portable_ops
 from portable_ops import dispatch
+from portable_ops.conformance.runner import default_device, usable_backends
 
 
 def model_and_batches(seed=0, steps=50):
@@ -198,19 +199,21 @@ def test_real_grad_scaler_unscales_and_skips_inf_steps():
 def pull_trajectory(dtype, state_dtype, steps, lr, backend="reference", seed=0):
     """AdamW on a noisy quadratic pull: params of scale 0.02, grads of scale 1e-3 (a typical unscaled
     size), each grad taken in float64 from the param as stored, then rounded to its dtype.
-    Returns the start, the final param and its moments, in float64."""
+    Runs on the backend's own device (CUDA for triton where present). Returns the start, the final
+    param and its moments, in float64 on the CPU."""
     g = torch.Generator().manual_seed(seed)
     start = torch.randn(256, generator=g, dtype=torch.float64) * 0.02
     target = torch.randn(256, generator=g, dtype=torch.float64) * 0.02
-    w = torch.nn.Parameter(start.to(dtype, copy=True))
+    device = default_device(backend)
+    w = torch.nn.Parameter(start.to(device, dtype, copy=True))
     opt = portable_ops.optim.AdamW([w], lr=lr, weight_decay=0.0, state_dtype=state_dtype)
     for _ in range(steps):
         noise = torch.randn(256, generator=g, dtype=torch.float64)
-        w.grad = (1e-3 * ((w.detach().double() - target) / 0.02 + noise)).to(dtype)
+        w.grad = (1e-3 * ((w.detach().cpu().double() - target) / 0.02 + noise)).to(device, dtype)
         with portable_ops.use_backend(backend):
             opt.step()
     state = opt.state[w]
-    return start, w.detach().double(), state["exp_avg"].double(), state["exp_avg_sq"].double()
+    return start, *(t.detach().cpu().double() for t in (w, state["exp_avg"], state["exp_avg_sq"]))
 
 
 def distances_to_float64(dtype, steps, lr, backend="reference"):
@@ -228,8 +231,8 @@ def distances_to_float64(dtype, steps, lr, backend="reference"):
 def test_fp32_state_tracks_float64_where_fp16_state_underflows(backend, monkeypatch):
     """float16 exp_avg_sq of 1e-3 grads is (1 - beta2) * 1e-6: below float16's smallest subnormal, so it
     flushes to zero and the step becomes lr * m / eps. float32 state keeps it."""
-    if dispatch.unavailable_reason(backend):
-        pytest.skip(dispatch.unavailable_reason(backend))
+    if backend not in usable_backends():
+        pytest.skip(f"{backend} can't run here: {dispatch.unavailable_reason(backend) or 'no device for it'}")
     monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")  # the backend's own kernel, not a fallback
     d = distances_to_float64(torch.float16, steps=100, lr=1e-3, backend=backend)
     fp16_state, fp32_state = d[None][0], d[torch.float32][0]
