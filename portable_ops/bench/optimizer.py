@@ -8,7 +8,11 @@ import portable_ops
 
 from .common import copy_bandwidth, graphed, host_ms, median_ms, steady_ms
 
-BYTES_PER_ELEMENT = {False: 28, True: 36}  # fp32 AdamW; AMSGrad adds max_exp_avg_sq read+write
+
+def bytes_per_element(param_dtype: torch.dtype, state_dtype: torch.dtype, amsgrad: bool) -> int:
+    """Param and grad read, param written; exp_avg and exp_avg_sq (and max_exp_avg_sq) read and written."""
+    p, s = param_dtype.itemsize, state_dtype.itemsize
+    return 3 * p + (6 if amsgrad else 4) * s
 
 
 def gpt2_medium_shapes() -> list[tuple[int, ...]]:
@@ -19,34 +23,43 @@ def gpt2_medium_shapes() -> list[tuple[int, ...]]:
     return shapes + [(d,), (d,)]
 
 
-def _params(shapes, seed=0):
+def _params(shapes, seed=0, dtype=torch.float32):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g)) for s in shapes]
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda", generator=g).to(dtype)) for s in shapes]
     for p in params:
-        p.grad = torch.randn(p.shape, device="cuda", generator=g) * 1e-2
+        p.grad = (torch.randn(p.shape, device="cuda", generator=g) * 1e-2).to(dtype)
     return params
 
 
-def run_optimizer(amsgrad_options=(False, True)) -> list[dict]:
+# (bench, param dtype, amsgrad): fp32 as torch's fused AdamW is usually run, then bf16 params, where
+# portable_ops also runs with float32 moments (state_dtype) at the cost of their extra bytes.
+OPTIMIZER_BENCHES = [("adamw", torch.float32, False), ("adamw amsgrad", torch.float32, True),
+                     ("adamw bf16", torch.bfloat16, False)]
+
+
+def run_optimizer(benches=OPTIMIZER_BENCHES) -> list[dict]:
     shapes = gpt2_medium_shapes()
     numel = sum(torch.Size(s).numel() for s in shapes)
     copy = copy_bandwidth()
     rows = []
-    params = _params(shapes)
-    for amsgrad in amsgrad_options:
-        floor_ms = BYTES_PER_ELEMENT[amsgrad] * numel / copy * 1e3
+    for bench, dtype, amsgrad in benches:
+        params = _params(shapes, dtype=dtype)
+        lr_tensor = torch.tensor(1e-4, device="cuda")
+        # name -> (make, state dtype); graph replay removes host time: what the kernels alone take.
         variants = {
-            "torch fused": lambda: torch.optim.AdamW(params, lr=1e-4, amsgrad=amsgrad, fused=True),
-            "torch foreach": lambda: torch.optim.AdamW(params, lr=1e-4, amsgrad=amsgrad, foreach=True),
-            "portable_ops": lambda: portable_ops.optim.AdamW(params, lr=1e-4, amsgrad=amsgrad),
-            # Graph replay removes host time: what the kernels alone take.
-            "torch fused, graph": lambda: torch.optim.AdamW(params, lr=torch.tensor(1e-4, device="cuda"),
-                                                            amsgrad=amsgrad, fused=True, capturable=True),
-            "portable_ops, graph": lambda: portable_ops.optim.AdamW(params, lr=torch.tensor(1e-4, device="cuda"),
-                                                                    amsgrad=amsgrad),
+            "torch fused": (lambda: torch.optim.AdamW(params, lr=1e-4, amsgrad=amsgrad, fused=True), dtype),
+            "torch foreach": (lambda: torch.optim.AdamW(params, lr=1e-4, amsgrad=amsgrad, foreach=True), dtype),
+            "portable_ops": (lambda: portable_ops.optim.AdamW(params, lr=1e-4, amsgrad=amsgrad), dtype),
+            "torch fused, graph": (lambda: torch.optim.AdamW(params, lr=lr_tensor, amsgrad=amsgrad, fused=True,
+                                                             capturable=True), dtype),
+            "portable_ops, graph": (lambda: portable_ops.optim.AdamW(params, lr=lr_tensor, amsgrad=amsgrad), dtype),
         }
+        if dtype != torch.float32:
+            variants["portable_ops fp32 state, graph"] = (
+                lambda: portable_ops.optim.AdamW(params, lr=lr_tensor, amsgrad=amsgrad, state_dtype=torch.float32),
+                torch.float32)
         times, hosts, steady = {}, {}, {}
-        for name, make in variants.items():
+        for name, (make, _) in variants.items():
             opt = make()
             step = graphed(opt.step) if name.endswith("graph") else opt.step
             times[name] = median_ms(step)
@@ -56,11 +69,13 @@ def run_optimizer(amsgrad_options=(False, True)) -> list[dict]:
             torch.cuda.empty_cache()
         for name, ms in times.items():
             base = "torch fused, graph" if name.endswith("graph") else "torch fused"
-            baseline = times[base]
-            rows.append({"bench": "adamw" + (" amsgrad" if amsgrad else ""), "variant": name, "ms": ms,
+            nbytes = bytes_per_element(dtype, variants[name][1], amsgrad) * numel
+            rows.append({"bench": bench, "variant": name, "ms": ms,
                          "steady ms": steady[name], "steady vs torch fused": steady[base] / steady[name],
-                         "host ms": hosts[name], "TB/s": BYTES_PER_ELEMENT[amsgrad] * numel / (ms * 1e-3) / 1e12,
-                         "of copy": floor_ms / ms, "vs torch fused": baseline / ms})
+                         "host ms": hosts[name], "TB/s": nbytes / (ms * 1e-3) / 1e12,
+                         "of copy": nbytes / copy / (ms * 1e-3), "vs torch fused": times[base] / ms})
+        del params
+        torch.cuda.empty_cache()
     rows.append({"bench": "copy", "variant": "device copy", "TB/s": copy / 1e12, "tensors": len(shapes),
                  "elements": numel})
     return rows

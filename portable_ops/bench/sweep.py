@@ -21,15 +21,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import portable_ops
 
 from .common import copy_bandwidth, device_info, graphed, median_ms
-from .optimizer import BYTES_PER_ELEMENT, gpt2_medium_shapes
+from .optimizer import bytes_per_element, gpt2_medium_shapes
 
 mt = importlib.import_module("portable_ops.backends.triton.multi_tensor")
 adam_mod = importlib.import_module("portable_ops.backends.triton.adam")
 norm_mod = importlib.import_module("portable_ops.backends.triton.grad_norm")
 attn_mod = importlib.import_module("portable_ops.backends.triton.attention")
 
-MT_CONFIGS = [(8192, 2048, 8), (16384, 1024, 8), (4096, 2048, 8), (2048, 2048, 8), (4096, 4096, 8),
-              (8192, 1024, 8)]
+MT_CONFIGS = {
+    torch.float32: [(8192, 2048, 8), (16384, 1024, 8), (4096, 2048, 8), (2048, 2048, 8), (4096, 4096, 8),
+                    (8192, 1024, 8)],
+    # 2-byte params: the same bytes per program and per thread take twice the elements
+    torch.bfloat16: [(4096, 2048, 8), (8192, 2048, 8), (8192, 4096, 8), (16384, 4096, 8), (8192, 4096, 16),
+                     (16384, 2048, 8), (4096, 4096, 8), (8192, 2048, 4), (16384, 4096, 16)],
+}
 
 
 def _reset_plans():
@@ -38,52 +43,62 @@ def _reset_plans():
     mt._cache.clear()
 
 
-def sweep_multi_tensor(rows):
+def sweep_multi_tensor(rows, dtype=torch.float32):
+    """Adam (AMSGrad too for fp32; float32 state too for 2-byte params) and the norm's partials, per
+    launch shape, under CUDA graph replay, against torch's fused AdamW and _foreach_norm."""
     shapes = gpt2_medium_shapes()
     numel = sum(torch.Size(s).numel() for s in shapes)
     copy = copy_bandwidth()
     rows.append({"sweep": "copy", "TB/s": copy / 1e12})
     g = torch.Generator(device="cuda").manual_seed(0)
-    params = [torch.randn(s, device="cuda", generator=g) for s in shapes]
-    grads = [torch.randn(s, device="cuda", generator=g) * 1e-2 for s in shapes]
-    m = [torch.zeros_like(p) for p in params]
-    v = [torch.zeros_like(p) for p in params]
-    mx = [torch.zeros_like(p) for p in params]
+    params = [torch.randn(s, device="cuda", generator=g).to(dtype) for s in shapes]
+    grads = [(torch.randn(s, device="cuda", generator=g) * 1e-2).to(dtype) for s in shapes]
     steps = [torch.zeros((), device="cuda") for _ in params]
     lr = torch.tensor(1e-4, device="cuda")
-    for amsgrad in (False, True):
-        floor = BYTES_PER_ELEMENT[amsgrad] * numel / copy * 1e3
-        ref = torch.optim.AdamW([torch.nn.Parameter(p) for p in params], lr=lr, amsgrad=amsgrad, fused=True,
-                                capturable=True)
-        for p, gr in zip(ref.param_groups[0]["params"], grads):
-            p.grad = gr
-        ms = median_ms(graphed(ref.step))
-        rows.append({"sweep": "adamw" + (" ams" if amsgrad else ""), "config": "torch fused graph", "ms": ms,
-                     "of copy": floor / ms})
-        del ref
-        torch.cuda.empty_cache()
-        for cfg in MT_CONFIGS:
-            mt.CHUNK, mt.BLOCK, mt.NUM_WARPS = cfg
+    size = dtype.itemsize
+    variants = [(False, dtype), (True, dtype)] if dtype == torch.float32 else [(False, dtype), (False, torch.float32)]
+    for amsgrad, state_dtype in variants:
+        name = "adamw" + (" ams" if amsgrad else "") + f" {str(dtype)[6:]}" + (
+            " fp32 state" if state_dtype != dtype else "")
+        m, v, mx = ([torch.zeros_like(p, dtype=state_dtype) for p in params] for _ in range(3))
+        floor = bytes_per_element(dtype, state_dtype, amsgrad) * numel / copy * 1e3
+        if state_dtype == dtype:
+            ref = torch.optim.AdamW([torch.nn.Parameter(p) for p in params], lr=lr, amsgrad=amsgrad, fused=True,
+                                    capturable=True)
+            for p, gr in zip(ref.param_groups[0]["params"], grads):
+                p.grad = gr
+            ms = median_ms(graphed(ref.step))
+            rows.append({"sweep": name, "config": "torch fused graph", "ms": ms, "of copy": floor / ms})
+            del ref
+            torch.cuda.empty_cache()
+        default = adam_mod.LAUNCH[(size, state_dtype.itemsize)]
+        for cfg in MT_CONFIGS[dtype]:
+            adam_mod.LAUNCH[(size, state_dtype.itemsize)] = mt.Launch(*cfg)
             _reset_plans()
 
             def step():
                 with portable_ops.use_backend("triton"):
                     portable_ops.functional.adam(params, grads, m, v, mx if amsgrad else [], steps, amsgrad=amsgrad,
-                                                 lr=lr, weight_decay=0.01, decoupled_weight_decay=True)
+                                                 lr=lr, weight_decay=0.01, decoupled_weight_decay=True,
+                                                 state_dtype=None if state_dtype == dtype else state_dtype)
             try:
                 ms = median_ms(graphed(step))
-                rows.append({"sweep": "adamw" + (" ams" if amsgrad else ""), "config": str(cfg), "ms": ms,
-                             "of copy": floor / ms})
+                rows.append({"sweep": name, "config": str(cfg), "ms": ms, "of copy": floor / ms})
             except Exception as exc:  # noqa: BLE001
-                rows.append({"sweep": "adamw", "config": str(cfg), "error": repr(exc)[:100]})
-    floor = 4 * numel / copy * 1e3 * 2  # read-only: copy counts read + write
+                rows.append({"sweep": name, "config": str(cfg), "error": repr(exc)[:100]})
+        adam_mod.LAUNCH[(size, state_dtype.itemsize)] = default
+        del m, v, mx
+        torch.cuda.empty_cache()
+    floor = size * numel / copy * 1e3  # read-only, at the copy rate (which counts read + write)
     flat = torch.cat([x.reshape(-1) for x in grads])
     want = flat.double().norm().item()
     del flat
     ms = median_ms(lambda: torch._foreach_norm(grads))
-    rows.append({"sweep": "norm", "config": "torch _foreach_norm", "ms": ms, "of copy": floor / ms})
-    for cfg in MT_CONFIGS:
-        mt.CHUNK, mt.BLOCK, mt.NUM_WARPS = cfg
+    name = f"norm {str(dtype)[6:]}"
+    rows.append({"sweep": name, "config": "torch _foreach_norm", "ms": ms, "of copy": floor / ms})
+    default = norm_mod.LAUNCH[size]
+    for cfg in MT_CONFIGS[dtype]:
+        norm_mod.LAUNCH[size] = mt.Launch(*cfg)
         _reset_plans()
 
         def norm():
@@ -91,8 +106,10 @@ def sweep_multi_tensor(rows):
                 return portable_ops.clip.total_norm(grads)
         got = norm().item()
         ms = median_ms(graphed(norm))
-        rows.append({"sweep": "norm", "config": str(cfg), "ms": ms, "of copy": floor / ms,
+        rows.append({"sweep": name, "config": str(cfg), "ms": ms, "of copy": floor / ms,
                      "error": abs(got - want) / want})
+    norm_mod.LAUNCH[size] = default
+    _reset_plans()
 
 
 FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 4), (64, 64, 4, 3), (128, 32, 4, 4),
@@ -162,11 +179,12 @@ def sweep_attention(rows, d=128, s=4096, b=4, h=16, quick=False):
 def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="docs/perf/sweep.json")
-    parser.add_argument("--only", default="mt,attn128,attn64")
+    parser.add_argument("--only", default="mt,mt_bf16,attn128,attn64")
     args = parser.parse_args(argv)
     rows = []
     parts = args.only.split(",")
-    for part, fn in (("mt", lambda: sweep_multi_tensor(rows)), ("attn128", lambda: sweep_attention(rows, d=128)),
+    for part, fn in (("mt", lambda: sweep_multi_tensor(rows)),
+                     ("mt_bf16", lambda: sweep_multi_tensor(rows, torch.bfloat16)), ("attn128", lambda: sweep_attention(rows, d=128)),
                      ("attn64", lambda: sweep_attention(rows, d=64, quick=True))):
         if part in parts:
             try:
