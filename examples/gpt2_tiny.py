@@ -115,16 +115,26 @@ def batches(cfg: Config, steps: int, device, seed: int = 0):
         yield chunk[:, :-1], chunk[:, 1:]
 
 
-def progress(step: int, total: int, loss: float, start: float, stream=None):
-    stream = stream or sys.stderr
-    if not stream.isatty() and step not in (1, total) and step % max(1, total // 10):
-        return  # in logs, ten lines rather than a bar redrawn per step
-    width = 30
-    done = int(width * step / total)
-    rate = step / max(time.perf_counter() - start, 1e-9)
-    end = "\n" if step == total or not stream.isatty() else "\r"
-    stream.write(f"[{'#' * done}{'.' * (width - done)}] {step}/{total} loss {loss:.4f} {rate:.1f} it/s{end}")
-    stream.flush()
+class Progress:
+    """A bar on a terminal (redrawn at most ten times a second), ten lines in a log. The loss is
+    read only when a line is written: reading it waits for the device, and a wait every step
+    would keep the host from queueing the next step while the device runs this one."""
+
+    def __init__(self, total: int, stream=None):
+        self.total, self.stream = total, stream or sys.stderr
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, step: int, loss: torch.Tensor):
+        now, tty = time.perf_counter(), self.stream.isatty()
+        due = now - self.last >= 0.1 if tty else step % max(1, self.total // 10) == 0
+        if not (due or step in (1, self.total)):
+            return
+        self.last, width = now, 30
+        done = int(width * step / self.total)
+        end = "\n" if step == self.total or not tty else "\r"
+        self.stream.write(f"[{'#' * done}{'.' * (width - done)}] {step}/{self.total} loss {loss.item():.4f} "
+                          f"{step / max(now - self.start, 1e-9):.1f} it/s{end}")
+        self.stream.flush()
 
 
 WARMUP_STEPS = 10  # kernels compile (and triton's attention tunes its tiles) here: not counted in tokens/s
@@ -136,9 +146,12 @@ def _sync(device):
 
 
 def train(cfg: Config, steps: int, device="cpu", backend: str | None = None, use_torch: bool = False,
-          seed: int = 0, show_progress: bool = False) -> dict:
+          seed: int = 0, show_progress: bool = False, profile_steps: int = 0) -> dict:
     """Train from a seeded initialisation; returns the per-step losses and the tokens per second of
-    the steps after the first ``WARMUP_STEPS`` (all steps when there are no more than that)."""
+    the steps after the first ``WARMUP_STEPS`` (all steps when there are no more than that).
+
+    ``profile_steps``: run torch.profiler over that many steps after the warm-up and return its
+    table of the operators and kernels that took the most time (the rate then includes its overhead)."""
     torch.manual_seed(seed)
     dtype = getattr(torch, cfg.dtype)
     model = GPT(cfg, use_torch).to(device, dtype)
@@ -148,6 +161,10 @@ def train(cfg: Config, steps: int, device="cpu", backend: str | None = None, use
         opt = portable_ops.optim.AdamW(model.parameters(), lr=cfg.lr, max_grad_norm=cfg.max_grad_norm)
     losses, start = [], time.perf_counter()
     timed_from, timed_start = 0, start
+    show = Progress(steps) if show_progress else None
+    if profile_steps and steps < WARMUP_STEPS + profile_steps:
+        raise ValueError(f"profile_steps={profile_steps} needs steps >= {WARMUP_STEPS + profile_steps} (warm-up first)")
+    profiler = _profiler(device) if profile_steps else None
     context = portable_ops.use_backend(backend) if backend else _nothing()
     with context:
         for step, (x, y) in enumerate(batches(cfg, steps, device, seed), 1):
@@ -158,16 +175,33 @@ def train(cfg: Config, steps: int, device="cpu", backend: str | None = None, use
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm, foreach=True)
             opt.step()
             losses.append(loss.detach())
-            if show_progress:
-                progress(step, steps, losses[-1].item(), start)
+            if show:
+                show(step, losses[-1])
             if step == WARMUP_STEPS and steps > WARMUP_STEPS:
                 _sync(device)
                 timed_from, timed_start = step, time.perf_counter()
+            if profiler and step == WARMUP_STEPS:
+                profiler.start()
+            if profiler and step == WARMUP_STEPS + profile_steps:
+                _sync(device)
+                profiler.stop()
     _sync(device)
     end = time.perf_counter()
-    return {"losses": [l.item() for l in losses],
-            "tokens_per_s": (steps - timed_from) * cfg.batch * cfg.seq / (end - timed_start),
-            "seconds": end - start, "warmup_seconds": timed_start - start}
+    result = {"losses": [l.item() for l in losses],
+              "tokens_per_s": (steps - timed_from) * cfg.batch * cfg.seq / (end - timed_start),
+              "seconds": end - start, "warmup_seconds": timed_start - start}
+    if profiler:
+        on_device = torch.device(device).type == "cuda"
+        result["profile"] = profiler.key_averages().table(
+            sort_by="self_cuda_time_total" if on_device else "self_cpu_time_total", row_limit=15, max_name_column_width=60)
+    return result
+
+
+def _profiler(device):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.device(device).type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
 
 
 class _nothing:
@@ -185,16 +219,24 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--json", help="write losses and throughput here")
     parser.add_argument("--compare-torch", action="store_true", help="also train with SDPA + torch fused AdamW")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="profile this many steps after the warm-up and print where the time went")
     for field, default in asdict(Config()).items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
     args = parser.parse_args(argv)
     cfg = Config(**{f: getattr(args, f) for f in asdict(Config())})
-    result = {"config": asdict(cfg), "portable_ops": train(cfg, args.steps, args.device, args.backend, show_progress=True)}
+    if args.profile and args.steps < WARMUP_STEPS + args.profile:
+        parser.error(f"--profile {args.profile} needs --steps of at least {WARMUP_STEPS + args.profile}")
+    result = {"config": asdict(cfg), "portable_ops": train(cfg, args.steps, args.device, args.backend,
+                                                           show_progress=True, profile_steps=args.profile)}
     if args.compare_torch:
-        result["torch"] = train(cfg, args.steps, args.device, use_torch=True, show_progress=True)
+        result["torch"] = train(cfg, args.steps, args.device, use_torch=True, show_progress=True,
+                                profile_steps=args.profile)
     for name in ("portable_ops", "torch"):
         if name in result:
             r = result[name]
+            if "profile" in r:
+                print(f"{name}: {args.profile} steps after the warm-up\n{r.pop('profile')}")
             print(f"{name:<13} first loss {r['losses'][0]:.4f}  last loss {r['losses'][-1]:.4f}  "
                   f"{r['tokens_per_s']:,.0f} tokens/s (warm-up {r['warmup_seconds']:.1f} s)")
     if args.json:
