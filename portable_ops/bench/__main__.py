@@ -19,7 +19,7 @@ COLUMNS = {
     "clip": ["bench", "variant", "ms", "clip ms", "vs torch pair", "steady ms", "steady vs torch pair"],
     "attention": ["variant", "dir", "D", "S", "B", "Hkv", "causal", "ms", "TFLOP/s", "steady ms", "steady TFLOP/s",
                   "error"],
-    "decode": ["variant", "B", "cache", "us", "steady us", "graph us", "graph GB/s", "error"],
+    "decode": ["variant", "B", "cache", "us", "steady us", "graph us", "graph GB/s", "max abs diff", "error"],
 }
 
 

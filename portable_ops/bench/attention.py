@@ -91,11 +91,14 @@ def run_decode(caches=(1024, 4096, 16384, 65536), batches=(1, 8), heads=32, kv_h
                         "sdpa cudnn": _sdpa_variants(False, True)["sdpa cudnn"],
                         "sdpa flash (K/V expanded)": sdpa["sdpa flash"],
                         "sdpa efficient (K/V expanded)": sdpa["sdpa efficient"]}
+            with torch.no_grad():  # float32 on the expanded K/V: what every variant's output is checked against
+                ref = F.scaled_dot_product_attention(*(t.float() for t in expanded))
             for name, fn in variants.items():
                 call = lambda fn=fn, args=inputs[name]: fn(*args)  # noqa: E731
                 row = {"bench": "decode", "variant": name, "B": b, "cache": s, "Hq": heads, "Hkv": kv_heads, "D": d}
                 try:
                     with torch.no_grad():
+                        row["max abs diff"] = (call().float() - ref).abs().max().item()
                         row["us"] = 1e3 * median_ms(call, iters=30)
                         row["steady us"] = 1e3 * steady_ms(call, iters=50)
                         row["graph us"] = 1e3 * median_ms(graphed(call), iters=30)
@@ -103,5 +106,5 @@ def run_decode(caches=(1024, 4096, 16384, 65536), batches=(1, 8), heads=32, kv_h
                 except RuntimeError as exc:
                     row["error"] = str(exc).splitlines()[0][:80]
                 rows.append(row)
-            del q, k, v, expanded
+            del q, k, v, expanded, ref
     return rows
