@@ -37,7 +37,12 @@ def test_multi_tensor_tables_are_reused_while_the_tensors_are():
     assert tables([xs], 1024) is first
     assert first.chunks == 1 + 5
     assert tables([xs], 2048) is not first and tables([xs], 2048).chunks == 1 + 3
-    assert tables([[torch.zeros(3), torch.zeros(5000)]], 1024) is not first
+    moved = tables([[torch.zeros(3), torch.zeros(5000)]], 1024)
+    assert moved is not first and not torch.equal(moved.addresses, first.addresses)
+    # same sizes: the chunk tables are shared, only the addresses are new
+    assert moved.chunk_tensor is first.chunk_tensor and moved.chunk_start is first.chunk_start
+    assert first.chunk_tensor.tolist() == [0, 1, 1, 1, 1, 1]
+    assert first.chunk_start.tolist() == [0, 0, 1024, 2048, 3072, 4096]
 
 
 def test_launch_shapes_follow_the_element_sizes(monkeypatch):

@@ -369,6 +369,43 @@ def test_cuda_graph_step_follows_lr_tensor_and_clip():
 
 
 @cuda_only
+def test_steps_whose_grads_moved_never_wait_for_the_device():
+    """zero_grad(set_to_none=True) frees the grads; the next backward may put them elsewhere, so the
+    launch tables are rebuilt: that must not synchronise (the host would stop running ahead)."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, device="cuda")) for n in (1000, 33, 70000)]
+    opt = portable_ops.optim.AdamW(params, lr=1e-3, max_grad_norm=0.5)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # state and kernels
+    torch.cuda.synchronize()
+    kept = [torch.randn_like(p) for p in params]  # keeps the old grads' blocks from being reused
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+            kept += [p.grad for p in params]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert opt.state[params[0]]["step"].item() == 4
+
+
+@cuda_only
+def test_capturing_a_step_over_tensors_never_seen_before_is_refused_with_a_reason():
+    params, grads, m, v = ([torch.randn(100, device="cuda")] for _ in range(4))
+    steps = [torch.zeros((), device="cuda")]
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="run one step with the same tensors before capturing"):
+        with torch.cuda.graph(graph):
+            with portable_ops.use_backend("triton"):
+                portable_ops.functional.adam(params, grads, m, v, [], steps, lr=1e-3)
+    assert steps[0].item() == 0
+
+
+@cuda_only
 def test_past_two_to_the_31_elements():
     n = 2**31 + 4099
     free, _ = torch.cuda.mem_get_info()

@@ -101,28 +101,61 @@ def store_as(pointer, offs, value, mask, MASKED: tl.constexpr):
 
 
 def tables(lists: list[list[torch.Tensor]], chunk: int) -> Tables:
-    """Address and chunk tables for parallel lists of same-shaped tensors (the first list sets the sizes)."""
+    """Address and chunk tables for parallel lists of same-shaped tensors (the first list sets the sizes).
+
+    Cached by every address. Grads freed by ``zero_grad(set_to_none=True)`` come back at new
+    addresses on many steps, so a miss must stay cheap: the chunk tables depend on the sizes only
+    and are cached by them, and the address table goes to the device without waiting for it."""
     first = lists[0]
-    key = (chunk, first[0].device, tuple(t.numel() for t in first),
-           tuple(t.data_ptr() for ts in lists for t in ts))
+    device = first[0].device
+    numels = tuple(map(_numel, first))
+    ptrs = [tuple(map(_data_ptr, ts)) for ts in lists]
+    key = (chunk, device, numels, *ptrs)
     hit = _cache.get(key)
     if hit is not None:
         _cache.move_to_end(key)
         return hit
-    device = first[0].device
-    numels = [t.numel() for t in first]
-    counts = [-(-n // chunk) for n in numels]
-    chunk_tensor = torch.repeat_interleave(torch.arange(len(first), dtype=torch.int32), torch.tensor(counts))
-    chunk_start = torch.cat([torch.arange(c, dtype=torch.int64) * chunk for c in counts]) if counts else \
-        torch.zeros(0, dtype=torch.int64)
-    addresses = torch.tensor([[t.data_ptr() for t in ts] for ts in lists], dtype=torch.int64)
-    built = Tables(addresses.to(device), chunk_tensor.to(device), chunk_start.to(device),
-                   torch.tensor(numels, dtype=torch.int64).to(device), int(sum(counts)),
-                   all(t.data_ptr() % 16 == 0 for ts in lists for t in ts))
-    _cache[key] = built
-    if len(_cache) > _CACHE_SIZE:
-        _cache.popitem(last=False)
-    return built
+    chunk_tensor, chunk_start, numels_tensor, chunks = _chunk_tables(chunk, device, numels)
+    addresses = _to_device(torch.tensor(ptrs, dtype=torch.int64), device)
+    aligned = all(p % 16 == 0 for row in ptrs for p in row)
+    return _remember(_cache, key, Tables(addresses, chunk_tensor, chunk_start, numels_tensor, chunks, aligned))
+
+
+_chunk_cache: OrderedDict[tuple, tuple] = OrderedDict()
+
+
+def _chunk_tables(chunk: int, device: torch.device, numels: tuple[int, ...]) -> tuple:
+    key = (chunk, device, numels)
+    hit = _chunk_cache.get(key)
+    if hit is not None:
+        _chunk_cache.move_to_end(key)
+        return hit
+    counts = torch.tensor([-(-n // chunk) for n in numels], dtype=torch.int64)
+    chunk_tensor = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    first_chunk = torch.cumsum(counts, 0) - counts
+    chunk_start = (torch.arange(len(chunk_tensor)) - first_chunk[chunk_tensor]) * chunk
+    built = (_to_device(chunk_tensor.to(torch.int32), device), _to_device(chunk_start, device),
+             _to_device(torch.tensor(numels, dtype=torch.int64), device), len(chunk_tensor))
+    return _remember(_chunk_cache, key, built)
+
+
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-built table on ``device``, without a stream synchronisation: a plain ``.to(device)``
+    from pageable memory waits for the device, which would stall every step whose grads moved."""
+    if device.type != "cuda":
+        return table.to(device)
+    if torch.cuda.is_current_stream_capturing():
+        # A captured copy would replay from a host buffer that is later reused.
+        raise RuntimeError("portable_ops: these tensors have no launch tables yet, and a CUDA graph is being "
+                           "captured: run one step with the same tensors before capturing")
+    return table.pin_memory().to(device, non_blocking=True)
+
+
+def _remember(cache: OrderedDict, key, value):
+    cache[key] = value
+    if len(cache) > _CACHE_SIZE:
+        cache.popitem(last=False)
+    return value
 
 
 class PlanCache:
