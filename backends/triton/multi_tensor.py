@@ -44,6 +44,30 @@ def launch_for(table: dict, key) -> Launch:
 _CACHE_SIZE = 16
 
 
+class LRU:
+    """A small least-recently-used map: ``get`` refreshes a hit, ``put`` evicts the oldest entry
+    past ``size`` and returns the value it stored."""
+
+    def __init__(self, size: int = _CACHE_SIZE):
+        self._items: OrderedDict = OrderedDict()
+        self._size = size
+
+    def get(self, key):
+        value = self._items.get(key)
+        if value is not None:
+            self._items.move_to_end(key)
+        return value
+
+    def put(self, key, value):
+        self._items[key] = value
+        if len(self._items) > self._size:
+            self._items.popitem(last=False)
+        return value
+
+    def clear(self):
+        self._items.clear()
+
+
 @dataclass(frozen=True)
 class Tables:
     addresses: torch.Tensor  # int64 [lists, tensors]: base address of tensor j of list i
@@ -54,7 +78,7 @@ class Tables:
     aligned: bool  # every base address a multiple of 16 bytes: the kernels may use vector loads
 
 
-_cache: OrderedDict[tuple, Tables] = OrderedDict()
+_cache = LRU()  # Tables by chunk size, device, sizes and every address
 
 
 @triton.jit
@@ -113,22 +137,20 @@ def tables(lists: list[list[torch.Tensor]], chunk: int) -> Tables:
     key = (chunk, device, numels, *ptrs)
     hit = _cache.get(key)
     if hit is not None:
-        _cache.move_to_end(key)
         return hit
     chunk_tensor, chunk_start, numels_tensor, chunks = _chunk_tables(chunk, device, numels)
     addresses = _to_device(torch.tensor(ptrs, dtype=torch.int64), device)
     aligned = all(p % 16 == 0 for row in ptrs for p in row)
-    return _remember(_cache, key, Tables(addresses, chunk_tensor, chunk_start, numels_tensor, chunks, aligned))
+    return _cache.put(key, Tables(addresses, chunk_tensor, chunk_start, numels_tensor, chunks, aligned))
 
 
-_chunk_cache: OrderedDict[tuple, tuple] = OrderedDict()
+_chunk_cache = LRU()  # (chunk tensor, chunk starts, sizes, chunk count) by chunk size, device and sizes
 
 
 def _chunk_tables(chunk: int, device: torch.device, numels: tuple[int, ...]) -> tuple:
     key = (chunk, device, numels)
     hit = _chunk_cache.get(key)
     if hit is not None:
-        _chunk_cache.move_to_end(key)
         return hit
     counts = torch.tensor([-(-n // chunk) for n in numels], dtype=torch.int64)
     chunk_tensor = torch.repeat_interleave(torch.arange(len(numels)), counts)
@@ -136,7 +158,7 @@ def _chunk_tables(chunk: int, device: torch.device, numels: tuple[int, ...]) -> 
     chunk_start = (torch.arange(len(chunk_tensor)) - first_chunk[chunk_tensor]) * chunk
     built = (_to_device(chunk_tensor.to(torch.int32), device), _to_device(chunk_start, device),
              _to_device(torch.tensor(numels, dtype=torch.int64), device), len(chunk_tensor))
-    return _remember(_chunk_cache, key, built)
+    return _chunk_cache.put(key, built)
 
 
 def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -151,23 +173,12 @@ def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return table.pin_memory().to(device, non_blocking=True)
 
 
-def _remember(cache: OrderedDict, key, value):
-    cache[key] = value
-    if len(cache) > _CACHE_SIZE:
-        cache.popitem(last=False)
-    return value
-
-
-class PlanCache:
+class PlanCache(LRU):
     """Launch plans keyed by every tensor's address, the first list's sizes and dtypes.
 
     A steady-state step computes one key (a C-level ``map`` over the tensors) and one dict
     lookup; everything else a launch needs was built on the first step with these tensors.
     """
-
-    def __init__(self, size: int = _CACHE_SIZE):
-        self._plans: OrderedDict[tuple, object] = OrderedDict()
-        self._size = size
 
     @staticmethod
     def key(first: list[torch.Tensor], *lists: list[torch.Tensor], extra=()) -> tuple:
@@ -175,18 +186,6 @@ class PlanCache:
         for more in lists:
             ptrs += tuple(map(_data_ptr, more))
         return (*extra, ptrs, tuple(map(_numel, first)), tuple(map(dtype_of, first)))
-
-    def get(self, key):
-        plan = self._plans.get(key)
-        if plan is not None:
-            self._plans.move_to_end(key)
-        return plan
-
-    def put(self, key, plan):
-        self._plans[key] = plan
-        if len(self._plans) > self._size:
-            self._plans.popitem(last=False)
-        return plan
 
 
 _data_ptr = torch.Tensor.data_ptr

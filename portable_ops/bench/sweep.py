@@ -38,8 +38,8 @@ MT_CONFIGS = {
 
 
 def _reset_plans():
-    adam_mod._plans._plans.clear()
-    norm_mod._plans._plans.clear()
+    adam_mod._plans.clear()
+    norm_mod._plans.clear()
     mt._cache.clear()
 
 
