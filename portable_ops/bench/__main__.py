@@ -23,6 +23,14 @@ COLUMNS = {
 }
 
 
+def _curves(ax, rows, *, x, y, series, label):
+    """One line per distinct value of the ``series`` fields, through the rows that measured ``y``."""
+    for values in sorted({tuple(r[f] for f in series) for r in rows}):
+        pts = sorted((r[x], r[y]) for r in rows if tuple(r[f] for f in series) == values and r.get(y))
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label.format(*values))
+
+
 def plot(name, rows, path):
     import matplotlib
 
@@ -31,27 +39,17 @@ def plot(name, rows, path):
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
     if name == "decode":
-        for variant in sorted({r["variant"] for r in rows}):
-            for b in sorted({r["B"] for r in rows}):
-                pts = [(r["cache"], r["graph us"]) for r in rows if r["variant"] == variant and r["B"] == b
-                       and r.get("graph us")]
-                if pts:
-                    xs, ys = zip(*sorted(pts))
-                    ax.plot(xs, ys, marker="o", label=f"{variant} B={b}")
+        _curves(ax, rows, x="cache", y="graph us", series=("variant", "B"), label="{} B={}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("KV cache length (Sq = 1, 32 query heads over 8 KV heads, D=128, bf16)")
         ax.set_ylabel("us per call, CUDA graph replay")
     elif name == "attention":
-        for variant in sorted({r["variant"] for r in rows}):
-            for direction in ("fwd", "bwd"):
-                pts = [(r["S"], r["TFLOP/s"]) for r in rows if r["variant"] == variant and r["dir"] == direction
-                       and r.get("TFLOP/s") and r["D"] == 128 and not r["causal"] and r["Hkv"] == r.get("Hkv")]
-                if pts:
-                    xs, ys = zip(*sorted(pts))
-                    ax.plot(xs, ys, marker="o", label=f"{variant} {direction}")
+        hkv = max(r["Hkv"] for r in rows)  # one curve per variant and direction: one KV-head count
+        _curves(ax, [r for r in rows if r["D"] == 128 and not r["causal"] and r["Hkv"] == hkv],
+                x="S", y="TFLOP/s", series=("variant", "dir"), label="{} {}")
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("sequence length (D=128, non-causal, bf16)")
+        ax.set_xlabel(f"sequence length (D=128, non-causal, {hkv} KV heads, bf16)")
         ax.set_ylabel("TFLOP/s")
     else:
         timed = [r for r in rows if r.get("ms")]

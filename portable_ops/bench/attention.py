@@ -56,17 +56,17 @@ def run_attention(seqs=(512, 1024, 2048, 4096, 8192, 16384), head_dims=(64, 128)
                                 **_sdpa_variants(causal, hkv != heads)}
                     for direction in ("fwd", "bwd"):
                         for name, fn in variants.items():
+                            row = {"bench": "attention", "variant": name, "dir": direction, "D": d, "S": s, "B": b,
+                                   "Hkv": hkv, "causal": causal}
+                            rows.append(row)
                             try:
                                 ms, steady = _time(fn, q, k, v, direction)
                             except RuntimeError as exc:  # an SDPA backend that can't take this shape
-                                rows.append({"bench": "attention", "variant": name, "dir": direction, "D": d,
-                                             "S": s, "B": b, "Hkv": hkv, "causal": causal,
-                                             "error": str(exc).splitlines()[0][:80]})
+                                row["error"] = str(exc).splitlines()[0][:80]
                                 continue
-                            rows.append({"bench": "attention", "variant": name, "dir": direction, "D": d, "S": s,
-                                         "B": b, "Hkv": hkv, "causal": causal, "ms": ms, "steady ms": steady,
-                                         "TFLOP/s": _flops(b, heads, s, d, causal, direction) / (ms * 1e-3) / 1e12,
-                                         "steady TFLOP/s": _flops(b, heads, s, d, causal, direction) / (steady * 1e-3) / 1e12})
+                            tflop = _flops(b, heads, s, d, causal, direction) / 1e12
+                            row.update({"ms": ms, "steady ms": steady, "TFLOP/s": tflop / (ms * 1e-3),
+                                        "steady TFLOP/s": tflop / (steady * 1e-3)})
                     del q, k, v
     return rows
 

@@ -43,6 +43,20 @@ def _reset_plans():
     mt._cache.clear()
 
 
+def _each_launch(table: dict, key, configs):
+    """Set ``table[key]`` to each of ``configs`` in turn, with no plan built under another shape;
+    restore it afterwards."""
+    default = table[key]
+    try:
+        for cfg in configs:
+            table[key] = mt.Launch(*cfg)
+            _reset_plans()
+            yield cfg
+    finally:
+        table[key] = default
+        _reset_plans()
+
+
 def sweep_multi_tensor(rows, dtype=torch.float32):
     """Adam (AMSGrad too for fp32; float32 state too for 2-byte params) and the norm's partials, per
     launch shape, under CUDA graph replay, against torch's fused AdamW and _foreach_norm."""
@@ -71,11 +85,7 @@ def sweep_multi_tensor(rows, dtype=torch.float32):
             rows.append({"sweep": name, "config": "torch fused graph", "ms": ms, "of copy": floor / ms})
             del ref
             torch.cuda.empty_cache()
-        default = adam_mod.LAUNCH[(size, state_dtype.itemsize)]
-        for cfg in MT_CONFIGS[dtype]:
-            adam_mod.LAUNCH[(size, state_dtype.itemsize)] = mt.Launch(*cfg)
-            _reset_plans()
-
+        for cfg in _each_launch(adam_mod.LAUNCH, (size, state_dtype.itemsize), MT_CONFIGS[dtype]):
             def step():
                 with portable_ops.use_backend("triton"):
                     portable_ops.functional.adam(params, grads, m, v, mx if amsgrad else [], steps, amsgrad=amsgrad,
@@ -86,7 +96,6 @@ def sweep_multi_tensor(rows, dtype=torch.float32):
                 rows.append({"sweep": name, "config": str(cfg), "ms": ms, "of copy": floor / ms})
             except Exception as exc:  # noqa: BLE001
                 rows.append({"sweep": name, "config": str(cfg), "error": repr(exc)[:100]})
-        adam_mod.LAUNCH[(size, state_dtype.itemsize)] = default
         del m, v, mx
         torch.cuda.empty_cache()
     floor = size * numel / copy * 1e3  # read-only, at the copy rate (which counts read + write)
@@ -96,11 +105,7 @@ def sweep_multi_tensor(rows, dtype=torch.float32):
     ms = median_ms(lambda: torch._foreach_norm(grads))
     name = f"norm {str(dtype)[6:]}"
     rows.append({"sweep": name, "config": "torch _foreach_norm", "ms": ms, "of copy": floor / ms})
-    default = norm_mod.LAUNCH[size]
-    for cfg in MT_CONFIGS[dtype]:
-        norm_mod.LAUNCH[size] = mt.Launch(*cfg)
-        _reset_plans()
-
+    for cfg in _each_launch(norm_mod.LAUNCH, size, MT_CONFIGS[dtype]):
         def norm():
             with portable_ops.use_backend("triton"):
                 return portable_ops.clip.total_norm(grads)
@@ -108,8 +113,6 @@ def sweep_multi_tensor(rows, dtype=torch.float32):
         ms = median_ms(graphed(norm))
         rows.append({"sweep": name, "config": str(cfg), "ms": ms, "of copy": floor / ms,
                      "error": abs(got - want) / want})
-    norm_mod.LAUNCH[size] = default
-    _reset_plans()
 
 
 FWD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 4), (64, 64, 4, 3), (128, 32, 4, 4),
