@@ -140,6 +140,12 @@ class Progress:
 WARMUP_STEPS = 10  # kernels compile (and triton's attention tunes its tiles) here: not counted in tokens/s
 
 
+def _profile_too_long(steps: int, profile_steps: int) -> str | None:
+    if profile_steps and steps < WARMUP_STEPS + profile_steps:
+        return f"profiling {profile_steps} steps after the warm-up needs at least {WARMUP_STEPS + profile_steps} steps"
+    return None
+
+
 def _sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -162,8 +168,8 @@ def train(cfg: Config, steps: int, device="cpu", backend: str | None = None, use
     losses, start = [], time.perf_counter()
     timed_from, timed_start = 0, start
     show = Progress(steps) if show_progress else None
-    if profile_steps and steps < WARMUP_STEPS + profile_steps:
-        raise ValueError(f"profile_steps={profile_steps} needs steps >= {WARMUP_STEPS + profile_steps} (warm-up first)")
+    if problem := _profile_too_long(steps, profile_steps):
+        raise ValueError(problem)
     profiler = _profiler(device) if profile_steps else None
     context = portable_ops.use_backend(backend) if backend else _nothing()
     with context:
@@ -225,8 +231,8 @@ def main(argv=None) -> int:
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
     args = parser.parse_args(argv)
     cfg = Config(**{f: getattr(args, f) for f in asdict(Config())})
-    if args.profile and args.steps < WARMUP_STEPS + args.profile:
-        parser.error(f"--profile {args.profile} needs --steps of at least {WARMUP_STEPS + args.profile}")
+    if problem := _profile_too_long(args.steps, args.profile):
+        parser.error(problem)  # before any training
     result = {"config": asdict(cfg), "portable_ops": train(cfg, args.steps, args.device, args.backend,
                                                            show_progress=True, profile_steps=args.profile)}
     if args.compare_torch:
