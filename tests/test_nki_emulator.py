@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from portable_ops.backends.nki import emulator
-from portable_ops.backends.nki.adam import adam_kernel
+from portable_ops.backends.nki.adam import PAIR, SHARED, adam_kernel
 from portable_ops.backends.nki.emulator import EmulatorError
 from portable_ops.backends.nki.emulator import isa as nisa
 from portable_ops.backends.nki.emulator import language as nl
@@ -155,19 +155,27 @@ def test_dtypes_the_engines_cannot_take():
     rejects("dtype-unsupported", _broken_201_partitions, torch.zeros(4, 4, dtype=torch.float64))
 
     @jit
-    def dma_cast(x):
-        t = nl.ndarray(x.shape, dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.dma_copy(t, x)
-        return x
-
-    @jit
     def float_predicate(x):
         t = nl.zeros((4, 4), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy_predicated(t, t, t)
         return x
 
-    rejects("dma-dtype", dma_cast, torch.zeros(4, 4))
     rejects("predicate-dtype", float_predicate, torch.zeros(1))
+
+
+def test_dma_converts_dtypes_through_float32_rounding_once():
+    # nki.isa.dma_copy: "The DMA engines automatically handle data type conversion ... first casting
+    # from src.dtype to float32, then from float32 to dst.dtype"
+    @jit
+    def kernel(x):
+        out = nl.ndarray(x.shape, dtype=nl.float16, buffer=nl.shared_hbm)
+        t = nl.ndarray(x.shape, dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    x = torch.tensor([[1 + 2 ** -9, 1 + 3 * 2 ** -9, 3.14159, 70000.0]])
+    assert torch.equal(kernel(x), x.to(torch.bfloat16).float().to(torch.float16))
 
 
 def test_reduce_axis_and_transpose_shape():
@@ -226,12 +234,15 @@ def test_affine_select_matches_its_documented_predicate():
 
 
 def test_instruction_counts_per_engine():
-    hp = torch.zeros(128, 10)
-    p = torch.zeros(128, 3000)
+    hp = torch.zeros(128, len(SHARED) + PAIR)
+    p = torch.zeros(128 * 1500)
     with emulator.count_instructions() as stats:
-        adam_kernel(p, p, p, p, p, hp, amsgrad=False, decay_mode=0, gated=False, scale_grad=False)
+        adam_kernel([p], [p], [p], [p], [p], hp, amsgrad=False, decay_mode=0, gated=False, scale_grad=False)
     counts = stats.instructions
-    # two free-axis tiles (2048 + 952): 4 loads + 3 stores each, plus the hyperparameter load
+    # one [128, 1500] body in two tiles (1024 + 476): 4 loads + 3 stores each, plus the hyperparameters
+    assert stats.launches == 1
     assert counts["dma"] == 2 * 7 + 1
-    assert counts["scalar"] == 2 and counts["vector"] > 0
-    assert stats.dma_bytes == (4 + 3) * 128 * 3000 * 4 + 128 * 10 * 4
+    assert counts["scalar"] == 2 * 3 and counts["vector"] == 2 * 3 and counts["gpsimd"] == 2 * 2
+    assert stats.dma_bytes_in == 4 * 128 * 1500 * 4 + hp.numel() * 4
+    assert stats.dma_bytes_out == 3 * 128 * 1500 * 4
+    assert stats.elements["vector"] == 3 * 2 * 128 * 1500 // 128  # three two-input instructions per element

@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from portable_ops.layout import as_layout_of
+
 from .compat import nki, nisa, nl
 from .runtime import launch
 
@@ -34,8 +36,9 @@ PMAX = 128  # partitions: the most a matmul contracts over, and a transpose's la
 
 
 def _transposed(src, rows, cols, dtype):
-    """``src [rows, cols]`` (SBUF, ``cols <= 128``) -> ``[cols, rows]`` in SBUF, through a Tensor Engine transpose."""
-    t_ps = nl.ndarray((cols, rows), dtype=nl.float32, buffer=nl.psum)
+    """``src [rows, cols]`` (SBUF, ``cols <= 128``) -> ``[cols, rows]`` in SBUF, through a Tensor Engine
+    transpose (into PSUM in ``src``'s dtype, as nc_transpose requires)."""
+    t_ps = nl.ndarray((cols, rows), dtype=src.dtype, buffer=nl.psum)
     nisa.nc_transpose(t_ps, src)
     t_sb = nl.ndarray((cols, rows), dtype=dtype, buffer=nl.sbuf)
     nisa.tensor_copy(t_sb, t_ps)
@@ -50,11 +53,12 @@ def _chunks(n):
 def _transposed_chunks(src, rows, cols, dtype):
     """``src [rows, cols]`` (SBUF) -> ``[min(cols, 128), n_chunks, rows]`` in SBUF: chunk ``c`` is
     ``src[:, c0:c0 + size]`` transposed, on its first ``size`` partitions (the layout
-    :func:`_matmul_chunked` contracts over). All chunks share one PSUM tile (a bank holds
-    ``n_chunks * rows <= 512`` fp32), so a wider head dim costs no extra PSUM bank."""
+    :func:`_matmul_chunked` contracts over). All chunks share one PSUM tile (in ``src``'s dtype, as
+    nc_transpose requires; a bank holds ``n_chunks * rows <= 512`` of them), so a wider head dim
+    costs no extra PSUM bank."""
     chunks = _chunks(cols)
     shape = (min(cols, PMAX), len(chunks), rows)
-    t_ps = nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum)
+    t_ps = nl.ndarray(shape, dtype=src.dtype, buffer=nl.psum)
     for c, c0, size in chunks:
         nisa.nc_transpose(t_ps[0:size, c, :], src[:, c0:c0 + size])
     t_sb = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
@@ -323,13 +327,15 @@ def attention_supports(call) -> list[str]:
 
 
 def attention_fwd(q, k, v, *, causal, scale):
+    """The kernels take contiguous ``[B, H, S, D]``; ``out`` comes back in the layout
+    portable_ops/layout.py gives q's output (a copy only when q's heads are inner to its sequence)."""
     out, lse = launch(attention_fwd_kernel, q.contiguous(), k.contiguous(), v.contiguous(),
                       scale=float(scale), causal=bool(causal))
-    return out, lse.reshape(q.shape[:-1])
+    return as_layout_of(out, q), lse.reshape(q.shape[:-1])
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
     lse4 = lse.to(torch.float32).reshape(*q.shape[:-1], 1).contiguous()
     dq, dk, dv = launch(attention_bwd_kernel, q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
                         lse4, dout.to(q.dtype).contiguous(), scale=float(scale), causal=bool(causal))
-    return dq, dk, dv
+    return as_layout_of(dq, q), as_layout_of(dk, k), as_layout_of(dv, v)

@@ -13,12 +13,13 @@ Kernels do ``from .compat import nki, nl, nisa`` and nothing else.
 from __future__ import annotations
 
 import importlib
-import os
+
+from portable_ops import env
 
 
 def _load_sdk():
     """(nki, nki.language, nki.isa, None) from the real SDK, or (None, None, None, reason)."""
-    if os.environ.get("PORTABLE_OPS_NKI_EMULATOR", "0") not in ("", "0"):
+    if env.flag("PORTABLE_OPS_NKI_EMULATOR", False):
         return None, None, None, "PORTABLE_OPS_NKI_EMULATOR is set"
     try:
         sdk = importlib.import_module("nki")

@@ -1,12 +1,18 @@
-"""Global gradient norm in two phases, as NKI kernels.
+"""Global gradient norm (2 or inf) of every grad of a step in one NKI kernel launch.
 
-Phase 1 (one launch per grad, on its ``[128, F]`` body and ``[T, 1]`` tail): per-partition
-partial sums of squares (norm 2, fused into the Scalar Engine's activation reduce) or partial
-max of ``|g|`` (norm inf), into a ``[P, 1]`` float32 HBM vector. Phase 2 (one launch): the
-partials of all grads side by side as ``[128, n]``, reduced along the free axis (Vector
-Engine), then across partitions (GpSimd ``tensor_partition_reduce``), then ``sqrt`` for norm 2.
-The result stays on the device as a 0-dim float32 tensor: it is what the clip coefficient is
-computed from and fed to the Adam kernel's hyperparameter tensor, with no host sync.
+The kernel walks the grads as a table (a list of flat HBM views, unrolled at specialization
+time, as in ``adam.py``): each grad's ``[128, F]`` body in ``[128, 2048]`` tiles, and the
+``n % 128`` leftovers of all grads gathered one grad per partition into zero-filled tail tiles
+(zeros are neutral for a sum of squares and for max |g|). Each tile adds to a ``[128, 1]``
+float32 accumulator: the sum of squares (Scalar Engine activation with its add-reduction), or
+max |g|. At the end the partitions are reduced on GpSimd (``tensor_partition_reduce``) and the
+2-norm takes its ``sqrt``. The result stays on the device as a 0-dim float32 tensor: the clip
+coefficient is computed from it and fed to the Adam kernel's hyperparameters, with no host sync.
+
+NaN: a NaN grad must give a NaN norm, as in torch. The sum of squares propagates it by IEEE
+arithmetic. The max does not have to: the NKI docs do not say what the engines' ``maximum``
+does with NaN, so the inf-norm counts NaNs explicitly (``x != x``) and writes NaN over the
+result when it saw one (tests run it under the emulator's NaN-dropping max too).
 """
 
 from __future__ import annotations
@@ -14,70 +20,69 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from .compat import nki, nisa, nl
 from .runtime import launch
 
-F_TILE = 2048
+PMAX = 128
+F_TILE = 2048  # 8 KiB fp32 DMA payloads
 
 
-def _accumulate(acc, grad, f0, fs, norm_inf):
-    P = grad.shape[0]
-    tile = nl.ndarray((P, fs), dtype=grad.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(tile, grad[0:P, f0:f0 + fs])
-    work = nl.ndarray((P, fs), dtype=nl.float32, buffer=nl.sbuf)
-    part = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+def _accumulate(tile, shape, acc, nans, norm_inf):
+    """Add one loaded tile (any float dtype) to the ``[128, 1]`` accumulators (first ``rows`` partitions)."""
+    rows = shape[0]
+    part = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
     if norm_inf:
-        nisa.activation(work, op=nl.abs, data=tile)
-        nisa.tensor_reduce(part, op=nl.maximum, data=work, axis=1, keepdims=True)
-        nisa.tensor_tensor(acc, acc, part, op=nl.maximum)
+        flags = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)  # 1.0 where NaN
+        nisa.tensor_tensor(dst=flags, data1=tile, data2=tile, op=nl.not_equal, engine=nisa.engine.gpsimd)
+        nisa.tensor_reduce(dst=part, op=nl.maximum, data=flags, axis=1, keepdims=True)
+        nisa.tensor_tensor(dst=nans[0:rows, 0:1], data1=nans[0:rows, 0:1], data2=part, op=nl.maximum)
+        nisa.activation(dst=tile, op=nl.abs, data=tile)
+        nisa.tensor_reduce(dst=part, op=nl.maximum, data=tile, axis=1, keepdims=True)
+        nisa.tensor_tensor(dst=acc[0:rows, 0:1], data1=acc[0:rows, 0:1], data2=part, op=nl.maximum)
     else:
-        nisa.activation(work, op=nl.square, data=tile, reduce_op=nl.add, reduce_res=part,
+        nisa.activation(dst=tile, op=nl.square, data=tile, reduce_op=nl.add, reduce_res=part,
                         reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        nisa.tensor_tensor(acc, acc, part, op=nl.add)
+        nisa.tensor_tensor(dst=acc[0:rows, 0:1], data1=acc[0:rows, 0:1], data2=part, op=nl.add)
 
 
 @nki.jit
-def norm_partials_kernel(grad, norm_inf=False):
-    """Per-partition partials of one ``[P, F]`` grad (P <= 128): sum of squares, or max |g|."""
-    P, F_ = grad.shape
-    out = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-    acc = nl.zeros((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-    n_full = F_ // F_TILE
-    for t in nl.sequential_range(n_full):  # acc is carried from tile to tile
-        _accumulate(acc, grad, t * F_TILE, F_TILE, norm_inf)
-    if F_ % F_TILE:
-        _accumulate(acc, grad, n_full * F_TILE, F_ % F_TILE, norm_inf)
-    nisa.dma_copy(out, acc)
-    return out
-
-
-@nki.jit
-def norm_finish_kernel(partials, norm_inf=False):
-    """``[P, n]`` float32 partials -> ``[1, 1]`` norm: free-axis reduce, partition reduce, sqrt."""
-    P, n = partials.shape
-    op = nl.maximum if norm_inf else nl.add
+def norm_kernel(grads, norm_inf=False):
+    """The ``[1, 1]`` float32 2-norm (or inf-norm) of a list of 1-D HBM grads taken together."""
     out = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-    acc = nl.zeros((P, 1), dtype=nl.float32, buffer=nl.sbuf)
+    acc = nl.zeros((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nans = nl.zeros((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf) if norm_inf else None
+    for g in grads:
+        F = g.shape[0] // PMAX
+        body = g[0:PMAX * F].reshape((PMAX, F)) if F else None
+        for f0 in range(0, F, F_TILE):
+            fs = min(F_TILE, F - f0)
+            tile = nl.ndarray((PMAX, fs), dtype=g.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(dst=tile, src=body[0:PMAX, f0:f0 + fs])
+            _accumulate(tile, (PMAX, fs), acc, nans, norm_inf)
+    tails = [g for g in grads if g.shape[0] % PMAX]
+    for b in range(0, len(tails), PMAX):
+        block = tails[b:b + PMAX]
+        shape = (len(block), max(g.shape[0] % PMAX for g in block))
+        tile = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=tile, value=0.0)
+        for r, g in enumerate(block):
+            size = g.shape[0]
+            start = size - size % PMAX
+            nisa.dma_copy(dst=tile[r:r + 1, 0:size - start], src=g[start:size].reshape((1, size - start)))
+        _accumulate(tile, shape, acc, nans, norm_inf)
 
-    def chunk(f0, fs):
-        tile = nl.ndarray((P, fs), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.dma_copy(tile, partials[0:P, f0:f0 + fs])
-        part = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(part, op=op, data=tile, axis=1, keepdims=True)
-        nisa.tensor_tensor(acc, acc, part, op=op)
-
-    n_full = n // F_TILE
-    for t in nl.sequential_range(n_full):
-        chunk(t * F_TILE, F_TILE)
-    if n % F_TILE:
-        chunk(n_full * F_TILE, n % F_TILE)
     total = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_partition_reduce(total, op=op, data=acc)
-    if not norm_inf:
-        nisa.activation(total, op=nl.sqrt, data=total)
-    nisa.dma_copy(out, total)
+    nisa.tensor_partition_reduce(dst=total, op=nl.maximum if norm_inf else nl.add, data=acc)
+    if norm_inf:  # NaN over the result if any grad held one
+        seen = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_partition_reduce(dst=seen, op=nl.maximum, data=nans)
+        pred = nl.ndarray((1, 1), dtype=nl.uint8, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=pred, src=seen)
+        nisa.tensor_copy_predicated(dst=total, src=math.nan, predicate=pred)
+    else:
+        nisa.activation(dst=total, op=nl.sqrt, data=total)
+    nisa.dma_copy(dst=out, src=total)
     return out
 
 
@@ -97,19 +102,7 @@ def grad_norm_supports(call) -> list[str]:
 
 
 def grad_norm(grads, norm_type):
-    norm_inf = math.isinf(float(norm_type))
-    device = grads[0].device
-    partials = []
-    for g in grads:
-        n = g.numel()
-        flat = g.reshape(-1)
-        main = (n // 128) * 128
-        if main:
-            partials.append(launch(norm_partials_kernel, flat[:main].reshape(128, main // 128), norm_inf=norm_inf))
-        if n - main:
-            tail = launch(norm_partials_kernel, flat[main:].reshape(n - main, 1), norm_inf=norm_inf)
-            partials.append(F.pad(tail, (0, 0, 0, 128 - (n - main))))  # zeros are neutral for sum and max|g|
-    if not partials:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    out = launch(norm_finish_kernel, torch.cat(partials, dim=1).contiguous(), norm_inf=norm_inf)
-    return out.reshape(())
+    live = [g.reshape(-1) for g in grads if g.numel()]
+    if not live:
+        return torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
+    return launch(norm_kernel, live, norm_inf=math.isinf(float(norm_type))).reshape(())

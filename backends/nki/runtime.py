@@ -25,9 +25,18 @@ def where(device: torch.device) -> str:
     return "simulator" if compat.USING_SDK else "emulator"
 
 
+def _tensors(args):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from _tensors(a)
+
+
 def launch(kernel, *args, **static):
-    """Run ``kernel(*args, **static)`` where its tensors live; returns torch tensors on that device."""
-    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    """Run ``kernel(*args, **static)`` where its tensors live (arguments may be lists of tensors);
+    returns torch tensors on that device. Kernels may also write their argument tensors in place."""
+    device = next(_tensors(args)).device
     how = where(device)
     if how == "device":
         if not compat.USING_SDK:
@@ -42,6 +51,8 @@ def launch(kernel, *args, **static):
 
 
 def _as_torch(out, device):
+    if out is None:  # an in-place kernel
+        return None
     if isinstance(out, (tuple, list)):
         return type(out)(_as_torch(o, device) for o in out)
     if isinstance(out, torch.Tensor):

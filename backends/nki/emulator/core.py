@@ -1,4 +1,4 @@
-"""Core of the NKI emulator: tensors in HBM/SBUF/PSUM, the hardware rules, scopes and counters.
+"""Core of the NKI emulator: tensors in HBM/SBUF/PSUM, the hardware rules, scopes and the counters.
 
 A test double, not a simulator of timing: it executes the subset of ``nki.language`` /
 ``nki.isa`` that this project's kernels use, on CPU, with torch as the storage (so bfloat16
@@ -6,20 +6,31 @@ is stored as bfloat16 and every engine write rounds once, round-to-nearest-even)
 raises :class:`EmulatorError` where the Neuron compiler or hardware would reject a kernel.
 Every rule names itself in brackets at the start of the message, e.g. ``[partition-dim]``.
 
-Sources for the numbers (NKI 0.7 / Neuron SDK 2.33 docs):
+Two modes besides plain execution:
+
+* **count-only** (:func:`count_only`): kernel arguments may be torch ``meta`` tensors (shape and
+  dtype, no storage), every tile is allocated on ``meta`` too, so each instruction runs its
+  checks and its counters while torch skips the arithmetic. That is how the cost model counts a
+  354.9M-element optimizer step without 354.9M elements of memory or compute.
+* **NaN-dropping max** (:func:`max_nan_semantics` ``("drop")``): the NKI docs do not say what the
+  engines' ``maximum`` / ``minimum`` and max/min reductions do with NaN. By default the emulator
+  propagates NaN (as numpy and torch do); under ``"drop"`` they return the other operand
+  (IEEE-754 maxNum), so tests can check a kernel does not rely on the undocumented behaviour.
+
+Sources for the numbers (NKI 0.7 / Neuron SDK 2.33 docs; aws-neuron/aws-neuron-sdk):
 
 * 128 partitions, 512 fp32 per PSUM bank, 8 PSUM banks, matmul free sizes 128 / 512:
   https://awsdocs-neuron.readthedocs-hosted.com/en/v2.33.0/nki/api/nki.language.tile_size.html
 * SBUF 28 MiB = 128 partitions x 224 KiB on NeuronCore-v3 (Trn2), PSUM 2 MiB (16 KiB per
-  partition): aws-neuron/aws-neuron-sdk nki/guides/architecture/trainium2_arch.rst
-  (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/arch/trainium2_arch.html)
+  partition): nki/guides/architecture/trainium2_arch.rst
 * SBUF 32 MiB (256 KiB per partition) on NeuronCore-v4 (Trn3), PSUM unchanged:
-  https://awsdocs-neuron.readthedocs-hosted.com/en/latest/nki/about/trainium3_arch.html
+  nki/guides/architecture/trainium3_arch.rst
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -38,7 +49,7 @@ def reject(rule: str, message: str):
     raise EmulatorError(rule, message)
 
 
-# ----------------------------------------------------------------------------- targets
+# ----------------------------------------------------------------------------- targets and modes
 @dataclass(frozen=True)
 class Target:
     name: str
@@ -55,7 +66,7 @@ TARGETS = {
     "trn2": Target("trn2"),  # NeuronCore-v3: 28 MiB SBUF / 128 partitions
     "trn3": Target("trn3", sbuf_partition_bytes=256 * 1024),  # NeuronCore-v4: 32 MiB SBUF
 }
-_state = {"target": TARGETS["trn2"]}
+_state = {"target": TARGETS["trn2"], "count_only": False, "max_nan": "propagate"}
 
 
 def target() -> Target:
@@ -63,13 +74,38 @@ def target() -> Target:
 
 
 @contextlib.contextmanager
-def use_target(name: str):
-    previous = _state["target"]
-    _state["target"] = TARGETS[name]
+def _setting(key, value):
+    previous = _state[key]
+    _state[key] = value
     try:
         yield
     finally:
-        _state["target"] = previous
+        _state[key] = previous
+
+
+def use_target(name: str):
+    """Check kernels against ``"trn2"`` (default) or ``"trn3"``'s capacities inside the block."""
+    return _setting("target", TARGETS[name])
+
+
+def count_only():
+    """Inside the block kernels take ``meta`` tensors and skip the arithmetic (see the module doc)."""
+    return _setting("count_only", True)
+
+
+def max_nan_semantics(mode: str):
+    """``"propagate"`` (default) or ``"drop"``: what ``maximum``/``minimum`` do with a NaN operand."""
+    if mode not in ("propagate", "drop"):
+        raise ValueError(f"mode must be 'propagate' or 'drop', got {mode!r}")
+    return _setting("max_nan", mode)
+
+
+def nan_drops() -> bool:
+    return _state["max_nan"] == "drop"
+
+
+def device() -> torch.device:
+    return torch.device("meta" if _state["count_only"] else "cpu")
 
 
 # ----------------------------------------------------------------------------- dtypes
@@ -89,15 +125,16 @@ tfloat32 = DType("tfloat32", torch.float32, 4)
 bfloat16 = DType("bfloat16", torch.bfloat16, 2)
 float16 = DType("float16", torch.float16, 2)
 int32 = DType("int32", torch.int32, 4, False)
+int16 = DType("int16", torch.int16, 2, False)
+int8 = DType("int8", torch.int8, 1, False)
 uint8 = DType("uint8", torch.uint8, 1, False)
 uint16 = DType("uint16", torch.int32, 2, False)  # stored widened; values stay in range
 uint32 = DType("uint32", torch.int64, 4, False)
-int8 = DType("int8", torch.int8, 1, False)
 # Supported Data Types (NKI docs: fp32, tf32, bf16, fp16, fp8, int8/16/32, uint8/16/32);
-# there is no float64 on any NeuronCore engine.
-DTYPES = [float32, tfloat32, bfloat16, float16, int32, uint8, uint16, uint32, int8]
+# there is no float64 on any NeuronCore engine. fp8 types are not emulated.
+DTYPES = [float32, tfloat32, bfloat16, float16, int32, int16, int8, uint8, uint16, uint32]
 _FROM_TORCH = {torch.float32: float32, torch.bfloat16: bfloat16, torch.float16: float16,
-               torch.int32: int32, torch.uint8: uint8, torch.int8: int8}
+               torch.int32: int32, torch.int16: int16, torch.uint8: uint8, torch.int8: int8}
 
 
 def from_torch(dtype: torch.dtype) -> DType:
@@ -125,34 +162,45 @@ class Buffer:
 
 sbuf = Buffer("sbuf", True)
 psum = Buffer("psum", True)
-hbm = Buffer("hbm", False)
 shared_hbm = Buffer("shared_hbm", False)
 private_hbm = Buffer("private_hbm", False)
+hbm = private_hbm  # nki.language: "HBM - Alias of private_hbm"
 
 
 # ----------------------------------------------------------------------------- statistics
+ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma")
+
+
 @dataclass
 class Stats:
-    """Instructions issued per engine, and free-axis elements per partition they streamed."""
+    """What the kernels launched inside :func:`count_instructions` issued, for the cost model.
+
+    ``work[(engine, cost, size)]`` counts instructions by the cost rule that prices them
+    (``cost.py`` knows the rules) and their size: free elements per partition for compute
+    engines, bytes for DMA. ``elements`` sums, per engine, the free elements per partition read
+    from each input tile (a two-input instruction counts both)."""
 
     instructions: Counter = field(default_factory=Counter)
-    elements: Counter = field(default_factory=Counter)  # per-partition free elements (cycles ~ this)
-    dma_bytes: int = 0
+    elements: Counter = field(default_factory=Counter)
+    work: Counter = field(default_factory=Counter)
+    dma_bytes_in: int = 0  # HBM -> on-chip
+    dma_bytes_out: int = 0  # on-chip -> HBM
+    dma_bytes_other: int = 0  # HBM -> HBM or SBUF -> SBUF
     matmul_flops: int = 0
+    sbuf_peak_bytes: int = 0  # per partition
+    psum_peak_banks: int = 0
+    launches: int = 0
 
-    def add(self, engine: str, elements: int = 0):
-        self.instructions[engine] += 1
-        self.elements[engine] += int(elements)
-
-    def merge(self, other: "Stats"):
-        self.instructions.update(other.instructions)
-        self.elements.update(other.elements)
-        self.dma_bytes += other.dma_bytes
-        self.matmul_flops += other.matmul_flops
+    @property
+    def hbm_bytes(self) -> int:
+        return self.dma_bytes_in + self.dma_bytes_out
 
     def as_dict(self) -> dict:
-        return {"instructions": dict(self.instructions), "elements_per_partition": dict(self.elements),
-                "dma_bytes": self.dma_bytes, "matmul_flops": self.matmul_flops}
+        return {"launches": self.launches, "instructions": dict(self.instructions),
+                "elements_per_partition": dict(self.elements), "dma_bytes_in": self.dma_bytes_in,
+                "dma_bytes_out": self.dma_bytes_out, "dma_bytes_other": self.dma_bytes_other,
+                "matmul_flops": self.matmul_flops, "sbuf_peak_bytes_per_partition": self.sbuf_peak_bytes,
+                "psum_peak_banks": self.psum_peak_banks}
 
 
 _stats_stack: list[Stats] = []
@@ -169,30 +217,45 @@ def count_instructions():
         _stats_stack.remove(stats)
 
 
-def record(engine: str, elements: int = 0, dma_bytes: int = 0, flops: int = 0):
+def record(engine: str, cost: str, size: int, inputs: int = 1, flops: int = 0):
+    """One instruction on ``engine``, priced by rule ``cost`` at ``size`` free elements per partition."""
     for stats in _stats_stack:
-        stats.add(engine, elements)
-        stats.dma_bytes += dma_bytes
+        stats.instructions[engine] += 1
+        stats.elements[engine] += int(size) * inputs
+        stats.work[(engine, cost, int(size))] += 1
         stats.matmul_flops += flops
 
 
-# ----------------------------------------------------------------------------- allocation scopes
-class _Scope:
-    def __init__(self):
-        self.tiles: list[Tensor] = []
+def record_dma(nbytes: int, src_on_chip: bool, dst_on_chip: bool):
+    direction = "in" if dst_on_chip and not src_on_chip else "out" if src_on_chip and not dst_on_chip else "other"
+    for stats in _stats_stack:
+        stats.instructions["dma"] += 1
+        stats.elements["dma"] += int(nbytes)
+        stats.work[("dma", direction, int(nbytes))] += 1
+        setattr(stats, f"dma_bytes_{direction}", getattr(stats, f"dma_bytes_{direction}") + int(nbytes))
 
 
+def record_launch():
+    for stats in _stats_stack:
+        stats.launches += 1
+
+
+# ----------------------------------------------------------------------------- on-chip allocations
 class _Memory:
-    """Live on-chip allocations: tiles belong to the loop iteration (or kernel) that declared them."""
+    """Live on-chip allocations. A tile is live while the kernel holds a reference to it (Python
+    frees it when its last variable is rebound or goes out of scope, a stand-in for the compiler's
+    liveness analysis) and, if it was declared inside an ``nl.*_range`` iteration, until that
+    iteration ends."""
 
     def __init__(self):
-        self.scopes: list[_Scope] = []
+        self.tiles: weakref.WeakSet = weakref.WeakSet()
+        self.scopes: list[list] = []
 
     def reset(self):
-        self.scopes = [_Scope()]
+        self.tiles, self.scopes = weakref.WeakSet(), []
 
     def live(self, buffer):
-        return [t for s in self.scopes for t in s.tiles if t.buffer is buffer]
+        return [t for t in self.tiles if t.buffer is buffer]
 
     def allocate(self, tile: "Tensor"):
         tgt = target()
@@ -202,6 +265,8 @@ class _Memory:
                 reject("sbuf-capacity", f"SBUF tile {tile.shape} {tile.dtype} needs {tile.partition_bytes} bytes per "
                        f"partition; with the live tiles that is {used} > {tgt.sbuf_partition_bytes} bytes per "
                        f"partition on {tgt.name} (SBUF is 128 partitions x {tgt.sbuf_partition_bytes // 1024} KiB)")
+            for stats in _stats_stack:
+                stats.sbuf_peak_bytes = max(stats.sbuf_peak_bytes, used)
         elif tile.buffer is psum:
             if tile.partition_bytes > tgt.psum_bank_bytes:
                 reject("psum-bank", f"PSUM tile {tile.shape} {tile.dtype} needs {tile.partition_bytes} bytes per "
@@ -212,16 +277,21 @@ class _Memory:
                 reject("psum-capacity", f"{banks} live PSUM tiles, each holding a bank; PSUM has "
                        f"{tgt.psum_num_banks} banks of {tgt.psum_bank_bytes} bytes per partition "
                        f"({tgt.psum_partition_bytes} bytes)")
+            for stats in _stats_stack:
+                stats.psum_peak_banks = max(stats.psum_peak_banks, banks)
+        self.tiles.add(tile)
         if self.scopes:
-            self.scopes[-1].tiles.append(tile)
+            self.scopes[-1].append(weakref.ref(tile))
 
     @contextlib.contextmanager
     def scope(self):
-        self.scopes.append(_Scope())
+        self.scopes.append([])
         try:
             yield
         finally:
-            self.scopes.pop()
+            for ref in self.scopes.pop():
+                if ref() is not None:
+                    self.tiles.discard(ref())
 
 
 memory = _Memory()
@@ -230,11 +300,17 @@ memory.reset()
 
 # ----------------------------------------------------------------------------- tensors
 class Tensor:
-    """An NKI tensor: torch storage, an NKI dtype and a buffer. Partition axis first on chip."""
+    """An NKI tensor (``nl.NkiTensor``): torch storage, an NKI dtype and a buffer. Partition axis
+    first on chip. Views (indexing, :meth:`reshape`) share the storage, as NKI's do."""
 
     def __init__(self, data: torch.Tensor, dtype: DType, buffer: Buffer, root: "Tensor | None" = None):
         self.data, self.dtype, self.buffer = data, dtype, buffer
-        self.root = root or self
+        self._root = root  # the allocation a view belongs to (None for the allocation itself)
+        self.last_writer = None  # on the root: what last wrote it ('matmul' or 'other', for PSUM accumulation)
+
+    @property
+    def root(self) -> "Tensor":
+        return self._root or self
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -245,11 +321,8 @@ class Tensor:
         return self.data.dim()
 
     @property
-    def partition_bytes(self) -> int:
-        free = 1
-        for n in self.shape[1:]:
-            free *= n
-        return free * self.dtype.itemsize
+    def size(self) -> int:
+        return self.data.numel()
 
     @property
     def free_size(self) -> int:
@@ -258,26 +331,49 @@ class Tensor:
             free *= n
         return free
 
+    @property
+    def partition_bytes(self) -> int:
+        return self.free_size * self.dtype.itemsize
+
     def __getitem__(self, index) -> "Tensor":
         view = self.data[index]
         if self.buffer.on_chip and view.dim() == 0:
             reject("tile-rank", "an on-chip tile access must keep the partition axis (got a scalar)")
         return Tensor(view, self.dtype, self.buffer, self.root)
 
-    def __setitem__(self, index, value):
+    def __setitem__(self, key, value):
         reject("tile-assign", "assign through nki.isa instructions (dst=...), not with Python item assignment")
+
+    def reshape(self, shape: tuple[int, ...]) -> "Tensor":
+        """NkiTensor.reshape: a view with the same elements; on chip the partition axis is kept."""
+        shape = tuple(int(n) for n in shape)
+        if self.buffer.on_chip and shape[0] != self.shape[0]:
+            reject("tile-shape", f"reshape of an on-chip tile must keep its partition axis: {self.shape} -> {shape}")
+        if not self.data.is_contiguous():
+            reject("view", f"reshape needs a contiguous view; {self.shape} is strided")
+        return Tensor(self.data.view(shape), self.dtype, self.buffer, self.root)
 
     def __repr__(self) -> str:
         return f"Tensor({self.shape}, {self.dtype}, {self.buffer})"
 
     # values as float32 (engines compute in fp32) / write with one rounding to the tile's dtype
     def read(self) -> torch.Tensor:
-        return self.data.to(torch.float32) if self.dtype.is_float else self.data
+        if _state["count_only"] or not self.dtype.is_float:
+            return self.data
+        return self.data.to(torch.float32)
+
+    def assign(self, compute):
+        """``self = compute()``, rounded once to the tile's dtype; in count-only mode nothing is computed."""
+        if _state["count_only"]:
+            self.root.last_writer = "other"
+        else:
+            self.write(compute())
 
     def write(self, value: torch.Tensor):
         if tuple(value.shape) != self.shape:
             value = value.expand(self.shape) if value.dim() <= len(self.shape) else value.reshape(self.shape)
         self.data.copy_(value.to(self.data.dtype))
+        self.root.last_writer = "other"
 
 
 def allocate(shape, dtype, buffer) -> Tensor:
@@ -285,10 +381,8 @@ def allocate(shape, dtype, buffer) -> Tensor:
     dtype = as_dtype(dtype)
     if dtype not in DTYPES:
         reject("dtype-unsupported", f"{dtype} is not a NeuronCore data type")
-    if buffer is None:
-        buffer = sbuf
     if not isinstance(buffer, Buffer):
-        reject("buffer", f"buffer must be nl.sbuf, nl.psum, nl.hbm or nl.shared_hbm, not {buffer!r}")
+        reject("buffer", f"buffer must be nl.sbuf, nl.psum, nl.hbm, nl.private_hbm or nl.shared_hbm, not {buffer!r}")
     if any(n <= 0 for n in shape):
         reject("tile-shape", f"tensor shape {shape} has an empty dimension")
     if buffer.on_chip:
@@ -299,15 +393,18 @@ def allocate(shape, dtype, buffer) -> Tensor:
                    f"(first) is at most nl.tile_size.pmax = {target().pmax}")
         if buffer is psum and dtype not in (float32, bfloat16, float16, int32):
             reject("dtype-unsupported", f"PSUM holds fp32 accumulations (or 16-bit transpose output), not {dtype}")
-    fill = torch.full(shape, float("nan")) if dtype.is_float else torch.zeros(shape)
-    tensor = Tensor(fill.to(dtype.torch_dtype), dtype, buffer)
+    # fresh memory reads as NaN (floats) / 4 (integers), like nki.simulate's sentinels, so a kernel
+    # that computes on memory it never wrote shows it in its output
+    tensor = Tensor(torch.full(shape, float("nan") if dtype.is_float else 4, dtype=dtype.torch_dtype,
+                               device=device()), dtype, buffer)
     if buffer.on_chip:
         memory.allocate(tensor)
     return tensor
 
 
 def wrap_hbm(value: torch.Tensor) -> Tensor:
-    """A kernel argument: a CPU torch tensor seen as an HBM tensor (shares storage)."""
-    if value.device.type != "cpu":
-        reject("device", f"the emulator runs on CPU tensors, not {value.device.type}")
-    return Tensor(value, from_torch(value.dtype), hbm)
+    """A kernel argument: a torch tensor seen as an HBM tensor (shares storage)."""
+    if value.device.type != device().type:
+        allowed = "meta (count-only mode)" if _state["count_only"] else "CPU"
+        reject("device", f"the emulator takes {allowed} tensors here, not {value.device.type}")
+    return Tensor(value, from_torch(value.dtype), shared_hbm)

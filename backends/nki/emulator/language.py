@@ -1,17 +1,21 @@
 """Emulated ``nki.language`` (``import nki.language as nl``): the subset this project's kernels use.
 
-Docs: https://awsdocs-neuron.readthedocs-hosted.com/general/nki/api/index.html (nki.language:
-creation operations, iterators, memory hierarchy, data types, constants).
+Every public function here has the signature of its namesake in AWS's API reference
+(``backends/nki/aws_signatures.py``, checked by tests/test_nki_api.py). Operators (``nl.add``,
+``nl.exp``, ...) are functions, as in NKI; the kernels pass them as ``op=`` to ``nki.isa``
+instructions, which look their semantics up in :data:`ALU`, :data:`ACTIVATION` and :data:`REDUCE`.
+Calling one on tiles directly (NKI's high-level API) is outside the emulated subset.
+
+Docs: aws-neuron/aws-neuron-sdk ``nki/api/nki.language.rst`` and ``nki/api/nki.api.shared.rst``
+(supported math operators, activation functions, data types).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import core
-from .core import (DType, EmulatorError, Tensor, bfloat16, float16, float32, hbm, int8, int32,  # noqa: F401
+from .core import (DType, EmulatorError, Tensor, bfloat16, float16, float32, hbm, int8, int16, int32,  # noqa: F401
                    private_hbm, psum, sbuf, shared_hbm, tfloat32, uint8, uint16, uint32)
 
 NkiTensor = Tensor
@@ -64,101 +68,171 @@ tile_size = _TileSize()
 
 
 # ----------------------------------------------------------------------------- operators
-class Op:
-    """An ALU / activation operator, passed to nki.isa instructions (nl.add, nl.exp, ...)."""
-
-    def __init__(self, name, fn, kind):
-        self.name, self.fn, self.kind = name, fn, kind  # kind: "binary", "unary", "compare"
-
-    def __call__(self, *args, **kwargs):
-        raise EmulatorError("api-subset", f"nl.{self.name}(...) as a tile-level call is outside the emulated subset; "
-                            "use it as an op= of an nki.isa instruction")
-
-    def __repr__(self):
-        return f"nl.{self.name}"
+def _outside_subset(name):
+    raise EmulatorError("api-subset", f"nl.{name}(...) as a tile-level call is outside the emulated subset; "
+                        "pass it as op= to an nki.isa instruction")
 
 
-def _f(x):
-    return x.to(torch.float32) if isinstance(x, torch.Tensor) else x
+def add(x, y, dtype=None):
+    _outside_subset("add")
 
 
-add = Op("add", lambda a, b: a + b, "binary")
-subtract = Op("subtract", lambda a, b: a - b, "binary")
-multiply = Op("multiply", lambda a, b: a * b, "binary")
-divide = Op("divide", lambda a, b: a / b, "binary")
-maximum = Op("maximum", lambda a, b: torch.maximum(torch.as_tensor(a), torch.as_tensor(b)), "binary")
-minimum = Op("minimum", lambda a, b: torch.minimum(torch.as_tensor(a), torch.as_tensor(b)), "binary")
-max = maximum  # noqa: A001  (nl.max is the reduction spelling of maximum)
-min = minimum  # noqa: A001
-greater_equal = Op("greater_equal", lambda a, b: torch.as_tensor(a >= b).to(torch.float32), "compare")
-greater = Op("greater", lambda a, b: torch.as_tensor(a > b).to(torch.float32), "compare")
-less_equal = Op("less_equal", lambda a, b: torch.as_tensor(a <= b).to(torch.float32), "compare")
-less = Op("less", lambda a, b: torch.as_tensor(a < b).to(torch.float32), "compare")
-equal = Op("equal", lambda a, b: torch.as_tensor(a == b).to(torch.float32), "compare")
-not_equal = Op("not_equal", lambda a, b: torch.as_tensor(a != b).to(torch.float32), "compare")
+def subtract(x, y, dtype=None):
+    _outside_subset("subtract")
 
-# Activation functions (Scalar Engine): "Supported Activation Functions for NKI ISA".
-exp = Op("exp", torch.exp, "unary")
-log = Op("log", torch.log, "unary")
-sqrt = Op("sqrt", torch.sqrt, "unary")
-rsqrt = Op("rsqrt", torch.rsqrt, "unary")
-square = Op("square", torch.square, "unary")
-abs = Op("abs", torch.abs, "unary")  # noqa: A001
-copy = Op("copy", lambda x: x, "unary")
-identity = copy
 
-REDUCE = {"add": lambda x, dims: x.sum(dims, keepdim=True),
-          "maximum": lambda x, dims: x.amax(dims, keepdim=True),
-          "minimum": lambda x, dims: x.amin(dims, keepdim=True),
-          "multiply": lambda x, dims: x.prod(dims[0], keepdim=True) if len(dims) == 1 else x.flatten(1).prod(1, keepdim=True)}
+def multiply(x, y, dtype=None):
+    _outside_subset("multiply")
+
+
+def maximum(x, y, dtype=None):
+    _outside_subset("maximum")
+
+
+def minimum(x, y, dtype=None):
+    _outside_subset("minimum")
+
+
+def equal(x, y, dtype=None):
+    _outside_subset("equal")
+
+
+def not_equal(x, y, dtype=None):
+    _outside_subset("not_equal")
+
+
+def greater(x, y, dtype=None):
+    _outside_subset("greater")
+
+
+def greater_equal(x, y, dtype=None):
+    _outside_subset("greater_equal")
+
+
+def less(x, y, dtype=None):
+    _outside_subset("less")
+
+
+def less_equal(x, y, dtype=None):
+    _outside_subset("less_equal")
+
+
+def copy(x, dtype=None):
+    _outside_subset("copy")
+
+
+def exp(x, dtype=None):
+    _outside_subset("exp")
+
+
+def log(x, dtype=None):
+    _outside_subset("log")
+
+
+def sqrt(x, dtype=None):
+    _outside_subset("sqrt")
+
+
+def rsqrt(x, dtype=None):
+    _outside_subset("rsqrt")
+
+
+def square(x, dtype=None):
+    _outside_subset("square")
+
+
+def abs(x, dtype=None):  # noqa: A001
+    _outside_subset("abs")
+
+
+def reciprocal(x, dtype=None):
+    _outside_subset("reciprocal")
+
+
+def _maximum(a, b):
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    return torch.fmax(a, b) if core.nan_drops() else torch.maximum(a, b)
+
+
+def _minimum(a, b):
+    a, b = torch.as_tensor(a), torch.as_tensor(b)
+    return torch.fmin(a, b) if core.nan_drops() else torch.minimum(a, b)
+
+
+def _flag(cmp):
+    return lambda a, b: torch.as_tensor(cmp(torch.as_tensor(a), torch.as_tensor(b))).to(torch.float32)
+
+
+# Binary arithmetic operators of the ALU ("Supported Math Operators for NKI ISA"); comparisons
+# give 1.0 / 0.0 in float32. nl.divide is not an ALU operator there, so it is not here.
+ALU = {add: torch.add, subtract: torch.sub, multiply: torch.mul, maximum: _maximum, minimum: _minimum,
+       equal: _flag(torch.eq), not_equal: _flag(torch.ne), greater: _flag(torch.gt),
+       greater_equal: _flag(torch.ge), less: _flag(torch.lt), less_equal: _flag(torch.le)}
+# Unary ALU operators (tensor_scalar with operand0 unused); reciprocal runs at 1/8 rate on VectorE.
+ALU_UNARY = {abs: torch.abs, square: torch.square, rsqrt: torch.rsqrt, reciprocal: torch.reciprocal}
+# Scalar Engine activation functions (the engine approximates them; the emulator computes exactly).
+ACTIVATION = {copy: lambda x: x, exp: torch.exp, log: torch.log, sqrt: torch.sqrt, rsqrt: torch.rsqrt,
+              square: torch.square, abs: torch.abs, reciprocal: torch.reciprocal}
+
+
+def _reduce_max(x, dims):
+    if core.nan_drops():
+        x = torch.where(x.isnan(), float("-inf"), x)
+    return x.amax(dims, keepdim=True)
+
+
+def _reduce_min(x, dims):
+    if core.nan_drops():
+        x = torch.where(x.isnan(), float("inf"), x)
+    return x.amin(dims, keepdim=True)
+
+
+REDUCE = {add: lambda x, dims: x.sum(dims, keepdim=True), maximum: _reduce_max, minimum: _reduce_min}
 
 
 # ----------------------------------------------------------------------------- creation
-def ndarray(shape, dtype, buffer=None, name=None) -> Tensor:
-    """nl.ndarray(shape, dtype, buffer): a new tensor; on chip the first axis is the partition axis."""
+def ndarray(shape, dtype, buffer=sbuf, name='', address=None) -> Tensor:
+    """nl.ndarray: a new tensor; on chip the first axis is the partition axis."""
+    if address is not None:
+        core.reject("api-subset", "nl.ndarray(address=...) (manual allocation) is outside the emulated subset")
     return core.allocate(shape, dtype, buffer)
 
 
-def zeros(shape, dtype, buffer=None, name=None) -> Tensor:
+def zeros(shape, dtype, buffer=sbuf, name='') -> Tensor:
+    """nl.zeros: a new tensor filled with zeros (on chip, a memset instruction)."""
     tensor = core.allocate(shape, dtype, buffer)
-    tensor.data.zero_()
+    tensor.assign(lambda: torch.zeros(()))
     if tensor.buffer.on_chip:
-        core.record("gpsimd", tensor.free_size)  # a memset instruction
+        core.record("vector" if tensor.buffer is psum else "gpsimd", "stream", tensor.free_size)  # a memset
     return tensor
 
 
-def par_dim(n):
-    raise EmulatorError("block-dimension", "nl.par_dim / block dimensions were removed from NKI; the partition "
-                        "axis is the first axis (NKI Block Dimension Migration Guide)")
-
-
 # ----------------------------------------------------------------------------- iterators
-def _range(*args):
-    for i in range(*args):
+def _range(start, stop, step):
+    if stop is None:
+        start, stop = 0, start
+    for i in range(start, stop, step):
         with core.memory.scope():  # tiles declared in an iteration live for that iteration
             yield i
 
 
-def affine_range(*args, **kwargs):
+def affine_range(start, stop=None, step=1):
     """Iterations with no loop-carried dependency (the compiler may reorder / pipeline them)."""
-    return _range(*args)
+    return _range(start, stop, step)
 
 
-def sequential_range(*args, **kwargs):
+def sequential_range(start, stop=None, step=1):
     """Iterations that run in order: loop-carried dependencies (running max, accumulators) are allowed."""
-    return _range(*args)
+    return _range(start, stop, step)
 
 
-def static_range(*args, **kwargs):
-    return _range(*args)
+def static_range(start, stop=None, step=1):
+    return _range(start, stop, step)
 
 
 def program_id(axis=0):
     return 0
 
 
-def num_programs(axis=0):
+def num_programs(axes=0):
     return 1
-
-
-inf = math.inf

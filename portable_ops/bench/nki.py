@@ -1,0 +1,157 @@
+"""``python -m portable_ops.bench nki``: the NKI kernels' estimated time on Trn2 and Trn3 beside their floors.
+
+Rows: the AdamW step over the optimizer bench's 292-tensor GPT-2-medium list (fp32, AMSGrad,
+bf16 params with fp32 state), the global 2-norm of its grads (the clip: the clip coefficient
+itself is fused into the step), and attention forward and backward at S=4096, D=128, bf16.
+
+How: each kernel runs in the project's NKI emulator in count-only mode (``meta`` tensors: every
+instruction is checked and counted, no arithmetic, no memory), through the same host code a
+training step uses; ``backends/nki/emulator/cost.py`` prices the counts per engine from AWS's
+documented rates and takes the busiest engine (or DMA) as the NeuronCore's time. A chip's
+estimate is that work split over its 8 NeuronCores. Attention is counted for one (batch, head)
+and multiplied by B * H: every head runs the same instructions. The floor is the chip's HBM
+time for the bytes the operation must move, or its Tensor Engine time for the FLOPs it must do.
+
+On a Trainium host (the Neuron SDK and an XLA device present) the same operations are also
+timed on the device, so the estimate meets a measurement; the counting then runs in a child
+process under the emulator (``PORTABLE_OPS_NKI_EMULATOR=1``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from portable_ops.backends.nki import compat
+from portable_ops.backends.nki.emulator import cost
+
+from .common import table, write
+from .optimizer import bytes_per_element, gpt2_medium_shapes
+
+COLUMNS = ["kernel", "launches", "instructions t/v/s/g/dma", "HBM GB", "SBUF KiB", "PSUM banks",
+           "Trn2 ms", "Trn2 floor ms", "Trn2 x floor", "Trn2 bound", "Trn3 ms", "Trn3 floor ms", "Trn3 x floor",
+           "Trn3 bound", "measured ms"]
+F32, BF16 = torch.float32, torch.bfloat16
+OPTIMIZER = [("AdamW fp32", F32, F32, False), ("AdamW AMSGrad fp32", F32, F32, True),
+             ("AdamW bf16 params, fp32 state", BF16, F32, False)]
+ATTENTION = dict(B=1, H=16, S=4096, D=128)
+ADAMW = dict(beta1=0.9, beta2=0.999, lr=1e-4, weight_decay=0.01, eps=1e-8, maximize=False,
+             decoupled_weight_decay=True)
+
+
+def _ops():
+    from portable_ops.backends import nki
+    return nki.BACKEND.ops
+
+
+def _optimizer_state(dtype, state_dtype, amsgrad, device):
+    shapes = gpt2_medium_shapes()
+    params, grads = ([torch.zeros(s, dtype=dtype, device=device) for s in shapes] for _ in range(2))
+    moments = [[torch.zeros(s, dtype=state_dtype, device=device) for s in shapes] for _ in range(3 if amsgrad else 2)]
+    steps = [torch.zeros((), device=device) for _ in shapes]
+    return params, grads, moments[0], moments[1], moments[2] if amsgrad else [], steps
+
+
+def _workloads(device):
+    """(name, run, floor) per row: ``run()`` launches the kernels on ``device``; ``floor`` is
+    (bytes, flops) the operation must move / do, and ``scale`` the count multiplier."""
+    numel = sum(torch.Size(s).numel() for s in gpt2_medium_shapes())
+    rows = []
+    for name, dtype, state_dtype, amsgrad in OPTIMIZER:
+        state = _optimizer_state(dtype, state_dtype, amsgrad, device)
+        rows.append((f"{name}, 292 tensors / {numel / 1e6:.1f}M", 1,
+                     lambda state=state, amsgrad=amsgrad: _ops()["adam"].run(*state, amsgrad=amsgrad, **ADAMW),
+                     (bytes_per_element(dtype, state_dtype, amsgrad) * numel, 0)))
+    grads = [torch.zeros(s, device=device) for s in gpt2_medium_shapes()]
+    rows.append((f"clip: global 2-norm fp32, 292 grads / {numel / 1e6:.1f}M", 1,
+                 lambda: _ops()["grad_norm"].run(grads=grads, norm_type=2.0), (4 * numel, 0)))
+    B, H, S, D = ATTENTION.values()
+    q, k, v, o, do = (torch.zeros(1, 1, S, D, dtype=BF16, device=device) for _ in range(5))
+    lse = torch.zeros(1, 1, S, device=device)
+    for causal in (False, True):
+        flops = 4 * S * S * D * (0.5 if causal else 1.0)  # per head, the FLOPs attention must do
+        label = f"attention {'causal' if causal else 'full'} bf16 B={B} H={H} S={S} D={D}"
+        call = dict(q=q, k=k, v=v, causal=causal, scale=D ** -0.5)
+        rows.append((f"{label} fwd", B * H, lambda call=call: _ops()["attention_fwd"].run(**call),
+                     (4 * S * D * 2 * B * H, flops * B * H)))
+        rows.append((f"{label} bwd", B * H,
+                     lambda call=call: _ops()["attention_bwd"].run(out=o, lse=lse, dout=do, **call),
+                     (8 * S * D * 2 * B * H, 2.5 * flops * B * H)))
+    return rows
+
+
+def count() -> list[dict]:
+    """Count every workload in the emulator (count-only) and price it on each machine."""
+    from portable_ops.backends.nki import emulator
+    rows = []
+    for name, scale, run, (nbytes, flops) in _workloads("meta"):
+        with emulator.count_only(), emulator.count_instructions() as stats:
+            run()
+        n = stats.instructions
+        row = {"kernel": name, "launches": stats.launches,
+               "instructions t/v/s/g/dma": "/".join(str(n[e] * scale) for e in cost.ENGINES),
+               "HBM GB": stats.hbm_bytes * scale / 1e9, "SBUF KiB": stats.sbuf_peak_bytes / 1024,
+               "PSUM banks": stats.psum_peak_banks, "counts": {**stats.as_dict(), "scale": scale}}
+        for machine in cost.MACHINES:
+            est = cost.estimate(stats, machine)
+            ms = est.chip_seconds * scale * 1e3
+            floor = max(nbytes / machine.hbm_bytes_per_s, flops / (machine.tensor_flops_bf16 * machine.cores)) * 1e3
+            row.update({f"{machine.name} ms": ms, f"{machine.name} floor ms": floor,
+                        f"{machine.name} x floor": ms / floor, f"{machine.name} bound": est.bound,
+                        f"{machine.name} engine ms": {e: s * scale * 1e3 / machine.cores for e, s in est.seconds.items()}})
+        rows.append(row)
+    return rows
+
+
+def _trainium_device():
+    """The XLA device when torch-neuronx and a functional Neuron SDK are present, else None."""
+    if not compat.USING_SDK:
+        return None
+    try:
+        import torch_xla.core.xla_model as xm
+    except ImportError:
+        return None
+    return xm.xla_device()
+
+
+def measure(device, iters: int = 10) -> list[float]:
+    """Wall ms per call of each workload on the Trainium device (after a warm-up that compiles)."""
+    import torch_xla.core.xla_model as xm
+    times = []
+    for _, _, run, _ in _workloads(device):
+        for _ in range(2):
+            run()
+        xm.mark_step()
+        xm.wait_device_ops()
+        start = time.perf_counter()
+        for _ in range(iters):
+            run()
+            xm.mark_step()
+        xm.wait_device_ops()
+        times.append((time.perf_counter() - start) / iters * 1e3)
+    return times
+
+
+def run(out_dir: str = "docs/perf") -> int:
+    if compat.MODE == "emulator":
+        rows = count()
+    else:  # the kernels are bound to the real SDK here: count them in a child running the emulator
+        env = dict(os.environ, PORTABLE_OPS_NKI_EMULATOR="1")
+        child = subprocess.run([sys.executable, "-c", "import json, portable_ops.bench.nki as b; "
+                                "print(json.dumps(b.count()))"], env=env, capture_output=True, text=True, check=True)
+        rows = json.loads(child.stdout.splitlines()[-1])
+    device = _trainium_device()
+    if device is not None:
+        for row, ms in zip(rows, measure(device)):
+            row["measured ms"] = ms
+    info = {"device": f"estimate (cost model over emulator counts){'' if device is None else '; measured on ' + str(device)}",
+            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "nki": compat.MODE}
+    path = write("nki", rows, info, out_dir)
+    print(table(rows, COLUMNS))
+    print(f"{info['device']}, {info['date']}, torch {info['torch']}; wrote {path}")
+    return 0
