@@ -65,12 +65,40 @@ def test_launch_shapes_follow_the_element_sizes(monkeypatch):
     assert mt.launch_for(grad_norm.LAUNCH, torch.bfloat16.itemsize).chunk == 500
 
 
-def test_tuner_times_each_candidate_once_per_key_and_skips_ones_that_do_not_fit(monkeypatch):
-    from triton.runtime.errors import OutOfResources
-
+@pytest.fixture
+def tuning(monkeypatch, tmp_path):
+    """Timing on, as on a GPU, with the disk cache in a fresh folder and a stand-in GPU name."""
     from portable_ops.backends.triton import autotune
 
     monkeypatch.setattr(autotune, "INTERPRETED", False)
+    monkeypatch.setattr(autotune, "device_identity", lambda: "Some GPU sm_90")
+    monkeypatch.setenv("PORTABLE_OPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PORTABLE_OPS_AUTOTUNE", raising=False)
+    return autotune
+
+
+def _source_a():
+    return 1
+
+
+def _source_b():
+    return 2
+
+
+class _Timed:
+    """A launch whose cost is looked up by config, recording what was timed."""
+
+    def __init__(self, cost):
+        self.cost, self.timed = cost, []
+
+    def __call__(self, config):
+        self.timed.append(config)
+        return self.cost[config]
+
+
+def test_tuner_times_each_candidate_once_per_key_and_skips_ones_that_do_not_fit(tuning, monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
     cost = {"a": 3.0, "b": 1.0, "c": 2.0}
     timed = []
 
@@ -80,7 +108,7 @@ def test_tuner_times_each_candidate_once_per_key_and_skips_ones_that_do_not_fit(
             raise OutOfResources(300000, 232448, "shared memory")
         return cost[config]
 
-    tuner = autotune.Tuner(timer=lambda run: run())
+    tuner = tuning.Tuner(timer=lambda run: run())
     assert tuner.pick("k", ["a", "b", "c"], launch) == "c"  # b would be fastest but does not fit
     assert tuner.pick("k", ["a", "b", "c"], launch) == "c" and timed == ["a", "b", "c"]  # remembered
     monkeypatch.setenv("PORTABLE_OPS_AUTOTUNE", "0")
@@ -88,3 +116,68 @@ def test_tuner_times_each_candidate_once_per_key_and_skips_ones_that_do_not_fit(
     monkeypatch.delenv("PORTABLE_OPS_AUTOTUNE")
     with pytest.raises(RuntimeError, match="no launch configuration fits"):
         tuner.pick("none", ["b", "b"], launch)
+
+
+def test_tile_choices_persist_across_processes_on_the_same_gpu_triton_and_kernel_source(tuning, monkeypatch,
+                                                                                        tmp_path):
+    candidates = [(128, 64, 8, 3), (64, 64, 4, 3)]
+    first = _Timed({candidates[0]: 2.0, candidates[1]: 1.0})
+    key = ("fwd", 80, torch.bfloat16, True, 4096, 4096, 64, 4)
+    tuner = tuning.Tuner(timer=lambda run: run(), name="attention", sources=[_source_a])
+    assert tuner.pick(key, candidates, first) == candidates[1] and len(first.timed) == 2
+    assert [p.name for p in tmp_path.iterdir()] == [tuner.path().name]  # no temporary file left behind
+
+    def never(config):
+        raise AssertionError("timed again")
+
+    # a new process (a new Tuner) on the same GPU, Triton and kernels: read from disk, untimed
+    again = tuning.Tuner(timer=lambda run: run(), name="attention", sources=[_source_a])
+    assert again.pick(key, candidates, never) == candidates[1]
+    assert again.pick(key, candidates, never) == candidates[1]
+    # another kernel source, another GPU, another Triton: timed afresh
+    for changed in ({"sources": [_source_b]}, {"gpu": "Other GPU sm_80"}, {"triton": "0.0.1"}):
+        with monkeypatch.context() as m:
+            if "gpu" in changed:
+                m.setattr(tuning, "device_identity", lambda: changed["gpu"])
+            if "triton" in changed:
+                m.setattr(tuning.triton, "__version__", changed["triton"])
+            fresh = _Timed({candidates[0]: 1.0, candidates[1]: 2.0})
+            other = tuning.Tuner(timer=lambda run: run(), name="attention", sources=changed.get("sources", [_source_a]))
+            assert other.pick(key, candidates, fresh) == candidates[0] and len(fresh.timed) == 2, changed
+    # a choice that is no longer a candidate is timed again
+    replaced = _Timed({(32, 32, 4, 3): 1.0, candidates[0]: 2.0})
+    assert tuning.Tuner(timer=lambda run: run(), name="attention", sources=[_source_a]).pick(
+        key, [(32, 32, 4, 3), candidates[0]], replaced) == (32, 32, 4, 3) and len(replaced.timed) == 2
+
+
+@pytest.mark.parametrize("content", ["{not json", "[1, 2]", '{"(\'k\',)": "oops"}', ""])
+def test_a_corrupt_cache_file_is_ignored_and_replaced(tuning, content):
+    tuner = tuning.Tuner(timer=lambda run: run(), name="t", sources=[_source_a])
+    tuner.path().parent.mkdir(parents=True, exist_ok=True)
+    tuner.path().write_text(content)
+    timed = _Timed({"a": 2.0, "b": 1.0})
+    assert tuner.pick(("k",), ["a", "b"], timed) == "b" and timed.timed == ["a", "b"]
+    again = tuning.Tuner(timer=lambda run: run(), name="t", sources=[_source_a])
+    assert again.pick(("k",), ["a", "b"], _Timed({})) == "b"
+
+
+def test_an_unwritable_cache_folder_costs_a_retuning_not_an_error(tuning, monkeypatch, tmp_path):
+    blocker = tmp_path / "a file where the folder would be"
+    blocker.write_text("")
+    monkeypatch.setenv("PORTABLE_OPS_CACHE_DIR", str(blocker / "cache"))
+    tuner = tuning.Tuner(timer=lambda run: run(), name="t", sources=[_source_a])
+    assert tuner.pick("k", ["a", "b"], _Timed({"a": 2.0, "b": 1.0})) == "b"
+    timed = _Timed({"a": 2.0, "b": 1.0})
+    assert tuning.Tuner(timer=lambda run: run(), name="t", sources=[_source_a]).pick("k", ["a", "b"], timed) == "b"
+    assert timed.timed == ["a", "b"]
+
+
+def test_under_cuda_graph_capture_a_stored_choice_is_read_but_nothing_is_timed(tuning, monkeypatch):
+    first = tuning.Tuner(timer=lambda run: run(), name="t", sources=[_source_a])
+    first.pick("k", ["a", "b"], _Timed({"a": 2.0, "b": 1.0}))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    capturing = tuning.Tuner(timer=lambda run: run(), name="t", sources=[_source_a])
+    timed = _Timed({"a": 2.0, "b": 1.0})
+    assert capturing.pick("k", ["a", "b"], timed) == "b"  # from disk
+    assert capturing.pick("unseen", ["a", "b"], timed) == "a" and timed.timed == []  # the first, untimed

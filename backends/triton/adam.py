@@ -53,7 +53,8 @@ def _adam_block(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, offs, mask, st
     v = v * beta2 + (1.0 - beta2) * g * g
     second = v
     if AMSGRAD:
-        second = tl.maximum(load_f32(max_exp_avg_sq, offs, mask, FULL), v)
+        # keeping a NaN, as torch.maximum does (tl.maximum's default returns the other operand)
+        second = tl.maximum(load_f32(max_exp_avg_sq, offs, mask, FULL), v, propagate_nan=tl.PropagateNan.ALL)
         store_as(max_exp_avg_sq, offs, second, store, STORE_MASKED)
     denom = tl.sqrt(second) / bias_correction2_sqrt + eps
     p = p - step_size * m / denom

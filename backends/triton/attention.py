@@ -9,64 +9,161 @@ query heads itself, so dK and dV are written once, without atomics.
 Every loop over tiles is cut into a range whose tiles need no mask at all (fully visible,
 fully in bounds) and the few tiles that do (the causal diagonal, ragged tails): masking
 every tile costs the forward ~15%.
+
+Any head dim up to 256: a row of Q, K, V, O is covered by two power-of-two column chunks,
+``D0`` and ``D1`` (``head_split``; ``D1 = 0`` when one chunk does, and then the second chunk's
+code is not compiled). Products over the head dim (Q K^T, dO V^T) are two dots summed into one
+accumulator; products into it (P V, dS K, ...) keep one accumulator per chunk. Columns past the
+head dim load as zeros and are never stored. docs/backends/triton.md has the argument.
+
+Every tensor is addressed through its strides, outputs included (``layout.empty_like``), so
+nothing is copied on the way in or out unless its last dim is strided.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
 import triton.language as tl
 
+from portable_ops import layout
+
 from .autotune import Tuner, bucket
-from .interpreter import INTERPRETED
+from .interpreter import INTERPRETED, to_dtype
 
 LOG2E = tl.constexpr(1.4426950408889634)  # kernels may read only constexpr globals
 LN2 = tl.constexpr(0.6931471805599453)
-HEAD_DIMS = (32, 64, 128, 256)
+MAX_HEAD_DIM = 256
+
+
+def head_split(d: int) -> tuple[int, int]:
+    """The column chunks ``(D0, D1)`` that cover head dim ``d``: the largest power of two <= d (at
+    least 16, tl.dot's smallest), then the smallest power of two >= 16 covering the rest; one chunk
+    of the next power of two when the second would be as wide as the first. 80 -> (64, 16),
+    96 -> (64, 32), 192 -> (128, 64), 40 -> (32, 16), 56 -> (64, 0), 128 -> (128, 0)."""
+    d0 = max(16, 1 << (d.bit_length() - 1))
+    rest = d - d0
+    if rest <= 0:
+        return d0, 0
+    d1 = max(16, triton.next_power_of_2(rest))
+    return (2 * d0, 0) if d1 >= d0 else (d0, d1)
+
+
+# ----------------------------------------------------------------------------- tiles
+
+@triton.jit
+def _load(base, row_offs, row_ok, START: tl.constexpr, WIDTH: tl.constexpr, D: tl.constexpr,
+          MASK_ROWS: tl.constexpr, TRANSPOSE: tl.constexpr, UPCAST: tl.constexpr):
+    """Columns [START, START + WIDTH) of the rows at ``base + row_offs``, as a [rows, WIDTH] tile
+    ([WIDTH, rows] when TRANSPOSE); zeros for columns past D and, under MASK_ROWS, rows not ``row_ok``."""
+    cols = START + tl.arange(0, WIDTH)
+    if TRANSPOSE:
+        ptrs = base + row_offs[None, :] + cols[:, None]
+        rows_in, cols_in = row_ok[None, :], cols[:, None] < D
+    else:
+        ptrs = base + row_offs[:, None] + cols[None, :]
+        rows_in, cols_in = row_ok[:, None], cols[None, :] < D
+    if START + WIDTH > D:
+        if MASK_ROWS:
+            x = tl.load(ptrs, mask=rows_in & cols_in, other=0.0)
+        else:
+            x = tl.load(ptrs, mask=cols_in, other=0.0)
+    elif MASK_ROWS:
+        x = tl.load(ptrs, mask=rows_in, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _load2(base, row_offs, row_ok, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+           MASK_ROWS: tl.constexpr, TRANSPOSE: tl.constexpr, UPCAST: tl.constexpr):
+    """Both column chunks of a tile; the second is the first again (unused) when D1 == 0."""
+    first = _load(base, row_offs, row_ok, 0, D0, D, MASK_ROWS, TRANSPOSE, UPCAST)
+    second = first
+    if D1 > 0:
+        second = _load(base, row_offs, row_ok, D0, D1, D, MASK_ROWS, TRANSPOSE, UPCAST)
+    return first, second
+
+
+@triton.jit
+def _dot2(a0, a1, b0, b1, acc, D1: tl.constexpr):
+    """``acc + a @ b`` where the inner dim is the head dim, split in two chunks."""
+    acc = tl.dot(a0, b0, acc)
+    if D1 > 0:
+        acc = tl.dot(a1, b1, acc)
+    return acc
+
+
+@triton.jit
+def _store(base, row_offs, row_ok, value, START: tl.constexpr, D: tl.constexpr):
+    cols = START + tl.arange(0, value.shape[1])
+    mask = row_ok[:, None]
+    if START + value.shape[1] > D:
+        mask = mask & (cols[None, :] < D)
+    tl.store(base + row_offs[:, None] + cols[None, :], to_dtype(value, base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store2(base, row_offs, row_ok, first, second, D: tl.constexpr, D1: tl.constexpr):
+    _store(base, row_offs, row_ok, first, 0, D)
+    if D1 > 0:
+        _store(base, row_offs, row_ok, second, first.shape[1], D)
 
 
 # ----------------------------------------------------------------------------- forward
 
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_n, sv_n, pos, offs_n, offs_d, lo, hi, SKV, diagonal,
-               scale_log2, MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+def _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, sk_n, sv_n, pos, offs_n, lo, hi, SKV, diagonal,
+               scale_log2, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, MASK: tl.constexpr,
+               CAUSAL: tl.constexpr, UPCAST: tl.constexpr, NEGATIVE_SCALE: tl.constexpr):
     for start_n in tl.range(lo, hi, offs_n.shape[0]):
         cols = start_n + offs_n
+        in_bounds = cols < SKV
+        k0, k1 = _load2(k_base, cols * sk_n, in_bounds, D, D0, D1, MASK, True, UPCAST)
+        s = _dot2(q0, q1, k0, k1, tl.zeros([q0.shape[0], offs_n.shape[0]], dtype=tl.float32), D1)
         if MASK:
-            k = tl.load(k_base + cols[None, :] * sk_n + offs_d[:, None], mask=cols[None, :] < SKV, other=0.0)
-            v = tl.load(v_base + cols[:, None] * sv_n + offs_d[None, :], mask=cols[:, None] < SKV, other=0.0)
-        else:
-            k = tl.load(k_base + cols[None, :] * sk_n + offs_d[:, None])
-            v = tl.load(v_base + cols[:, None] * sv_n + offs_d[None, :])
-        if UPCAST:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, k)
-        if MASK:
-            visible = cols[None, :] < SKV
+            visible = in_bounds[None, :]
             if CAUSAL:
                 visible = visible & (cols[None, :] <= pos[:, None] + diagonal)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
+            # scaled before masking: -inf times a zero scale would be NaN
+            s = tl.where(visible, s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+            p = tl.exp2(s - m_exp[:, None])
         else:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
+            # the row maximum of the scaled scores, from the unscaled ones: the FMA below stays one instruction
+            if NEGATIVE_SCALE:
+                m_new = tl.maximum(m_i, tl.min(s, axis=1) * scale_log2)
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
             m_exp = m_new
-        # scale_log2 > 0 (attention_supports), so max(s) * scale is the max of the scaled scores
-        p = tl.exp2(s * scale_log2 - m_exp[:, None])
+            p = tl.exp2(s * scale_log2 - m_exp[:, None])
         alpha = tl.exp2(m_i - m_exp)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        v0, v1 = _load2(v_base, cols * sv_n, in_bounds, D, D0, D1, MASK, False, UPCAST)
+        acc0 = tl.dot(p.to(v0.dtype), v0, acc0 * alpha[:, None])
+        if D1 > 0:
+            acc1 = tl.dot(p.to(v1.dtype), v1, acc1 * alpha[:, None])
         m_i = m_new
-    return acc, l_i, m_i
+    return acc0, acc1, l_i, m_i
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_split, so_b, so_h, so_m,
                 H, GROUP, SQ, SKV, scale_log2, KEYS_PER_SPLIT,
-                CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                UPCAST: tl.constexpr, PACK_GROUP: tl.constexpr):
+                CAUSAL: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PACK_GROUP: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
+                UNIT: tl.constexpr):
+    # Strides arrive divided by UNIT (see _stride_unit): multiplied back, the compiler knows rows start aligned.
+    sq_b, sq_h, sq_m, sk_b, sk_h, sk_n = sq_b * UNIT, sq_h * UNIT, sq_m * UNIT, sk_b * UNIT, sk_h * UNIT, sk_n * UNIT
+    sv_b, sv_h, sv_n = sv_b * UNIT, sv_h * UNIT, sv_n * UNIT
+    so_split, so_b, so_h, so_m = so_split * UNIT, so_b * UNIT, so_h * UNIT, so_m * UNIT
     start_m = tl.program_id(0)
     if CAUSAL:  # the last query blocks see the most keys: start them first, so the tail of the grid is light
         start_m = tl.num_programs(0) - 1 - start_m
@@ -89,18 +186,17 @@ def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h,
         pos_lo, pos_hi = start_m * BLOCK_M, start_m * BLOCK_M + BLOCK_M - 1
         n_bh = tl.num_programs(1)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    q = tl.load(Q + b.to(tl.int64) * sq_b + (h * sq_h + pos * sq_m)[:, None] + offs_d[None, :], mask=valid[:, None],
-                other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q0, q1 = _load2(Q + b.to(tl.int64) * sq_b, h * sq_h + pos * sq_m, valid, D, D0, D1, True, False, UPCAST)
     k_base = K + b.to(tl.int64) * sk_b + hk * sk_h
     v_base = V + b.to(tl.int64) * sv_b + hk * sv_h
 
     # m_i is already in the log2 domain (scaled); -inf until the row sees a key
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
+    acc1 = acc0  # stands in for the second chunk's accumulator when there is none
+    if D1 > 0:
+        acc1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
     diagonal = SKV - SQ
     lo = split * KEYS_PER_SPLIT
     hi = tl.minimum(SKV, lo + KEYS_PER_SPLIT)
@@ -110,101 +206,120 @@ def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h,
         hi = tl.minimum(hi, pos_hi + 1 + diagonal)
         full = tl.minimum(full, tl.maximum(pos_lo + diagonal + 1, 0) // BLOCK_N * BLOCK_N)
     full = tl.maximum(tl.minimum(full, hi), lo)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_n, sv_n, pos, offs_n, offs_d, lo, full,
-                               SKV, diagonal, scale_log2, False, CAUSAL, UPCAST)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, sk_n, sv_n, pos, offs_n, offs_d, full, hi,
-                               SKV, diagonal, scale_log2, True, CAUSAL, UPCAST)
+    acc0, acc1, l_i, m_i = _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, sk_n, sv_n, pos, offs_n, lo,
+                                      full, SKV, diagonal, scale_log2, D, D0, D1, False, CAUSAL, UPCAST,
+                                      NEGATIVE_SCALE)
+    acc0, acc1, l_i, m_i = _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, sk_n, sv_n, pos, offs_n, full,
+                                      hi, SKV, diagonal, scale_log2, D, D0, D1, True, CAUSAL, UPCAST,
+                                      NEGATIVE_SCALE)
     seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    norm = 1.0 / tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    row = (split * n_bh + b * H + h).to(tl.int64) * SQ + pos  # outputs are [splits, B * H, SQ, ...]
-    tl.store(O + row[:, None] * D + offs_d[None, :], out.to(O.dtype.element_ty), mask=valid[:, None])
-    tl.store(LSE + row, lse, mask=valid)
+    o_base = O + split.to(tl.int64) * so_split + b.to(tl.int64) * so_b
+    _store2(o_base, h * so_h + pos * so_m, valid, acc0 * norm[:, None], acc1 * norm[:, None], D, D1)
+    tl.store(LSE + (split * n_bh + b * H + h).to(tl.int64) * SQ + pos, lse, mask=valid)  # [splits, B, H, SQ]
 
 
 @triton.jit
-def _combine_kernel(O_PART, LSE_PART, O, LSE, SPLITS, ROWS, D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Merge split-key partial results of one query row: weights exp(lse_i - lse_total)."""
+def _combine_kernel(O_PART, LSE_PART, O, LSE, SPLITS, H, SQ, so_b, so_h, so_m,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merge split-key partial results of one query row: weights exp(lse_i - lse_total).
+    Partials are [splits, B * H * SQ, D] float32; the output is written through its strides."""
     row = tl.program_id(0).to(tl.int64)
+    rows = tl.num_programs(0)
     splits = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, D)
-    lse = tl.load(LSE_PART + splits * ROWS + row, mask=splits < SPLITS, other=float("-inf"))
+    offs_d = tl.arange(0, BLOCK_D)
+    lse = tl.load(LSE_PART + splits * rows + row, mask=splits < SPLITS, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m_safe)
     total = tl.sum(w, axis=0)
-    parts = tl.load(O_PART + (splits[:, None] * ROWS + row) * D + offs_d[None, :], mask=splits[:, None] < SPLITS,
-                    other=0.0)
+    parts = tl.load(O_PART + (splits[:, None] * rows + row) * D + offs_d[None, :],
+                    mask=(splits[:, None] < SPLITS) & (offs_d[None, :] < D), other=0.0)
     out = tl.sum(parts * (w / tl.where(total > 0, total, 1.0))[:, None], axis=0)
-    tl.store(O + row * D + offs_d, out.to(O.dtype.element_ty))
+    b, h, pos = row // (H * SQ), row // SQ % H, row % SQ
+    tl.store(O + b * so_b + h * so_h + pos * so_m + offs_d, to_dtype(out, O.dtype.element_ty), mask=offs_d < D)
     tl.store(LSE + row, tl.where(total > 0, m_safe + tl.log(total), float("-inf")))
 
 
 # ----------------------------------------------------------------------------- backward
 
 @triton.jit
-def _delta_kernel(O, DO, DELTA, ROWS, D: tl.constexpr, BLOCK: tl.constexpr):
+def _delta_kernel(O, DO, DELTA, so_b, so_h, so_m, sdo_b, sdo_h, sdo_m, H, SQ,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
     """rowsum(dO * O): the softmax-gradient correction, one float32 per query row."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    offs = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
-    o = tl.load(O + offs, mask=rows[:, None] < ROWS, other=0.0).to(tl.float32)
-    do = tl.load(DO + offs, mask=rows[:, None] < ROWS, other=0.0).to(tl.float32)
-    tl.store(DELTA + rows, tl.sum(o * do, axis=1), mask=rows < ROWS)
+    bh = tl.program_id(1)
+    b, h = bh // H, bh % H
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < SQ) & (cols[None, :] < D)
+    o = tl.load(O + b.to(tl.int64) * so_b + h * so_h + rows[:, None] * so_m + cols[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b.to(tl.int64) * sdo_b + h * sdo_h + rows[:, None] * sdo_m + cols[None, :], mask=mask,
+                 other=0.0)
+    tl.store(DELTA + bh.to(tl.int64) * SQ + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1),
+             mask=rows < SQ)
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, sq_m, cols, offs_m, offs_d, lo, hi,
-                SQ, SKV, scale_log2, MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+def _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, delta_base, sq_m, sdo_m, cols,
+                offs_m, lo, hi, SQ, SKV, scale_log2, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
     # Works on transposed tiles (keys x queries) so P^T and dS^T come out of tl.dot in the
     # layout the dV and dK products want, with no register transposes.
     for start_m in tl.range(lo, hi, offs_m.shape[0]):
         rows = start_m + offs_m
-        if MASK:
-            q_t = tl.load(q_base + rows[None, :] * sq_m + offs_d[:, None], mask=rows[None, :] < SQ, other=0.0)
-            do = tl.load(do_base + rows[:, None] * offs_d.shape[0] + offs_d[None, :], mask=rows[:, None] < SQ,
-                         other=0.0)
-        else:
-            q_t = tl.load(q_base + rows[None, :] * sq_m + offs_d[:, None])
-            do = tl.load(do_base + rows[:, None] * offs_d.shape[0] + offs_d[None, :])
+        in_bounds = rows < SQ
+        q0_t, q1_t = _load2(q_base, rows * sq_m, in_bounds, D, D0, D1, MASK, True, UPCAST)
+        do0, do1 = _load2(do_base, rows * sdo_m, in_bounds, D, D0, D1, MASK, False, UPCAST)
         # rows past SQ and rows that see no key read lse = -inf: their P is 0
-        lse = tl.load(lse_base + rows, mask=rows < SQ, other=float("-inf"))
+        lse = tl.load(lse_base + rows, mask=in_bounds, other=float("-inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-        delta = tl.load(delta_base + rows, mask=rows < SQ, other=0.0)
-        if UPCAST:
-            q_t, do = q_t.to(tl.float32), do.to(tl.float32)
-        p_t = tl.exp2(tl.dot(k, q_t) * scale_log2 - lse[None, :])
+        delta = tl.load(delta_base + rows, mask=in_bounds, other=0.0)
+        zeros = tl.zeros([cols.shape[0], offs_m.shape[0]], dtype=tl.float32)
+        p_t = tl.exp2(_dot2(k0, k1, q0_t, q1_t, zeros, D1) * scale_log2 - lse[None, :])
         if MASK:
             visible = cols[:, None] < SKV
             if CAUSAL:
                 visible = visible & (cols[:, None] <= rows[None, :] + (SKV - SQ))
             p_t = tl.where(visible, p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv)
-        dp_t = tl.dot(v, tl.trans(do))
+        dv0 = tl.dot(p_t.to(do0.dtype), do0, dv0)
+        if D1 > 0:
+            dv1 = tl.dot(p_t.to(do1.dtype), do1, dv1)
+        dp_t = _dot2(v0, v1, tl.trans(do0), tl.trans(do1), zeros, D1)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk)
-    return dk, dv
+        dk0 = tl.dot(ds_t.to(q0_t.dtype), tl.trans(q0_t), dk0)
+        if D1 > 0:
+            dk1 = tl.dot(ds_t.to(q1_t.dtype), tl.trans(q1_t), dk1)
+    return dk0, dk1, dv0, dv1
 
 
 @triton.jit
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                     sdo_b, sdo_h, sdo_m, sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
                      HKV, GROUP, SQ, SKV, scale, scale_log2,
-                     CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     UPCAST: tl.constexpr):
+                     CAUSAL: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr):
+    # Strides arrive divided by UNIT (see _stride_unit): multiplied back, the compiler knows rows start aligned.
+    sq_b, sq_h, sq_m, sk_b, sk_h, sk_n = sq_b * UNIT, sq_h * UNIT, sq_m * UNIT, sk_b * UNIT, sk_h * UNIT, sk_n * UNIT
+    sv_b, sv_h, sv_n = sv_b * UNIT, sv_h * UNIT, sv_n * UNIT
+    sdo_b, sdo_h, sdo_m = sdo_b * UNIT, sdo_h * UNIT, sdo_m * UNIT
+    sdk_b, sdk_h, sdk_n = sdk_b * UNIT, sdk_h * UNIT, sdk_n * UNIT
+    sdv_b, sdv_h, sdv_n = sdv_b * UNIT, sdv_h * UNIT, sdv_n * UNIT
     start_n = tl.program_id(0)
     bh = tl.program_id(1)
     b, hk = bh // HKV, bh % HKV
     n0 = start_n * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
+    in_bounds = cols < SKV
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    k = tl.load(K + b.to(tl.int64) * sk_b + hk * sk_h + cols[:, None] * sk_n + offs_d[None, :],
-                mask=cols[:, None] < SKV, other=0.0)
-    v = tl.load(V + b.to(tl.int64) * sv_b + hk * sv_h + cols[:, None] * sv_n + offs_d[None, :],
-                mask=cols[:, None] < SKV, other=0.0)
-    if UPCAST:
-        k, v = k.to(tl.float32), v.to(tl.float32)
-    dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    k0, k1 = _load2(K + b.to(tl.int64) * sk_b + hk * sk_h, cols * sk_n, in_bounds, D, D0, D1, True, False, UPCAST)
+    v0, v1 = _load2(V + b.to(tl.int64) * sv_b + hk * sv_h, cols * sv_n, in_bounds, D, D0, D1, True, False, UPCAST)
+    dk0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
+    dk1, dv1 = dk0, dk0  # stand in for the second chunk's accumulators when there is none
+    if D1 > 0:
+        dk1 = tl.zeros([BLOCK_N, D1], dtype=tl.float32)
+        dv1 = tl.zeros([BLOCK_N, D1], dtype=tl.float32)
+    dv0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
     diagonal = SKV - SQ
     lo = 0
     full = 0  # query blocks [full, even) see every key of this block and are in bounds
@@ -217,117 +332,150 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sq_b, sq_h, sq_m, sk_b, sk
     full = tl.maximum(lo, tl.minimum(full, even))
     even = tl.maximum(full, even)
     for g in range(0, GROUP):
-        h = (b * HKV + hk) * GROUP + g  # flat (batch, query head) index
-        q_base = Q + b.to(tl.int64) * sq_b + (hk * GROUP + g) * sq_h
-        do_base = DO + h.to(tl.int64) * SQ * D
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + h * SQ, DELTA + h * SQ, sq_m, cols, offs_m,
-                             offs_d, lo, full, SQ, SKV, scale_log2, True, CAUSAL, UPCAST)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + h * SQ, DELTA + h * SQ, sq_m, cols, offs_m,
-                             offs_d, full, even, SQ, SKV, scale_log2, False, CAUSAL, UPCAST)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE + h * SQ, DELTA + h * SQ, sq_m, cols, offs_m,
-                             offs_d, even, SQ, SQ, SKV, scale_log2, True, CAUSAL, UPCAST)
-    kv_offs = bh.to(tl.int64) * SKV * D + cols[:, None] * D + offs_d[None, :]
-    tl.store(DK + kv_offs, (dk * scale).to(DK.dtype.element_ty), mask=cols[:, None] < SKV)
-    tl.store(DV + kv_offs, dv.to(DV.dtype.element_ty), mask=cols[:, None] < SKV)
+        h = hk * GROUP + g
+        q_base = Q + b.to(tl.int64) * sq_b + h * sq_h
+        do_base = DO + b.to(tl.int64) * sdo_b + h * sdo_h
+        row0 = (b * HKV * GROUP + h).to(tl.int64) * SQ  # lse and delta are [B, H, SQ]
+        dk0, dk1, dv0, dv1 = _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, LSE + row0,
+                                         DELTA + row0, sq_m, sdo_m, cols, offs_m, lo, full, SQ, SKV, scale_log2,
+                                         D, D0, D1, True, CAUSAL, UPCAST)
+        dk0, dk1, dv0, dv1 = _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, LSE + row0,
+                                         DELTA + row0, sq_m, sdo_m, cols, offs_m, full, even, SQ, SKV, scale_log2,
+                                         D, D0, D1, False, CAUSAL, UPCAST)
+        dk0, dk1, dv0, dv1 = _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, LSE + row0,
+                                         DELTA + row0, sq_m, sdo_m, cols, offs_m, even, SQ, SQ, SKV, scale_log2,
+                                         D, D0, D1, True, CAUSAL, UPCAST)
+    _store2(DK + b.to(tl.int64) * sdk_b + hk * sdk_h, cols * sdk_n, in_bounds, dk0 * scale, dk1 * scale, D, D1)
+    _store2(DV + b.to(tl.int64) * sdv_b + hk * sdv_h, cols * sdv_n, in_bounds, dv0, dv1, D, D1)
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_n, sv_n, rows, offs_n, offs_d, lo, hi, SQ, SKV,
-              scale_log2, MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+def _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, sk_n, sv_n, rows, offs_n, lo, hi, SQ, SKV,
+              scale_log2, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, MASK: tl.constexpr,
+              CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
     for start_n in tl.range(lo, hi, offs_n.shape[0]):
         cols = start_n + offs_n
+        in_bounds = cols < SKV
+        k0_t, k1_t = _load2(k_base, cols * sk_n, in_bounds, D, D0, D1, MASK, True, UPCAST)
+        v0_t, v1_t = _load2(v_base, cols * sv_n, in_bounds, D, D0, D1, MASK, True, UPCAST)
+        zeros = tl.zeros([rows.shape[0], offs_n.shape[0]], dtype=tl.float32)
+        p = tl.exp2(_dot2(q0, q1, k0_t, k1_t, zeros, D1) * scale_log2 - lse[:, None])
         if MASK:
-            k_t = tl.load(k_base + cols[None, :] * sk_n + offs_d[:, None], mask=cols[None, :] < SKV, other=0.0)
-            v_t = tl.load(v_base + cols[None, :] * sv_n + offs_d[:, None], mask=cols[None, :] < SKV, other=0.0)
-        else:
-            k_t = tl.load(k_base + cols[None, :] * sk_n + offs_d[:, None])
-            v_t = tl.load(v_base + cols[None, :] * sv_n + offs_d[:, None])
-        if UPCAST:
-            k_t, v_t = k_t.to(tl.float32), v_t.to(tl.float32)
-        p = tl.exp2(tl.dot(q, k_t) * scale_log2 - lse[:, None])
-        if MASK:
-            visible = cols[None, :] < SKV
+            visible = in_bounds[None, :]
             if CAUSAL:
                 visible = visible & (cols[None, :] <= rows[:, None] + (SKV - SQ))
             p = tl.where(visible, p, 0.0)
-        dp = tl.dot(do, v_t)
+        dp = _dot2(do0, do1, v0_t, v1_t, zeros, D1)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq)
-    return dq
+        dq0 = tl.dot(ds.to(k0_t.dtype), tl.trans(k0_t), dq0)
+        if D1 > 0:
+            dq1 = tl.dot(ds.to(k1_t.dtype), tl.trans(k1_t), dq1)
+    return dq0, dq1
 
 
 @triton.jit
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
-                   H, GROUP, SQ, SKV, scale, scale_log2,
-                   CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   UPCAST: tl.constexpr):
+                   sdo_b, sdo_h, sdo_m, sdq_b, sdq_h, sdq_m, H, GROUP, SQ, SKV, scale, scale_log2,
+                   CAUSAL: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr):
+    # Strides arrive divided by UNIT (see _stride_unit): multiplied back, the compiler knows rows start aligned.
+    sq_b, sq_h, sq_m, sk_b, sk_h, sk_n = sq_b * UNIT, sq_h * UNIT, sq_m * UNIT, sk_b * UNIT, sk_h * UNIT, sk_n * UNIT
+    sv_b, sv_h, sv_n = sv_b * UNIT, sv_h * UNIT, sv_n * UNIT
+    sdo_b, sdo_h, sdo_m = sdo_b * UNIT, sdo_h * UNIT, sdo_m * UNIT
+    sdq_b, sdq_h, sdq_m = sdq_b * UNIT, sdq_h * UNIT, sdq_m * UNIT
     start_m = tl.program_id(0)
     if CAUSAL:  # heaviest query blocks first, as in the forward
         start_m = tl.num_programs(0) - 1 - start_m
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_bounds = rows < SQ
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    q = tl.load(Q + b.to(tl.int64) * sq_b + h * sq_h + rows[:, None] * sq_m + offs_d[None, :],
-                mask=rows[:, None] < SQ, other=0.0)
-    do = tl.load(DO + bh.to(tl.int64) * SQ * D + rows[:, None] * D + offs_d[None, :], mask=rows[:, None] < SQ,
-                 other=0.0)
-    lse = tl.load(LSE + bh * SQ + rows, mask=rows < SQ, other=float("-inf"))
+    q0, q1 = _load2(Q + b.to(tl.int64) * sq_b + h * sq_h, rows * sq_m, in_bounds, D, D0, D1, True, False, UPCAST)
+    do0, do1 = _load2(DO + b.to(tl.int64) * sdo_b + h * sdo_h, rows * sdo_m, in_bounds, D, D0, D1, True, False,
+                      UPCAST)
+    lse = tl.load(LSE + bh.to(tl.int64) * SQ + rows, mask=in_bounds, other=float("-inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # P = 0 on rows that see no key
-    delta = tl.load(DELTA + bh * SQ + rows, mask=rows < SQ, other=0.0)
-    if UPCAST:
-        q, do = q.to(tl.float32), do.to(tl.float32)
+    delta = tl.load(DELTA + bh.to(tl.int64) * SQ + rows, mask=in_bounds, other=0.0)
     k_base = K + b.to(tl.int64) * sk_b + (h // GROUP) * sk_h
     v_base = V + b.to(tl.int64) * sv_b + (h // GROUP) * sv_h
-    dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    dq0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
+    dq1 = dq0  # stands in for the second chunk's accumulator when there is none
+    if D1 > 0:
+        dq1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
     hi = SKV
     full = SKV // BLOCK_N * BLOCK_N
     if CAUSAL:
         hi = tl.minimum(SKV, (start_m + 1) * BLOCK_M + SKV - SQ)
         full = tl.minimum(full, tl.maximum(start_m * BLOCK_M + SKV - SQ + 1, 0) // BLOCK_N * BLOCK_N)
     full = tl.maximum(tl.minimum(full, hi), 0)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_n, sv_n, rows, offs_n, offs_d, 0, full, SQ, SKV,
-                   scale_log2, False, CAUSAL, UPCAST)
-    dq = _dq_tiles(dq, q, do, lse, delta, k_base, v_base, sk_n, sv_n, rows, offs_n, offs_d, full, hi, SQ, SKV,
-                   scale_log2, True, CAUSAL, UPCAST)
-    tl.store(DQ + bh.to(tl.int64) * SQ * D + rows[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=rows[:, None] < SQ)
+    dq0, dq1 = _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, sk_n, sv_n, rows, offs_n, 0, full,
+                         SQ, SKV, scale_log2, D, D0, D1, False, CAUSAL, UPCAST)
+    dq0, dq1 = _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, sk_n, sv_n, rows, offs_n, full, hi,
+                         SQ, SKV, scale_log2, D, D0, D1, True, CAUSAL, UPCAST)
+    _store2(DQ + b.to(tl.int64) * sdq_b + h * sdq_h, rows * sdq_m, in_bounds, dq0 * scale, dq1 * scale, D, D1)
 
 
 # ----------------------------------------------------------------------------- tile choices
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per kernel and head dim, timed per shape
-# bucket on first use (autotune.py). The first of each list is the best at D=128 / D=64, S=4096 in
-# the H100 sweep (docs/performance.md); the others are the sweep's runners-up that give more
-# programs on short sequences or fewer registers. Mutable, for the sweep (portable_ops.bench.sweep).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates per kernel and tile width (D0 + D1 of
+# head_split: the columns a tile really holds), timed per shape bucket on first use (autotune.py).
+# Powers of two: the first of each list is the best at D=128 / D=64, S=4096 in the H100 sweep
+# (docs/performance.md); the others are the sweep's runners-up that give more programs on short
+# sequences or fewer registers. Split widths (48, 80, 96, 144, 160, 192): chosen from the
+# registers, spills and shared memory of their sm_90 compilation (docs/backends/triton.md).
+# Mutable, for the sweep (portable_ops.bench.sweep).
 CONFIGS = {
-    "fwd": {32: [(128, 64, 4, 3), (64, 64, 4, 3)],
+    "fwd": {16: [(128, 64, 4, 3), (64, 64, 4, 3)],
+            32: [(128, 64, 4, 3), (64, 64, 4, 3)],
+            48: [(128, 64, 8, 3), (64, 64, 4, 3)],
             64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 4)],
+            80: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
+            96: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
             128: [(128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+            144: [(128, 64, 8, 3), (64, 64, 4, 3)],
+            160: [(128, 64, 8, 3), (64, 64, 4, 3)],
+            192: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2)],
             256: [(64, 64, 8, 2), (64, 32, 4, 2)]},
-    "dkdv": {32: [(32, 128, 4, 3), (32, 64, 4, 3)],
+    "dkdv": {16: [(32, 128, 4, 3), (32, 64, 4, 3)],
+             32: [(32, 128, 4, 3), (32, 64, 4, 3)],
+             48: [(32, 128, 4, 3), (32, 64, 4, 3)],
              64: [(32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3)],
+             80: [(64, 128, 8, 3), (32, 64, 4, 3)],
+             96: [(64, 128, 8, 3), (32, 64, 4, 3)],
              128: [(64, 128, 8, 3), (32, 64, 4, 3), (64, 128, 8, 2)],
+             144: [(32, 64, 4, 2), (64, 64, 8, 2)],
+             160: [(32, 64, 4, 2), (64, 64, 8, 2)],
+             192: [(32, 64, 4, 2), (32, 32, 4, 2)],
              256: [(32, 32, 4, 2)]},
-    "dq": {32: [(128, 64, 8, 3), (64, 64, 4, 3)],
+    "dq": {16: [(128, 64, 8, 3), (64, 64, 4, 3)],
+           32: [(128, 64, 8, 3), (64, 64, 4, 3)],
+           48: [(128, 64, 8, 3), (64, 64, 4, 3)],
            64: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
+           80: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
+           96: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
            128: [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
+           144: [(64, 64, 8, 2), (64, 32, 4, 2)],
+           160: [(64, 64, 8, 2), (64, 32, 4, 2)],
+           192: [(64, 64, 8, 2), (64, 32, 4, 2)],
            256: [(64, 32, 8, 2), (32, 32, 4, 2)]},
 }
 _INTERPRETER_CONFIG = (32, 32, 4, 1)  # one small tile: every tile costs real time there
-_DECODE_CONFIG = {False: (16, 64, 4, 3), True: (16, 32, 4, 3)}  # by d > 128: a tall query tile would be padding
-_tuner = Tuner()
+_DECODE_CONFIG = {False: (16, 64, 4, 3), True: (16, 32, 4, 3)}  # by width > 128: a tall query tile would be padding
+_KERNELS = (_load, _load2, _dot2, _store, _store2, _fwd_tiles, _fwd_kernel, _combine_kernel, _delta_kernel,
+            _dkdv_tiles, _bwd_dkdv_kernel, _dq_tiles, _bwd_dq_kernel, to_dtype)
+_tuner = Tuner(name="attention", sources=_KERNELS)
 
 
 def _config(kernel: str, q, k, causal, launch) -> tuple:
     if INTERPRETED:
         return _INTERPRETER_CONFIG
     b, h, sq, d = q.shape
+    width = sum(head_split(d))
     if kernel == "fwd" and sq <= 16:
-        return _DECODE_CONFIG[d > 128]
-    key = (kernel, d, q.dtype, causal, bucket(sq), bucket(k.shape[2]), bucket(b * h), h // k.shape[1])
-    return _tuner.pick(key, CONFIGS[kernel][d], launch)
+        return _DECODE_CONFIG[width > 128]
+    key = (kernel, d, q.dtype, causal, bucket(sq), bucket(k.shape[2]), bucket(b * h), h // max(k.shape[1], 1))
+    return _tuner.pick(key, CONFIGS[kernel][width], launch)
 
 
 def _upcast(dtype) -> bool:
@@ -335,19 +483,13 @@ def _upcast(dtype) -> bool:
     return INTERPRETED and dtype == torch.bfloat16
 
 
-def _last_dim_contiguous(t):
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def attention_supports(call) -> list[str]:
     q = call["q"]
     reasons = []
-    if q.shape[-1] not in HEAD_DIMS:
-        reasons.append(f"head_dim {q.shape[-1]} is not one of {', '.join(map(str, HEAD_DIMS))}")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        reasons.append(f"head_dim {q.shape[-1]} is over {MAX_HEAD_DIM} (a tile row must fit the registers)")
     if q.dtype == torch.float64:
         reasons.append("float64 is not supported (fp16, bf16 and fp32 are)")
-    if call.get("scale") is not None and call["scale"] < 0:
-        reasons.append(f"scale {call['scale']} is negative (the kernels take the row maximum before scaling)")
     return reasons
 
 
@@ -361,7 +503,7 @@ def _splits(b, h, sq, skv, block_m, block_n, device=None) -> int:
     leaves most of the GPU idle unless the keys are shared out too."""
     if sq > block_m:
         return 1
-    programs = b * h
+    programs = max(b * h, 1)  # no programs at all (an empty batch) needs no split
     if INTERPRETED:
         target = 4
     else:
@@ -371,67 +513,193 @@ def _splits(b, h, sq, skv, block_m, block_n, device=None) -> int:
     return max(1, min(by_length, triton.cdiv(target, programs)))
 
 
-def attention_fwd(q, k, v, *, causal, scale):
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    config = _config("fwd", q, k, causal, lambda c: _forward(q, k, v, causal, scale, c))
-    return _forward(q, k, v, causal, scale, config)
+# ----------------------------------------------------------------------------- host path
+#
+# Everything a launch needs that depends only on the layout of the call (shapes, strides, dtypes,
+# device, causal) is built once into a plan, kept by that layout; a call then costs one key, one
+# dict lookup, its allocations and its launches.
+
+_PLANS_SIZE = 4096  # a decode loop meets a new cache length every token: bounded, cleared when full
+_fwd_plans: dict = {}
+_bwd_plans: dict = {}
 
 
-def _forward(q, k, v, causal, scale, config):
+def _remember(plans: dict, key, plan):
+    if len(plans) >= _PLANS_SIZE:
+        plans.clear()
+    plans[key] = plan
+    return plan
+
+
+def _row_major(t):
+    """``t`` as the kernels address it: rows of unit-stride columns (a copy only when the last dim is strided)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _strides(shape, stride):
+    """The batch, head and row strides the kernels take; 0 for a dim of size one (never stepped)."""
+    return tuple(st if n > 1 else 0 for n, st in zip(shape[:3], stride[:3]))
+
+
+def _stride_unit(strides) -> int:
+    """The largest power of two up to 16 that divides every stride. The kernels take the strides divided
+    by it and multiply them back: the compiler then knows each row's alignment, and loads 16 bytes at
+    a time. Without it, a stride Triton did not see as a multiple of 16 (40 for D = 40) makes every
+    load a 2-byte one (sm_90 PTX: ld.global.b16 only)."""
+    g = math.gcd(*strides)
+    return min(16, g & -g) if g else 16
+
+
+def _divided(strides, unit):
+    return tuple(st // unit for st in strides)
+
+
+class _FwdPlan:
+    __slots__ = ("out_stride", "splits", "grid", "args", "keys_per_split", "kwargs", "combine_grid", "combine_kwargs")
+
+
+def _fwd_plan(key, q, k, v, causal, scale, out_stride):
     b, h, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
-    block_m, block_n, warps, stages = config
-    group = h // hkv
-    pack = group > 1 and group * sq <= block_m  # decode under GQA: the group's heads share one program
-    heads, rows = (hkv, group * sq) if pack else (h, sq)
-    splits = _splits(b, heads, rows, skv, block_m, block_n, q.device)
-    keys_per_split = triton.cdiv(triton.cdiv(skv, splits), block_n) * block_n
-    splits = triton.cdiv(skv, keys_per_split)
+    d0, d1 = head_split(d)
+    plan = _FwdPlan()
+    plan.out_stride = out_stride
+
+    def configure(config):
+        block_m, block_n, warps, stages = config
+        group = h // max(hkv, 1)  # no heads at all: no programs either
+        pack = group > 1 and group * sq <= block_m  # decode under GQA: the group's heads share one program
+        heads, rows = (hkv, group * sq) if pack else (h, sq)
+        splits = _splits(b, heads, rows, skv, block_m, block_n, q.device)
+        plan.keys_per_split = max(triton.cdiv(triton.cdiv(skv, splits), block_n), 1) * block_n
+        plan.splits = max(triton.cdiv(skv, plan.keys_per_split), 1)  # no keys: one range, seeing none
+        plan.grid = (triton.cdiv(rows, block_m), b * heads, plan.splits)
+        if plan.splits == 1:  # out, through its own strides
+            so = (0, *_strides(q.shape, out_stride))
+        else:  # contiguous float32 partials [splits, B, H, SQ, D]
+            so = (b * h * sq * d, *_strides(q.shape, (h * sq * d, sq * d, d)))
+        strides = (*_strides(q.shape, q.stride()), *_strides(k.shape, k.stride()), *_strides(v.shape, v.stride()),
+                   *so)
+        unit = _stride_unit(strides)
+        plan.args = (*_divided(strides, unit), h, group, sq, skv)
+        plan.kwargs = dict(CAUSAL=causal, D=d, D0=d0, D1=d1, BLOCK_M=block_m, BLOCK_N=block_n,
+                           UPCAST=_upcast(q.dtype), PACK_GROUP=pack, NEGATIVE_SCALE=scale < 0, UNIT=unit,
+                           num_warps=warps, num_stages=stages)
+        plan.combine_grid = (b * h * sq,)
+        plan.combine_kwargs = dict(D=d, BLOCK_D=triton.next_power_of_2(d),
+                                   BLOCK_S=triton.next_power_of_2(plan.splits), num_warps=4)
+        return plan
+
+    config = _config("fwd", q, k, causal, lambda c: _forward(configure(c), q, k, v, scale))
+    return _remember(_fwd_plans, key, configure(config))
+
+
+def attention_fwd(q, k, v, *, causal, scale):
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal, scale < 0)
+    plan = _fwd_plans.get(key)
+    rq, rk, rv = _row_major(q), _row_major(k), _row_major(v)
+    if plan is None:
+        plan = _fwd_plan(key, rq, rk, rv, causal, scale, layout.strides_like(q))
+    return _forward(plan, rq, rk, rv, scale)
+
+
+def _forward(plan, q, k, v, scale):
+    b, h, sq, d = q.shape
+    out = torch.empty_strided(q.shape, plan.out_stride, dtype=q.dtype, device=q.device)
+    if plan.splits == 1:
+        lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+        _fwd_kernel[plan.grid](q, k, v, out, lse, *plan.args, scale * LOG2E.value, plan.keys_per_split,
+                               **plan.kwargs)
+        return out, lse
     # Split partial results stay in float32 until they are merged.
-    out = torch.empty((splits, b, h, sq, d), dtype=q.dtype if splits == 1 else torch.float32, device=q.device)
-    lse = torch.empty((splits, b, h, sq), dtype=torch.float32, device=q.device)
-    _fwd_kernel[(triton.cdiv(rows, block_m), b * heads, splits)](
-        q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), h, group, sq, skv, scale * LOG2E.value, keys_per_split,
-        CAUSAL=causal, D=d, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q.dtype), PACK_GROUP=pack,
-        num_warps=warps, num_stages=stages)
-    if splits == 1:
-        return out[0], lse[0]
-    merged = torch.empty((b, h, sq, d), dtype=q.dtype, device=q.device)
-    total = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    _combine_kernel[(b * h * sq,)](out, lse, merged, total, splits, b * h * sq, D=d,
-                                   BLOCK_S=triton.next_power_of_2(splits), num_warps=4)
-    return merged, total
+    parts = torch.empty((plan.splits, b, h, sq, d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((plan.splits, b, h, sq), dtype=torch.float32, device=q.device)
+    _fwd_kernel[plan.grid](q, k, v, parts, part_lse, *plan.args, scale * LOG2E.value, plan.keys_per_split,
+                           **plan.kwargs)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    _combine_kernel[plan.combine_grid](parts, part_lse, out, lse, plan.splits, h, sq, *plan.out_stride[:3],
+                                       **plan.combine_kwargs)
+    return out, lse
+
+
+class _BwdPlan:
+    __slots__ = ("dq_stride", "dk_stride", "dv_stride", "delta_grid", "delta_args", "delta_kwargs",
+                 "dkdv_grid", "dkdv_args", "dkdv_kwargs", "dq_grid", "dq_args", "dq_kwargs")
+
+
+def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, out_strides):
+    b, h, sq, d = q.shape
+    hkv, skv = k.shape[1], k.shape[2]
+    d0, d1 = head_split(d)
+    plan = _BwdPlan()
+    plan.dq_stride, plan.dk_stride, plan.dv_stride = out_strides
+    block = 64 if d <= 128 else 32
+    plan.delta_grid = (triton.cdiv(sq, block), b * h)
+    plan.delta_args = (*out.stride()[:3], *dout.stride()[:3], h, sq)
+    plan.delta_kwargs = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK=block)
+    inputs = (*_strides(q.shape, q.stride()), *_strides(k.shape, k.stride()), *_strides(v.shape, v.stride()),
+              *_strides(q.shape, dout.stride()))
+    dkdv_strides = (*inputs, *_strides(k.shape, plan.dk_stride), *_strides(v.shape, plan.dv_stride))
+    dq_strides = (*inputs, *_strides(q.shape, plan.dq_stride))
+    dkdv_unit, dq_unit = _stride_unit(dkdv_strides), _stride_unit(dq_strides)
+    common = dict(CAUSAL=causal, D=d, D0=d0, D1=d1, UPCAST=_upcast(q.dtype))
+    group = h // max(hkv, 1)
+
+    def configure_dkdv(config):
+        block_m, block_n, warps, stages = config
+        plan.dkdv_grid = (triton.cdiv(skv, block_n), b * hkv)
+        plan.dkdv_args = (*_divided(dkdv_strides, dkdv_unit), hkv, group, sq, skv)
+        plan.dkdv_kwargs = dict(common, BLOCK_M=block_m, BLOCK_N=block_n, UNIT=dkdv_unit, num_warps=warps,
+                                num_stages=stages)
+        return plan
+
+    def configure_dq(config):
+        block_m, block_n, warps, stages = config
+        plan.dq_grid = (triton.cdiv(sq, block_m), b * h)
+        plan.dq_args = (*_divided(dq_strides, dq_unit), h, group, sq, skv)
+        plan.dq_kwargs = dict(common, BLOCK_M=block_m, BLOCK_N=block_n, UNIT=dq_unit, num_warps=warps,
+                              num_stages=stages)
+        return plan
+
+    # A candidate is timed on its own kernel, over real buffers: each kernel overwrites its outputs,
+    # so nothing is left to undo.
+    delta, dq, dk, dv = _bwd_buffers(plan, q, k, v)
+    _delta_kernel[plan.delta_grid](out, dout, delta, *plan.delta_args, **plan.delta_kwargs)
+    configure_dkdv(_config("dkdv", q, k, causal,
+                           lambda c: _dkdv(configure_dkdv(c), q, k, v, dout, lse, delta, dk, dv, scale)))
+    configure_dq(_config("dq", q, k, causal, lambda c: _dq(configure_dq(c), q, k, v, dout, lse, delta, dq, scale)))
+    return _remember(_bwd_plans, key, plan)
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-    dout, out, lse = dout.contiguous(), out.contiguous(), lse.contiguous()
-    b, h, sq, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
-    delta = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    rows, block = b * h * sq, 64 if d <= 128 else 32
-    _delta_kernel[(triton.cdiv(rows, block),)](out, dout, delta, rows, D=d, BLOCK=block)
-    dq = torch.empty((b, h, sq, d), dtype=q.dtype, device=q.device)
-    dk = torch.empty((b, hkv, skv, d), dtype=k.dtype, device=k.device)
-    dv = torch.empty((b, hkv, skv, d), dtype=v.dtype, device=v.device)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-               v.stride(0), v.stride(1), v.stride(2))
-    common = dict(CAUSAL=causal, D=d, UPCAST=_upcast(q.dtype))
-
-    def run_dkdv(config):
-        block_m, block_n, warps, stages = config
-        _bwd_dkdv_kernel[(triton.cdiv(skv, block_n), b * hkv)](
-            q, k, v, dout, lse, delta, dk, dv, *strides, hkv, h // hkv, sq, skv, scale, scale * LOG2E.value,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common)
-
-    def run_dq(config):
-        block_m, block_n, warps, stages = config
-        _bwd_dq_kernel[(triton.cdiv(sq, block_m), b * h)](
-            q, k, v, dout, lse, delta, dq, *strides, h, h // hkv, sq, skv, scale, scale * LOG2E.value,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages, **common)
-
-    # Both kernels overwrite their outputs, so timing a candidate leaves nothing to undo.
-    run_dkdv(_config("dkdv", q, k, causal, run_dkdv))
-    run_dq(_config("dq", q, k, causal, run_dq))
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), q.dtype, q.device,
+           causal)
+    plan = _bwd_plans.get(key)
+    rq, rk, rv, out, dout = _row_major(q), _row_major(k), _row_major(v), _row_major(out), _row_major(dout)
+    lse = lse.contiguous()  # ours: already contiguous, so no copy
+    if plan is None:
+        strides = (layout.strides_like(q), layout.strides_like(k), layout.strides_like(v))
+        plan = _bwd_plan(key, rq, rk, rv, out, lse, dout, causal, scale, strides)
+    delta, dq, dk, dv = _bwd_buffers(plan, rq, rk, rv)
+    _delta_kernel[plan.delta_grid](out, dout, delta, *plan.delta_args, **plan.delta_kwargs)
+    _dkdv(plan, rq, rk, rv, dout, lse, delta, dk, dv, scale)
+    _dq(plan, rq, rk, rv, dout, lse, delta, dq, scale)
     return dq, dk, dv
+
+
+def _bwd_buffers(plan, q, k, v):
+    delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    dq = torch.empty_strided(q.shape, plan.dq_stride, dtype=q.dtype, device=q.device)
+    dk = torch.empty_strided(k.shape, plan.dk_stride, dtype=k.dtype, device=k.device)
+    dv = torch.empty_strided(v.shape, plan.dv_stride, dtype=v.dtype, device=v.device)
+    return delta, dq, dk, dv
+
+
+def _dkdv(plan, q, k, v, dout, lse, delta, dk, dv, scale):
+    _bwd_dkdv_kernel[plan.dkdv_grid](q, k, v, dout, lse, delta, dk, dv, *plan.dkdv_args, scale, scale * LOG2E.value,
+                                     **plan.dkdv_kwargs)
+
+
+def _dq(plan, q, k, v, dout, lse, delta, dq, scale):
+    _bwd_dq_kernel[plan.dq_grid](q, k, v, dout, lse, delta, dq, *plan.dq_args, scale, scale * LOG2E.value,
+                                 **plan.dq_kwargs)

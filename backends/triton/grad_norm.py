@@ -4,6 +4,10 @@ Phase 1 (one launch per dtype): each program reduces one chunk of one grad to a 
 partial: its sum of squares, or its largest magnitude for the inf-norm. Phase 2 (one
 program): reduces the partials to the norm. The result stays on the device, ready to be
 turned into a clip coefficient that the optimizer kernel reads.
+
+A NaN anywhere makes the norm NaN, as torch's: a sum carries it, but Triton's ``tl.maximum`` and
+``tl.max`` return the other operand (maxnum), so the inf-norm takes its maxima through
+``_max_keeping_nan`` (``maximumf``: ``max.NaN`` on the GPU, ``np.maximum`` in the interpreter).
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ LAUNCH = {4: mt.Launch(8192, 2048, 8), 2: mt.Launch(16384, 2048, 8)}
 
 
 @triton.jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _partials_kernel(addresses, chunk_tensor, chunk_start, numels, partials, offset,
                      DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, INF: tl.constexpr,
                      ALIGNED: tl.constexpr):
@@ -40,11 +49,11 @@ def _partials_kernel(addresses, chunk_tensor, chunk_start, numels, partials, off
         else:
             g = load_f32(grad, offs, offs < numel, False)
         if INF:
-            acc = tl.maximum(acc, tl.abs(g))
+            acc = _max_keeping_nan(acc, tl.abs(g))
         else:
             acc += g * g
     if INF:
-        tl.store(partials + offset + tl.program_id(0), tl.max(acc, axis=0))
+        tl.store(partials + offset + tl.program_id(0), tl.reduce(acc, 0, _max_keeping_nan))
     else:
         tl.store(partials + offset + tl.program_id(0), tl.sum(acc, axis=0))
 
@@ -56,11 +65,11 @@ def _final_kernel(partials, n, out, BLOCK: tl.constexpr, INF: tl.constexpr):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(partials + offs, mask=offs < n, other=0.0)
         if INF:
-            acc = tl.maximum(acc, x)
+            acc = _max_keeping_nan(acc, x)
         else:
             acc += x
     if INF:
-        tl.store(out, tl.max(acc, axis=0))
+        tl.store(out, tl.reduce(acc, 0, _max_keeping_nan))
     else:
         tl.store(out, tl.sqrt(tl.sum(acc, axis=0)))
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .interpreter import INTERPRETED
+from .interpreter import INTERPRETED, to_dtype
 
 
 class Launch(NamedTuple):
@@ -118,10 +118,11 @@ def load_f32(pointer, offs, mask, FULL: tl.constexpr):
 
 @triton.jit
 def store_as(pointer, offs, value, mask, MASKED: tl.constexpr):
+    """Store ``value`` converted to the pointer's type, rounded to nearest even (interpreter included)."""
     if MASKED:
-        tl.store(pointer + offs, value.to(pointer.dtype.element_ty), mask=mask)
+        tl.store(pointer + offs, to_dtype(value, pointer.dtype.element_ty), mask=mask)
     else:
-        tl.store(pointer + offs, value.to(pointer.dtype.element_ty))
+        tl.store(pointer + offs, to_dtype(value, pointer.dtype.element_ty))
 
 
 def tables(lists: list[list[torch.Tensor]], chunk: int) -> Tables:
@@ -174,10 +175,12 @@ def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class PlanCache(LRU):
-    """Launch plans keyed by every tensor's address, the first list's sizes and dtypes.
+    """Launch plans keyed by the device, every tensor's address, the first list's sizes and dtypes.
 
     A steady-state step computes one key (a C-level ``map`` over the tensors) and one dict
     lookup; everything else a launch needs was built on the first step with these tensors.
+    The device is in the key because the plan's tables live on it: an address alone does not
+    say which device's memory it is in.
     """
 
     @staticmethod
@@ -185,7 +188,8 @@ class PlanCache(LRU):
         ptrs = tuple(map(_data_ptr, first))
         for more in lists:
             ptrs += tuple(map(_data_ptr, more))
-        return (*extra, ptrs, tuple(map(_numel, first)), tuple(map(dtype_of, first)))
+        device = first[0].device if first else None
+        return (*extra, device, ptrs, tuple(map(_numel, first)), tuple(map(dtype_of, first)))
 
 
 _data_ptr = torch.Tensor.data_ptr

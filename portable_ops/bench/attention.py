@@ -1,7 +1,13 @@
 """Attention benchmarks: portable_ops against each of SDPA's backends, forward and backward, in
-TFLOP/s; and decode (one query token against a KV cache), in microseconds and GB/s."""
+TFLOP/s, at any head dims (a head dim that is not a power of two is also given as a fraction of its
+next power of two's TFLOP/s, timed in the same run); decode (one query token against a KV cache), in
+microseconds and GB/s; and the host time of the triton backend's calls with no-op kernel launches."""
 
 from __future__ import annotations
+
+import contextlib
+import importlib
+import time
 
 import torch
 import torch.nn.functional as F
@@ -41,10 +47,29 @@ def _sdpa_variants(causal, gqa):
     return variants
 
 
+def with_power_of_two_dims(head_dims) -> list[int]:
+    """``head_dims`` plus the next power of two of each one that is not a power of two, sorted: the
+    rows each odd head dim is compared with."""
+    return sorted(set(head_dims) | {1 << (d - 1).bit_length() for d in head_dims})
+
+
+def add_fraction_of_power_of_two(rows: list[dict]) -> list[dict]:
+    """Set ``of pow2`` on each timed row whose head dim is not a power of two: its TFLOP/s over the
+    TFLOP/s of the same variant, direction and shape at the next power of two (FLOPs count the head
+    dim itself, so padding work shows as a fraction below 1)."""
+    by_shape = {(r["variant"], r["dir"], r["D"], r["S"], r["B"], r["Hkv"], r["causal"]): r for r in rows
+                if r.get("TFLOP/s")}
+    for (variant, direction, d, s, b, hkv, causal), row in by_shape.items():
+        pow2 = by_shape.get((variant, direction, 1 << (d - 1).bit_length(), s, b, hkv, causal))
+        if d & (d - 1) and pow2 is not None:
+            row["of pow2"] = row["TFLOP/s"] / pow2["TFLOP/s"]
+    return rows
+
+
 def run_attention(seqs=(512, 1024, 2048, 4096, 8192, 16384), head_dims=(64, 128), tokens=16384, heads=16,
                   kv_heads=(16, 4)) -> list[dict]:
     rows = []
-    for d in head_dims:
+    for d in with_power_of_two_dims(head_dims):
         for s in seqs:
             b = max(1, tokens // s)
             for hkv in kv_heads:
@@ -68,7 +93,7 @@ def run_attention(seqs=(512, 1024, 2048, 4096, 8192, 16384), head_dims=(64, 128)
                             row.update({"ms": ms, "steady ms": steady, "TFLOP/s": tflop / (ms * 1e-3),
                                         "steady TFLOP/s": tflop / (steady * 1e-3)})
                     del q, k, v
-    return rows
+    return add_fraction_of_power_of_two(rows)
 
 
 def run_decode(caches=(1024, 4096, 16384, 65536), batches=(1, 8), heads=32, kv_heads=8, d=128) -> list[dict]:
@@ -107,4 +132,58 @@ def run_decode(caches=(1024, 4096, 16384, 65536), batches=(1, 8), heads=32, kv_h
                     row["error"] = str(exc).splitlines()[0][:80]
                 rows.append(row)
             del q, k, v, expanded, ref
+    return rows
+
+
+class _NoLaunch:
+    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` does nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def no_launches(module):
+    """Every attention kernel of ``module`` (backends/triton/attention.py) replaced by a no-op."""
+    names = ("_fwd_kernel", "_combine_kernel", "_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")
+    saved = {name: getattr(module, name) for name in names}
+    try:
+        for name in names:
+            setattr(module, name, _NoLaunch())
+        yield
+    finally:
+        for name, kernel in saved.items():
+            setattr(module, name, kernel)
+
+
+def run_attention_host(calls=2000, b=4, s=256, heads=16, kv_heads=4, d=64) -> list[dict]:
+    """Host microseconds per call of the triton backend's ``attention_fwd`` and ``attention_bwd``
+    with the kernel launches replaced by no-ops: everything a call costs on the host besides the
+    launches themselves (plan lookup, allocations, copies). q/k/v and dout are transposed out of
+    [B, S, H, D], as a transformer hands them over. Runs on CPU tensors (no GPU needed): CPU host
+    time with no-op launches, not GPU time; allocations there are the CPU allocator's."""
+    attn_mod = importlib.import_module("portable_ops.backends.triton.attention")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def make(h):
+        return torch.randn(b, s, h, d, device=device, dtype=torch.bfloat16).transpose(1, 2)
+
+    q, k, v = make(heads), make(kv_heads), make(kv_heads)
+    dout = make(heads)
+    scale = d ** -0.5
+    rows = []
+    with no_launches(attn_mod):
+        out, lse = attn_mod.attention_fwd(q, k, v, causal=True, scale=scale)  # plans built here
+        attn_mod.attention_bwd(q, k, v, out, lse, dout, causal=True, scale=scale)
+        for direction, call in (("fwd", lambda: attn_mod.attention_fwd(q, k, v, causal=True, scale=scale)),
+                                ("bwd", lambda: attn_mod.attention_bwd(q, k, v, out, lse, dout, causal=True,
+                                                                       scale=scale))):
+            best = float("inf")
+            for _ in range(5):  # the best of 5 rounds: the least disturbed by other processes
+                start = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                best = min(best, (time.perf_counter() - start) / calls * 1e6)
+            rows.append({"bench": "attention host", "variant": "triton backend, no-op launches", "dir": direction,
+                         "device": device, "B": b, "S": s, "Hq": heads, "Hkv": kv_heads, "D": d, "host us": best})
     return rows

@@ -122,6 +122,28 @@ DKDV = [(64, 64, 8, 2), (32, 128, 4, 3), (32, 128, 8, 3), (64, 128, 8, 3), (64, 
 DQ = [(128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 32, 4, 3)]
 
 
+def _reset_attention():
+    """Forget every attention launch plan and tuned choice, so the next call builds its plan from CONFIGS."""
+    attn_mod._fwd_plans.clear()
+    attn_mod._bwd_plans.clear()
+    attn_mod._tuner.chosen.clear()
+
+
+def _each_tile(kernel, d, configs):
+    """Set ``attention.CONFIGS[kernel]`` at ``d``'s tile width to each of ``configs`` alone in turn (a
+    one-candidate list is used untimed), with no plan built under another; restore it afterwards."""
+    width = sum(attn_mod.head_split(d))
+    default = attn_mod.CONFIGS[kernel][width]
+    try:
+        for cfg in configs:
+            attn_mod.CONFIGS[kernel][width] = [cfg]
+            _reset_attention()
+            yield cfg
+    finally:
+        attn_mod.CONFIGS[kernel][width] = default
+        _reset_attention()
+
+
 def _flops(b, h, s, d, causal, direction):
     fwd = 4 * b * h * s * s * d / (2 if causal else 1)
     return fwd if direction == "fwd" else 2.5 * fwd
@@ -148,10 +170,7 @@ def sweep_attention(rows, d=128, s=4096, b=4, h=16, quick=False):
                          "TFLOP/s": _flops(b, h, s, d, causal, "bwd") / ms / 1e9})
         qd, kd, vd = q.detach(), k.detach(), v.detach()
         scale = 1 / math.sqrt(d)
-        default = {kk: dict(vv) for kk, vv in attn_mod.CONFIGS.items()}
-        attn_mod._tuner.chosen.clear()  # a one-candidate list is never timed nor remembered
-        for cfg in FWD[:4] if quick else FWD:
-            attn_mod.CONFIGS["fwd"][d] = [cfg]
+        for cfg in _each_tile("fwd", d, FWD[:4] if quick else FWD):
             try:
                 run = lambda: attn_mod.attention_fwd(qd, kd, vd, causal=causal, scale=scale)  # noqa: E731
                 err = (run()[0].float() - ref.float()).abs().max().item()
@@ -160,11 +179,9 @@ def sweep_attention(rows, d=128, s=4096, b=4, h=16, quick=False):
                              "TFLOP/s": _flops(b, h, s, d, causal, "fwd") / ms / 1e9, "error": err})
             except Exception as exc:  # noqa: BLE001
                 rows.append({"sweep": f"attn fwd D{d}", "causal": causal, "config": str(cfg), "error": repr(exc)[:100]})
-        attn_mod.CONFIGS["fwd"][d] = default["fwd"][d]
         out, lse = attn_mod.attention_fwd(qd, kd, vd, causal=causal, scale=scale)
         for kernel, cands in (("dkdv", DKDV[:4] if quick else DKDV), ("dq", DQ[:4] if quick else DQ)):
-            for cfg in cands:
-                attn_mod.CONFIGS[kernel][d] = [cfg]
+            for cfg in _each_tile(kernel, d, cands):
                 try:
                     run = lambda: attn_mod.attention_bwd(qd, kd, vd, out, lse, dout, causal=causal, scale=scale)  # noqa: E731
                     got = run()
@@ -175,7 +192,6 @@ def sweep_attention(rows, d=128, s=4096, b=4, h=16, quick=False):
                 except Exception as exc:  # noqa: BLE001
                     rows.append({"sweep": f"attn bwd D{d}", "causal": causal, "config": f"{kernel} {cfg}",
                                  "error": repr(exc)[:100]})
-            attn_mod.CONFIGS[kernel][d] = default[kernel][d]
         del q, k, v
 
 
