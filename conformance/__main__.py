@@ -3,6 +3,10 @@
 Runs the shared suite on each named backend (default: every backend usable on
 this machine), prints a table, and exits 0 only when every case passes: a
 fallback or an error is not a pass.
+
+Exit status: 0 every case passed; 1 a case failed, fell back or raised; 2 the command line
+can't run (a backend unavailable, a device this machine lacks, a --json folder that is missing
+or read-only, a --case that matches no case), reported before any case runs.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import time
 
 import torch
 
+from portable_ops import cli
 from portable_ops.dispatch import BACKEND_NAMES, unavailable_reason
 
 from .cases import CASES
@@ -22,7 +27,8 @@ from .runner import format_table, run, usable_backends
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m portable_ops.conformance", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(prog="python -m portable_ops.conformance", description=__doc__.split("\n\n")[1],
+                                     epilog=__doc__.split("\n\n")[2])
     parser.add_argument("--backend", action="append", choices=BACKEND_NAMES,
                         help="backend to check (repeatable); default: every usable backend")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
@@ -37,7 +43,15 @@ def main(argv=None) -> int:
             print(f"backend {name!r} is unavailable: {reason}", file=sys.stderr)
             return 2
     cases = [c for c in CASES if not args.case or args.case in c.id]
-    device = torch.device(args.device) if args.device else None
+    if not cases:
+        parser.error(f"--case {args.case!r} matches none of the {len(CASES)} case ids "
+                     f"(such as {CASES[0].id}, {CASES[-1].id})")
+    try:  # after the backends are loaded, as in the run: a backend may bring its device's support
+        device = cli.device(args.device) if args.device else None
+        if args.json:
+            cli.writable_file("--json", args.json)
+    except ValueError as exc:
+        parser.error(str(exc))
     start = time.perf_counter()
     rows = run(backends, cases, device, progress=lambda r: print(f"  {r.backend:<10} {r.case:<44} {r.status}",
                                                                    file=sys.stderr, flush=True))

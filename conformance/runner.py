@@ -285,10 +285,10 @@ def run_attention(case: Case, backend: str, device: torch.device, oracles: list[
     v = torch.randn(p["B"], p["Hkv"], p["Skv"], p["D"], generator=gen)
     dout = torch.randn(p["B"], p["Hq"], p["Sq"], p["D"], generator=gen)
     inputs = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+    scale = p.get("scale", 1.0 / math.sqrt(p["D"]))
     with forced_strict(backend):
-        out = portable_ops.attention(*inputs, causal=p["causal"])
+        out = portable_ops.attention(*inputs, causal=p["causal"], scale=scale)
         out.backward(dout.to(device, dtype))
-    scale = 1.0 / math.sqrt(p["D"])
     atol, rtol = case.tolerance
     # The oracles see the inputs rounded to the case's dtype, as the backend did.
     q64, k64, v64 = _f64(inputs)

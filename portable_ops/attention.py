@@ -1,10 +1,21 @@
-"""Fused attention, differentiable, reachable from torch.compile.
+"""Fused attention: differentiable, autocast-aware, reachable from torch.compile and torch.func.
 
-Under torch.compile the forward and backward are torch.library custom ops taking the chosen
-backend's name as an argument: dispatch (pure Python, reading only shapes, strides, dtypes and
-devices) runs at trace time, and the compiled graph holds one opaque call per direction, with no
-graph break. Eager calls run the same functions through an autograd.Function, with the choice of
-backend memoised per layout, to keep the per-call host time small.
+The backend is chosen when a call runs, from the tensors it gets (their device, shapes, strides
+and dtypes; memoised per layout) and from the backend forced at that moment: a graph compiled
+outside ``use_backend(...)`` follows a backend forced later, with no recompilation.
+
+Three thin autograd wrappers run the same two functions, :func:`forward` and :func:`backward`:
+
+* eager calls: :class:`_EagerAttention`, an old-style ``autograd.Function`` (the custom ops'
+  dispatcher costs ~80 us a call with autograd on; ``setup_context``-style functions bind their
+  arguments through ``inspect`` on every call, ~50 us). Its backward supports
+  ``create_graph=True`` by differentiating the reference definition again.
+* torch.compile: the ``torch.library`` custom ops ``portable_ops::attention_fwd`` / ``_bwd``,
+  opaque to the graph, whose fake implementations allocate what the real ones return
+  (``portable_ops.layout``), so any input strides and dynamic shapes trace without graph breaks.
+* torch.func transforms (``vmap``, ``grad``, ``jvp``, ...) and forward-mode AD:
+  :class:`_FuncAttention`, a ``setup_context``-style function with a batching rule that folds the
+  vmapped dimension into the batch and a forward-mode rule.
 """
 
 from __future__ import annotations
@@ -12,119 +23,238 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.autograd import forward_ad
 
-from . import checks
-from .dispatch import dispatch, get_backend, select_by_layout
+from . import checks, layout
+from .backends.reference import attention as reference
+from .dispatch import forced_backend, get_backend, select_by_layout
+
+
+def _autocast(q, k, v):
+    """SDPA's autocast policy: under autocast every floating input but float64 is cast to the
+    autocast dtype of its device type (its lower-precision list, on CUDA, CPU and XLA alike)."""
+    device_type = q.device.type if isinstance(q, torch.Tensor) else None
+    if device_type is None or not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 else t for t in (q, k, v))
 
 
 def attention_call(q, k, v, causal, scale):
+    """Check one call's arguments (after autocast's casts) and return them as the backends take them."""
+    q, k, v = _autocast(q, k, v)
     checks.check_attention(q, k, v, scale)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return dict(q=q, k=k, v=v, causal=bool(causal), scale=scale)
+    if scale is None:
+        d = int(q.shape[-1])  # under torch.compile this specialises the head dim: the kernels do too
+        scale = 1.0 / math.sqrt(d) if d else 1.0
+    return dict(q=q, k=k, v=v, causal=bool(causal), scale=float(scale))
 
 
-def _lse_dtype(q):
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
+def _layout(q, k, v, causal, scale):
+    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, causal, scale)
 
 
-def _run_fwd(q, k, v, causal, scale, backend):
+def _implementation(op, call, prefer):
+    choice = select_by_layout(op, _layout(call["q"], call["k"], call["v"], call["causal"], call["scale"]),
+                              lambda: call, call["q"].device, prefer)
+    return get_backend(choice.backend).ops[op]
+
+
+def forward(q, k, v, causal, scale):
+    """(out, lse) from the backend chosen for this call."""
     call = dict(q=q, k=k, v=v, causal=causal, scale=scale)
-    return dispatch("attention_fwd", call, q.device, prefer=backend).run(**call)
+    return _implementation("attention_fwd", call, None).run(**call)
 
 
-def _run_bwd(q, k, v, out, lse, dout, causal, scale, backend):
-    call = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout.contiguous(), causal=causal, scale=scale)
-    return dispatch("attention_bwd", call, q.device, prefer=backend).run(**call)
+def backward(q, k, v, out, lse, dout, causal, scale, prefer=None):
+    """(dq, dk, dv) from the backend chosen for this call; ``prefer``: the backend forced when the
+    forward ran, which the backward keeps (``loss.backward()`` usually runs outside the block that
+    forced a backend for the forward)."""
+    call = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, causal=causal, scale=scale)
+    return _implementation("attention_bwd", call, prefer).run(**call)
 
 
-# torch.compile's path: custom ops, opaque to the graph, with their autograd formula.
-@torch.library.custom_op("portable_ops::attention_fwd", mutates_args=())
-def _attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                   backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run_fwd(q, k, v, causal, scale, backend)
+def _differentiated_again(q, k, v, dout, causal, scale, needs_grad):
+    """First derivatives that are themselves differentiable (``create_graph=True``): the kernels'
+    backward is not, so the reference definition is differentiated instead, one block of queries
+    at a time (its autograd graph keeps every block's probabilities: O(Sq x Skv) memory)."""
+    inputs = [t for t, needed in zip((q, k, v), needs_grad) if needed]
+    with torch.enable_grad():
+        out, _ = reference.attention_fwd(q, k, v, causal=causal, scale=scale)
+        grads = iter(torch.autograd.grad(out, inputs, dout, create_graph=True))
+    return tuple(next(grads) if needed else None for needed in needs_grad)
 
 
-@_attention_fwd.register_fake
-def _(q, k, v, causal, scale, backend):
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
-
-
-@torch.library.custom_op("portable_ops::attention_bwd", mutates_args=())
-def _attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   dout: torch.Tensor, causal: bool, scale: float,
-                   backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _run_bwd(q, k, v, out, lse, dout, causal, scale, backend)
-
-
-@_attention_bwd.register_fake
-def _(q, k, v, out, lse, dout, causal, scale, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, backend = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
-
-
-def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _attention_bwd(q, k, v, out, lse, dout, ctx.causal, ctx.scale, ctx.backend)
-    return dq, dk, dv, None, None, None
-
-
-_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
-
+# ----------------------------------------------------------------------------- eager
 
 class _EagerAttention(torch.autograd.Function):
-    """The eager path: the same kernels without the custom ops' dispatcher, which costs ~80 us a
-    call with autograd on, against ~3 us here. ``backend`` was chosen for this exact layout
-    (memoised), so the forward runs it without asking again. The old-style ``forward(ctx, ...)``:
-    the ``setup_context`` style binds arguments through ``inspect`` on every call (~50 us)."""
-
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend):
-        out, lse = get_backend(backend).ops["attention_fwd"].run(q=q, k=k, v=v, causal=causal, scale=scale)
-        _setup_context(ctx, (q, k, v, causal, scale, backend), (out, lse))
+    def forward(ctx, q, k, v, causal, scale):
+        out, lse = forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.prefer = causal, scale, forced_backend()
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _run_bwd(q, k, v, out, lse, dout, ctx.causal, ctx.scale, ctx.backend)
-        return dq, dk, dv, None, None, None
+        if torch.is_grad_enabled():  # create_graph=True
+            grads = _differentiated_again(q, k, v, dout, ctx.causal, ctx.scale, ctx.needs_input_grad[:3])
+        else:
+            grads = backward(q, k, v, out, lse, dout, ctx.causal, ctx.scale, ctx.prefer)
+        return (*grads, None, None)
 
 
-def _layout(t):
-    return tuple(t.shape), tuple(t.stride()), t.dtype
+# ----------------------------------------------------------------------------- torch.compile
+
+@torch.library.custom_op("portable_ops::attention_fwd", mutates_args=())
+def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return forward(q, k, v, causal, scale)
 
 
-@torch._dynamo.assume_constant_result
-def _backend_for(device: str, q_layout, k_layout, v_layout, causal: bool, scale: float) -> str:
-    # Dispatch reads only shapes, strides, dtypes and devices, so under torch.compile it runs once,
-    # at trace time, on meta stand-ins, and the chosen name is a constant of the graph.
-    def meta_call():
-        q, k, v = (torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-                   for shape, stride, dtype in (q_layout, k_layout, v_layout))
-        return dict(q=q, k=k, v=v, causal=causal, scale=scale)
+def _lse_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
-    layout = (q_layout, k_layout, v_layout, causal, scale)
-    return select_by_layout("attention_fwd", layout, meta_call, torch.device(device)).backend
+
+@_attention_fwd_op.register_fake
+def _(q, k, v, causal, scale):
+    return layout.empty_like(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("portable_ops::attention_bwd", mutates_args=())
+def _attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                      dout: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward(q, k, v, out, lse, dout, causal, scale)
+
+
+@_attention_bwd_op.register_fake
+def _(q, k, v, out, lse, dout, causal, scale):
+    return layout.empty_like(q), layout.empty_like(k), layout.empty_like(v)
+
+
+def _op_setup_context(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _op_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    return (*_attention_bwd_op(q, k, v, out, lse, dout, ctx.causal, ctx.scale), None, None)
+
+
+_attention_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+
+
+# ----------------------------------------------------------------------------- torch.func
+
+def _batched(tensors, in_dims, size):
+    """Fold a vmapped dimension into the batch: ``[N, B, ...]`` -> ``[N * B, ...]`` (unbatched
+    inputs are expanded to ``N``)."""
+    folded = []
+    for t, dim in zip(tensors, in_dims):
+        t = t.movedim(dim, 0) if dim is not None else t.expand(size, *t.shape)
+        folded.append(t.reshape(size * t.shape[1], *t.shape[2:]))
+    return folded
+
+
+def _unbatched(tensors, size):
+    return tuple(t.reshape(size, t.shape[0] // size, *t.shape[1:]) for t in tensors)
+
+
+class _FuncAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, v, causal, scale):
+        return forward(q, k, v, causal, scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, causal, scale = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_forward(q, k, v, lse)
+        ctx.causal, ctx.scale, ctx.prefer = causal, scale, forced_backend()
+        ctx.mark_non_differentiable(lse)
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*_FuncAttentionBackward.apply(q, k, v, out, lse, dout, ctx.causal, ctx.scale, ctx.prefer), None,
+                None)
+
+    @staticmethod
+    def jvp(ctx, tq, tk, tv, _causal, _scale):
+        q, k, v, lse = ctx.saved_tensors
+        return reference.attention_jvp(q, k, v, lse, tq, tk, tv, causal=ctx.causal, scale=ctx.scale), None
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, causal, scale):
+        out = _FuncAttention.apply(*_batched((q, k, v), in_dims[:3], info.batch_size), causal, scale)
+        return _unbatched(out, info.batch_size), (0, 0)
+
+
+_NO_SECOND_DERIVATIVES = ("portable_ops.attention: second derivatives inside torch.func transforms (hessian, "
+                          "jacfwd(jacrev), grad(grad)) are not supported; outside them, "
+                          "torch.autograd.grad(..., create_graph=True) is")
+
+
+class _FuncAttentionBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(q, k, v, out, lse, dout, causal, scale, prefer):
+        return backward(q, k, v, out, lse, dout, causal, scale, prefer)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_NO_SECOND_DERIVATIVES)
+
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise RuntimeError(_NO_SECOND_DERIVATIVES)
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, out, lse, dout, causal, scale, prefer):
+        grads = _FuncAttentionBackward.apply(*_batched((q, k, v, out, lse, dout), in_dims[:6], info.batch_size),
+                                             causal, scale, prefer)
+        return _unbatched(grads, info.batch_size), (0, 0, 0)
+
+
+# ----------------------------------------------------------------------------- the public function
+
+def _transformed() -> bool:
+    return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
+
+
+def _degenerate(q, k, v):
+    """Inputs with a zero-size dimension: SDPA's answer (zeros where a query sees no key, empty
+    otherwise), built from torch ops so that gradients (zeros, or empty) flow to q, k and v."""
+    groups = q.shape[1] // k.shape[1] if k.shape[1] else 1
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
 
 
 def attention(q, k, v, *, causal=False, scale=None):
     """Softmax attention of q ``[B, Hq, Sq, D]`` over k, v ``[B, Hkv, Skv, D]``, ``Hq % Hkv == 0``.
 
-    ``causal`` masks key ``j`` from query ``i`` when ``j > i + Skv - Sq`` (the
-    mask is aligned to the bottom right, so with ``Sq == 1`` the one query sees
-    the whole KV cache). ``scale`` defaults to ``1 / sqrt(D)``. Equal to
-    ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-    enable_gqa=True)`` when ``Sq == Skv``. Differentiable in q, k and v.
+    ``causal`` masks key ``j`` from query ``i`` when ``j > i + Skv - Sq`` (the mask is aligned
+    to the bottom right, so with ``Sq == 1`` the one query sees the whole KV cache). ``scale``
+    defaults to ``1 / sqrt(D)``. Equal to ``F.scaled_dot_product_attention(q, k, v,
+    is_causal=causal, scale=scale, enable_gqa=True)`` when ``Sq == Skv``, autocast included.
+    Differentiable in q, k and v, twice with ``create_graph=True``; the output's memory layout
+    follows q's (``portable_ops.layout``).
     """
     call = attention_call(q, k, v, causal, scale)
-    backend = _backend_for(str(q.device), _layout(q), _layout(k), _layout(v), call["causal"], call["scale"])
-    fwd = _attention_fwd if torch.compiler.is_compiling() else _EagerAttention.apply
-    out, _lse = fwd(q, k, v, call["causal"], call["scale"], backend)
-    return out
+    q, k, v, causal, scale = call["q"], call["k"], call["v"], call["causal"], call["scale"]
+    if q.numel() == 0 or k.numel() == 0:
+        return _degenerate(q, k, v)
+    if torch.compiler.is_compiling():
+        return _attention_fwd_op(q, k, v, causal, scale)[0]
+    if _transformed():
+        return _FuncAttention.apply(q, k, v, causal, scale)[0]
+    return _EagerAttention.apply(q, k, v, causal, scale)[0]

@@ -1,15 +1,53 @@
+"""portable_ops.attention's behaviour as PyTorch code sees it, on every backend runnable here.
+
+Each backend is forced in strict mode (a fallback fails the test) and compared with a float64
+"math" attention written from its definition (softmax of masked, scaled scores times V), which,
+unlike SDPA's fused CPU kernels, supports every derivative torch.func asks for.
+"""
+
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import portable_ops
+from portable_ops.conformance import usable_backends
+from portable_ops.conformance.runner import default_device, forced_strict
+
+BACKENDS = usable_backends()
+F64 = torch.float64
 
 
-def qkv(b=2, hq=4, hkv=2, sq=9, skv=9, d=16, dtype=torch.float64, seed=0):
+def qkv(b=2, hq=4, hkv=2, sq=9, skv=9, d=16, dtype=F64, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    make = lambda h, s: torch.randn(b, h, s, d, generator=g, dtype=dtype, requires_grad=True)
+    make = lambda h, s: torch.randn(b, h, s, d, generator=g, dtype=dtype).to(device).requires_grad_()  # noqa: E731
     return make(hq, sq), make(hkv, skv), make(hkv, skv)
 
+
+def math_attention(q, k, v, causal=False, scale=None):
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = q @ k.transpose(-1, -2) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if causal:
+        sq, skv = q.shape[-2], k.shape[-2]
+        scores = scores.masked_fill(torch.ones(sq, skv, dtype=torch.bool, device=q.device).triu(skv - sq + 1),
+                                    float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def backend_inputs(backend, **kw):
+    """float32 inputs on the backend's device (float64 is reference-only), and float64 copies."""
+    device = default_device(backend)
+    inputs = qkv(dtype=torch.float32, device=device, d=32, **kw)
+    return inputs, [t.detach().to("cpu", F64).requires_grad_() for t in inputs]
+
+
+def close(got, want, tol=2e-3):
+    torch.testing.assert_close(got.detach().to("cpu", F64), want.detach(), atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------- semantics (reference)
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_matches_sdpa_with_gqa(causal):
@@ -47,20 +85,112 @@ def test_rows_that_see_no_key_are_zero_with_zero_gradient():
     assert torch.isfinite(dq).all()
 
 
-def test_compiles_without_graph_breaks():
-    q, k, v = qkv(dtype=torch.float32)
+def test_reference_holds_one_block_of_scores_at_a_time(monkeypatch):
+    from portable_ops.backends.reference import attention as reference
 
-    def step(q, k, v):
-        return portable_ops.attention(q, k, v, causal=True).square().sum()
+    monkeypatch.setattr(reference, "SCORE_BUDGET", 2 * 2 * 40)  # a handful of rows per block
+    widest = []
+    original = reference._scores
+    monkeypatch.setattr(reference, "_scores", lambda *a: widest.append(a[0].shape[-2]) or original(*a))
+    q, k, v = qkv(sq=33, skv=40)
+    out = portable_ops.attention(q, k, v, causal=True)
+    torch.autograd.grad(out.sum(), (q, k, v))
+    assert len(widest) > 10 and max(widest) * 2 * 2 * 40 <= reference.SCORE_BUDGET * 2
+    torch.testing.assert_close(out, math_attention(q, k, v, causal=True))
 
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    loss = compiled(q, k, v)
-    grads = torch.autograd.grad(loss, (q, k, v))
-    ref_grads = torch.autograd.grad(step(q, k, v), (q, k, v))
-    for a, b in zip(grads, ref_grads):
-        torch.testing.assert_close(a, b)
+
+# ----------------------------------------------------------------------------- edge values, every backend
+
+ZERO_SIZES = {"batch": ((0, 4, 9, 32), (0, 2, 9, 32)), "heads": ((2, 0, 9, 32), (2, 0, 9, 32)),
+              "queries": ((2, 4, 0, 32), (2, 2, 9, 32)), "keys": ((2, 4, 9, 32), (2, 2, 0, 32)),
+              "head_dim": ((2, 4, 9, 0), (2, 2, 9, 0))}
 
 
-def test_custom_ops_pass_torch_library_checks():
-    q, k, v = (t.detach().float() for t in qkv())
-    torch.library.opcheck(torch.ops.portable_ops.attention_fwd.default, (q, k, v, True, 0.25, "reference"))
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("which", ZERO_SIZES)
+def test_zero_size_dimensions_answer_like_sdpa(backend, which):
+    q_shape, kv_shape = ZERO_SIZES[which]
+    device = default_device(backend)
+    q, k, v = (torch.randn(s, device=device, requires_grad=True) for s in (q_shape, kv_shape, kv_shape))
+    with forced_strict(backend):
+        out = portable_ops.attention(q, k, v, causal=True)
+        grads = torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True)
+    assert out.shape == q.shape and not out.abs().sum()  # zeros where a query sees no key
+    for g, t in zip(grads, (q, k, v)):
+        assert g is None and t.numel() == 0 or g.shape == t.shape and not g.abs().sum()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", [0.0, -0.4, 3.0])
+def test_any_finite_scale(backend, scale):
+    (q, k, v), exact = backend_inputs(backend)
+    with forced_strict(backend):
+        out = portable_ops.attention(q, k, v, causal=True, scale=scale)
+        grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected = math_attention(*exact, causal=True, scale=scale)
+    close(out, expected)
+    for g, e in zip(grads, torch.autograd.grad(expected.square().sum(), exact)):
+        close(g, e, 1e-2)
+
+
+# ----------------------------------------------------------------------------- derivatives, every backend
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_second_derivatives_through_create_graph(backend):
+    """A gradient penalty: d/dq of |d loss / dq|^2, as MAML and WGAN-GP take it."""
+    (q, k, v), exact = backend_inputs(backend)
+
+    def penalty(att, q, k, v):
+        (dq,) = torch.autograd.grad(att(q, k, v).square().sum(), q, create_graph=True)
+        return torch.autograd.grad(dq.square().sum(), (q, k, v))
+
+    with forced_strict(backend):
+        got = penalty(lambda q, k, v: portable_ops.attention(q, k, v, causal=True), q, k, v)
+    want = penalty(lambda q, k, v: math_attention(q, k, v, causal=True), *exact)
+    for g, w in zip(got, want):
+        close(g, w, 1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_func_transforms(backend):
+    (q, k, v), exact = backend_inputs(backend, b=1, sq=5, skv=5)
+    batch = [torch.stack([t.detach(), t.detach().flip(-2)]) for t in (q, k, v)]
+    exact_batch = [t.to(F64) for t in batch]
+    tangents = [torch.randn_like(t) for t in (q, k, v)]
+    ours = lambda q, k, v: portable_ops.attention(q, k, v, causal=True)  # noqa: E731
+    math_ = lambda q, k, v: math_attention(q, k, v, causal=True)  # noqa: E731
+    with forced_strict(backend):
+        close(torch.func.vmap(ours)(*batch), torch.func.vmap(math_)(*exact_batch))
+        per_sample = torch.func.vmap(torch.func.grad(lambda *a: ours(*a).square().sum(), argnums=(0, 1, 2)))
+        expected = torch.func.vmap(torch.func.grad(lambda *a: math_(*a).square().sum(), argnums=(0, 1, 2)))
+        for g, e in zip(per_sample(*batch), expected(*exact_batch)):
+            close(g, e, 1e-2)
+        _, tangent = torch.func.jvp(ours, (q, k, v), tuple(tangents))
+        close(tangent, torch.func.jvp(math_, tuple(exact), tuple(t.to(F64) for t in tangents))[1], 1e-2)
+        close(torch.func.jacrev(ours)(q, k, v), torch.func.jacrev(math_)(*exact), 1e-2)
+
+
+def test_second_derivatives_inside_torch_func_are_refused_clearly():
+    q, k, v = qkv(b=1, sq=3, skv=3, d=4)
+    with pytest.raises(RuntimeError, match="second derivatives inside torch.func"):
+        torch.func.hessian(lambda q: portable_ops.attention(q, k, v).sum())(q)
+
+
+# ----------------------------------------------------------------------------- autocast
+
+def test_autocast_casts_like_sdpa():
+    """After a float32 RoPE autocast hands attention float32 q/k and a bf16 v: both cast them."""
+    q, k, v = (t.detach() for t in qkv(dtype=torch.float32))
+    v = v.bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = portable_ops.attention(q, k, v, causal=True)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert portable_ops.attention(q.double(), k.double(), v.double()).dtype == F64  # float64 is left alone
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_mixed_dtypes_outside_autocast_are_an_error():
+    q, k, v = (t.detach() for t in qkv(dtype=torch.float32))
+    with pytest.raises(TypeError, match="v has dtype torch.bfloat16 but q has torch.float32"):
+        portable_ops.attention(q, k, v.bfloat16())

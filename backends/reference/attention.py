@@ -1,56 +1,128 @@
-"""Attention forward and backward, materialising the score matrix, in plain PyTorch.
+"""Attention forward, backward and forward-mode derivative in plain PyTorch, one block of queries
+at a time.
 
-Conventions every backend shares: ``lse`` is the natural-log log-sum-exp of the
-scaled, masked scores per query row (float32, float64 for float64 inputs);
-``causal`` aligns the mask to the bottom right, so query ``i`` sees keys
-``j <= i + Skv - Sq``; a row that sees no key (only when ``Sq > Skv``) outputs
-zeros, has ``lse = -inf`` and gets zero gradient.
+Conventions every backend shares: ``lse`` is the natural-log log-sum-exp of the scaled, masked
+scores per query row (float32, float64 for float64 inputs); ``causal`` aligns the mask to the
+bottom right, so query ``i`` sees keys ``j <= i + Skv - Sq``; a row that sees no key (only when
+``Sq > Skv``) outputs zeros, has ``lse = -inf`` and gets zero gradient.
+
+Grouped-query attention is computed without repeating K and V: the ``G = Hq / Hkv`` query heads
+of a KV head are stacked as ``G * Sq`` rows against that head's keys. Rows are taken in blocks
+sized so that one block's scores hold at most ``SCORE_BUDGET`` elements, so a call that falls
+back here costs time, never a whole ``Sq x Skv`` matrix of memory. The forward is built from
+differentiable torch ops: run with autograd on, it is also the definition that double backward
+and every torch.func transform differentiate.
 """
 
 from __future__ import annotations
 
 import torch
 
+from portable_ops.layout import as_layout_of
+
+SCORE_BUDGET = 1 << 24  # elements of one block's scores (64 MiB in float32)
+
 
 def _opmath(t):
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _expand_kv(t, groups):
-    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+def _rows(t, hkv):
+    """``[B, Hq, S, D]`` -> ``[B, Hkv, G * S, D]``: the query heads of each KV head as one stack of rows."""
+    b, hq, s, d = t.shape
+    return t.reshape(b, hkv, (hq // hkv) * s, d)
 
 
-def _probabilities(q, k, causal, scale):
-    scores = (q @ k.transpose(-1, -2)) * scale
+def _heads(t, hq):
+    """The inverse of :func:`_rows` (also for ``[B, Hkv, G * S]`` row vectors)."""
+    b, hkv, rows = t.shape[:3]
+    return t.reshape(b, hq, rows * hkv // hq, *t.shape[3:])
+
+
+def _blocks(rows, b, hkv, skv):
+    step = max(1, SCORE_BUDGET // max(1, b * hkv * skv))
+    return [(start, min(rows, start + step)) for start in range(0, rows, step)]
+
+
+def _scores(q_rows, k, start, sq, causal, scale):
+    """Scaled, masked scores of rows ``start ..`` of the stacked queries against every key."""
+    scores = (q_rows @ k.transpose(-1, -2)) * scale
     if causal:
-        sq, skv = q.shape[-2], k.shape[-2]
-        rows = torch.arange(sq, device=q.device)[:, None]
-        cols = torch.arange(skv, device=q.device)[None, :]
-        scores = scores.masked_fill(cols > rows + (skv - sq), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    finite_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    return torch.exp(scores - finite_lse[..., None]), lse
+        skv = k.shape[-2]
+        position = torch.arange(start, start + q_rows.shape[-2], device=q_rows.device) % sq
+        cols = torch.arange(skv, device=q_rows.device)
+        scores = scores.masked_fill(cols[None, :] > position[:, None] + (skv - sq), float("-inf"))
+    return scores
+
+
+def _probabilities(scores, lse):
+    """exp(scores - lse), zero on rows that see no key (lse = -inf there)."""
+    return torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+
+
+def _opmath_rows(q, k, v):
+    dtype, hkv = _opmath(q), k.shape[1]
+    return _rows(q.to(dtype), hkv), k.to(dtype), v.to(dtype)
 
 
 def attention_fwd(q, k, v, *, causal, scale):
-    dtype, groups = _opmath(q), q.shape[1] // k.shape[1]
-    q32, k32, v32 = q.to(dtype), _expand_kv(k.to(dtype), groups), _expand_kv(v.to(dtype), groups)
-    p, lse = _probabilities(q32, k32, causal, scale)
-    return (p @ v32).to(q.dtype), lse
+    hq, sq = q.shape[1], q.shape[2]
+    q_rows, k32, v32 = _opmath_rows(q, k, v)
+    b, hkv, rows = q_rows.shape[:3]
+    outs, lses = [], []
+    for start, end in _blocks(rows, b, hkv, k.shape[2]):
+        scores = _scores(q_rows[:, :, start:end], k32, start, sq, causal, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(_probabilities(scores, lse) @ v32)
+        lses.append(lse)
+    out = _heads(torch.cat(outs, dim=2), hq).to(q.dtype)
+    return as_layout_of(out, q), _heads(torch.cat(lses, dim=2), hq)
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
-    dtype, groups = _opmath(q), q.shape[1] // k.shape[1]
-    q32, k32, v32 = q.to(dtype), _expand_kv(k.to(dtype), groups), _expand_kv(v.to(dtype), groups)
-    dout32 = dout.to(dtype)
-    p, _ = _probabilities(q32, k32, causal, scale)
-    dv = p.transpose(-1, -2) @ dout32
-    dp = dout32 @ v32.transpose(-1, -2)
-    delta = (dout32 * out.to(dtype)).sum(-1, keepdim=True)
-    ds = p * (dp - delta)
-    dq = (ds @ k32) * scale
-    dk = (ds.transpose(-1, -2) @ q32) * scale
-    b, hkv, skv, d = k.shape
-    dk = dk.view(b, hkv, groups, skv, d).sum(2)
-    dv = dv.view(b, hkv, groups, skv, d).sum(2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    hq, sq = q.shape[1], q.shape[2]
+    q_rows, k32, v32 = _opmath_rows(q, k, v)
+    b, hkv, rows = q_rows.shape[:3]
+    dtype = q_rows.dtype
+    do_rows = _rows(dout.to(dtype), hkv)
+    delta = (do_rows * _rows(out.to(dtype), hkv)).sum(-1)
+    lse_rows = _rows(lse.to(dtype)[..., None], hkv)[..., 0]
+    dq = torch.empty_like(q_rows)
+    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    for start, end in _blocks(rows, b, hkv, k.shape[2]):
+        q_blk, do_blk = q_rows[:, :, start:end], do_rows[:, :, start:end]
+        p = _probabilities(_scores(q_blk, k32, start, sq, causal, scale), lse_rows[:, :, start:end])
+        dv += p.transpose(-1, -2) @ do_blk
+        ds = p * (do_blk @ v32.transpose(-1, -2) - delta[:, :, start:end, None])
+        dq[:, :, start:end] = (ds @ k32) * scale
+        dk += (ds.transpose(-1, -2) @ q_blk) * scale
+    return (as_layout_of(_heads(dq, hq).to(q.dtype), q), as_layout_of(dk.to(k.dtype), k),
+            as_layout_of(dv.to(v.dtype), v))
+
+
+def attention_jvp(q, k, v, lse, tq, tk, tv, *, causal, scale):
+    """The forward-mode derivative: the tangent of ``out`` along tangents ``tq, tk, tv`` of the
+    inputs (None for none). With ``dS = scale (tQ K^T + Q tK^T)`` and ``c = rowsum(P * dS)``,
+    ``t_out = P tV + (P * (dS - c)) V``."""
+    hq, sq = q.shape[1], q.shape[2]
+    q_rows, k32, v32 = _opmath_rows(q, k, v)
+    b, hkv, rows = q_rows.shape[:3]
+    dtype = q_rows.dtype
+    tq_rows = None if tq is None else _rows(tq.to(dtype), hkv)
+    tk32, tv32 = (None if t is None else t.to(dtype) for t in (tk, tv))
+    lse_rows = _rows(lse.to(dtype)[..., None], hkv)[..., 0]
+    t_outs = []
+    for start, end in _blocks(rows, b, hkv, k.shape[2]):
+        q_blk = q_rows[:, :, start:end]
+        p = _probabilities(_scores(q_blk, k32, start, sq, causal, scale), lse_rows[:, :, start:end])
+        ds = torch.zeros_like(p)
+        if tq_rows is not None:
+            ds = ds + tq_rows[:, :, start:end] @ k32.transpose(-1, -2)
+        if tk32 is not None:
+            ds = ds + q_blk @ tk32.transpose(-1, -2)
+        ds = ds * scale
+        t_out = (p * (ds - (p * ds).sum(-1, keepdim=True))) @ v32
+        if tv32 is not None:
+            t_out = t_out + p @ tv32
+        t_outs.append(t_out)
+    return _heads(torch.cat(t_outs, dim=2), hq).to(q.dtype)

@@ -1,0 +1,49 @@
+"""The memory layout of attention's outputs, one rule for every backend and for torch.compile.
+
+An attention output (``out``, or a gradient ``dq`` / ``dk`` / ``dv``) is dense, in one of two
+layouts chosen from the input it mirrors:
+
+* ``[B, S, H, D]`` in memory, seen as ``[B, H, S, D]``, when the input's heads are inner to its
+  sequence (``t.stride(1) < t.stride(2)``): q, k and v transposed out of ``[B, S, H, D]``, or
+  sliced from a fused qkv projection, as transformers make them. The caller's
+  ``out.transpose(1, 2).reshape(B, S, H * D)`` is then a view, not a copy, and the gradient
+  that comes back through it needs no copy either;
+* contiguous ``[B, H, S, D]`` otherwise.
+
+Every backend allocates its outputs with :func:`empty_like` (or copies into it), and the fake
+(meta) implementations that torch.compile traces use the same function, so the strides a
+compiled graph expects are the strides it gets.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def heads_inner(t: torch.Tensor) -> bool:
+    """Whether ``t [B, H, S, D]`` steps through heads faster than through positions."""
+    return t.stride(1) < t.stride(2)
+
+
+def strides_like(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """The strides of :func:`empty_like` (``t``) without allocating it."""
+    b, h, s, d = t.shape
+    if heads_inner(t):
+        return (s * h * d, d, h * d, 1)
+    return (h * s * d, s * d, d, 1)
+
+
+def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised tensor of ``t``'s shape (``[B, H, S, D]``) in the layout the rule above picks."""
+    b, h, s, d = t.shape
+    if heads_inner(t):
+        return t.new_empty((b, s, h, d), dtype=dtype).transpose(1, 2)
+    return t.new_empty((b, h, s, d), dtype=dtype)
+
+
+def as_layout_of(result: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``result`` (shaped like ``t``) in ``t``'s output layout: itself when its strides already are, else a
+    copy (strides are compared exactly, size-one dimensions included: a compiled graph checks them so)."""
+    if result.stride() == strides_like(t):
+        return result
+    return empty_like(t, dtype=result.dtype).copy_(result)
