@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import portable_ops
+from portable_ops import cli
 
 
 @dataclass
@@ -233,6 +234,14 @@ def main(argv=None) -> int:
     cfg = Config(**{f: getattr(args, f) for f in asdict(Config())})
     if problem := _profile_too_long(args.steps, args.profile):
         parser.error(problem)  # before any training
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    try:
+        cli.device(args.device)
+        if args.json:
+            cli.writable_file("--json", args.json)
+    except ValueError as exc:
+        parser.error(str(exc))
     result = {"config": asdict(cfg), "portable_ops": train(cfg, args.steps, args.device, args.backend,
                                                            show_progress=True, profile_steps=args.profile)}
     if args.compare_torch:

@@ -8,32 +8,49 @@ the argument and what was expected.
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from typing import Sequence
 
+import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+# Complex tensors are stepped and measured as (real, imaginary) pairs, as torch does (view_as_real).
+COMPLEX_DTYPES = (torch.complex32, torch.complex64, torch.complex128)
+_TENSOR_LIST_DTYPES = frozenset(FLOAT_DTYPES + COMPLEX_DTYPES)
 
 
 def _name(arg: str, i: int | None) -> str:
     return arg if i is None else f"{arg}[{i}]"
 
 
+def as_number(value):
+    """``value`` as a Python float when it is a real number as torch.optim takes one: a Python or numpy
+    int or float (what a scheduler's lambda may return), or a 0-d numpy array; else ``value`` itself."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, np.ndarray) and value.shape == () and value.dtype.kind in "iuf":
+        return float(value)
+    return value
+
+
 def check_number(arg: str, value, *, low: float | None = None, high: float | None = None,
-                 high_open: bool = False) -> None:
-    """A finite scalar (float or one-element tensor) inside [low, high] or [low, high)."""
+                 high_open: bool = False, finite: bool = True) -> None:
+    """A scalar (a real number, see :func:`as_number`, or a one-element tensor) inside [low, high] or
+    [low, high); finite unless ``finite=False`` (NaN is refused either way)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{arg} must be a float or a one-element tensor, got a tensor of shape {tuple(value.shape)}")
         if value.device.type != "cpu" and value.device.type != "meta":
             return  # reading a device tensor would sync; device-resident values are trusted
         value = value.item()
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
+    value = as_number(value)
+    if not isinstance(value, float):
         raise TypeError(f"{arg} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{arg} must be finite, got {value}")
+    if math.isnan(value) or (finite and math.isinf(value)):
+        raise ValueError(f"{arg} must be {'finite' if finite else 'a number or inf, not NaN'}, got {value}")
     if low is not None and value < low:
         raise ValueError(f"{arg} must be >= {low}, got {value}")
     if high is not None and (value >= high if high_open else value > high):
@@ -58,20 +75,31 @@ def check_state_dtype(state_dtype) -> None:
 
 def state_dtype_for(param_dtype: torch.dtype, state_dtype: torch.dtype | None) -> torch.dtype:
     """The dtype of a param's optimizer state: float32 for half params under ``state_dtype=torch.float32``,
-    else the param's own (float32 state never narrows a float64 param's)."""
+    else the param's own (float32 state never narrows a float64 param's); a complex param's is the complex
+    dtype of its real parts' state."""
+    if param_dtype.is_complex:
+        return state_dtype_for(param_dtype.to_real(), state_dtype).to_complex()
     return state_dtype if state_dtype is not None and param_dtype in HALF_DTYPES else param_dtype
 
 
 _layout = operator.attrgetter("shape", "dtype", "device", "layout")  # C-level: runs per tensor per step
+_dtype, _device, _storage = operator.itemgetter(1), operator.itemgetter(2), operator.itemgetter(3)  # of a _layout
+
+
+def layouts(tensors: Sequence[torch.Tensor]) -> list[tuple]:
+    """(shape, dtype, device, layout) of each tensor, in one C-level pass."""
+    return list(map(_layout, tensors))
 
 
 def check_tensor_lists(lists: dict[str, Sequence[torch.Tensor]], *, like: str, one_device: bool = True,
-                       state: Sequence[str] = (), state_dtype: torch.dtype | None = None) -> None:
+                       state: Sequence[str] = (), state_dtype: torch.dtype | None = None,
+                       like_layouts: list[tuple] | None = None) -> set[torch.dtype]:
     """Every list as long as ``lists[like]``; every tensor shaped, typed and placed like its ``like`` twin.
 
     ``one_device``: all of ``lists[like]`` on one device (one kernel launch serves them), else
     only of one device type. The lists named in ``state`` are typed ``state_dtype_for(their twin's
-    dtype, state_dtype)`` instead.
+    dtype, state_dtype)`` instead. ``like_layouts``: ``layouts(lists[like])``, when the caller has
+    just taken them. Returns the dtypes found in ``lists[like]``.
     """
     ref = lists[like]
     for arg, tensors in lists.items():
@@ -82,19 +110,20 @@ def check_tensor_lists(lists: dict[str, Sequence[torch.Tensor]], *, like: str, o
     # Fast path, run on every optimizer step over hundreds of tensors: compare layouts in bulk and
     # only walk the lists one by one, to name the culprit, when something is off.
     try:
-        expected = list(map(_layout, ref))
-        ok = all(lay[1] in FLOAT_DTYPES and lay[3] == torch.strided for lay in expected)
-        places = {lay[2] if one_device else lay[2].type for lay in expected}
-        ok = ok and len(places) <= 1
+        expected = layouts(ref) if like_layouts is None else like_layouts
+        dtypes, devices = set(map(_dtype, expected)), set(map(_device, expected))
+        places = devices if one_device else {device.type for device in devices}
+        ok = dtypes <= _TENSOR_LIST_DTYPES and set(map(_storage, expected)) <= {torch.strided} and len(places) <= 1
         expected_state = expected
         if state_dtype is not None:
             expected_state = [(s, state_dtype_for(d, state_dtype), dev, lay) for s, d, dev, lay in expected]
-        ok = ok and all(list(map(_layout, tensors)) == (expected_state if arg in state else expected)
+        ok = ok and all(layouts(tensors) == (expected_state if arg in state else expected)
                         for arg, tensors in lists.items() if arg != like)
     except AttributeError:
         ok = False
     if not ok:
         _explain_tensor_lists(lists, like, one_device, state, state_dtype)
+    return dtypes
 
 
 def _explain_tensor_lists(lists, like, one_device, state, state_dtype) -> None:
@@ -107,8 +136,9 @@ def _explain_tensor_lists(lists, like, one_device, state, state_dtype) -> None:
                 raise TypeError(f"{_name(arg, i)} must be a tensor, got {type(t).__name__}")
             if t.is_sparse or t.layout != torch.strided:
                 raise ValueError(f"{_name(arg, i)} is {t.layout}; only dense (strided) tensors are supported")
-            if t.dtype not in FLOAT_DTYPES:
-                raise TypeError(f"{_name(arg, i)} has dtype {t.dtype}; expected one of float16, bfloat16, float32, float64")
+            if t.dtype not in _TENSOR_LIST_DTYPES:
+                raise TypeError(f"{_name(arg, i)} has dtype {t.dtype}; expected one of float16, bfloat16, float32, "
+                                "float64 or a complex dtype")
             if arg == like:
                 continue
             if t.shape != p.shape:
@@ -137,6 +167,12 @@ def _check_state_tensor_dtype(arg, dtype, like, param_dtype, state_dtype) -> Non
         raise TypeError(f"{arg} has dtype {dtype} but {like} has {param_dtype}")
     raise TypeError(f"{arg} has dtype {dtype}, but with state_dtype={state_dtype} the state of a {param_dtype} "
                     f"{like} is {expected}")
+
+
+def as_real(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each complex tensor as its (real, imaginary) pairs (``torch.view_as_real``: writes go to the
+    tensor), the others as they are."""
+    return [torch.view_as_real(t) if t.is_complex() else t for t in tensors]
 
 
 def check_steps(state_steps: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
@@ -181,9 +217,7 @@ def check_attention(q, k, v, scale) -> None:
     if k.shape != v.shape:
         raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match")
     hq, hkv = q.shape[1], k.shape[1]
-    if hkv == 0 or hq % hkv != 0:
+    if (hq % hkv != 0) if hkv else hq != 0:
         raise ValueError(f"q has {hq} heads, k and v have {hkv}: q's head count must be a multiple of k's (grouped-query)")
-    if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[-1] == 0:
-        raise ValueError(f"empty attention: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if scale is not None:
         check_number("scale", scale)

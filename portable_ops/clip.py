@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
 from . import checks
 from .dispatch import dispatch
 from .distributed import global_norm, local
+
+
+_dtype = operator.attrgetter("dtype")
 
 
 def grads_of(parameters) -> list[torch.Tensor]:
@@ -19,10 +23,19 @@ def grads_of(parameters) -> list[torch.Tensor]:
 
 def grad_norm_call(grads, norm_type):
     checks.check_tensor_lists({"grads": grads}, like="grads", one_device=False)
-    norm_type = float(norm_type)
-    if math.isnan(norm_type) or norm_type <= 0:
-        raise ValueError(f"norm_type must be a positive number or inf, got {norm_type}")
-    return dict(grads=list(grads), norm_type=norm_type)
+    return dict(grads=list(grads), norm_type=checked_norm_type(norm_type))
+
+
+def checked_norm_type(norm_type) -> float:
+    """``norm_type`` as a float: any number torch takes (``'inf'`` too; 0 counts, negative orders and
+    ``-inf`` are torch's), except NaN."""
+    try:
+        value = float(checks.as_number(norm_type))
+    except (TypeError, ValueError):
+        raise TypeError(f"norm_type must be a number or 'inf', got {norm_type!r}") from None
+    if math.isnan(value):
+        raise ValueError("norm_type must be a number or +-inf, got nan")
+    return value
 
 
 def total_norm(grads, norm_type=2.0) -> torch.Tensor:
@@ -35,13 +48,24 @@ def checked_total_norm(grads, norm_type: float) -> torch.Tensor:
     """:func:`total_norm` of grads already checked (the optimizer checks them with its step)."""
     if not grads:
         return torch.zeros(())
+    if any(dtype.is_complex for dtype in set(map(_dtype, grads))):  # C-level: runs on every clipped step
+        grads = [_real_for_norm(g, norm_type) for g in grads]
     call = dict(grads=grads, norm_type=norm_type)
     return dispatch("grad_norm", call, grads[0].device).run(**call)
 
 
+def _real_for_norm(grad, norm_type):
+    """A real tensor with ``grad``'s norm, as torch measures a complex one (by ``|z|``): its (real, imaginary)
+    pairs for the 2-norm (no copy), else the magnitudes."""
+    if not grad.is_complex():
+        return grad
+    return torch.view_as_real(grad) if norm_type == 2.0 else grad.abs()
+
+
 def clip_coefficient(norm: torch.Tensor, max_norm) -> torch.Tensor:
-    """min(1, max_norm / (norm + 1e-6)) as a device scalar: torch's clip_grad_norm_ factor."""
-    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    """min(1, max_norm / (norm + 1e-6)) as a device scalar: torch's clip_grad_norm_ factor (1 for an
+    infinite ``max_norm``, NaN for a NaN norm)."""
+    return (checks.as_number(max_norm) / (norm + 1e-6)).clamp(max=1.0)
 
 
 def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
@@ -54,14 +78,14 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     multi-tensor ``_foreach_mul_``. DTensor grads (FSDP2) are reduced across
     the ranks that hold their shards, so every rank clips by the same factor.
     """
-    checks.check_number("max_norm", float(max_norm), low=0.0)
+    checks.check_number("max_norm", max_norm, low=0.0, finite=False)  # inf: measure, never clip
     grads = grads_of(parameters)
     call = grad_norm_call([local(g) for g in grads], norm_type)
     if not grads:
         return torch.zeros(())
     norm = global_norm(grads, call["norm_type"], checked_total_norm)
     if error_if_nonfinite and not torch.isfinite(norm):
-        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+        raise RuntimeError(f"The total norm of order {call['norm_type']} for gradients from `parameters` is "
                            "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
                            "by the non-finite norm anyway, set `error_if_nonfinite=False`")
     coef = clip_coefficient(norm, max_norm)

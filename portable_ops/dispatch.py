@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import os
 import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+
+from . import env
 
 BACKEND_NAMES = ("triton", "nki", "reference")
 
@@ -121,14 +122,11 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def forced_backend() -> str | None:
-    name = getattr(_forced, "name", None) or os.environ.get("PORTABLE_OPS_BACKEND") or None
-    if name is not None and name not in BACKEND_NAMES:
-        raise ValueError(f"PORTABLE_OPS_BACKEND={name!r}; expected one of {', '.join(BACKEND_NAMES)}")
-    return name
+    return getattr(_forced, "name", None) or env.choice("PORTABLE_OPS_BACKEND", BACKEND_NAMES)
 
 
 def strict() -> bool:
-    return os.environ.get("PORTABLE_OPS_STRICT", "0") not in ("", "0")
+    return env.flag("PORTABLE_OPS_STRICT", False)
 
 
 def preference(device: torch.device | None, prefer: str | None = None) -> list[str]:

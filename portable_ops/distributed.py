@@ -2,8 +2,8 @@
 
 The fused step is elementwise, so it runs on each rank's local shard as is. The global
 norm is not: each rank takes the norm of its shards with the backend's kernel, then
-ranks combine ``norm ** p`` (sum) or the max over the mesh dimensions the grads are
-sharded on, through torch.distributed, so every rank clips by the same coefficient.
+ranks combine ``norm ** p`` (sum), or the max (the min for ``-inf``), over the mesh dimensions
+the grads are sharded on, through torch.distributed, so every rank clips by the same coefficient.
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def global_norm(grads, norm_type: float, local_norm) -> torch.Tensor:
     if len(norms) == 1:
         return norms[0]
     stacked = torch.stack([n.to(norms[0].device) for n in norms])
-    return stacked.max() if math.isinf(norm_type) else torch.linalg.vector_norm(stacked, norm_type)
+    # The norm of the groups' norms is the norm of all the grads (max for inf, min for -inf), except for
+    # torch's 0-"norm", which counts the grads holding a non-zero: the groups' counts add up.
+    return stacked.sum() if norm_type == 0 else torch.linalg.vector_norm(stacked, norm_type)
 
 
 def _reduce_over_shards(norm, norm_type, mesh, placements):
@@ -72,8 +74,25 @@ def _reduce_over_shards(norm, norm_type, mesh, placements):
     sharded = [dim for dim, p in enumerate(placements) if p.is_shard()]
     if not sharded:
         return norm
-    inf = math.isinf(norm_type)
-    value = norm.clone() if inf else norm.pow(norm_type)
+    if norm_type == 0:
+        raise ValueError("norm_type 0 of sharded grads: torch's 0-norm counts the grads holding a non-zero, "
+                         "which a rank's shards can't tell; use another norm_type")
+    if math.isinf(norm_type):  # min(x) = -max(-x)
+        sign = 1.0 if norm_type > 0 else -1.0
+        return sign * _max_over_shards(sign * norm, [mesh.get_group(dim) for dim in sharded])
+    value = norm.pow(norm_type)  # a sum carries a NaN
     for dim in sharded:
-        dist.all_reduce(value, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(dim))
-    return value if inf else value.pow(1.0 / norm_type)
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+    return value.pow(1.0 / norm_type)
+
+
+def _max_over_shards(norm, groups):
+    """The largest ``norm`` of the ranks, NaN if any rank's is: a MAX all-reduce may drop a NaN (gloo's keeps
+    it only from rank 0), so it travels as a flag beside the value, reduced in the same collective."""
+    import torch.distributed as dist
+
+    nan = norm.isnan()
+    value = torch.stack([norm.masked_fill(nan, -math.inf), nan.to(norm.dtype)])
+    for group in groups:
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return value[0].masked_fill(value[1] > 0, math.nan)

@@ -2,33 +2,59 @@
 
 from __future__ import annotations
 
+import inspect
+
 from .attention import attention, attention_call
 from .clip import clip_grad_norm_, grad_norm_call, grads_of
 from .dispatch import Choice, choose
 from .functional import adam, adam_call
 
-# For each public op: the dispatch op name, and a function building its checked call from the user's arguments.
+_ADAM_CALL_ARGS = inspect.signature(adam_call).parameters
+
+# For each public op: the function, the dispatch op name, and the checked call built from the function's
+# arguments as bound to its signature (defaults applied).
 _OPS = {
-    "attention": ("attention_fwd", lambda q, k, v, *, causal=False, scale=None: attention_call(q, k, v, causal, scale)),
-    "adam": ("adam", adam_call),
-    "clip_grad_norm_": ("grad_norm", lambda parameters, max_norm, norm_type=2.0, error_if_nonfinite=False:
-                        grad_norm_call(grads_of(parameters), norm_type)),
+    "attention": (attention, "attention_fwd",
+                  lambda a: attention_call(a["q"], a["k"], a["v"], a["causal"], a["scale"])),
+    "adam": (adam, "adam", lambda a: adam_call(**{k: v for k, v in a.items() if k in _ADAM_CALL_ARGS})),
+    "clip_grad_norm_": (clip_grad_norm_, "grad_norm",
+                        lambda a: grad_norm_call(grads_of(a["parameters"]), a["norm_type"])),
 }
-_BY_FUNCTION = {attention: "attention", adam: "adam", clip_grad_norm_: "clip_grad_norm_"}
+_BY_FUNCTION = {function: name for name, (function, _, _) in _OPS.items()}
 
 
 def explain(op, *args, **kwargs) -> Choice:
     """The backend that ``op(*args, **kwargs)`` would run on, with every other backend's reasons.
 
     ``op`` is a public function (``portable_ops.attention``, ``portable_ops.functional.adam``,
-    ``portable_ops.clip_grad_norm_``) or its name. Nothing is computed; the returned
-    :class:`~portable_ops.dispatch.Choice` prints as a readable report.
+    ``portable_ops.clip_grad_norm_``) or its name. The arguments are checked as the call would
+    check them; nothing is computed. The returned :class:`~portable_ops.dispatch.Choice` prints as
+    a readable report.
     """
-    name = _BY_FUNCTION.get(op, op)
-    if name not in _OPS:
-        raise ValueError(f"explain: unknown op {op!r}; expected one of {', '.join(_OPS)}")
-    dispatch_op, build = _OPS[name]
-    call = build(*args, **kwargs)
+    name = _BY_FUNCTION.get(op) if callable(op) else op
+    if not isinstance(name, str) or name not in _OPS:
+        raise ValueError(f"explain: unknown op {op!r}; expected one of {', '.join(_OPS)} or its function")
+    function, dispatch_op, build = _OPS[name]
+    call = build(_bound(name, function, args, kwargs))
     tensors = call.get("params") or call.get("grads") or [call.get("q")]
     device = tensors[0].device if tensors and tensors[0] is not None else None
     return choose(dispatch_op, call, device)
+
+
+def _bound(name, function, args, kwargs) -> dict:
+    """``function``'s arguments by name, defaults applied; a TypeError naming every missing one (or the
+    unexpected one) and the signature, when the call would not bind."""
+    signature = inspect.signature(function)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        problem = str(exc)
+        try:
+            given = signature.bind_partial(*args, **kwargs).arguments
+            missing = [p.name for p in signature.parameters.values() if p.default is p.empty and p.name not in given]
+            problem = "missing " + ", ".join(missing) if missing else problem
+        except TypeError:
+            pass
+        raise TypeError(f"explain({name}, ...): {problem}; {name} takes {signature}") from None
+    bound.apply_defaults()
+    return bound.arguments

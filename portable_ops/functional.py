@@ -10,53 +10,68 @@ from .dispatch import dispatch
 
 def adam_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad=False, beta1=0.9,
               beta2=0.999, lr=1e-3, weight_decay=0.0, eps=1e-8, maximize=False, decoupled_weight_decay=False,
-              grad_scale=None, found_inf=None, clip_coef=None, state_dtype=None, state_checked=False):
+              grad_scale=None, found_inf=None, clip_coef=None, state_dtype=None, checked_layouts=None):
     """Check every argument of an Adam step; return the call as the backends take it.
 
     Backends read the state's dtype from the tensors, so ``state_dtype`` is checked, not passed on.
+    Hyperparameters reach them as Python floats (``lr`` may stay a tensor), complex tensors as their
+    (real, imaginary) pairs.
 
-    ``state_checked``: the moment and step lists were checked against ``params`` on an earlier
-    step and have not changed since (the optimizer classes know); only the grads are checked.
+    ``checked_layouts``: ``checks.layouts(params)``, taken by the caller on this step and equal to
+    the layouts the moment and step lists were checked against on an earlier one, which have not
+    changed since (the optimizer classes know); only the grads are checked, against these.
     """
     checks.check_adam_hyperparameters(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
     checks.check_state_dtype(state_dtype)
     lists = {"params": params, "grads": grads}
-    if not state_checked:
+    if checked_layouts is None:
         lists.update(exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs)
         if amsgrad:
             lists["max_exp_avg_sqs"] = max_exp_avg_sqs
         checks.check_steps(state_steps, params)
-    checks.check_tensor_lists(lists, like="params", state=("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
-                              state_dtype=state_dtype)
+    dtypes = checks.check_tensor_lists(lists, like="params", state=("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
+                                       state_dtype=state_dtype, like_layouts=checked_layouts)
     device = params[0].device if params else None
     for arg, t in (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef)):
         checks.check_scalar_tensor(arg, t, device)
     if isinstance(lr, torch.Tensor):
         checks.check_scalar_tensor("lr", lr, device)
-    return dict(params=list(params), grads=list(grads), exp_avgs=list(exp_avgs), exp_avg_sqs=list(exp_avg_sqs),
-                max_exp_avg_sqs=list(max_exp_avg_sqs) if amsgrad else [], state_steps=list(state_steps),
-                amsgrad=bool(amsgrad), beta1=float(beta1), beta2=float(beta2), lr=lr,
+    max_exp_avg_sqs = max_exp_avg_sqs if amsgrad else []
+    tensors = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs]
+    if any(dtype.is_complex for dtype in dtypes):  # checked above: each tensor is complex where its param is
+        tensors = [checks.as_real(ts) for ts in tensors]
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs = map(list, tensors)
+    return dict(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+                max_exp_avg_sqs=max_exp_avg_sqs, state_steps=list(state_steps), amsgrad=bool(amsgrad),
+                beta1=float(beta1), beta2=float(beta2), lr=lr if isinstance(lr, torch.Tensor) else float(lr),
                 weight_decay=float(weight_decay), eps=float(eps), maximize=bool(maximize),
                 decoupled_weight_decay=bool(decoupled_weight_decay), grad_scale=grad_scale,
                 found_inf=found_inf, clip_coef=clip_coef)
 
 
-def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad=False, beta1=0.9,
-         beta2=0.999, lr=1e-3, weight_decay=0.0, eps=1e-8, maximize=False, decoupled_weight_decay=False,
-         grad_scale=None, found_inf=None, clip_coef=None, state_dtype=None):
+def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, foreach=None, capturable=False,
+         differentiable=False, fused=None, grad_scale=None, found_inf=None, has_complex=False,
+         decoupled_weight_decay=False, *, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-3, weight_decay=0.0,
+         eps=1e-8, maximize=False, clip_coef=None, state_dtype=None):
     """One Adam (``decoupled_weight_decay=False``) or AdamW step over lists of tensors, in place.
 
-    Same meaning as ``torch.optim.adam.adam`` / ``adamw``: ``state_steps`` are
-    one-element float tensors incremented here; ``grad_scale`` divides every
-    grad first (AMP); a non-zero ``found_inf`` makes the step change nothing.
-    ``clip_coef`` (a device scalar, from global-norm clipping) multiplies every
-    grad, so clipping fuses into the step without rewriting the grads.
+    ``torch.optim.adam.adam``'s signature, positionally and by keyword, and its meaning:
+    ``state_steps`` are one-element float tensors incremented here; ``grad_scale`` divides every
+    grad first (AMP); a non-zero ``found_inf`` makes the step change nothing; complex tensors are
+    stepped as (real, imaginary) pairs. ``foreach``, ``fused`` and ``capturable`` are accepted and
+    change nothing (the step is always the fused multi-tensor path, with ``state_steps`` on the
+    params' device); ``has_complex`` is accepted and not needed (complex tensors are found by their
+    dtype); ``differentiable=True`` is refused: the fused step is not differentiable.
 
+    Beyond torch's, keyword-only: ``clip_coef`` (a device scalar, from global-norm clipping)
+    multiplies every grad, so clipping fuses into the step without rewriting the grads.
     ``state_dtype`` says what the caller's moment tensors hold: None, the param's dtype (as
     torch); ``torch.float32``, float32 for float16/bfloat16 params (and the param's dtype for
     float32/float64 ones). The step is then computed in float32 from the float32 state and the
     param is rounded once, to its dtype.
     """
+    if differentiable:
+        raise ValueError("differentiable=True is not supported: the fused step is not differentiable")
     call = adam_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad=amsgrad,
                      beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize,
                      decoupled_weight_decay=decoupled_weight_decay, grad_scale=grad_scale, found_inf=found_inf,

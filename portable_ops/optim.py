@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
 import torch
 
 from . import checks
@@ -45,7 +46,7 @@ class Adam(torch.optim.Optimizer):
                  capturable=False, differentiable=False):
         if differentiable:
             raise ValueError("differentiable=True is not supported: the fused step is not differentiable")
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        if not isinstance(betas, (tuple, list, np.ndarray)) or len(betas) != 2:
             raise ValueError(f"betas must be a pair of floats, got {betas!r}")
         checks.check_adam_hyperparameters(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
         _check_max_grad_norm(max_grad_norm)
@@ -71,10 +72,8 @@ class Adam(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            _check_max_grad_norm(group["max_grad_norm"])
             checks.check_state_dtype(group["state_dtype"])
-            if len({g["max_grad_norm"] for g in self.param_groups}) > 1:
-                raise ValueError("max_grad_norm must be the same in every param group: the clip is one global norm")
+            self._max_grad_norm()
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -105,15 +104,19 @@ class Adam(torch.optim.Optimizer):
         """Per device, the params with grads and their state as lists, and the state to create.
 
         Rebuilding these lists is most of a step's host time (hundreds of tensors), so they are
-        kept while the same params have grads and their state dicts are the same objects; replace
-        optimizer state through ``load_state_dict``, which drops the cache.
+        kept while the same params have grads, with the shapes, dtypes and devices their state was
+        checked against, and their state dicts are the same objects. A param whose ``.data`` was
+        replaced (resized, cast by ``model.half()``, moved) rebuilds them: its moments are cast to
+        the new dtype, and a size or device its state does not have is refused by the checks.
+        Replace optimizer state through ``load_state_dict``, which drops the cache.
         """
         with_grad = [p for p in group["params"] if p.grad is not None]
         flags = (group["amsgrad"], group["state_dtype"])
         cached = self._lists_cache.get(id(group))
         if (cached is not None and cached[0] == flags and len(cached[1]) == len(with_grad)
                 and all(map(operator.is_, cached[1], with_grad))
-                and all(map(operator.is_, map(self.state.get, with_grad), cached[2]))):
+                and all(map(operator.is_, map(self.state.get, with_grad), cached[2]))
+                and all(map(_params_unchanged, cached[3].values()))):
             return cached[3], {}, True
         checks.check_state_dtype(group["state_dtype"])
         by_device: dict[torch.device, dict[str, list]] = {}
@@ -137,6 +140,7 @@ class Adam(torch.optim.Optimizer):
             lists["steps"].append(state["step"])
         for lists in by_device.values():
             lists["sharded"] = any(map(is_dtensor, lists["keys"]))
+            lists["layouts"] = checks.layouts(lists["params"])
         self._pending_cache[id(group)] = (flags, with_grad, states, by_device)
         return by_device, new_state, False
 
@@ -161,7 +165,7 @@ class Adam(torch.optim.Optimizer):
                     beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                     maximize=group["maximize"], decoupled_weight_decay=self.decoupled_weight_decay,
                     grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device),
-                    state_dtype=group["state_dtype"], state_checked=checked)))
+                    state_dtype=group["state_dtype"], checked_layouts=lists["layouts"] if checked else None)))
         return calls, new_state
 
     @torch.no_grad()
@@ -172,6 +176,7 @@ class Adam(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        max_grad_norm = self._max_grad_norm()  # groups may have been edited since: raises before any write
         calls, new_state = self._calls(grad_scale, found_inf)  # raises before anything is written
         self.state.update(new_state)
         for keys, call in calls:  # torch keeps `step` on the CPU unless fused; ours lives with its param
@@ -184,7 +189,6 @@ class Adam(torch.optim.Optimizer):
             for lists in by_device.values():
                 lists["steps"] = [self.state[p]["step"] for p in lists["keys"]]
             self._lists_cache[key] = (flags, with_grad, states, by_device)
-        max_grad_norm = self.param_groups[0]["max_grad_norm"] if self.param_groups else None
         if max_grad_norm is not None and calls:
             coef = self._clip_coefficient([p.grad for keys, _ in calls for p in keys], max_grad_norm, grad_scale)
             for _, call in calls:
@@ -192,6 +196,18 @@ class Adam(torch.optim.Optimizer):
         for _, call in calls:
             dispatch("adam", call, call["params"][0].device).run(**call)
         return loss
+
+    def _max_grad_norm(self) -> float | None:
+        """Every group's ``max_grad_norm``, checked: one value (the clip is one global norm), or None."""
+        values = [group["max_grad_norm"] for group in self.param_groups]
+        for value in values:
+            _check_max_grad_norm(value)
+        values = [checks.as_number(value) for value in values]
+        for i, value in enumerate(values):
+            if value != values[0]:
+                raise ValueError(f"max_grad_norm must be the same in every param group (the clip is one global "
+                                 f"norm): param_groups[{i}] has {value}, param_groups[0] has {values[0]}")
+        return values[0] if values else None
 
     def _clip_coefficient(self, grads, max_grad_norm, grad_scale):
         norm = global_norm(grads, 2.0, checked_total_norm)
@@ -215,10 +231,14 @@ class AdamW(Adam):
 
 
 def _check_max_grad_norm(value):
-    if value is not None:
-        checks.check_number("max_grad_norm", value, low=0.0)
-        if value <= 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {value}")
+    """None (no clip), or a number > 0; ``inf`` measures the norm (``last_grad_norm``) without clipping."""
+    if value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        raise TypeError("max_grad_norm must be None or a number, got a tensor")
+    checks.check_number("max_grad_norm", value, low=0.0, finite=False)
+    if checks.as_number(value) <= 0:
+        raise ValueError(f"max_grad_norm must be > 0 or None, got {value}")
 
 
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -238,6 +258,13 @@ def _conformed_state(state, p, amsgrad, dtype):
     if amsgrad and "max_exp_avg_sq" not in state:
         changed["max_exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
     return {**state, **changed} if changed else state
+
+
+def _params_unchanged(lists) -> bool:
+    """The cached params are still the tensors, with the layouts, that their state lists were checked against."""
+    if lists["sharded"] and not all(map(operator.is_, map(local, lists["keys"]), lists["params"])):
+        return False
+    return checks.layouts(lists["params"]) == lists["layouts"]
 
 
 def _on(t, device):

@@ -38,3 +38,30 @@ def assert_bit_identical(before, after):
         if b.is_sparse:
             b, a = b.to_dense(), a.to_dense()
         assert torch.equal(b.reshape(-1).view(torch.uint8), a.reshape(-1).view(torch.uint8))
+
+
+def _checked_adam(run):
+    def checked(**call):
+        for i, p in enumerate(call["params"]):
+            moments = [call[k][i] for k in ("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs") if call[k]]
+            for t in [call["grads"][i], *moments]:
+                assert t.shape == p.shape and t.device == p.device, (
+                    f"a kernel was handed a tensor of shape {tuple(t.shape)} on {t.device} for a param of shape "
+                    f"{tuple(p.shape)} on {p.device}")
+            assert call["grads"][i].dtype == p.dtype
+            assert len({m.dtype for m in moments}) == 1 and moments[0].dtype in (p.dtype, torch.float32)
+        return run(**call)
+    return checked
+
+
+@pytest.fixture
+def checked_kernels(monkeypatch):
+    """Every backend's Adam kernel first asserts that each tensor it is handed has its param's shape and
+    device (the grad its dtype, the moments one dtype): a stale list fails the test where a real kernel
+    would read and write past the end of a smaller tensor and take the process down."""
+    for name in dispatch.BACKEND_NAMES:
+        backend = dispatch.get_backend(name)
+        if backend is not None and "adam" in backend.ops:
+            impl = backend.ops["adam"]
+            monkeypatch.setitem(backend.ops, "adam", dispatch.OpImpl(run=_checked_adam(impl.run),
+                                                                     supports=impl.supports))

@@ -60,3 +60,150 @@ def test_a_declined_case_is_a_fallback_not_a_pass(fake_backend):
     row = runner.run_case(Case("probe", "clip", torch.float32, dict(shapes=[(4,)], max_norm=1.0, norm_type=2.0)),
                           "triton", torch.device("cpu"))
     assert row.status == "fallback" and "no kernel for this test" in row.detail
+
+
+# ----------------------------------------------------------------------------- usage errors: exit 2, before any work
+
+import importlib  # noqa: E402
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+import portable_ops  # noqa: E402
+from portable_ops import dispatch, env  # noqa: E402
+from portable_ops.bench import __main__ as bench_cli  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import gpt2_tiny  # noqa: E402
+
+
+def test_help_exits_0_and_names_the_commands():
+    result = run_module("portable_ops", "--help")
+    assert result.returncode == 0, result.stderr
+    for command in ("doctor", "portable_ops.conformance", "portable_ops.bench"):
+        assert command in result.stdout
+
+
+def usage_error(main, argv, capsys):
+    """What ``main(argv)`` printed on stderr, having exited 2 (argparse's usage error) before any case or step."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    assert "usage:" in err and "Traceback" not in err
+    return err
+
+
+def refused_runs(monkeypatch):
+    """Fail the test if the conformance runner starts on any case."""
+    monkeypatch.setattr(conformance_cli, "run", lambda *a, **k: pytest.fail("the run started"))
+
+
+@pytest.mark.parametrize("device, message", [("bogus", "'bogus' is not a device name"),
+                                             ("cuda:99", "'cuda:99': no such device here")])
+def test_conformance_refuses_a_device_it_cant_use(device, message, capsys, monkeypatch):
+    refused_runs(monkeypatch)
+    assert message in usage_error(conformance_cli.main, ["--backend", "reference", "--device", device], capsys)
+
+
+def test_conformance_checks_the_json_folder_before_running(tmp_path, capsys, monkeypatch):
+    refused_runs(monkeypatch)
+    missing = tmp_path / "no" / "rows.json"
+    assert "does not exist" in usage_error(conformance_cli.main, ["--backend", "reference", "--json", str(missing)],
+                                           capsys)
+    assert "is a folder" in usage_error(conformance_cli.main, ["--backend", "reference", "--json", str(tmp_path)],
+                                        capsys)
+
+
+def test_a_case_filter_matching_nothing_is_a_usage_error(capsys, monkeypatch):
+    refused_runs(monkeypatch)
+    err = usage_error(conformance_cli.main, ["--backend", "reference", "--case", "no_such_case"], capsys)
+    assert "--case 'no_such_case' matches none of the" in err
+
+
+def test_bench_checks_its_output_folder_before_timing(tmp_path, capsys):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    assert "is a file, not a folder" in usage_error(bench_cli.main, ["optimizer", "--out", str(not_a_folder / "x")],
+                                                    capsys)
+
+
+@pytest.mark.parametrize("argv, message", [(["--device", "bogus"], "is not a device name"),
+                                           (["--steps", "0"], "--steps must be at least 1"),
+                                           (["--json", "/no/such/folder/x.json"], "does not exist")])
+def test_the_example_refuses_bad_arguments_before_training(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(gpt2_tiny, "train", lambda *a, **k: pytest.fail("training started"))
+    assert message in usage_error(gpt2_tiny.main, argv, capsys)
+
+
+# ----------------------------------------------------------------------------- environment variables
+
+@pytest.mark.parametrize("value, expected", [("1", True), ("true", True), ("YES", True), (" on ", True),
+                                             ("0", False), ("false", False), ("Off", False), ("no", False),
+                                             ("", False)])
+def test_strict_mode_parses_booleans(value, expected, monkeypatch):
+    """PORTABLE_OPS_STRICT=false / off / no turned strict mode on (anything but "" and "0" did)."""
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", value)
+    assert dispatch.strict() is expected
+
+
+@pytest.mark.parametrize("name", ["PORTABLE_OPS_STRICT", "PORTABLE_OPS_AUTOTUNE", "PORTABLE_OPS_NKI_EMULATOR"])
+def test_a_boolean_variable_that_is_not_one_names_itself(name, monkeypatch):
+    monkeypatch.setenv(name, "maybe")
+    with pytest.raises(ValueError, match=rf"{name}='maybe' is not a boolean: expected one of 1, true, yes, on"):
+        env.flag(name, False)
+
+
+def test_every_boolean_variable_is_read_by_the_one_parser(monkeypatch):
+    """PORTABLE_OPS_AUTOTUNE=0 was the only way to turn tuning off; PORTABLE_OPS_NKI_EMULATOR=false forced the
+    emulator. Each is read through env.flag now."""
+    autotune = importlib.import_module("portable_ops.backends.triton.autotune")
+    compat = importlib.import_module("portable_ops.backends.nki.compat")
+    monkeypatch.setattr(autotune, "INTERPRETED", False)  # tuning is off in the interpreter whatever the variable
+    for value, tuned in (("off", False), ("false", False), ("1", True)):
+        monkeypatch.setenv("PORTABLE_OPS_AUTOTUNE", value)
+        assert autotune.Tuner().enabled() is tuned
+    monkeypatch.setenv("PORTABLE_OPS_NKI_EMULATOR", "false")
+    assert compat._load_sdk()[3] != "PORTABLE_OPS_NKI_EMULATOR is set"
+    monkeypatch.setenv("PORTABLE_OPS_NKI_EMULATOR", "yes")
+    assert compat._load_sdk()[3] == "PORTABLE_OPS_NKI_EMULATOR is set"
+
+
+@pytest.mark.parametrize("value, expected", [("triton", "triton"), (" Reference ", "reference"), ("", None)])
+def test_the_forced_backend_variable(value, expected, monkeypatch):
+    monkeypatch.setenv("PORTABLE_OPS_BACKEND", value)
+    assert dispatch.forced_backend() == expected
+
+
+def test_an_unknown_forced_backend_names_the_variable(monkeypatch):
+    monkeypatch.setenv("PORTABLE_OPS_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="PORTABLE_OPS_BACKEND='cuda'; expected one of triton, nki, reference"):
+        dispatch.forced_backend()
+
+
+@pytest.mark.parametrize("value", ["0", "false", "off", "no", "", "1", "true", "ON", "y", "2"])
+def test_triton_interpret_means_to_the_package_what_it_means_to_triton(value, monkeypatch):
+    """The package read TRITON_INTERPRET=false as on, where Triton reads it as off: kernels compiled for a GPU
+    while the backend routed CPU tensors to them, or the other way round."""
+    pytest.importorskip("triton")
+    from triton._C.libtriton import getenv_bool
+
+    interpreter = importlib.import_module("portable_ops.backends.triton.interpreter")
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    try:
+        assert importlib.reload(interpreter).INTERPRETED is getenv_bool("TRITON_INTERPRET", False)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(interpreter)
+
+
+def test_explain_with_missing_arguments_names_them():
+    """A lambda's TypeError (``<lambda>() missing 2 required positional arguments``) came out."""
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match=r"explain\(attention, \.\.\.\): missing k, v; attention takes \(q, k, v, \*, "
+                                        r"causal=False, scale=None\)"):
+        portable_ops.explain(portable_ops.attention, q)
+    with pytest.raises(TypeError, match="explain.clip_grad_norm_, ....: missing max_norm"):
+        portable_ops.explain(portable_ops.clip_grad_norm_, [])
+    with pytest.raises(ValueError, match="explain: unknown op"):
+        portable_ops.explain(print, q)

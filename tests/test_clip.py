@@ -54,3 +54,68 @@ def test_bf16_grads_norm_is_float32():
     assert total.dtype == torch.float32
     grads = [p.grad.float().flatten() for p in params_with_grads(dtype=torch.bfloat16)]
     torch.testing.assert_close(total, torch.linalg.vector_norm(torch.cat(grads)))
+
+
+# ----------------------------------------------------------------------------- non-finite grads
+
+from portable_ops.conformance.runner import default_device, usable_backends  # noqa: E402
+
+
+def grads_holding(value, where, dtype, device):
+    """Three grads (one spans several chunks of every backend's launch) with ``value`` at ``where``
+    (tensor, index): a first element, one deep in a later chunk, a tensor's last element."""
+    g = torch.Generator().manual_seed(3)
+    params = []
+    for n in (5, 5000, 130):
+        p = torch.nn.Parameter(torch.zeros(n, device=device, dtype=dtype))
+        p.grad = torch.randn(n, generator=g).to(device, dtype)
+        params.append(p)
+    params[where[0]].grad[where[1]] = value
+    return params
+
+
+WHERE = [(0, 0), (1, 3071), (2, 129)]
+
+
+@pytest.mark.parametrize("where", WHERE)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("backend", usable_backends())
+def test_a_nan_anywhere_makes_the_norm_nan(backend, norm_type, where, monkeypatch):
+    """Triton's max returns the other operand of a NaN: the inf-norm came out finite, so a loop that
+    skips steps on a non-finite norm went on, and error_if_nonfinite did not raise."""
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
+    params = grads_holding(math.nan, where, torch.float32, default_device(backend))
+    with portable_ops.use_backend(backend):
+        assert portable_ops.clip_grad_norm_(params, 1.0, norm_type).isnan()
+        with pytest.raises(RuntimeError, match="non-finite"):
+            portable_ops.clip_grad_norm_(params, 1.0, norm_type, error_if_nonfinite=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", usable_backends())
+def test_non_finite_grads_give_torchs_norm(backend, dtype, monkeypatch):
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
+    device = default_device(backend)
+    for value in (math.nan, math.inf, -math.inf):
+        for norm_type in (2.0, math.inf):
+            params = grads_holding(value, WHERE[1], dtype, device)
+            expected = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+            with portable_ops.use_backend(backend):
+                got = total_norm_of(params, norm_type)
+            torch.testing.assert_close(got.cpu(), expected.float().cpu(), equal_nan=True)
+
+
+def total_norm_of(params, norm_type):
+    return portable_ops.clip.total_norm([p.grad for p in params], norm_type)
+
+
+@pytest.mark.parametrize("backend", usable_backends())
+def test_the_fused_clip_of_a_nan_grad_reports_a_nan_norm(backend, monkeypatch):
+    """``max_grad_norm``: the norm is NaN (``last_grad_norm``), and the step writes NaN as torch's clip + step does."""
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
+    params = grads_holding(math.nan, WHERE[1], torch.float32, default_device(backend))
+    opt = portable_ops.optim.AdamW(params, max_grad_norm=1.0)
+    with portable_ops.use_backend(backend):
+        opt.step()
+    assert opt.last_grad_norm.isnan()
+    assert all(p.isnan().all() for p in params)

@@ -5,6 +5,7 @@ transformer with the triton backend (runs where 2 GPUs are visible).
 """
 
 import gc
+import math
 import os
 import pathlib
 import socket
@@ -168,6 +169,14 @@ def test_clip_grad_norm_of_dtensor_grads_in_one_process_mesh():
         for norm_type in (2.0, float("inf")):
             torch.testing.assert_close(portable_ops.clip_grad_norm_(sharded(), 0.5, norm_type),
                                        portable_ops.clip_grad_norm_(with_grads(plain), 0.5, norm_type))
+        # DTensor and plain grads together: two groups whose norms are combined (-inf took the max)
+        plain[1].grad[2, 3] = 0.0
+        for norm_type in (2.0, float("inf"), float("-inf"), 1.0, -1.0):
+            mixed = sharded()[:2] + with_grads(plain)[2:]
+            torch.testing.assert_close(portable_ops.clip_grad_norm_(mixed, 0.5, norm_type),
+                                       torch.nn.utils.clip_grad_norm_(with_grads(plain), 0.5, norm_type))
+        with pytest.raises(ValueError, match="norm_type 0 of sharded grads"):
+            portable_ops.clip_grad_norm_(sharded(), 0.5, 0)
         clipped, dtensors = with_grads(plain), sharded()
         portable_ops.clip_grad_norm_(clipped, 0.5)
         portable_ops.clip_grad_norm_(dtensors, 0.5)
@@ -175,3 +184,37 @@ def test_clip_grad_norm_of_dtensor_grads_in_one_process_mesh():
             torch.testing.assert_close(s.grad.full_tensor(), p.grad)
     finally:
         dist.destroy_process_group()
+
+
+def _nan_norm_worker(rank, world, port, out_file):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        norms = {}
+        for norm_type in (2.0, float("inf"), float("-inf")):
+            for nan in (False, True):
+                grad = torch.arange(1.0, 9.0).reshape(4, 2)
+                if nan:
+                    grad[3, 1] = float("nan")  # in rank 1's shard: gloo's MAX keeps only rank 0's NaN
+                p = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)]))
+                p.grad = distribute_tensor(grad, mesh, [Shard(0)])
+                norms[norm_type, nan] = portable_ops.clip_grad_norm_([p], 100.0, norm_type).item()
+        torch.save(norms, f"{out_file}.{rank}")
+        gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_nan_on_any_rank_makes_every_ranks_norm_nan(tmp_path):
+    """And without one, the max and min norms over the ranks are the whole tensor's."""
+    out_file = str(tmp_path / "norms")
+    mp.start_processes(_nan_norm_worker, args=(2, free_port(), out_file), nprocs=2, join=True, start_method="spawn")
+    for rank in range(2):
+        norms = torch.load(f"{out_file}.{rank}")
+        assert [math.isnan(n) for (_, nan), n in norms.items()] == [nan for (_, nan) in norms], (rank, norms)
+        assert norms[float("inf"), False] == 8.0 and norms[float("-inf"), False] == 1.0, (rank, norms)
+        assert norms[2.0, False] == pytest.approx(math.sqrt(204.0)), (rank, norms)

@@ -343,3 +343,85 @@ def test_changing_a_groups_state_dtype_converts_the_state_on_the_next_step():
         assert opt.state[p]["exp_avg"].dtype == opt.state[p]["exp_avg_sq"].dtype == expected
         if before is not None:
             torch.testing.assert_close(opt.state[p]["exp_avg"].float(), before.float() * 0.9, rtol=2 ** -7, atol=0)
+
+
+# ----------------------------------------------------------------------------- params replaced between steps
+
+def stepped_once(backend, n=1000, dtype=torch.float32, **kw):
+    """Three params on the backend's device, one AdamW step taken (the step's lists are cached)."""
+    device = default_device(backend)
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(size, generator=g).to(device, dtype)) for size in (7, n, 33)]
+    opt = portable_ops.optim.AdamW(params, lr=1e-2, **kw)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(device, dtype)
+    with portable_ops.use_backend(backend):
+        opt.step()
+    return params, opt
+
+
+def state_snapshot(opt):
+    return {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+
+
+@pytest.mark.parametrize("new_size", [5000, 100])
+@pytest.mark.parametrize("backend", usable_backends())
+def test_a_resized_param_is_refused_like_an_uncached_step(backend, new_size, checked_kernels, monkeypatch):
+    """Model surgery (an embedding resized through ``p.data``) after a step: the cached lists still hold
+    moments of the old size, which a kernel would run past the end of (a grown param) or leave stale (a
+    shrunk one). torch raises a size mismatch; so do we, naming the tensors, before anything is written."""
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")  # the backend's own kernel
+    params, opt = stepped_once(backend)
+    params[1].data = torch.randn(new_size, device=params[1].device)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before_params, before_state = [p.detach().clone() for p in params], state_snapshot(opt)
+    with portable_ops.use_backend(backend), pytest.raises(
+            ValueError, match=rf"exp_avgs\[1\] has shape \(1000,\) but params\[1\] has \({new_size},\)"):
+        opt.step()
+    for p, b in zip(params, before_params):
+        assert torch.equal(p, b)
+    for p in params:
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, before_state[id(p)][k]), k
+    del opt.state[params[1]]  # the user's fix: fresh state for the new param
+    with portable_ops.use_backend(backend):
+        opt.step()
+    assert opt.state[params[1]]["exp_avg"].shape == (new_size,)
+
+
+@pytest.mark.parametrize("backend", usable_backends())
+def test_a_param_cast_after_steps_takes_its_moments_along(backend, checked_kernels, monkeypatch):
+    """``model.half()`` after some steps with ``state_dtype=None``: the moments follow the param's new dtype
+    (the documented contract), and the step equals that of an optimizer loading the same state afresh."""
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
+    params, opt = stepped_once(backend)
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p in params + twins:
+        p.data = p.data.half()
+    for p, t in zip(params, twins):
+        p.grad = torch.randn_like(p)
+        t.grad = p.grad.clone()
+    fresh = portable_ops.optim.AdamW(twins, lr=1e-2)
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch's load casts the moments to the param's dtype
+    with portable_ops.use_backend(backend):
+        opt.step()
+        fresh.step()
+    for p, t in zip(params, twins):
+        assert opt.state[p]["exp_avg"].dtype == opt.state[p]["exp_avg_sq"].dtype == torch.float16
+        assert torch.equal(p, t)
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][k], fresh.state[t][k]), k
+
+
+def test_a_cast_param_keeps_float32_moments_under_state_dtype_float32(checked_kernels):
+    params, opt = stepped_once("reference", state_dtype=torch.float32)
+    for p in params:
+        p.data = p.data.bfloat16()
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert {opt.state[p]["exp_avg"].dtype for p in params} == {torch.float32}
+    params[0].data = params[0].data.double()  # float32 state never narrows a float64 param's
+    params[0].grad = torch.randn_like(params[0])
+    opt.step()
+    assert opt.state[params[0]]["exp_avg_sq"].dtype == torch.float64
