@@ -41,12 +41,20 @@ def test_cpu_job_runs_the_same_script_as_ci_and_every_backend():
 
 def test_gpu_and_trainium_jobs_run_on_their_self_hosted_runners():
     gpu = load("gpu.yml")["jobs"]["cuda"]
-    trn = load("trainium.yml")["jobs"]["trn2"]
+    trn = load("trainium.yml")["jobs"]["trainium"]
     assert "self-hosted" in gpu["runs-on"] and "gpu" in gpu["runs-on"]
-    assert "self-hosted" in trn["runs-on"] and "trn2" in trn["runs-on"]
     assert any("--backend triton" in s.get("run", "") for s in gpu["steps"])
-    trn_runs = " ".join(s.get("run", "") for s in trn["steps"])
-    assert "neuronx-cc" in trn_runs and "--backend nki --device xla" in trn_runs
+    # one job per Trainium instance type, each on its own runner, targeting its own NeuronCore
+    assert trn["strategy"]["matrix"]["instance"] == ["trn2", "trn3"]
+    assert trn["strategy"]["fail-fast"] is False
+    assert "self-hosted" in trn["runs-on"] and "${{ matrix.instance }}" in trn["runs-on"]
+    assert trn["env"]["NEURON_PLATFORM_TARGET_OVERRIDE"] == "${{ matrix.instance }}"
+    trn_runs = [s.get("run", "") for s in trn["steps"]]
+    joined = " ".join(trn_runs)
+    assert "neuronx-cc" in joined and "--backend nki --device xla" in joined
+    assert any(r.startswith(".venv/bin/python -m portable_ops.bench nki") for r in trn_runs)
+    upload = next(s for s in trn["steps"] if s.get("uses", "").startswith("actions/upload-artifact"))
+    assert "${{ matrix.instance }}" in upload["with"]["name"] and "nki.json" in upload["with"]["path"]
     for workflow in WORKFLOWS:
         for name, job in yaml.safe_load(workflow.read_text())["jobs"].items():
             assert "timeout-minutes" in job, f"{workflow.name}:{name} has no timeout"

@@ -1,7 +1,13 @@
-"""python -m portable_ops.bench optimizer|clip|attention|decode [--out DIR]
+"""python -m portable_ops.bench train|optimizer|clip|attention|decode|attention-host|nki [--out DIR]
 
 Times portable_ops against PyTorch's own kernels in the same run, on the GPU, prints a table,
-and writes JSON and a plot into DIR (default docs/perf).
+and writes JSON and a plot into DIR (default docs/perf). ``train`` is the headline: a Llama-style
+model trained with each stack, eager and compiled (portable_ops/bench/train.py).
+``attention --head-dims 40,80,96,192`` times those head dims and their next powers of two, with
+each odd one's TFLOP/s as a fraction of its power of two's (``of pow2``). Two need no GPU:
+``attention-host`` measures the triton backend's host time per call with no-op launches, and
+``nki`` estimates the NKI kernels' time on Trn2/Trn3 from the emulator's counts
+(portable_ops/bench/nki.py).
 """
 
 from __future__ import annotations
@@ -11,15 +17,18 @@ import sys
 
 import torch
 
+from .. import cli
 from .common import device_info, table, write
 
 COLUMNS = {
     "optimizer": ["bench", "variant", "ms", "host ms", "TB/s", "of copy", "vs torch fused", "steady ms",
                   "steady vs torch fused"],
     "clip": ["bench", "variant", "ms", "clip ms", "vs torch pair", "steady ms", "steady vs torch pair"],
-    "attention": ["variant", "dir", "D", "S", "B", "Hkv", "causal", "ms", "TFLOP/s", "steady ms", "steady TFLOP/s",
-                  "error"],
+    "attention": ["variant", "dir", "D", "S", "B", "Hkv", "causal", "ms", "TFLOP/s", "of pow2", "steady ms",
+                  "steady TFLOP/s", "error"],
+    "attention-host": ["variant", "dir", "device", "B", "S", "Hq", "Hkv", "D", "host us"],
     "decode": ["variant", "B", "cache", "us", "steady us", "graph us", "graph GB/s", "max abs diff", "error"],
+    "train": [],  # its own tables: portable_ops.bench.train.report
 }
 
 
@@ -61,15 +70,69 @@ def plot(name, rows, path):
     fig.savefig(path, dpi=110)
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def _shape_names(text: str) -> list[str]:
+    from .train import SHAPES
+
+    names = list(SHAPES)
+    picked = []
+    for item in (x.strip() for x in text.split(",")):
+        if item.isdigit() and 1 <= int(item) <= len(names):
+            picked.append(names[int(item) - 1])
+        elif item in SHAPES:
+            picked.append(item)
+        else:
+            choices = ", ".join(f"{i} ({name})" for i, name in enumerate(names, 1))
+            raise argparse.ArgumentTypeError(f"unknown train shape {item!r}; choose from {choices}")
+    return list(dict.fromkeys(picked))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m portable_ops.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("bench", choices=sorted(COLUMNS))
+    parser.add_argument("bench", choices=sorted([*COLUMNS, "nki"]))
     parser.add_argument("--out", default="docs/perf")
     parser.add_argument("--quick", action="store_true", help="fewer attention shapes")
+    parser.add_argument("--tiny", action="store_true",
+                        help="train: every shape shrunk to a few seconds of CPU (a smoke run, not a measurement)")
+    parser.add_argument("--head-dims", type=_ints, default=None,
+                        help="attention head dims, e.g. 40,64,80,96,128,192,256 (each odd one's next power of two is "
+                             "added)")
+    parser.add_argument("--seqs", type=_ints, default=None, help="attention sequence lengths, e.g. 2048,4096")
+    parser.add_argument("--shapes", type=_shape_names, default=None,
+                        help="train: a comma-separated subset of its shapes, by number from 1 or by name "
+                             "(default: all of them)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    try:  # before minutes of timing, not when the results are written
+        cli.writable_folder("--out", args.out)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.bench == "nki":
+        from .nki import run as run_nki
+        return run_nki(args.out)
+    if args.bench == "attention-host":
+        from .attention import run_attention_host
+
+        rows = run_attention_host()
+        print(table(rows, COLUMNS[args.bench]))
+        print("CPU host time per call with no-op kernel launches (not GPU time)" if rows[0]["device"] == "cpu"
+              else "host time per call with no-op kernel launches")
+        return 0
+    if not torch.cuda.is_available() and not (args.bench == "train" and args.tiny):
         print("the benchmarks time CUDA kernels against torch's; no CUDA device here", file=sys.stderr)
         return 2
+    if args.bench == "train":
+        from . import train
+
+        shapes = {name: train.SHAPES[name] for name in args.shapes or train.SHAPES}
+        if args.tiny:
+            shapes = {name: train.tiny(cfg) for name, cfg in shapes.items()}
+        info = device_info()
+        print(train.report(train.run_train(shapes, second_run=not args.tiny), info, args.out))
+        print(f"{info['device']}, {info['date']}, commit {info['commit']}, torch {info['torch']}, triton {info['triton']}")
+        return 0
     if args.bench == "optimizer":
         from .optimizer import run_optimizer as run
     elif args.bench == "clip":
@@ -79,8 +142,12 @@ def main(argv=None) -> int:
     else:
         from .attention import run_attention
 
-        run = (lambda: run_attention(seqs=(1024, 4096), head_dims=(128,), kv_heads=(16,))) if args.quick \
-            else run_attention
+        shape = dict(seqs=(1024, 4096), head_dims=(128,), kv_heads=(16,)) if args.quick else {}
+        if args.head_dims:
+            shape["head_dims"] = args.head_dims
+        if args.seqs:
+            shape["seqs"] = args.seqs
+        run = lambda: run_attention(**shape)  # noqa: E731
     rows = run()
     info = device_info()
     path = write(args.bench, rows, info, args.out)
@@ -89,7 +156,8 @@ def main(argv=None) -> int:
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
     print(table(rows, COLUMNS[args.bench]))
-    print(f"{info['device']}, {info['date']}, torch {info['torch']}, triton {info['triton']}; wrote {path}")
+    print(f"{info['device']}, {info['date']}, commit {info['commit']}, torch {info['torch']}, triton {info['triton']}; "
+          f"wrote {path}")
     return 0
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import pathlib
 import platform
+import subprocess
 
 import torch
 
@@ -79,10 +81,17 @@ def copy_bandwidth(gib: float = 2.0) -> float:
 
 
 def device_info() -> dict:
-    props = torch.cuda.get_device_properties(0)
-    return {"device": props.name, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "python": platform.python_version(),
-            "triton": __import__("triton").__version__}
+    """What a result was measured on: device, date, versions and the checkout's commit."""
+    device = torch.cuda.get_device_properties(0).name if torch.cuda.is_available() else f"CPU ({platform.machine()})"
+    # A copy of the checkout without .git (a lent GPU machine) names its commit in PORTABLE_OPS_COMMIT.
+    commit = os.environ.get("PORTABLE_OPS_COMMIT")
+    try:
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                          cwd=pathlib.Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        commit = None
+    return {"device": device, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "python": platform.python_version(), "triton": __import__("triton").__version__, "commit": commit}
 
 
 def write(name: str, rows: list[dict], info: dict, out_dir: str | pathlib.Path) -> pathlib.Path:
@@ -94,7 +103,7 @@ def write(name: str, rows: list[dict], info: dict, out_dir: str | pathlib.Path) 
 
 
 def table(rows: list[dict], columns: list[str]) -> str:
-    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    widths = [max([len(c), *(len(_fmt(r.get(c))) for r in rows)]) for c in columns]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)) for r in rows]
     return "\n".join(lines)

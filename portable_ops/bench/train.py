@@ -1,0 +1,255 @@
+"""The end-to-end benchmark: a Llama-style model trained with portable_ops against torch's own stack.
+
+``python -m portable_ops.bench train`` trains :class:`~portable_ops.bench.llama.Llama` (fp32 params,
+bf16 autocast) with
+
+* **torch**: ``F.scaled_dot_product_attention`` (its default backend choice),
+  ``clip_grad_norm_(foreach=True)`` and ``AdamW(fused=True)``;
+* **portable_ops**: ``portable_ops.attention`` and ``portable_ops.optim.AdamW(max_grad_norm=...)``;
+
+each eagerly and under ``torch.compile`` (the model and its loss; the optimizer step runs eagerly
+on both sides), from the same initialisation on the same batches, in one process. Per run:
+tokens/s and ms per step over back-to-back steps, device-busy ms per step (kernel time under
+torch.profiler), warm-up seconds, peak memory and the loss of every step; per stack, the host time
+of one attention call forward and backward. A second process, started after the main runs so that
+every cache is warm, measures warm-up as a user's second run sees it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+
+import torch
+
+import portable_ops
+
+from .common import host_ms
+from .llama import Llama, LlamaConfig, batches
+
+# The issue's two shapes, then a long-sequence one (head dim 128, 8k tokens per sequence).
+SHAPES = {
+    "d1024 hd64 s2048": LlamaConfig(d_model=1024, layers=8, heads=16, kv_heads=4, seq=2048, batch=4),
+    "d2048 hd128 s4096": LlamaConfig(d_model=2048, layers=4, heads=16, kv_heads=8, seq=4096, batch=2),
+    "d2048 hd128 s8192": LlamaConfig(d_model=2048, layers=4, heads=16, kv_heads=8, seq=8192, batch=1),
+}
+STACKS = ("torch", "portable_ops")
+MODES = ("eager", "compiled")
+MAX_GRAD_NORM = 1.0
+HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+WARMUP_STEPS = 3  # compilation and tile tuning happen in these
+# Two runs of one model whose curves differ by more than this have not computed the same training:
+# bf16 autocast rounds every matmul input to 8 bits, so curves drift apart by rounding alone.
+LOSS_TOLERANCE = {"max": 0.05, "mean": 0.02}
+
+
+def _optimizer(stack, model):
+    if stack == "torch":
+        return torch.optim.AdamW(model.parameters(), fused=model.embed.weight.is_cuda, **HYPER)
+    return portable_ops.optim.AdamW(model.parameters(), max_grad_norm=MAX_GRAD_NORM, **HYPER)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Run:
+    """One (shape, stack, mode): the model, its optimizer and a step function over seeded batches."""
+
+    def __init__(self, cfg: LlamaConfig, stack: str, mode: str, device: torch.device, steps: int, seed: int = 0):
+        torch.manual_seed(seed)
+        self.cfg, self.stack, self.device = cfg, stack, device
+        self.model = Llama(cfg, attention="sdpa" if stack == "torch" else "portable_ops").to(device)
+        self.opt = _optimizer(stack, self.model)
+        self.loss_fn = torch.compile(self.model, fullgraph=True) if mode == "compiled" else self.model
+        self.data = batches(cfg, steps, device, seed)
+        self.losses: list[torch.Tensor] = []
+
+    def step(self):
+        tokens, targets = next(self.data)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+            loss = self.loss_fn(tokens, targets)
+        loss.backward()
+        if self.stack == "torch":
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_GRAD_NORM, foreach=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.losses.append(loss.detach())
+
+
+def _device_busy_ms(run: Run, steps: int) -> float | None:
+    """Kernel time per step under torch.profiler: the union of the CUDA kernels' intervals."""
+    if run.device.type != "cuda":
+        return None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run.step()
+        _sync(run.device)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, float("-inf")
+    for start, stop in spans:
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return busy / 1e3 / steps
+
+
+def measure(cfg: LlamaConfig, stack: str, mode: str, device: torch.device, timed_steps: int, profiled_steps: int,
+            progress=None) -> dict:
+    run = Run(cfg, stack, mode, device, WARMUP_STEPS + timed_steps + profiled_steps)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(WARMUP_STEPS):
+        run.step()
+    _sync(device)
+    warm = time.perf_counter()
+    for _ in range(timed_steps):
+        run.step()
+    _sync(device)
+    ms = (time.perf_counter() - warm) * 1e3 / timed_steps
+    row = {"shape": None, "stack": stack, "mode": mode, "ms/step": ms,
+           "tokens/s": cfg.batch * cfg.seq / (ms / 1e3),
+           "warm-up s": (warm - start) - WARMUP_STEPS * ms / 1e3,
+           "busy ms/step": _device_busy_ms(run, profiled_steps),
+           "peak GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+           "losses": torch.stack(run.losses).float().cpu().tolist()}
+    if progress:
+        progress(f"{stack:<12} {mode:<8} {ms:8.2f} ms/step  warm-up {row['warm-up s']:.1f} s")
+    return row
+
+
+def attention_host_us(cfg: LlamaConfig, stack: str, device: torch.device) -> dict:
+    """Host time of one attention call (device idle before it), forward and backward, on the
+    model's bf16 q/k/v transposed out of [B, S, H, D]."""
+    from .llama import ATTENTION
+
+    def make(h):
+        return torch.randn(cfg.batch, cfg.seq, h, cfg.head_dim, device=device, dtype=torch.bfloat16).transpose(1, 2)
+
+    q, k, v = (make(h).requires_grad_() for h in (cfg.heads, cfg.kv_heads, cfg.kv_heads))
+    fn = ATTENTION["sdpa" if stack == "torch" else "portable_ops"]
+    out = fn(q, k, v, True)
+    dout = torch.randn_like(out)
+    timer = host_ms if device.type == "cuda" else _cpu_host_ms
+    fwd = timer(lambda: fn(q, k, v, True))
+    bwd = timer(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True))
+    return {"host us fwd": fwd * 1e3, "host us bwd": bwd * 1e3}
+
+
+def _cpu_host_ms(fn, iters: int = 5) -> float:
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def warm_second_run(shape: str, device: torch.device) -> list[dict]:
+    """Warm-up seconds in a fresh process, after the main runs filled every cache (a user's second run)."""
+    rows = []
+    for mode in MODES:
+        for stack in STACKS:
+            command = [sys.executable, "-m", "portable_ops.bench.train", shape, stack, mode, str(device)]
+            result = subprocess.run(command, capture_output=True, text=True, check=True)
+            rows.append({"shape": shape, "stack": stack, "mode": mode,
+                         "second-run warm-up s": json.loads(result.stdout.splitlines()[-1])["warm-up s"]})
+    return rows
+
+
+def compare_losses(rows: list[dict]) -> list[dict]:
+    """Per (shape, mode): how far portable_ops' loss curve is from torch's, against LOSS_TOLERANCE."""
+    out = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        for mode in MODES:
+            pair = {r["stack"]: r["losses"] for r in rows if r["shape"] == shape and r["mode"] == mode}
+            if set(pair) != set(STACKS):
+                continue
+            diffs = [abs(a - b) for a, b in zip(pair["portable_ops"], pair["torch"])]
+            tail = diffs[-10:]
+            worst, mean = max(diffs), sum(tail) / len(tail)
+            out.append({"shape": shape, "mode": mode, "max |loss diff|": worst, "last-10 mean |diff|": mean,
+                        "agree": worst <= LOSS_TOLERANCE["max"] and mean <= LOSS_TOLERANCE["mean"]})
+    return out
+
+
+def run_train(shapes=SHAPES, device=None, timed_steps=20, profiled_steps=3, second_run=True, progress=print) -> dict:
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rows, host = [], []
+    for name, cfg in shapes.items():
+        progress(f"{name}: {asdict(cfg)}")
+        for mode in MODES:
+            for stack in STACKS:
+                rows.append({**measure(cfg, stack, mode, device, timed_steps, profiled_steps, progress), "shape": name})
+        for stack in STACKS:
+            host.append({"shape": name, "stack": stack, **attention_host_us(cfg, stack, device)})
+    for row in rows:
+        base = next(r for r in rows if r["shape"] == row["shape"] and r["mode"] == row["mode"] and r["stack"] == "torch")
+        row["vs torch"] = row["tokens/s"] / base["tokens/s"]
+    warm = warm_second_run(next(iter(shapes)), device) if second_run else []
+    return {"runs": rows, "attention host": host, "losses": compare_losses(rows), "second run": warm}
+
+
+RUN_COLUMNS = ["shape", "mode", "stack", "tokens/s", "vs torch", "ms/step", "busy ms/step", "warm-up s", "peak GiB"]
+
+
+def report(result: dict, info: dict, out_dir) -> str:
+    """Write train.json and train.png into ``out_dir``; return the tables to print."""
+    from .common import table, write
+
+    path = write("train", result, info, out_dir)
+    try:
+        plot(result, path.with_suffix(".png"))
+    except ImportError:
+        pass
+    host = ["shape", "stack", "host us fwd", "host us bwd"]
+    return "\n\n".join([table(result["runs"], RUN_COLUMNS), table(result["attention host"], host),
+                         table(result["losses"], ["shape", "mode", "max |loss diff|", "last-10 mean |diff|", "agree"]),
+                         table(result["second run"], ["shape", "mode", "stack", "second-run warm-up s"])])
+
+
+def plot(result: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in result["runs"]))
+    fig, axes = plt.subplots(len(MODES), len(shapes), figsize=(4.5 * len(shapes), 6.5), squeeze=False)
+    for col, shape in enumerate(shapes):
+        for row, mode in enumerate(MODES):
+            ax = axes[row][col]
+            for r in result["runs"]:
+                if r["shape"] == shape and r["mode"] == mode:
+                    ax.plot(range(1, len(r["losses"]) + 1), r["losses"],
+                            label=f"{r['stack']}: {r['tokens/s'] / 1e3:.0f}k tok/s ({r['vs torch']:.2f}x)")
+            ax.set_title(f"{shape}, {mode}", fontsize=9)
+            ax.set_xlabel("step")
+            ax.set_ylabel("loss")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> int:
+    """``python -m portable_ops.bench.train SHAPE STACK MODE DEVICE``: one run's warm-up, as JSON."""
+    shape, stack, mode, device = (argv or sys.argv[1:])[:4]
+    row = measure(SHAPES[shape], stack, mode, torch.device(device), timed_steps=3, profiled_steps=0)
+    print(json.dumps({"warm-up s": row["warm-up s"]}))
+    return 0
+
+
+def tiny(cfg: LlamaConfig) -> LlamaConfig:
+    """The same architecture at a size a CPU trains in seconds (tests and smoke runs)."""
+    return replace(cfg, d_model=64, layers=2, heads=4, kv_heads=cfg.kv_heads * 4 // cfg.heads or 1, seq=32,
+                   batch=2, vocab=256)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

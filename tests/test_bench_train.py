@@ -1,0 +1,40 @@
+"""The end-to-end training benchmark runs its whole protocol (on CPU, at a toy size: a smoke run,
+not a measurement) and its two stacks compute the same training."""
+
+import json
+
+from portable_ops.bench import train
+
+
+def test_train_benchmark_protocol_on_a_toy_shape(tmp_path):
+    name = next(iter(train.SHAPES))
+    shapes = {name: train.tiny(train.SHAPES[name])}
+    result = train.run_train(shapes, device="cpu", timed_steps=2, profiled_steps=0, second_run=False,
+                             progress=lambda line: None)
+    runs = result["runs"]
+    assert {(r["stack"], r["mode"]) for r in runs} == {(s, m) for s in train.STACKS for m in train.MODES}
+    for r in runs:
+        assert r["tokens/s"] > 0 and len(r["losses"]) == train.WARMUP_STEPS + 2
+        assert (r["vs torch"] == 1.0) == (r["stack"] == "torch")
+    assert all(row["agree"] for row in result["losses"]), result["losses"]
+    assert {h["stack"] for h in result["attention host"]} == set(train.STACKS)
+    text = train.report(result, {"device": "cpu"}, tmp_path)
+    assert "vs torch" in text and json.loads((tmp_path / "train.json").read_text())["rows"]["runs"]
+
+
+def test_train_shapes_option_picks_by_number_or_name_and_rejects_others(capsys):
+    import pytest
+
+    from portable_ops.bench.__main__ import _shape_names
+
+    names = list(train.SHAPES)
+    assert _shape_names("2") == [names[1]]
+    assert _shape_names(f"{names[2]},1,3") == [names[2], names[0]]
+    for bad in ("0", "4", "d9 hd1", ""):
+        with pytest.raises(Exception, match="unknown train shape"):
+            _shape_names(bad)
+    from portable_ops.bench.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--tiny", "--shapes", "7"])
+    assert "unknown train shape '7'; choose from 1 (d1024 hd64 s2048)" in capsys.readouterr().err
