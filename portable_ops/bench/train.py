@@ -83,7 +83,7 @@ class Run:
 
 def _device_busy_ms(run: Run, steps: int) -> float | None:
     """Kernel time per step under torch.profiler: the union of the CUDA kernels' intervals."""
-    if run.device.type != "cuda":
+    if run.device.type != "cuda" or steps == 0:
         return None
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -157,7 +157,9 @@ def warm_second_run(shape: str, device: torch.device) -> list[dict]:
     for mode in MODES:
         for stack in STACKS:
             command = [sys.executable, "-m", "portable_ops.bench.train", shape, stack, mode, str(device)]
-            result = subprocess.run(command, capture_output=True, text=True, check=True)
+            result = subprocess.run(command, capture_output=True, text=True)
+            if result.returncode:
+                raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
             rows.append({"shape": shape, "stack": stack, "mode": mode,
                          "second-run warm-up s": json.loads(result.stdout.splitlines()[-1])["warm-up s"]})
     return rows
