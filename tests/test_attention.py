@@ -155,7 +155,7 @@ def test_second_derivatives_through_create_graph(backend):
 def test_torch_func_transforms(backend):
     (q, k, v), exact = backend_inputs(backend, b=1, sq=5, skv=5)
     batch = [torch.stack([t.detach(), t.detach().flip(-2)]) for t in (q, k, v)]
-    exact_batch = [t.to(F64) for t in batch]
+    exact_batch = [t.to("cpu", F64) for t in batch]
     tangents = [torch.randn_like(t) for t in (q, k, v)]
     ours = lambda q, k, v: portable_ops.attention(q, k, v, causal=True)  # noqa: E731
     math_ = lambda q, k, v: math_attention(q, k, v, causal=True)  # noqa: E731
@@ -166,7 +166,7 @@ def test_torch_func_transforms(backend):
         for g, e in zip(per_sample(*batch), expected(*exact_batch)):
             close(g, e, 1e-2)
         _, tangent = torch.func.jvp(ours, (q, k, v), tuple(tangents))
-        close(tangent, torch.func.jvp(math_, tuple(exact), tuple(t.to(F64) for t in tangents))[1], 1e-2)
+        close(tangent, torch.func.jvp(math_, tuple(exact), tuple(t.to("cpu", F64) for t in tangents))[1], 1e-2)
         close(torch.func.jacrev(ours)(q, k, v), torch.func.jacrev(math_)(*exact), 1e-2)
 
 

@@ -38,3 +38,19 @@ def test_train_shapes_option_picks_by_number_or_name_and_rejects_others(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--tiny", "--shapes", "7"])
     assert "unknown train shape '7'; choose from 1 (d1024 hd64 s2048)" in capsys.readouterr().err
+
+
+def test_loss_curves_agree_within_tolerance_or_within_torchs_own_spread():
+    def rows(ours, torch_eager, torch_compiled):
+        curves = {("portable_ops", "eager"): ours, ("portable_ops", "compiled"): ours,
+                  ("torch", "eager"): torch_eager, ("torch", "compiled"): torch_compiled}
+        return [{"shape": "s", "stack": s, "mode": m, "losses": c} for (s, m), c in curves.items()]
+
+    base = [3.0] * 12
+    calm = train.compare_losses(rows([3.01] * 12, base, base))
+    assert [r["agree"] for r in calm] == [True, True]
+    off = train.compare_losses(rows([3.5] * 12, base, base))
+    assert [r["agree"] for r in off] == [False, False]
+    # torch's own runs 1.0 apart: a 0.5 gap is within that spread
+    spread = train.compare_losses(rows([3.5] * 12, base, [4.0] * 12))
+    assert [r["agree"] for r in spread] == [True, True] and spread[0]["torch eager vs compiled"] == "1 / 1"

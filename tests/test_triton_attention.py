@@ -79,7 +79,7 @@ def test_every_head_dim_forward_and_backward(d, causal, hq, hkv, sq, skv):
 def test_odd_head_dims_decode_packed_gqa_and_split_keys(d):
     # 4 query heads x 2 tokens share a program (GQA-packed); 1100 keys split across programs
     q, k, v = _inputs(1, 8, 2, 2, 1100, d, seed=d)
-    plan_block_m, plan_block_n = attn._config("fwd", q, k, True, launch=None)[:2]
+    plan_block_m, plan_block_n = attn._config("fwd", q, k, True, "ieee", launch=None)[:2]
     assert attn._splits(1, 2, 8, 1100, plan_block_m, plan_block_n) > 1 or DEVICE.type == "cuda"
     _check(q, k, v, True, 1 / math.sqrt(d))
 
@@ -214,6 +214,34 @@ def test_a_call_only_allocates_and_launches(no_launches, heads_inner, skv, monke
         out, lse = attn.attention_fwd(q, k, v, causal=True, scale=0.1)
         attn.attention_bwd(q, k, v, out, lse, dout, causal=True, scale=0.1)
     assert set(recorded.ops) <= {"aten.empty", "aten.empty_strided"}, recorded.ops
+
+
+# ----------------------------------------------------------------------------- float32 precision
+
+@pytest.fixture
+def restore_fp32_precision():
+    before = torch.backends.cuda.matmul.fp32_precision
+    yield
+    torch.backends.cuda.matmul.fp32_precision = before
+
+
+def test_float32_tiles_multiply_as_torch_float32_matmuls_do(restore_fp32_precision):
+    """IEEE float32 by default (torch's "highest"), TF32 once the user allows it; each its own plan."""
+    q, k, v = _inputs(1, 2, 2, 64, 64, 32, torch.float32)
+    exact, _ = ref_attn.attention_fwd(q.double(), k.double(), v.double(), causal=True, scale=3.0)
+    # a large scale makes the softmax sharp, which magnifies any error in the scores
+    ieee, _ = attn.attention_fwd(q, k, v, causal=True, scale=3.0)
+    assert attn._dot_precision(torch.float32) == "ieee"
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    assert attn._dot_precision(torch.float32) == "tf32" and attn._dot_precision(torch.bfloat16) == "ieee"
+    tf32, _ = attn.attention_fwd(q, k, v, causal=True, scale=3.0)
+    built = {plan.kwargs["default_dot_input_precision"] for key, plan in attn._fwd_plans.items()
+             if key[0] == q.shape and key[5] == torch.float32}
+    assert built >= {"ieee", "tf32"}
+    ieee_error, tf32_error = ((out.double() - exact).abs().max().item() for out in (ieee, tf32))
+    assert ieee_error < 1e-4
+    if DEVICE.type == "cuda":  # the interpreter multiplies in float32 whatever it is told
+        assert tf32_error > 10 * ieee_error
 
 
 # ----------------------------------------------------------------------------- bf16 rounding

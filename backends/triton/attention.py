@@ -467,20 +467,37 @@ _KERNELS = (_load, _load2, _dot2, _store, _store2, _fwd_tiles, _fwd_kernel, _com
 _tuner = Tuner(name="attention", sources=_KERNELS)
 
 
-def _config(kernel: str, q, k, causal, launch) -> tuple:
+def _config(kernel: str, q, k, causal, precision, launch) -> tuple:
     if INTERPRETED:
         return _INTERPRETER_CONFIG
     b, h, sq, d = q.shape
     width = sum(head_split(d))
     if kernel == "fwd" and sq <= 16:
         return _DECODE_CONFIG[width > 128]
-    key = (kernel, d, q.dtype, causal, bucket(sq), bucket(k.shape[2]), bucket(b * h), h // max(k.shape[1], 1))
+    key = (kernel, d, q.dtype, precision, causal, bucket(sq), bucket(k.shape[2]), bucket(b * h),
+           h // max(k.shape[1], 1))
     return _tuner.pick(key, CONFIGS[kernel][width], launch)
 
 
 def _upcast(dtype) -> bool:
     # The interpreter computes bf16 dot products wrongly (seen with triton 3.9): upcast there.
     return INTERPRETED and dtype == torch.bfloat16
+
+
+def _dot_precision(dtype) -> str:
+    """How tl.dot multiplies float32 tiles: as torch's own float32 matmuls on CUDA do, so a float32
+    model means the same thing on every backend. TF32 only where the user allowed it
+    (``torch.set_float32_matmul_precision("high")`` or ``torch.backends.cuda.matmul.fp32_precision``);
+    torch's default, "highest", is IEEE float32. Half-precision tiles are exact products either way."""
+    if dtype != torch.float32:
+        return "ieee"
+    for read in (lambda: torch.backends.cuda.matmul.fp32_precision == "tf32",
+                 lambda: torch.backends.cuda.matmul.allow_tf32):
+        try:  # torch raises when the legacy and the new TF32 switches were both set: try the other one
+            return "tf32" if read() else "ieee"
+        except (AttributeError, RuntimeError):
+            continue
+    return "ieee"
 
 
 def attention_supports(call) -> list[str]:
@@ -558,7 +575,7 @@ class _FwdPlan:
     __slots__ = ("out_stride", "splits", "grid", "args", "keys_per_split", "kwargs", "combine_grid", "combine_kwargs")
 
 
-def _fwd_plan(key, q, k, v, causal, scale, out_stride):
+def _fwd_plan(key, q, k, v, causal, scale, precision, out_stride):
     b, h, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     d0, d1 = head_split(d)
@@ -584,22 +601,23 @@ def _fwd_plan(key, q, k, v, causal, scale, out_stride):
         plan.args = (*_divided(strides, unit), h, group, sq, skv)
         plan.kwargs = dict(CAUSAL=causal, D=d, D0=d0, D1=d1, BLOCK_M=block_m, BLOCK_N=block_n,
                            UPCAST=_upcast(q.dtype), PACK_GROUP=pack, NEGATIVE_SCALE=scale < 0, UNIT=unit,
-                           num_warps=warps, num_stages=stages)
+                           num_warps=warps, num_stages=stages, default_dot_input_precision=precision)
         plan.combine_grid = (b * h * sq,)
         plan.combine_kwargs = dict(D=d, BLOCK_D=triton.next_power_of_2(d),
                                    BLOCK_S=triton.next_power_of_2(plan.splits), num_warps=4)
         return plan
 
-    config = _config("fwd", q, k, causal, lambda c: _forward(configure(c), q, k, v, scale))
+    config = _config("fwd", q, k, causal, precision, lambda c: _forward(configure(c), q, k, v, scale))
     return _remember(_fwd_plans, key, configure(config))
 
 
 def attention_fwd(q, k, v, *, causal, scale):
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal, scale < 0)
+    precision = _dot_precision(q.dtype)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal, scale < 0, precision)
     plan = _fwd_plans.get(key)
     rq, rk, rv = _row_major(q), _row_major(k), _row_major(v)
     if plan is None:
-        plan = _fwd_plan(key, rq, rk, rv, causal, scale, layout.strides_like(q))
+        plan = _fwd_plan(key, rq, rk, rv, causal, scale, precision, layout.strides_like(q))
     return _forward(plan, rq, rk, rv, scale)
 
 
@@ -627,7 +645,7 @@ class _BwdPlan:
                  "dkdv_grid", "dkdv_args", "dkdv_kwargs", "dq_grid", "dq_args", "dq_kwargs")
 
 
-def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, out_strides):
+def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, precision, out_strides):
     b, h, sq, d = q.shape
     hkv, skv = k.shape[1], k.shape[2]
     d0, d1 = head_split(d)
@@ -642,7 +660,7 @@ def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, out_strides):
     dkdv_strides = (*inputs, *_strides(k.shape, plan.dk_stride), *_strides(v.shape, plan.dv_stride))
     dq_strides = (*inputs, *_strides(q.shape, plan.dq_stride))
     dkdv_unit, dq_unit = _stride_unit(dkdv_strides), _stride_unit(dq_strides)
-    common = dict(CAUSAL=causal, D=d, D0=d0, D1=d1, UPCAST=_upcast(q.dtype))
+    common = dict(CAUSAL=causal, D=d, D0=d0, D1=d1, UPCAST=_upcast(q.dtype), default_dot_input_precision=precision)
     group = h // max(hkv, 1)
 
     def configure_dkdv(config):
@@ -665,21 +683,23 @@ def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, out_strides):
     # so nothing is left to undo.
     delta, dq, dk, dv = _bwd_buffers(plan, q, k, v)
     _delta_kernel[plan.delta_grid](out, dout, delta, *plan.delta_args, **plan.delta_kwargs)
-    configure_dkdv(_config("dkdv", q, k, causal,
+    configure_dkdv(_config("dkdv", q, k, causal, precision,
                            lambda c: _dkdv(configure_dkdv(c), q, k, v, dout, lse, delta, dk, dv, scale)))
-    configure_dq(_config("dq", q, k, causal, lambda c: _dq(configure_dq(c), q, k, v, dout, lse, delta, dq, scale)))
+    configure_dq(_config("dq", q, k, causal, precision,
+                         lambda c: _dq(configure_dq(c), q, k, v, dout, lse, delta, dq, scale)))
     return _remember(_bwd_plans, key, plan)
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
+    precision = _dot_precision(q.dtype)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), q.dtype, q.device,
-           causal)
+           causal, precision)
     plan = _bwd_plans.get(key)
     rq, rk, rv, out, dout = _row_major(q), _row_major(k), _row_major(v), _row_major(out), _row_major(dout)
     lse = lse.contiguous()  # ours: already contiguous, so no copy
     if plan is None:
         strides = (layout.strides_like(q), layout.strides_like(k), layout.strides_like(v))
-        plan = _bwd_plan(key, rq, rk, rv, out, lse, dout, causal, scale, strides)
+        plan = _bwd_plan(key, rq, rk, rv, out, lse, dout, causal, scale, precision, strides)
     delta, dq, dk, dv = _bwd_buffers(plan, rq, rk, rv)
     _delta_kernel[plan.delta_grid](out, dout, delta, *plan.delta_args, **plan.delta_kwargs)
     _dkdv(plan, rq, rk, rv, dout, lse, delta, dk, dv, scale)

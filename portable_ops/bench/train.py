@@ -165,19 +165,30 @@ def warm_second_run(shape: str, device: torch.device) -> list[dict]:
     return rows
 
 
+def _loss_gap(a: list[float], b: list[float]) -> tuple[float, float]:
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    tail = diffs[-10:]
+    return max(diffs), sum(tail) / len(tail)
+
+
 def compare_losses(rows: list[dict]) -> list[dict]:
-    """Per (shape, mode): how far portable_ops' loss curve is from torch's, against LOSS_TOLERANCE."""
+    """Per (shape, mode): how far portable_ops' loss curve is from torch's. Their gap must be within
+    LOSS_TOLERANCE, or within torch's own gap between its eager and compiled runs where that is
+    wider: a training that amplifies rounding (a loss spike early on) sends torch's two runs apart as
+    well, and portable_ops cannot be asked to be closer to torch than torch is to itself."""
     out = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
+        curves = {(r["stack"], r["mode"]): r["losses"] for r in rows if r["shape"] == shape}
+        floor = (_loss_gap(curves["torch", "eager"], curves["torch", "compiled"])
+                 if {("torch", m) for m in MODES} <= set(curves) else (0.0, 0.0))
         for mode in MODES:
-            pair = {r["stack"]: r["losses"] for r in rows if r["shape"] == shape and r["mode"] == mode}
-            if set(pair) != set(STACKS):
+            if not {(s, mode) for s in STACKS} <= set(curves):
                 continue
-            diffs = [abs(a - b) for a, b in zip(pair["portable_ops"], pair["torch"])]
-            tail = diffs[-10:]
-            worst, mean = max(diffs), sum(tail) / len(tail)
+            worst, mean = _loss_gap(curves["portable_ops", mode], curves["torch", mode])
             out.append({"shape": shape, "mode": mode, "max |loss diff|": worst, "last-10 mean |diff|": mean,
-                        "agree": worst <= LOSS_TOLERANCE["max"] and mean <= LOSS_TOLERANCE["mean"]})
+                        "torch eager vs compiled": f"{floor[0]:.3g} / {floor[1]:.3g}",
+                        "agree": worst <= max(LOSS_TOLERANCE["max"], floor[0])
+                        and mean <= max(LOSS_TOLERANCE["mean"], floor[1])})
     return out
 
 
@@ -212,7 +223,8 @@ def report(result: dict, info: dict, out_dir) -> str:
         pass
     host = ["shape", "stack", "host us fwd", "host us bwd"]
     return "\n\n".join([table(result["runs"], RUN_COLUMNS), table(result["attention host"], host),
-                         table(result["losses"], ["shape", "mode", "max |loss diff|", "last-10 mean |diff|", "agree"]),
+                         table(result["losses"], ["shape", "mode", "max |loss diff|", "last-10 mean |diff|",
+                                                  "torch eager vs compiled", "agree"]),
                          table(result["second run"], ["shape", "mode", "stack", "second-run warm-up s"])])
 
 
