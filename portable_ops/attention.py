@@ -30,11 +30,15 @@ from .backends.reference import attention as reference
 from .dispatch import forced_backend, get_backend, select_by_layout
 
 
+def _autocasting(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def _autocast(q, k, v):
     """SDPA's autocast policy: under autocast every floating input but float64 is cast to the
     autocast dtype of its device type (its lower-precision list, on CUDA, CPU and XLA alike)."""
     device_type = q.device.type if isinstance(q, torch.Tensor) else None
-    if device_type is None or not torch.is_autocast_enabled(device_type):
+    if device_type is None or not _autocasting(device_type):
         return q, k, v
     dtype = torch.get_autocast_dtype(device_type)
     return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
@@ -44,11 +48,16 @@ def _autocast(q, k, v):
 def attention_call(q, k, v, causal, scale):
     """Check one call's arguments (after autocast's casts) and return them as the backends take them."""
     q, k, v = _autocast(q, k, v)
-    checks.check_attention(q, k, v, scale)
+    # Under torch.compile a float scale that changes between calls is symbolic: reading its value
+    # here would break the graph or recompile per value, so the custom op checks it when it runs.
+    compiling = torch.compiler.is_compiling()
+    checks.check_attention(q, k, v, causal, scale, check_scale_value=not compiling)
     if scale is None:
         d = int(q.shape[-1])  # under torch.compile this specialises the head dim: the kernels do too
         scale = 1.0 / math.sqrt(d) if d else 1.0
-    return dict(q=q, k=k, v=v, causal=bool(causal), scale=float(scale))
+    elif not (compiling and isinstance(scale, float)):
+        scale = float(checks.as_number(scale))
+    return dict(q=q, k=k, v=v, causal=bool(causal), scale=scale)
 
 
 def _layout(q, k, v, causal, scale):
@@ -61,18 +70,28 @@ def _implementation(op, call, prefer):
     return get_backend(choice.backend).ops[op]
 
 
+def _run(op, call, prefer):
+    run = _implementation(op, call, prefer).run
+    device_type = call["q"].device.type
+    if _autocasting(device_type):
+        # The inputs are already cast (_autocast); left on, autocast would also run the backends'
+        # float32 products and accumulations (the reference's, the emulator's) in the low dtype.
+        with torch.autocast(device_type, enabled=False):
+            return run(**call)
+    return run(**call)
+
+
 def forward(q, k, v, causal, scale):
     """(out, lse) from the backend chosen for this call."""
-    call = dict(q=q, k=k, v=v, causal=causal, scale=scale)
-    return _implementation("attention_fwd", call, None).run(**call)
+    return _run("attention_fwd", dict(q=q, k=k, v=v, causal=causal, scale=scale), None)
 
 
 def backward(q, k, v, out, lse, dout, causal, scale, prefer=None):
     """(dq, dk, dv) from the backend chosen for this call; ``prefer``: the backend forced when the
     forward ran, which the backward keeps (``loss.backward()`` usually runs outside the block that
     forced a backend for the forward)."""
-    call = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, causal=causal, scale=scale)
-    return _implementation("attention_bwd", call, prefer).run(**call)
+    return _run("attention_bwd", dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, causal=causal, scale=scale),
+                prefer)
 
 
 def _differentiated_again(q, k, v, dout, causal, scale, needs_grad):
@@ -80,7 +99,7 @@ def _differentiated_again(q, k, v, dout, causal, scale, needs_grad):
     backward is not, so the reference definition is differentiated instead, one block of queries
     at a time (its autograd graph keeps every block's probabilities: O(Sq x Skv) memory)."""
     inputs = [t for t, needed in zip((q, k, v), needs_grad) if needed]
-    with torch.enable_grad():
+    with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
         out, _ = reference.attention_fwd(q, k, v, causal=causal, scale=scale)
         grads = iter(torch.autograd.grad(out, inputs, dout, create_graph=True))
     return tuple(next(grads) if needed else None for needed in needs_grad)
@@ -112,6 +131,7 @@ class _EagerAttention(torch.autograd.Function):
 @torch.library.custom_op("portable_ops::attention_fwd", mutates_args=())
 def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    checks.check_number("scale", scale)
     return forward(q, k, v, causal, scale)
 
 
@@ -188,7 +208,8 @@ class _FuncAttention(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, tq, tk, tv, _causal, _scale):
         q, k, v, lse = ctx.saved_tensors
-        return reference.attention_jvp(q, k, v, lse, tq, tk, tv, causal=ctx.causal, scale=ctx.scale), None
+        with torch.autocast(q.device.type, enabled=False):
+            return reference.attention_jvp(q, k, v, lse, tq, tk, tv, causal=ctx.causal, scale=ctx.scale), None
 
     @staticmethod
     def vmap(info, in_dims, q, k, v, causal, scale):

@@ -197,7 +197,7 @@ def check_scalar_tensor(arg: str, t, device: torch.device | None) -> None:
         raise ValueError(f"{arg} is on {t.device} but the params are on {device}")
 
 
-def check_attention(q, k, v, scale) -> None:
+def check_attention(q, k, v, causal=False, scale=None, *, check_scale_value=True) -> None:
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{arg} must be a tensor, got {type(t).__name__}")
@@ -219,5 +219,10 @@ def check_attention(q, k, v, scale) -> None:
     hq, hkv = q.shape[1], k.shape[1]
     if (hq % hkv != 0) if hkv else hq != 0:
         raise ValueError(f"q has {hq} heads, k and v have {hkv}: q's head count must be a multiple of k's (grouped-query)")
-    if scale is not None:
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    if isinstance(scale, torch.Tensor) and scale.requires_grad:
+        raise TypeError("scale must be a number, or a tensor that does not require grad: attention is not "
+                        "differentiable in scale")
+    if scale is not None and check_scale_value:
         check_number("scale", scale)

@@ -176,25 +176,37 @@ class Adam(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        max_grad_norm = self._max_grad_norm()  # groups may have been edited since: raises before any write
-        calls, new_state = self._calls(grad_scale, found_inf)  # raises before anything is written
-        self.state.update(new_state)
-        for keys, call in calls:  # torch keeps `step` on the CPU unless fused; ours lives with its param
+        # Everything that can raise (argument checks, the backend choices, which strict mode may
+        # refuse, and the clip's norm) runs before the first write: a refused step leaves the params
+        # and the optimizer state exactly as they were.
+        max_grad_norm = self._max_grad_norm()
+        calls, new_state = self._calls(grad_scale, found_inf)
+        moved_steps = []  # torch keeps `step` on the CPU unless fused; ours lives with its param
+        for keys, call in calls:
+            steps = call["state_steps"]
             for i, p in enumerate(keys):
-                if call["state_steps"][i].device != call["params"][i].device:
-                    self.state[p]["step"] = call["state_steps"][i] = call["state_steps"][i].to(
-                        call["params"][i].device, torch.float32)
+                if steps[i].device != call["params"][i].device:
+                    if steps is call["state_steps"]:  # a cached list: written only once nothing can raise
+                        steps = call["state_steps"] = list(steps)
+                    steps[i] = steps[i].to(call["params"][i].device, torch.float32)
+                    moved_steps.append((p, steps[i]))
+        kernels = [dispatch("adam", call, call["params"][0].device) for _, call in calls]
+        if max_grad_norm is not None and calls:
+            coef = self._clip_coefficient([p.grad for keys, _ in calls for p in keys], max_grad_norm, grad_scale)
+            for _, call in calls:
+                call["clip_coef"] = coef.to(call["params"][0].device)
+        self.state.update(new_state)
+        for p, step in moved_steps:
+            self.state[p]["step"] = step
+        if moved_steps:
+            self._lists_cache.clear()  # their step lists hold the old tensors; rebuilt at the next step
         for key, (flags, with_grad, _, by_device) in self._pending_cache.items():
             states = [self.state[p] for p in with_grad]  # the dicts as committed above
             for lists in by_device.values():
                 lists["steps"] = [self.state[p]["step"] for p in lists["keys"]]
             self._lists_cache[key] = (flags, with_grad, states, by_device)
-        if max_grad_norm is not None and calls:
-            coef = self._clip_coefficient([p.grad for keys, _ in calls for p in keys], max_grad_norm, grad_scale)
-            for _, call in calls:
-                call["clip_coef"] = coef.to(call["params"][0].device)
-        for _, call in calls:
-            dispatch("adam", call, call["params"][0].device).run(**call)
+        for kernel, (_, call) in zip(kernels, calls):
+            kernel.run(**call)
         return loss
 
     def _max_grad_norm(self) -> float | None:

@@ -190,6 +190,37 @@ def test_autocast_casts_like_sdpa():
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autocast_only_casts_the_inputs(backend):
+    """Inside the call autocast is off: the backends' float32 products and accumulations stay
+    float32, so autocast's answer is the answer for the cast inputs, bit for bit."""
+    device = default_device(backend)
+    (q, k, v), _ = backend_inputs(backend)
+    q, k, v = (t.detach().mul(3).requires_grad_() for t in (q, k, v))  # larger scores: rounding would show
+    cast = [t.detach().bfloat16().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+    with forced_strict(backend):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = portable_ops.attention(q, k, v, causal=True)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        plain = portable_ops.attention(*cast, causal=True)
+        plain_grads = torch.autograd.grad(plain, cast, dout)
+    assert torch.equal(out, plain)
+    for g, want in zip(grads, plain_grads):
+        assert g.dtype == torch.float32 and torch.equal(g, want.float())
+
+
+def test_causal_must_be_a_bool_and_scale_must_not_need_grad():
+    q, k, v = (t.detach() for t in qkv(dtype=torch.float32))
+    with pytest.raises(TypeError, match="causal must be a bool, got str 'false'"):
+        portable_ops.attention(q, k, v, causal="false")
+    with pytest.raises(TypeError, match="scale must be a number, or a tensor that does not require grad"):
+        portable_ops.attention(q, k, v, scale=torch.tensor(0.5, requires_grad=True))
+    np = pytest.importorskip("numpy")
+    torch.testing.assert_close(portable_ops.attention(q, k, v, causal=np.bool_(True), scale=np.float32(0.5)),
+                               portable_ops.attention(q, k, v, causal=True, scale=0.5))
+
+
 def test_mixed_dtypes_outside_autocast_are_an_error():
     q, k, v = (t.detach() for t in qkv(dtype=torch.float32))
     with pytest.raises(TypeError, match="v has dtype torch.bfloat16 but q has torch.float32"):

@@ -104,6 +104,27 @@ def test_automatic_dynamic_shapes_recompile_once():
     assert counters["stats"]["unique_graphs"] == 2  # static for the first length, then one dynamic graph
 
 
+def test_a_scale_that_changes_between_calls_compiles_like_sdpa():
+    """fullgraph holds; each new scale value is one more graph, as SDPA's float scale is; a bad
+    value is refused with the eager error when the graph runs."""
+    import torch.nn.functional as F
+
+    q, k, v = inputs("transposed", torch.device("cpu"))
+    ours = torch.compile(lambda q, s: portable_ops.attention(q, k, v, scale=s), backend="aot_eager", fullgraph=True)
+    sdpa = torch.compile(lambda q, s: F.scaled_dot_product_attention(q, k, v, scale=s, enable_gqa=True),
+                         backend="aot_eager", fullgraph=True)
+    scales = (0.1, 0.2, -0.3, 0.0)
+    for s in scales:
+        torch.testing.assert_close(ours(q, s), portable_ops.attention(q, k, v, scale=s))
+    ours_graphs = counters["stats"]["unique_graphs"]
+    for s in scales:
+        sdpa(q, s)
+    assert sum(counters["graph_break"].values()) == 0
+    assert ours_graphs == counters["stats"]["unique_graphs"] - ours_graphs
+    with pytest.raises(ValueError, match="scale must be finite, got nan"):
+        ours(q, float("nan"))
+
+
 def test_inductor_generates_code_around_the_ops():
     compiled = torch.compile(model_step, fullgraph=True, dynamic=True)
     for s in (9, 20):
