@@ -133,6 +133,22 @@ def test_any_finite_scale(backend, scale):
         close(g, e, 1e-2)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_infinite_inputs_answer_like_sdpa(backend):
+    """A key that scores +inf makes its rows NaN; a query that scores -inf against every key gets 0."""
+    device = default_device(backend)
+    q, k, v = torch.ones(1, 1, 2, 16), torch.ones(1, 1, 3, 16), torch.arange(48.0).view(1, 1, 3, 16)
+    plus = k.clone()
+    plus[0, 0, 1, 0] = math.inf
+    minus = q.clone()
+    minus[0, 0, 0, 0] = -math.inf
+    for q_, k_ in ((q, plus), (minus, k)):
+        want = F.scaled_dot_product_attention(q_, k_, v)
+        with forced_strict(backend):
+            got = portable_ops.attention(*(t.to(device) for t in (q_, k_, v))).cpu()
+        torch.testing.assert_close(got, want, equal_nan=True)
+
+
 # ----------------------------------------------------------------------------- derivatives, every backend
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -165,8 +165,12 @@ def attention_fwd_kernel(q, k, v, scale=1.0, causal=False):
                         nisa.scalar_tensor_tensor(acc, data=acc, op0=nl.multiply, operand0=alpha,
                                                   op1=nl.add, operand1=pv)
                         nisa.tensor_copy(m, m_new)
+                    # A row whose every score is -inf (from its inputs, not the mask) sums to 0: its
+                    # output is 0, as SDPA's and the reference's, not 0 * inf; real sums are >= 1.
+                    l_safe = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+                    nisa.tensor_scalar(l_safe, l_sum, op0=nl.maximum, operand0=1.0e-30)
                     inv_l = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.reciprocal(inv_l, l_sum)
+                    nisa.reciprocal(inv_l, l_safe)
                     o = nl.ndarray((bq, D), dtype=dt, buffer=nl.sbuf)
                     nisa.tensor_scalar(o, acc, op0=nl.multiply, operand0=inv_l)
                     lse_t = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)

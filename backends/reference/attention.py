@@ -57,7 +57,7 @@ def _scores(q_rows, k, start, sq, causal, scale):
 
 def _probabilities(scores, lse):
     """exp(scores - lse), zero on rows that see no key (lse = -inf there)."""
-    return torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    return torch.exp(scores - torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)[..., None])
 
 
 def _opmath_rows(q, k, v):
