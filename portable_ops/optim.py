@@ -67,6 +67,10 @@ class Adam(torch.optim.Optimizer):
             group.setdefault("maximize", False)
             group.setdefault("max_grad_norm", self.defaults.get("max_grad_norm"))
             group.setdefault("state_dtype", self.defaults.get("state_dtype"))
+            for p in group["params"]:  # checkpoints older than torch 1.12 count steps in Python numbers
+                p_state = self.state.get(p)
+                if p_state and not isinstance(p_state.get("step"), torch.Tensor) and "step" in p_state:
+                    p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32, device=p.device)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)

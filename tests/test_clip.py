@@ -119,3 +119,17 @@ def test_the_fused_clip_of_a_nan_grad_reports_a_nan_norm(backend, monkeypatch):
         opt.step()
     assert opt.last_grad_norm.isnan()
     assert all(p.isnan().all() for p in params)
+
+
+@pytest.mark.parametrize("backend", usable_backends())
+def test_zero_size_grads_hold_nothing_to_measure_on_every_backend(backend, monkeypatch):
+    """The inf-norm is the largest |g| over every grad's elements; a zero-size grad holds none.
+    torch raises there (its per-tensor max has no identity); the kernels skip it, and so does the
+    reference, so a model clips the same on every device."""
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
+    device = default_device(backend)
+    empty, full = (torch.nn.Parameter(torch.zeros(n, device=device)) for n in (0, 5))
+    empty.grad, full.grad = torch.zeros(0, device=device), torch.full((5,), -3.0, device=device)
+    with portable_ops.use_backend(backend):
+        assert portable_ops.clip_grad_norm_([empty, full], 1.0, math.inf).item() == 3.0
+        assert portable_ops.clip_grad_norm_([empty], 1.0, math.inf).item() == 0.0

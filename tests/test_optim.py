@@ -425,3 +425,24 @@ def test_a_cast_param_keeps_float32_moments_under_state_dtype_float32(checked_ke
     params[0].grad = torch.randn_like(params[0])
     opt.step()
     assert opt.state[params[0]]["exp_avg_sq"].dtype == torch.float64
+
+
+def test_a_checkpoint_with_python_number_steps_loads_as_torchs_does():
+    """torch before 1.12 saved ``step`` as an int; torch.optim still loads such checkpoints."""
+
+    p0 = torch.nn.Parameter(torch.ones(3))
+    saver = torch.optim.AdamW([p0])
+    p0.grad = torch.ones(3)
+    saver.step()
+    saved = copy.deepcopy(saver.state_dict())
+    saved["state"][0]["step"] = 1
+    results = []
+    for cls in (torch.optim.AdamW, portable_ops.optim.AdamW):
+        p = torch.nn.Parameter(torch.ones(3))
+        opt = cls([p])
+        opt.load_state_dict(copy.deepcopy(saved))
+        p.grad = torch.ones(3)
+        opt.step()
+        results.append((p.detach().clone(), float(opt.state[p]["step"])))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    assert results[1][1] == results[0][1] == 2.0

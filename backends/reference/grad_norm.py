@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -11,8 +13,12 @@ def grad_norm(grads, norm_type):
     torch's composition for every ``norm_type``: the norm of the per-tensor norms (for 0, which counts
     non-zeros, that is the number of grads holding one, as ``torch.nn.utils.clip_grad_norm_`` gives).
     """
-    if not grads:
-        return torch.zeros((), dtype=torch.float32)
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    if norm_type in (math.inf, -math.inf):
+        # A zero-size grad holds no element to take the max or min of: skip it, as the kernels do
+        # (torch raises, because its per-tensor reduction has no identity).
+        grads = [g for g in grads if g.numel()]
+    if not grads:
+        return torch.zeros((), dtype=dtype)
     per_tensor = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=dtype) for g in grads])
     return torch.linalg.vector_norm(per_tensor, norm_type)
