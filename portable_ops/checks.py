@@ -197,6 +197,19 @@ def check_scalar_tensor(arg: str, t, device: torch.device | None) -> None:
         raise ValueError(f"{arg} is on {t.device} but the params are on {device}")
 
 
+def check_distinct(arg: str, tensors) -> None:
+    """No tensor twice: a fused step updates every tensor of a launch at once, so one listed twice
+    would be read and written by two programs in a race (torch's loop steps it twice in turn)."""
+    seen: dict = {}
+    for i, t in enumerate(tensors):
+        if t.numel() == 0 or t.device.type == "meta":
+            continue
+        first = seen.setdefault((t.device, t.data_ptr()), i)
+        if first != i:
+            raise ValueError(f"{arg}[{i}] is {arg}[{first}] (the same memory): each tensor may be stepped once "
+                             f"per step; pass it once")
+
+
 def check_attention(q, k, v, causal=False, scale=None, *, check_scale_value=True) -> None:
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

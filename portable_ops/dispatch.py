@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -171,6 +173,19 @@ def choose(op: str, call: Call, device: torch.device | None, prefer: str | None 
     return choice
 
 
+def _callers_level() -> int:
+    """The ``stacklevel`` that points a warning at the user's line: the first frame outside
+    portable_ops (its backends and conformance included), torch and the standard library."""
+    internal = [os.path.dirname(torch.__file__), os.path.dirname(contextlib.__file__)]
+    for name in ("portable_ops", "portable_ops.backends", "portable_ops.conformance"):
+        internal += getattr(sys.modules.get(name), "__path__", [])
+    internal = tuple(os.path.join(os.path.abspath(d), "") for d in internal)
+    frame, level = sys._getframe(2), 2  # frame: select's caller, which stacklevel 2 names
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(internal):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def select(op: str, call: Call, device: torch.device | None, prefer: str | None = None) -> Choice:
     """:func:`choose`, then warn once (or raise under ``PORTABLE_OPS_STRICT=1``) if it fell back."""
     choice = choose(op, call, device, prefer)
@@ -182,7 +197,7 @@ def select(op: str, call: Call, device: torch.device | None, prefer: str | None 
         key = (op, choice.preferred, reasons)
         if key not in _warned:
             _warned.add(key)
-            warnings.warn(message, FallbackWarning, stacklevel=4)
+            warnings.warn(message, FallbackWarning, stacklevel=_callers_level())
     return choice
 
 

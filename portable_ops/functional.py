@@ -29,6 +29,8 @@ def adam_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
         if amsgrad:
             lists["max_exp_avg_sqs"] = max_exp_avg_sqs
         checks.check_steps(state_steps, params)
+        checks.check_distinct("params", params)
+        checks.check_distinct("state_steps", state_steps)
     dtypes = checks.check_tensor_lists(lists, like="params", state=("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
                                        state_dtype=state_dtype, like_layouts=checked_layouts)
     device = params[0].device if params else None

@@ -78,6 +78,10 @@ class Adam(torch.optim.Optimizer):
         try:
             checks.check_state_dtype(group["state_dtype"])
             self._max_grad_norm()
+            if len(set(map(id, group["params"]))) != len(group["params"]):
+                # torch warns and steps such a param twice in turn; one fused launch can't
+                raise ValueError(f"param_groups[{len(self.param_groups) - 1}] holds a parameter twice: each "
+                                 f"parameter may be stepped once per step; list it once")
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
@@ -187,11 +191,9 @@ class Adam(torch.optim.Optimizer):
         calls, new_state = self._calls(grad_scale, found_inf)
         moved_steps = []  # torch keeps `step` on the CPU unless fused; ours lives with its param
         for keys, call in calls:
-            steps = call["state_steps"]
+            steps = call["state_steps"]  # the call's own list (adam_call copies it)
             for i, p in enumerate(keys):
                 if steps[i].device != call["params"][i].device:
-                    if steps is call["state_steps"]:  # a cached list: written only once nothing can raise
-                        steps = call["state_steps"] = list(steps)
                     steps[i] = steps[i].to(call["params"][i].device, torch.float32)
                     moved_steps.append((p, steps[i]))
         kernels = [dispatch("adam", call, call["params"][0].device) for _, call in calls]

@@ -281,3 +281,23 @@ def test_a_step_refused_by_strict_mode_writes_nothing(monkeypatch, first_step, e
         if p in opt.state:
             assert opt.state[p].keys() == before_state[id(p)].keys()
             assert_bit_identical(list(before_state[id(p)].values()), list(opt.state[p].values()))
+
+
+def test_a_tensor_listed_twice_is_refused_before_anything_changes():
+    """One fused launch would read and write it from two programs at once (a race): torch steps it twice."""
+    import warnings
+
+    p = torch.nn.Parameter(torch.ones(3))
+    with warnings.catch_warnings(), pytest.raises(ValueError, match=r"param_groups\[0\] holds a parameter twice"):
+        warnings.simplefilter("ignore")  # torch's own warning about duplicates
+        portable_ops.optim.AdamW([p, p])
+    grads = [torch.ones(3), torch.ones(3)]
+    state = [torch.zeros(3) for _ in range(4)]
+    step = torch.zeros(())
+    before = snapshot([p, *state, step])
+    for params, steps, message in (([p, p], [step, torch.zeros(())], r"params\[1\] is params\[0\]"),
+                                   ([p, torch.nn.Parameter(torch.ones(3))], [step, step],
+                                    r"state_steps\[1\] is state_steps\[0\]")):
+        with pytest.raises(ValueError, match=message):
+            portable_ops.functional.adam(params, grads, state[:2], state[2:], [], steps, lr=0.1)
+    assert_bit_identical(before, snapshot([p, *state, step]))

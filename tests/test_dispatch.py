@@ -144,3 +144,24 @@ def test_layout_memo_reuses_a_choice_but_not_a_fallback(fake_backend, monkeypatc
         for _ in range(2):  # a fallback is decided afresh each time, so strict mode refuses each time
             with pytest.raises(dispatch.BackendUnavailableError, match="declines everything"):
                 dispatch.select_by_layout("attention_fwd", layout, make_call, cpu)
+
+
+def test_fallback_warnings_point_at_the_users_line():
+    """Not at the library frame that happened to call dispatch (attention.py, distributed.py, torch's
+    contextlib): the warning names the line of user code that made the call."""
+    import warnings
+
+    dispatch._warned.clear()
+    q = torch.randn(1, 2, 4, 16, dtype=torch.float64, requires_grad=True)
+    p = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+    p.grad = torch.randn(3, dtype=torch.float64)
+    opt = portable_ops.optim.AdamW([p])
+    with warnings.catch_warnings(record=True) as caught, portable_ops.use_backend("nki"):
+        warnings.simplefilter("always")
+        out = portable_ops.attention(q, q, q)
+        out.sum().backward()
+        portable_ops.clip_grad_norm_([p], 1.0, norm_type=3)
+        opt.step()
+    fallbacks = [w for w in caught if issubclass(w.category, portable_ops.FallbackWarning)]
+    assert len(fallbacks) >= 4, [str(w.message) for w in fallbacks]
+    assert {w.filename for w in fallbacks} == {__file__}, [(w.filename, w.lineno) for w in fallbacks]
