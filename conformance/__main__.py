@@ -20,10 +20,10 @@ import time
 import torch
 
 from portable_ops import cli
-from portable_ops.dispatch import BACKEND_NAMES, unavailable_reason
+from portable_ops.dispatch import BACKEND_NAMES, get_backend, unavailable_reason
 
 from .cases import CASES
-from .runner import format_table, run, usable_backends
+from .runner import default_device, format_table, run, usable_backends
 
 
 def main(argv=None) -> int:
@@ -36,9 +36,15 @@ def main(argv=None) -> int:
     parser.add_argument("--device", help="run every backend's cases on this device (default: each backend's own)")
     args = parser.parse_args(argv)
 
-    backends = args.backend or usable_backends()
+    backends = list(dict.fromkeys(args.backend)) if args.backend else usable_backends()  # each once
+    try:  # after the backends are loaded, as in the run: a backend may bring its device's support
+        device = cli.device(args.device) if args.device else None
+        if args.json is not None:
+            cli.writable_file("--json", args.json)
+    except ValueError as exc:
+        parser.error(str(exc))
     for name in backends:
-        reason = unavailable_reason(name)
+        reason = unavailable_reason(name) or "; ".join(get_backend(name).device_reasons(device or default_device(name)))
         if reason:
             print(f"backend {name!r} is unavailable: {reason}", file=sys.stderr)
             return 2
@@ -46,12 +52,6 @@ def main(argv=None) -> int:
     if not cases:
         parser.error(f"--case {args.case!r} matches none of the {len(CASES)} case ids "
                      f"(such as {CASES[0].id}, {CASES[-1].id})")
-    try:  # after the backends are loaded, as in the run: a backend may bring its device's support
-        device = cli.device(args.device) if args.device else None
-        if args.json:
-            cli.writable_file("--json", args.json)
-    except ValueError as exc:
-        parser.error(str(exc))
     start = time.perf_counter()
     rows = run(backends, cases, device, progress=lambda r: print(f"  {r.backend:<10} {r.case:<44} {r.status}",
                                                                    file=sys.stderr, flush=True))
@@ -59,10 +59,14 @@ def main(argv=None) -> int:
     print(format_table(rows))
     print(f"backends: {', '.join(backends)}; torch {torch.__version__}; python {platform.python_version()}; "
           f"{elapsed:.1f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "backends": backends, "seconds": elapsed,
-                       "rows": [r.as_dict() for r in rows]}, f, indent=1)
+    if args.json is not None:
+        try:
+            with open(args.json, "w") as f:
+                json.dump({"torch": torch.__version__, "backends": backends, "seconds": elapsed,
+                           "rows": [r.as_dict() for r in rows]}, f, indent=1)
+        except OSError as exc:  # checked before the run, but a disk can fill up meanwhile
+            print(f"--json {args.json!r}: could not write the results ({exc.strerror or exc})", file=sys.stderr)
+            return 2
     return 0 if rows and all(r.status == "pass" for r in rows) else 1
 
 

@@ -17,6 +17,8 @@ def device(text: str) -> torch.device:
         parsed = torch.device(text)
     except RuntimeError:
         raise ValueError(f"--device {text!r} is not a device name (cpu, cuda, cuda:1, xla, ...)") from None
+    if parsed.type == "meta":
+        raise ValueError(f"--device {text!r}: meta tensors hold no values to check; name a device that computes")
     try:
         torch.empty(0, device=parsed)
     except Exception as exc:  # torch raises RuntimeError, AssertionError ... by device type
@@ -27,6 +29,8 @@ def device(text: str) -> torch.device:
 def writable_file(option: str, path: str) -> pathlib.Path:
     """``path``, if a file can be written there: ValueError naming ``option`` if its folder is missing or
     read-only, or ``path`` is a folder."""
+    if not path:
+        raise ValueError(f"{option} needs a file name, got an empty string")
     file = pathlib.Path(path)
     folder = file.parent
     if file.is_dir():

@@ -100,7 +100,8 @@ def refused_runs(monkeypatch):
 
 
 @pytest.mark.parametrize("device, message", [("bogus", "'bogus' is not a device name"),
-                                             ("cuda:99", "'cuda:99': no such device here")])
+                                             ("cuda:99", "'cuda:99': no such device here"),
+                                             ("meta", "meta tensors hold no values to check")])
 def test_conformance_refuses_a_device_it_cant_use(device, message, capsys, monkeypatch):
     refused_runs(monkeypatch)
     assert message in usage_error(conformance_cli.main, ["--backend", "reference", "--device", device], capsys)
@@ -113,12 +114,53 @@ def test_conformance_checks_the_json_folder_before_running(tmp_path, capsys, mon
                                            capsys)
     assert "is a folder" in usage_error(conformance_cli.main, ["--backend", "reference", "--json", str(tmp_path)],
                                         capsys)
+    assert "--json needs a file name" in usage_error(conformance_cli.main, ["--backend", "reference", "--json", ""],
+                                                     capsys)
+
+
+def test_conformance_reports_a_json_file_it_could_not_write(tmp_path, capsys, monkeypatch):
+    """A write that fails after the run (a full disk) is one line and exit 2, not a traceback."""
+    import builtins
+
+    real_open = builtins.open
+    out = tmp_path / "rows.json"
+
+    def full_disk(path, *args, **kwargs):
+        if str(path) == str(out):
+            raise OSError(28, "No space left on device")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", full_disk)
+    assert conformance_cli.main(["--backend", "reference", "--case", "clip_one", "--json", str(out)]) == 2
+    assert "could not write the results (No space left on device)" in capsys.readouterr().err
+
+
+def test_conformance_refuses_a_backend_that_cannot_run_here_and_runs_each_once(capsys, monkeypatch):
+    from portable_ops import dispatch
+
+    refused_runs(monkeypatch)
+    nki = dispatch.get_backend("nki")
+    monkeypatch.setattr(nki, "device_reasons", lambda device: ["nki needs a NeuronCore"])
+    assert conformance_cli.main(["--backend", "nki"]) == 2
+    assert "backend 'nki' is unavailable: nki needs a NeuronCore" in capsys.readouterr().err
+    monkeypatch.undo()
+    seen = []
+    monkeypatch.setattr(conformance_cli, "run", lambda backends, *a, **k: seen.append(backends) or [])
+    conformance_cli.main(["--backend", "reference", "--backend", "reference", "--case", "clip_one"])
+    assert seen == [["reference"]]
 
 
 def test_a_case_filter_matching_nothing_is_a_usage_error(capsys, monkeypatch):
     refused_runs(monkeypatch)
     err = usage_error(conformance_cli.main, ["--backend", "reference", "--case", "no_such_case"], capsys)
     assert "--case 'no_such_case' matches none of the" in err
+
+
+@pytest.mark.parametrize("argv, message", [(["nki", "--tiny"], "--tiny applies to the train benchmark, not nki"),
+                                           (["train", "--seqs", "7"], "--seqs applies to the attention benchmark"),
+                                           (["optimizer", "--shapes", "1"], "--shapes applies to the train")])
+def test_bench_refuses_options_of_another_benchmark(argv, message, capsys):
+    assert message in usage_error(bench_cli.main, argv, capsys)
 
 
 def test_bench_checks_its_output_folder_before_timing(tmp_path, capsys):

@@ -105,6 +105,11 @@ def main(argv=None) -> int:
                         help="train: a comma-separated subset of its shapes, by number from 1 or by name "
                              "(default: all of them)")
     args = parser.parse_args(argv)
+    applies = {"--quick": "attention", "--head-dims": "attention", "--seqs": "attention", "--tiny": "train",
+               "--shapes": "train"}
+    for option, bench in applies.items():
+        if getattr(args, option[2:].replace("-", "_")) not in (None, False) and args.bench != bench:
+            parser.error(f"{option} applies to the {bench} benchmark, not {args.bench}")
     try:  # before minutes of timing, not when the results are written
         cli.writable_folder("--out", args.out)
     except ValueError as exc:
