@@ -20,6 +20,7 @@ Three thin autograd wrappers run the same two functions, :func:`forward` and :fu
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -32,6 +33,13 @@ from .dispatch import forced_backend, get_backend, select_by_layout
 
 def _autocasting(device_type: str) -> bool:
     return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def _autocast_off(device_type: str):
+    """Autocast off for a backend's computation: the inputs are already cast (:func:`_autocast`); left
+    on, autocast would also run the float32 products and accumulations (the reference's, the
+    emulator's) in the low dtype."""
+    return torch.autocast(device_type, enabled=False) if _autocasting(device_type) else contextlib.nullcontext()
 
 
 def _autocast(q, k, v):
@@ -72,13 +80,8 @@ def _implementation(op, call, prefer):
 
 def _run(op, call, prefer):
     run = _implementation(op, call, prefer).run
-    device_type = call["q"].device.type
-    if _autocasting(device_type):
-        # The inputs are already cast (_autocast); left on, autocast would also run the backends'
-        # float32 products and accumulations (the reference's, the emulator's) in the low dtype.
-        with torch.autocast(device_type, enabled=False):
-            return run(**call)
-    return run(**call)
+    with _autocast_off(call["q"].device.type):
+        return run(**call)
 
 
 def forward(q, k, v, causal, scale):
@@ -99,7 +102,7 @@ def _differentiated_again(q, k, v, dout, causal, scale, needs_grad):
     backward is not, so the reference definition is differentiated instead, one block of queries
     at a time (its autograd graph keeps every block's probabilities: O(Sq x Skv) memory)."""
     inputs = [t for t, needed in zip((q, k, v), needs_grad) if needed]
-    with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
+    with torch.enable_grad(), _autocast_off(q.device.type):
         out, _ = reference.attention_fwd(q, k, v, causal=causal, scale=scale)
         grads = iter(torch.autograd.grad(out, inputs, dout, create_graph=True))
     return tuple(next(grads) if needed else None for needed in needs_grad)
@@ -208,7 +211,7 @@ class _FuncAttention(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, tq, tk, tv, _causal, _scale):
         q, k, v, lse = ctx.saved_tensors
-        with torch.autocast(q.device.type, enabled=False):
+        with _autocast_off(q.device.type):
             return reference.attention_jvp(q, k, v, lse, tq, tk, tv, causal=ctx.causal, scale=ctx.scale), None
 
     @staticmethod

@@ -68,8 +68,8 @@ class Adam(torch.optim.Optimizer):
             group.setdefault("max_grad_norm", self.defaults.get("max_grad_norm"))
             group.setdefault("state_dtype", self.defaults.get("state_dtype"))
             for p in group["params"]:  # checkpoints older than torch 1.12 count steps in Python numbers
-                p_state = self.state.get(p)
-                if p_state and not isinstance(p_state.get("step"), torch.Tensor) and "step" in p_state:
+                p_state = self.state.get(p, {})
+                if "step" in p_state and not isinstance(p_state["step"], torch.Tensor):
                     p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32, device=p.device)
 
     def add_param_group(self, param_group):

@@ -6,14 +6,15 @@ from portable_ops import dispatch
 
 @pytest.fixture
 def fake_backend(monkeypatch):
-    """Install a stand-in backend under a real backend's name; returns a function that builds it."""
+    """Install a stand-in backend under a real backend's name; returns a function that builds it.
+    ``reasons``: why it declines every call, or a function of the call giving them."""
 
     def install(name="triton", reasons=(), devices=("cpu",), ops=("adam", "grad_norm", "attention_fwd", "attention_bwd")):
         reference = dispatch.get_backend("reference")
+        supports = reasons if callable(reasons) else lambda call, r=list(reasons): list(r)
         backend = dispatch.Backend(
             name=name,
-            ops={op: dispatch.OpImpl(run=reference.ops[op].run, supports=lambda call, r=list(reasons): list(r))
-                 for op in ops},
+            ops={op: dispatch.OpImpl(run=reference.ops[op].run, supports=supports) for op in ops},
             device_reasons=lambda device: [] if device.type in devices else [f"{name} does not run on {device.type}"],
             description="test stand-in",
         )

@@ -239,23 +239,9 @@ def test_bad_clip_input_is_rejected_and_grads_untouched():
     assert torch.equal(params[0].grad, before[0])
 
 
-def _refusing_float64(monkeypatch):
-    """A stand-in 'triton' whose Adam takes float32 groups and refuses float64 ones."""
-    from portable_ops import dispatch
-
-    reference = dispatch.get_backend("reference")
-    refuse = lambda call: ["no float64 here"] if call["params"][0].dtype == torch.float64 else []  # noqa: E731
-    backend = dispatch.Backend(name="triton", ops={"adam": dispatch.OpImpl(run=reference.ops["adam"].run,
-                                                                           supports=refuse),
-                                                   "grad_norm": reference.ops["grad_norm"]},
-                               device_reasons=lambda device: [], description="test stand-in")
-    monkeypatch.setitem(dispatch._backends, "triton", backend)
-    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
-
-
 @pytest.mark.parametrize("first_step", [True, False])
 @pytest.mark.parametrize("edit", ["none", "amsgrad on", "state_dtype to None"])
-def test_a_step_refused_by_strict_mode_writes_nothing(monkeypatch, first_step, edit):
+def test_a_step_refused_by_strict_mode_writes_nothing(monkeypatch, fake_backend, first_step, edit):
     """The backend of every (group, device) is chosen before the first kernel runs or any state is
     made, cast or moved: a refusal in the second group leaves the first group's params, moments and
     step as they were, and a retried step steps once."""
@@ -271,7 +257,10 @@ def test_a_step_refused_by_strict_mode_writes_nothing(monkeypatch, first_step, e
     a.grad, b.grad = torch.randn_like(a), torch.randn_like(b)
     before_params = snapshot([a, b])
     before_state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in (a, b) if p in opt.state}
-    _refusing_float64(monkeypatch)
+    # a stand-in 'triton' that takes the float32 group and refuses the float64 one
+    fake_backend(reasons=lambda call: ["no float64 here"] if any(t.dtype == torch.float64
+                                                                 for t in call.get("params", ())) else [])
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
     with portable_ops.use_backend("triton"), pytest.raises(portable_ops.BackendUnavailableError,
                                                            match="no float64 here"):
         opt.step()
