@@ -117,10 +117,13 @@ class _EagerAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.prefer = causal, scale, forced_backend()
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # _dlse, materialised, would cost a zero-filled tensor every call
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
+        if dout is None:  # no gradient reached the output (gradcheck sends such a call)
+            return None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True
             grads = _differentiated_again(q, k, v, dout, ctx.causal, ctx.scale, ctx.needs_input_grad[:3])

@@ -235,7 +235,7 @@ def test_float32_tiles_multiply_as_torch_float32_matmuls_do(restore_fp32_precisi
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     assert attn._dot_precision(torch.float32) == "tf32" and attn._dot_precision(torch.bfloat16) == "ieee"
     tf32, _ = attn.attention_fwd(q, k, v, causal=True, scale=3.0)
-    built = {plan.kwargs["default_dot_input_precision"] for key, plan in attn._fwd_plans.items()
+    built = {plan.fwd.options["default_dot_input_precision"] for key, plan in attn._fwd_plans.items()
              if key[0] == q.shape and key[5] == torch.float32}
     assert built >= {"ieee", "tf32"}
     ieee_error, tf32_error = ((out.double() - exact).abs().max().item() for out in (ieee, tf32))
@@ -388,6 +388,6 @@ def test_the_sweep_builds_a_fresh_plan_for_each_tile_it_sets(monkeypatch):
         for cfg in sweep._each_tile("fwd", 80, [(64, 32, 4, 3), (32, 64, 4, 2)]):
             attn.attention_fwd(q, q, q, causal=False, scale=0.1)
             plan = next(iter(attn._fwd_plans.values()))
-            seen.append((plan.kwargs["BLOCK_M"], plan.kwargs["BLOCK_N"], plan.kwargs["num_stages"]))
+            seen.append((plan.fwd.options["BLOCK_M"], plan.fwd.options["BLOCK_N"], plan.fwd.options["num_stages"]))
     assert seen == [(64, 32, 3), (32, 64, 2)]
     assert attn.CONFIGS["fwd"][80] == default and not attn._fwd_plans

@@ -31,6 +31,10 @@ else:
     from .adam import adam, adam_supports
     from .attention import attention_bwd, attention_fwd, attention_supports
     from .grad_norm import grad_norm, grad_norm_supports
+    from .launch import hash_triton_in_background
+
+    if not INTERPRETED:
+        hash_triton_in_background()
 
     def _device_reasons(device: torch.device) -> list[str]:
         if LATE_SWITCH:

@@ -33,6 +33,7 @@ from portable_ops import layout
 
 from .autotune import Tuner, bucket
 from .interpreter import INTERPRETED, to_dtype
+from .launch import Launch
 
 LOG2E = tl.constexpr(1.4426950408889634)  # kernels may read only constexpr globals
 LN2 = tl.constexpr(0.6931471805599453)
@@ -572,7 +573,7 @@ def _divided(strides, unit):
 
 
 class _FwdPlan:
-    __slots__ = ("out_stride", "splits", "grid", "args", "keys_per_split", "kwargs", "combine_grid", "combine_kwargs")
+    __slots__ = ("out_stride", "splits", "args", "keys_per_split", "fwd", "combine")
 
 
 def _fwd_plan(key, q, k, v, causal, scale, precision, out_stride):
@@ -590,7 +591,6 @@ def _fwd_plan(key, q, k, v, causal, scale, precision, out_stride):
         splits = _splits(b, heads, rows, skv, block_m, block_n, q.device)
         plan.keys_per_split = max(triton.cdiv(triton.cdiv(skv, splits), block_n), 1) * block_n
         plan.splits = max(triton.cdiv(skv, plan.keys_per_split), 1)  # no keys: one range, seeing none
-        plan.grid = (triton.cdiv(rows, block_m), b * heads, plan.splits)
         if plan.splits == 1:  # out, through its own strides
             so = (0, *_strides(q.shape, out_stride))
         else:  # contiguous float32 partials [splits, B, H, SQ, D]
@@ -599,12 +599,12 @@ def _fwd_plan(key, q, k, v, causal, scale, precision, out_stride):
                    *so)
         unit = _stride_unit(strides)
         plan.args = (*_divided(strides, unit), h, group, sq, skv)
-        plan.kwargs = dict(CAUSAL=causal, D=d, D0=d0, D1=d1, BLOCK_M=block_m, BLOCK_N=block_n,
-                           UPCAST=_upcast(q.dtype), PACK_GROUP=pack, NEGATIVE_SCALE=scale < 0, UNIT=unit,
-                           num_warps=warps, num_stages=stages, default_dot_input_precision=precision)
-        plan.combine_grid = (b * h * sq,)
-        plan.combine_kwargs = dict(D=d, BLOCK_D=triton.next_power_of_2(d),
-                                   BLOCK_S=triton.next_power_of_2(plan.splits), num_warps=4)
+        plan.fwd = Launch(_fwd_kernel, (triton.cdiv(rows, block_m), b * heads, plan.splits), 5, CAUSAL=causal, D=d,
+                          D0=d0, D1=d1, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q.dtype), PACK_GROUP=pack,
+                          NEGATIVE_SCALE=scale < 0, UNIT=unit, num_warps=warps, num_stages=stages,
+                          default_dot_input_precision=precision)
+        plan.combine = Launch(_combine_kernel, (b * h * sq,), 4, D=d, BLOCK_D=triton.next_power_of_2(d),
+                              BLOCK_S=triton.next_power_of_2(plan.splits), num_warps=4)
         return plan
 
     config = _config("fwd", q, k, causal, precision, lambda c: _forward(configure(c), q, k, v, scale))
@@ -612,6 +612,7 @@ def _fwd_plan(key, q, k, v, causal, scale, precision, out_stride):
 
 
 def attention_fwd(q, k, v, *, causal, scale):
+    scale = float(scale)  # a plan's launches take floats: an int would be specialised on its value
     precision = _dot_precision(q.dtype)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal, scale < 0, precision)
     plan = _fwd_plans.get(key)
@@ -626,23 +627,19 @@ def _forward(plan, q, k, v, scale):
     out = torch.empty_strided(q.shape, plan.out_stride, dtype=q.dtype, device=q.device)
     if plan.splits == 1:
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-        _fwd_kernel[plan.grid](q, k, v, out, lse, *plan.args, scale * LOG2E.value, plan.keys_per_split,
-                               **plan.kwargs)
+        plan.fwd(q, k, v, out, lse, *plan.args, scale * LOG2E.value, plan.keys_per_split)
         return out, lse
     # Split partial results stay in float32 until they are merged.
     parts = torch.empty((plan.splits, b, h, sq, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((plan.splits, b, h, sq), dtype=torch.float32, device=q.device)
-    _fwd_kernel[plan.grid](q, k, v, parts, part_lse, *plan.args, scale * LOG2E.value, plan.keys_per_split,
-                           **plan.kwargs)
+    plan.fwd(q, k, v, parts, part_lse, *plan.args, scale * LOG2E.value, plan.keys_per_split)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    _combine_kernel[plan.combine_grid](parts, part_lse, out, lse, plan.splits, h, sq, *plan.out_stride[:3],
-                                       **plan.combine_kwargs)
+    plan.combine(parts, part_lse, out, lse, plan.splits, h, sq, *plan.out_stride[:3])
     return out, lse
 
 
 class _BwdPlan:
-    __slots__ = ("dq_stride", "dk_stride", "dv_stride", "delta_grid", "delta_args", "delta_kwargs",
-                 "dkdv_grid", "dkdv_args", "dkdv_kwargs", "dq_grid", "dq_args", "dq_kwargs")
+    __slots__ = ("dq_stride", "dk_stride", "dv_stride", "delta", "delta_args", "dkdv", "dkdv_args", "dq", "dq_args")
 
 
 def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, precision, out_strides):
@@ -652,9 +649,9 @@ def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, precision, out_stride
     plan = _BwdPlan()
     plan.dq_stride, plan.dk_stride, plan.dv_stride = out_strides
     block = 64 if d <= 128 else 32
-    plan.delta_grid = (triton.cdiv(sq, block), b * h)
+    plan.delta = Launch(_delta_kernel, (triton.cdiv(sq, block), b * h), 3, D=d, BLOCK_D=triton.next_power_of_2(d),
+                        BLOCK=block)
     plan.delta_args = (*out.stride()[:3], *dout.stride()[:3], h, sq)
-    plan.delta_kwargs = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK=block)
     inputs = (*_strides(q.shape, q.stride()), *_strides(k.shape, k.stride()), *_strides(v.shape, v.stride()),
               *_strides(q.shape, dout.stride()))
     dkdv_strides = (*inputs, *_strides(k.shape, plan.dk_stride), *_strides(v.shape, plan.dv_stride))
@@ -665,24 +662,22 @@ def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, precision, out_stride
 
     def configure_dkdv(config):
         block_m, block_n, warps, stages = config
-        plan.dkdv_grid = (triton.cdiv(skv, block_n), b * hkv)
+        plan.dkdv = Launch(_bwd_dkdv_kernel, (triton.cdiv(skv, block_n), b * hkv), 8, **common, BLOCK_M=block_m,
+                           BLOCK_N=block_n, UNIT=dkdv_unit, num_warps=warps, num_stages=stages)
         plan.dkdv_args = (*_divided(dkdv_strides, dkdv_unit), hkv, group, sq, skv)
-        plan.dkdv_kwargs = dict(common, BLOCK_M=block_m, BLOCK_N=block_n, UNIT=dkdv_unit, num_warps=warps,
-                                num_stages=stages)
         return plan
 
     def configure_dq(config):
         block_m, block_n, warps, stages = config
-        plan.dq_grid = (triton.cdiv(sq, block_m), b * h)
+        plan.dq = Launch(_bwd_dq_kernel, (triton.cdiv(sq, block_m), b * h), 7, **common, BLOCK_M=block_m,
+                         BLOCK_N=block_n, UNIT=dq_unit, num_warps=warps, num_stages=stages)
         plan.dq_args = (*_divided(dq_strides, dq_unit), h, group, sq, skv)
-        plan.dq_kwargs = dict(common, BLOCK_M=block_m, BLOCK_N=block_n, UNIT=dq_unit, num_warps=warps,
-                              num_stages=stages)
         return plan
 
     # A candidate is timed on its own kernel, over real buffers: each kernel overwrites its outputs,
     # so nothing is left to undo.
     delta, dq, dk, dv = _bwd_buffers(plan, q, k, v)
-    _delta_kernel[plan.delta_grid](out, dout, delta, *plan.delta_args, **plan.delta_kwargs)
+    plan.delta(out, dout, delta, *plan.delta_args)
     configure_dkdv(_config("dkdv", q, k, causal, precision,
                            lambda c: _dkdv(configure_dkdv(c), q, k, v, dout, lse, delta, dk, dv, scale)))
     configure_dq(_config("dq", q, k, causal, precision,
@@ -691,6 +686,7 @@ def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, precision, out_stride
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
+    scale = float(scale)
     precision = _dot_precision(q.dtype)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), q.dtype, q.device,
            causal, precision)
@@ -701,7 +697,7 @@ def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
         strides = (layout.strides_like(q), layout.strides_like(k), layout.strides_like(v))
         plan = _bwd_plan(key, rq, rk, rv, out, lse, dout, causal, scale, precision, strides)
     delta, dq, dk, dv = _bwd_buffers(plan, rq, rk, rv)
-    _delta_kernel[plan.delta_grid](out, dout, delta, *plan.delta_args, **plan.delta_kwargs)
+    plan.delta(out, dout, delta, *plan.delta_args)
     _dkdv(plan, rq, rk, rv, dout, lse, delta, dk, dv, scale)
     _dq(plan, rq, rk, rv, dout, lse, delta, dq, scale)
     return dq, dk, dv
@@ -716,10 +712,8 @@ def _bwd_buffers(plan, q, k, v):
 
 
 def _dkdv(plan, q, k, v, dout, lse, delta, dk, dv, scale):
-    _bwd_dkdv_kernel[plan.dkdv_grid](q, k, v, dout, lse, delta, dk, dv, *plan.dkdv_args, scale, scale * LOG2E.value,
-                                     **plan.dkdv_kwargs)
+    plan.dkdv(q, k, v, dout, lse, delta, dk, dv, *plan.dkdv_args, scale, scale * LOG2E.value)
 
 
 def _dq(plan, q, k, v, dout, lse, delta, dq, scale):
-    _bwd_dq_kernel[plan.dq_grid](q, k, v, dout, lse, delta, dq, *plan.dq_args, scale, scale * LOG2E.value,
-                                 **plan.dq_kwargs)
+    plan.dq(q, k, v, dout, lse, delta, dq, *plan.dq_args, scale, scale * LOG2E.value)

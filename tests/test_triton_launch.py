@@ -1,0 +1,67 @@
+"""Direct kernel launches (backends/triton/launch.py): the compiled kernel Triton returned is reused
+only for calls it was specialised for, and Triton's own path is kept where it must be."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from portable_ops import dispatch
+
+pytestmark = pytest.mark.skipif(dispatch.unavailable_reason("triton") is not None, reason="triton not installed")
+
+import triton  # noqa: E402  (after portable_ops: it switches the interpreter on where there is no GPU)
+import triton.language as tl  # noqa: E402
+from triton import knobs  # noqa: E402
+
+launch = importlib.import_module("portable_ops.backends.triton.launch")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@triton.jit
+def _axpb(X, Y, n, a, b, BLOCK: tl.constexpr, NEGATE: tl.constexpr = False):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    y = tl.load(X + offs, mask=offs < n) * a + b
+    if NEGATE:
+        y = -y
+    tl.store(Y + offs, y, mask=offs < n)
+
+
+def _run(run, x, a, b):
+    y = torch.full_like(x, float("nan"))
+    run(x, y, x.numel(), a, b)
+    return y
+
+
+def test_results_follow_every_float_and_every_tensor_alignment():
+    """Floats change between calls; a tensor one element into a buffer is not 16-byte aligned, which
+    Triton compiles for separately (vector loads assume alignment): each gets its own kernel."""
+    n = 1000
+    run = launch.Launch(_axpb, (triton.cdiv(n, 256),), 2, BLOCK=256, NEGATE=True)
+    buffer = torch.randn(n + 1, device=DEVICE)
+    for x in (buffer[:n], buffer[1:], buffer[:n], buffer[1:]):
+        for a, b in ((2.0, 0.5), (-1.5, 3.0)):
+            torch.testing.assert_close(_run(run, x, a, b), -(x * a + b))
+    if DEVICE.type == "cuda":
+        assert len(run.compiled) == 2  # aligned and not: kept apart
+    else:
+        assert not run.compiled  # the interpreter has no compiled kernel to keep
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="hooks fire on compiled launches")
+def test_a_launch_hook_sees_every_launch():
+    """A profiler's hook (Proton adds one) must see launches that would otherwise skip Triton."""
+    n = 256
+    run = launch.Launch(_axpb, (1,), 2, BLOCK=256)
+    x = torch.randn(n, device=DEVICE)
+    _run(run, x, 1.0, 0.0)  # compiled and kept
+    seen = []
+    hook = lambda metadata: seen.append(metadata)  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        torch.testing.assert_close(_run(run, x, 3.0, 1.0), x * 3 + 1)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert len(seen) == 1
