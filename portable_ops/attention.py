@@ -32,6 +32,10 @@ from .dispatch import forced_backend, get_backend, select_by_layout
 
 
 def _autocasting(device_type: str) -> bool:
+    if torch.compiler.is_compiling():
+        # Dynamo (torch 2.11) can't trace is_autocast_available; it only compiles for device
+        # types that have autocast
+        return torch.is_autocast_enabled(device_type)
     return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 

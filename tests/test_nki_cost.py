@@ -6,6 +6,7 @@ documented to meet in docs/backends/nki.md.
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -77,14 +78,14 @@ def test_bfloat16_tensor_scalar_in_sbuf_runs_in_vector_performance_mode():
 def bench_rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("nki_bench")
     result = subprocess.run([sys.executable, "-m", "portable_ops.bench", "nki", "--out", str(out)],
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # the nki bench needs no GPU
     assert result.returncode == 0, result.stderr
     assert "Trn2 ms" in result.stdout and "Trn3 ms" in result.stdout
     return json.loads((out / "nki.json").read_text())["rows"]
 
 
 def test_bench_nki_runs_without_a_gpu_and_the_optimizer_and_clip_are_within_1_3x_of_their_floors(bench_rows):
-    assert not torch.cuda.is_available()  # this machine: the nki bench needs no CUDA
     by_kernel = {r["kernel"].split(",")[0]: r for r in bench_rows}
     for name in ("AdamW fp32", "AdamW AMSGrad fp32", "AdamW bf16 params", "clip: global 2-norm fp32"):
         row = by_kernel[name]

@@ -93,11 +93,11 @@ def _load2(base, row_offs, row_ok, D: tl.constexpr, D0: tl.constexpr, D1: tl.con
 
 
 @triton.jit
-def _dot2(a0, a1, b0, b1, acc, D1: tl.constexpr):
+def _dot2(a0, a1, b0, b1, acc, D1: tl.constexpr, PRECISION: tl.constexpr):
     """``acc + a @ b`` where the inner dim is the head dim, split in two chunks."""
-    acc = tl.dot(a0, b0, acc)
+    acc = tl.dot(a0, b0, acc, input_precision=PRECISION)
     if D1 > 0:
-        acc = tl.dot(a1, b1, acc)
+        acc = tl.dot(a1, b1, acc, input_precision=PRECISION)
     return acc
 
 
@@ -122,12 +122,12 @@ def _store2(base, row_offs, row_ok, first, second, D: tl.constexpr, D1: tl.const
 @triton.jit
 def _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, sk_n, sv_n, pos, offs_n, lo, hi, SKV, diagonal,
                scale_log2, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, MASK: tl.constexpr,
-               CAUSAL: tl.constexpr, UPCAST: tl.constexpr, NEGATIVE_SCALE: tl.constexpr):
+               CAUSAL: tl.constexpr, UPCAST: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, PRECISION: tl.constexpr):
     for start_n in tl.range(lo, hi, offs_n.shape[0]):
         cols = start_n + offs_n
         in_bounds = cols < SKV
         k0, k1 = _load2(k_base, cols * sk_n, in_bounds, D, D0, D1, MASK, True, UPCAST)
-        s = _dot2(q0, q1, k0, k1, tl.zeros([q0.shape[0], offs_n.shape[0]], dtype=tl.float32), D1)
+        s = _dot2(q0, q1, k0, k1, tl.zeros([q0.shape[0], offs_n.shape[0]], dtype=tl.float32), D1, PRECISION)
         if MASK:
             visible = in_bounds[None, :]
             if CAUSAL:
@@ -148,9 +148,9 @@ def _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, sk_n, sv_n, pos, of
         alpha = tl.exp2(m_i - m_exp)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v0, v1 = _load2(v_base, cols * sv_n, in_bounds, D, D0, D1, MASK, False, UPCAST)
-        acc0 = tl.dot(p.to(v0.dtype), v0, acc0 * alpha[:, None])
+        acc0 = tl.dot(p.to(v0.dtype), v0, acc0 * alpha[:, None], input_precision=PRECISION)
         if D1 > 0:
-            acc1 = tl.dot(p.to(v1.dtype), v1, acc1 * alpha[:, None])
+            acc1 = tl.dot(p.to(v1.dtype), v1, acc1 * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc0, acc1, l_i, m_i
 
@@ -160,7 +160,7 @@ def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h,
                 H, GROUP, SQ, SKV, scale_log2, KEYS_PER_SPLIT,
                 CAUSAL: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PACK_GROUP: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
-                UNIT: tl.constexpr):
+                UNIT: tl.constexpr, PRECISION: tl.constexpr):
     # Strides arrive divided by UNIT (see _stride_unit): multiplied back, the compiler knows rows start aligned.
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n = sq_b * UNIT, sq_h * UNIT, sq_m * UNIT, sk_b * UNIT, sk_h * UNIT, sk_n * UNIT
     sv_b, sv_h, sv_n = sv_b * UNIT, sv_h * UNIT, sv_n * UNIT
@@ -209,10 +209,10 @@ def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h,
     full = tl.maximum(tl.minimum(full, hi), lo)
     acc0, acc1, l_i, m_i = _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, sk_n, sv_n, pos, offs_n, lo,
                                       full, SKV, diagonal, scale_log2, D, D0, D1, False, CAUSAL, UPCAST,
-                                      NEGATIVE_SCALE)
+                                      NEGATIVE_SCALE, PRECISION)
     acc0, acc1, l_i, m_i = _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, sk_n, sv_n, pos, offs_n, full,
                                       hi, SKV, diagonal, scale_log2, D, D0, D1, True, CAUSAL, UPCAST,
-                                      NEGATIVE_SCALE)
+                                      NEGATIVE_SCALE, PRECISION)
     seen = l_i > 0
     norm = 1.0 / tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
@@ -264,7 +264,7 @@ def _delta_kernel(O, DO, DELTA, so_b, so_h, so_m, sdo_b, sdo_h, sdo_m, H, SQ,
 @triton.jit
 def _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, delta_base, sq_m, sdo_m, cols,
                 offs_m, lo, hi, SQ, SKV, scale_log2, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+                MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     # Works on transposed tiles (keys x queries) so P^T and dS^T come out of tl.dot in the
     # layout the dV and dK products want, with no register transposes.
     for start_m in tl.range(lo, hi, offs_m.shape[0]):
@@ -277,20 +277,20 @@ def _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, d
         lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         delta = tl.load(delta_base + rows, mask=in_bounds, other=0.0)
         zeros = tl.zeros([cols.shape[0], offs_m.shape[0]], dtype=tl.float32)
-        p_t = tl.exp2(_dot2(k0, k1, q0_t, q1_t, zeros, D1) * scale_log2 - lse[None, :])
+        p_t = tl.exp2(_dot2(k0, k1, q0_t, q1_t, zeros, D1, PRECISION) * scale_log2 - lse[None, :])
         if MASK:
             visible = cols[:, None] < SKV
             if CAUSAL:
                 visible = visible & (cols[:, None] <= rows[None, :] + (SKV - SQ))
             p_t = tl.where(visible, p_t, 0.0)
-        dv0 = tl.dot(p_t.to(do0.dtype), do0, dv0)
+        dv0 = tl.dot(p_t.to(do0.dtype), do0, dv0, input_precision=PRECISION)
         if D1 > 0:
-            dv1 = tl.dot(p_t.to(do1.dtype), do1, dv1)
-        dp_t = _dot2(v0, v1, tl.trans(do0), tl.trans(do1), zeros, D1)
+            dv1 = tl.dot(p_t.to(do1.dtype), do1, dv1, input_precision=PRECISION)
+        dp_t = _dot2(v0, v1, tl.trans(do0), tl.trans(do1), zeros, D1, PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk0 = tl.dot(ds_t.to(q0_t.dtype), tl.trans(q0_t), dk0)
+        dk0 = tl.dot(ds_t.to(q0_t.dtype), tl.trans(q0_t), dk0, input_precision=PRECISION)
         if D1 > 0:
-            dk1 = tl.dot(ds_t.to(q1_t.dtype), tl.trans(q1_t), dk1)
+            dk1 = tl.dot(ds_t.to(q1_t.dtype), tl.trans(q1_t), dk1, input_precision=PRECISION)
     return dk0, dk1, dv0, dv1
 
 
@@ -299,7 +299,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sq_b, sq_h, sq_m, sk_b, sk
                      sdo_b, sdo_h, sdo_m, sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
                      HKV, GROUP, SQ, SKV, scale, scale_log2,
                      CAUSAL: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr,
+                     PRECISION: tl.constexpr):
     # Strides arrive divided by UNIT (see _stride_unit): multiplied back, the compiler knows rows start aligned.
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n = sq_b * UNIT, sq_h * UNIT, sq_m * UNIT, sk_b * UNIT, sk_h * UNIT, sk_n * UNIT
     sv_b, sv_h, sv_n = sv_b * UNIT, sv_h * UNIT, sv_n * UNIT
@@ -339,13 +340,13 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sq_b, sq_h, sq_m, sk_b, sk
         row0 = (b * HKV * GROUP + h).to(tl.int64) * SQ  # lse and delta are [B, H, SQ]
         dk0, dk1, dv0, dv1 = _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, LSE + row0,
                                          DELTA + row0, sq_m, sdo_m, cols, offs_m, lo, full, SQ, SKV, scale_log2,
-                                         D, D0, D1, True, CAUSAL, UPCAST)
+                                         D, D0, D1, True, CAUSAL, UPCAST, PRECISION)
         dk0, dk1, dv0, dv1 = _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, LSE + row0,
                                          DELTA + row0, sq_m, sdo_m, cols, offs_m, full, even, SQ, SKV, scale_log2,
-                                         D, D0, D1, False, CAUSAL, UPCAST)
+                                         D, D0, D1, False, CAUSAL, UPCAST, PRECISION)
         dk0, dk1, dv0, dv1 = _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, LSE + row0,
                                          DELTA + row0, sq_m, sdo_m, cols, offs_m, even, SQ, SQ, SKV, scale_log2,
-                                         D, D0, D1, True, CAUSAL, UPCAST)
+                                         D, D0, D1, True, CAUSAL, UPCAST, PRECISION)
     _store2(DK + b.to(tl.int64) * sdk_b + hk * sdk_h, cols * sdk_n, in_bounds, dk0 * scale, dk1 * scale, D, D1)
     _store2(DV + b.to(tl.int64) * sdv_b + hk * sdv_h, cols * sdv_n, in_bounds, dv0, dv1, D, D1)
 
@@ -353,24 +354,24 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sq_b, sq_h, sq_m, sk_b, sk
 @triton.jit
 def _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, sk_n, sv_n, rows, offs_n, lo, hi, SQ, SKV,
               scale_log2, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, MASK: tl.constexpr,
-              CAUSAL: tl.constexpr, UPCAST: tl.constexpr):
+              CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     for start_n in tl.range(lo, hi, offs_n.shape[0]):
         cols = start_n + offs_n
         in_bounds = cols < SKV
         k0_t, k1_t = _load2(k_base, cols * sk_n, in_bounds, D, D0, D1, MASK, True, UPCAST)
         v0_t, v1_t = _load2(v_base, cols * sv_n, in_bounds, D, D0, D1, MASK, True, UPCAST)
         zeros = tl.zeros([rows.shape[0], offs_n.shape[0]], dtype=tl.float32)
-        p = tl.exp2(_dot2(q0, q1, k0_t, k1_t, zeros, D1) * scale_log2 - lse[:, None])
+        p = tl.exp2(_dot2(q0, q1, k0_t, k1_t, zeros, D1, PRECISION) * scale_log2 - lse[:, None])
         if MASK:
             visible = in_bounds[None, :]
             if CAUSAL:
                 visible = visible & (cols[None, :] <= rows[:, None] + (SKV - SQ))
             p = tl.where(visible, p, 0.0)
-        dp = _dot2(do0, do1, v0_t, v1_t, zeros, D1)
+        dp = _dot2(do0, do1, v0_t, v1_t, zeros, D1, PRECISION)
         ds = p * (dp - delta[:, None])
-        dq0 = tl.dot(ds.to(k0_t.dtype), tl.trans(k0_t), dq0)
+        dq0 = tl.dot(ds.to(k0_t.dtype), tl.trans(k0_t), dq0, input_precision=PRECISION)
         if D1 > 0:
-            dq1 = tl.dot(ds.to(k1_t.dtype), tl.trans(k1_t), dq1)
+            dq1 = tl.dot(ds.to(k1_t.dtype), tl.trans(k1_t), dq1, input_precision=PRECISION)
     return dq0, dq1
 
 
@@ -378,7 +379,8 @@ def _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, sk_n, sv_n
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
                    sdo_b, sdo_h, sdo_m, sdq_b, sdq_h, sdq_m, H, GROUP, SQ, SKV, scale, scale_log2,
                    CAUSAL: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr,
+                     PRECISION: tl.constexpr):
     # Strides arrive divided by UNIT (see _stride_unit): multiplied back, the compiler knows rows start aligned.
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n = sq_b * UNIT, sq_h * UNIT, sq_m * UNIT, sk_b * UNIT, sk_h * UNIT, sk_n * UNIT
     sv_b, sv_h, sv_n = sv_b * UNIT, sv_h * UNIT, sv_n * UNIT
@@ -411,9 +413,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sq_b, sq_h, sq_m, sk_b, sk_h, sk
         full = tl.minimum(full, tl.maximum(start_m * BLOCK_M + SKV - SQ + 1, 0) // BLOCK_N * BLOCK_N)
     full = tl.maximum(tl.minimum(full, hi), 0)
     dq0, dq1 = _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, sk_n, sv_n, rows, offs_n, 0, full,
-                         SQ, SKV, scale_log2, D, D0, D1, False, CAUSAL, UPCAST)
+                         SQ, SKV, scale_log2, D, D0, D1, False, CAUSAL, UPCAST, PRECISION)
     dq0, dq1 = _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, sk_n, sv_n, rows, offs_n, full, hi,
-                         SQ, SKV, scale_log2, D, D0, D1, True, CAUSAL, UPCAST)
+                         SQ, SKV, scale_log2, D, D0, D1, True, CAUSAL, UPCAST, PRECISION)
     _store2(DQ + b.to(tl.int64) * sdq_b + h * sdq_h, rows * sdq_m, in_bounds, dq0 * scale, dq1 * scale, D, D1)
 
 
@@ -489,9 +491,13 @@ def _dot_precision(dtype) -> str:
     """How tl.dot multiplies float32 tiles: as torch's own float32 matmuls on CUDA do, so a float32
     model means the same thing on every backend. TF32 only where the user allowed it
     (``torch.set_float32_matmul_precision("high")`` or ``torch.backends.cuda.matmul.fp32_precision``);
-    torch's default, "highest", is IEEE float32. Half-precision tiles are exact products either way."""
+    torch's default, "highest", is IEEE float32. The kernels pass it to every ``tl.dot`` as
+    ``input_precision`` (Triton 3.6 decides a dot's default in ``tl.dot`` itself, from
+    ``TRITON_F32_DEFAULT``, before its ``default_dot_input_precision`` option is read: the H100
+    showed that option ignored). Half-precision tiles are exact products either way and keep
+    Triton's default."""
     if dtype != torch.float32:
-        return "ieee"
+        return "tf32"
     for read in (lambda: torch.backends.cuda.matmul.fp32_precision == "tf32",
                  lambda: torch.backends.cuda.matmul.allow_tf32):
         try:  # torch raises when the legacy and the new TF32 switches were both set: try the other one
@@ -601,8 +607,8 @@ def _fwd_plan(key, q, k, v, causal, scale, precision, out_stride):
         plan.args = (*_divided(strides, unit), h, group, sq, skv)
         plan.fwd = Launch(_fwd_kernel, (triton.cdiv(rows, block_m), b * heads, plan.splits), 5, CAUSAL=causal, D=d,
                           D0=d0, D1=d1, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q.dtype), PACK_GROUP=pack,
-                          NEGATIVE_SCALE=scale < 0, UNIT=unit, num_warps=warps, num_stages=stages,
-                          default_dot_input_precision=precision)
+                          NEGATIVE_SCALE=scale < 0, UNIT=unit, PRECISION=precision, num_warps=warps,
+                          num_stages=stages)
         plan.combine = Launch(_combine_kernel, (b * h * sq,), 4, D=d, BLOCK_D=triton.next_power_of_2(d),
                               BLOCK_S=triton.next_power_of_2(plan.splits), num_warps=4)
         return plan
@@ -657,7 +663,7 @@ def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, precision, out_stride
     dkdv_strides = (*inputs, *_strides(k.shape, plan.dk_stride), *_strides(v.shape, plan.dv_stride))
     dq_strides = (*inputs, *_strides(q.shape, plan.dq_stride))
     dkdv_unit, dq_unit = _stride_unit(dkdv_strides), _stride_unit(dq_strides)
-    common = dict(CAUSAL=causal, D=d, D0=d0, D1=d1, UPCAST=_upcast(q.dtype), default_dot_input_precision=precision)
+    common = dict(CAUSAL=causal, D=d, D0=d0, D1=d1, UPCAST=_upcast(q.dtype), PRECISION=precision)
     group = h // max(hkv, 1)
 
     def configure_dkdv(config):
