@@ -83,7 +83,7 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
     for spec in specs:
         kind, d = spec["kernel"], spec.get("d", 128)
         d0, d1 = attention.head_split(d)
-        head = dict(D=d, D0=d0, D1=d1, UPCAST=False)
+        head = dict(D=d, D0=d0, D1=d1, UPCAST=False, PRECISION="tf32")  # bf16 tiles: Triton's default
         row = dict(spec)
         try:
             if kind in ("fwd", "decode"):
