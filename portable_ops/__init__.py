@@ -21,6 +21,14 @@ from .clip import clip_grad_norm_  # noqa: E402
 from .dispatch import BackendUnavailableError, FallbackWarning, use_backend  # noqa: E402
 from .explain import explain  # noqa: E402
 
+if _torch.cuda.is_available():
+    # The default backend of CUDA tensors is loaded now, not inside the first training step: loading
+    # it starts Triton's cache-key hashing in a thread (backends/triton/launch.py), which then runs
+    # while the user builds the model instead of in front of the first kernel launch.
+    from .dispatch import get_backend as _get_backend  # noqa: E402
+
+    _get_backend("triton")
+
 __version__ = "0.1.0"
 
 __all__ = ["optim", "functional", "attention", "clip_grad_norm_", "use_backend", "explain",

@@ -61,9 +61,10 @@ def hash_triton_in_background() -> None:
     """Start computing the key that Triton's compile cache prefixes every kernel with.
 
     A process's first kernel launch hashes Triton's own shared library and sources for that key:
-    0.42 s of the 1.1 s our eager training spent warming up on the H100 with every cache warm,
-    where torch's eager stack needs 0.45 s (docs/performance.md). Hashing runs without the GIL,
-    so a thread started at import has it ready by the time the user's model has been built.
+    0.42 s of the 0.9-1.2 s our eager training spent warming up on the H100 with every cache
+    warm, where torch's eager stack needs 0.4-0.6 s (docs/performance.md). Hashing runs without
+    the GIL, so a thread started when ``import portable_ops`` loads this backend (on a machine with
+    CUDA) has it ready by the time the user's model has been built.
     """
     from triton.runtime import cache
 
