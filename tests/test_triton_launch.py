@@ -65,3 +65,16 @@ def test_a_launch_hook_sees_every_launch():
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert len(seen) == 1
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter always launches through Triton")
+def test_direct_launches_can_be_switched_off(monkeypatch):
+    n = 256
+    run = launch.Launch(_axpb, (1,), 2, BLOCK=256)
+    x = torch.randn(n, device=DEVICE)
+    monkeypatch.setenv("PORTABLE_OPS_DIRECT_LAUNCH", "0")
+    torch.testing.assert_close(_run(run, x, 2.0, 1.0), x * 2 + 1)
+    assert not run.compiled
+    monkeypatch.setenv("PORTABLE_OPS_DIRECT_LAUNCH", "1")
+    torch.testing.assert_close(_run(run, x, 2.0, 1.0), x * 2 + 1)
+    assert len(run.compiled) == 1

@@ -8,8 +8,9 @@ kernel that Triton returns from a first call is kept and launched directly after
 current device and per alignment of the tensor arguments: those, the only facts Triton
 specialises on that a plan does not fix, are checked on every call. Floats are not specialised.
 
-In the interpreter, and while Triton's launch hooks are set (a profiler such as Proton reads
-them), every launch goes through Triton.
+In the interpreter, while Triton's launch hooks are set (a profiler such as Proton reads them),
+and under ``PORTABLE_OPS_DIRECT_LAUNCH=0`` (the escape hatch, should a Triton release change the
+launcher's protocol; read per launch), every launch goes through Triton.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ from triton.runtime import driver
 from .interpreter import INTERPRETED
 
 
-def _hooked() -> bool:
+def _through_triton() -> bool:
+    from portable_ops import env  # here: the kernel modules load without the package (tests/test_triton_compiles.py)
+
     hook = knobs.runtime.launch_enter_hook  # triton 3.6 and 3.9: a HookChain, empty unless a tool added one
-    return hook is not None and bool(getattr(hook, "calls", True))
+    return (hook is not None and bool(getattr(hook, "calls", True))) or not env.flag("PORTABLE_OPS_DIRECT_LAUNCH", True)
 
 
 class Launch:
@@ -41,7 +44,7 @@ class Launch:
         self.compiled: dict = {}
 
     def __call__(self, *args) -> None:
-        if INTERPRETED or _hooked():
+        if INTERPRETED or _through_triton():
             self.kernel[self.grid](*args, **self.options)
             return
         device = driver.active.get_current_device()
