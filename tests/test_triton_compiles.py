@@ -71,7 +71,8 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
         # 2-byte global loads: what a row whose alignment the compiler can't see costs every load
         # maxima that must keep a NaN compile to PTX max.NaN; the plain max returns the other operand
         return {"regs": regs, "spills": local, "shared": binary.metadata.shared,
-                "scalar_loads": binary.asm["ptx"].count("ld.global.b16"), "nan_max": "max.NaN.f32" in binary.asm["ptx"]}
+                "scalar_loads": binary.asm["ptx"].count("ld.global.b16"), "nan_max": "max.NaN.f32" in binary.asm["ptx"],
+                "mma": binary.asm["ptx"].count("wgmma.mma_async") + binary.asm["ptx"].count("mma.sync")}
 
     def attention_types(pointers, names, extra):
         t = {p: "*fp32" if p in ("LSE", "DELTA") else "*bf16" for p in pointers}
@@ -83,7 +84,7 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
     for spec in specs:
         kind, d = spec["kernel"], spec.get("d", 128)
         d0, d1 = attention.head_split(d)
-        head = dict(D=d, D0=d0, D1=d1, UPCAST=False, PRECISION="tf32")  # bf16 tiles: Triton's default
+        head = dict(D=d, D0=d0, D1=d1, UPCAST=False, PRECISION="ieee")
         row = dict(spec)
         try:
             if kind in ("fwd", "decode"):
@@ -198,6 +199,9 @@ else:
         # strides passed divided by UNIT (8 here: any head dim that is a multiple of 8, contiguous or
         # not) still give 16-byte loads: D = 40's rows (80 bytes apart) loaded 2 bytes at a time without it
         assert all(r["scalar_loads"] == 0 for r in rows if r["kernel"] in ("fwd", "dkdv", "dq", "decode")), rows
+        # bf16 tiles multiply on the tensor cores with input_precision="ieee" (only float32 operands
+        # need "tf32" for that): a dot lowered to FMAs would be many times slower
+        assert all(r["mma"] > 0 for r in rows if r["kernel"] in ("fwd", "dkdv", "dq", "decode")), rows
 
     def test_norm_and_amsgrad_maxima_keep_nan_on_the_gpu():
         """The inf-norm's maxima and AMSGrad's running max compile to PTX max.NaN (a NaN grad gives a NaN

@@ -51,19 +51,20 @@ def test_results_follow_every_float_and_every_tensor_alignment():
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="hooks fire on compiled launches")
-def test_a_launch_hook_sees_every_launch():
-    """A profiler's hook (Proton adds one) must see launches that would otherwise skip Triton."""
+@pytest.mark.parametrize("chain", ["launch_enter_hook", "launch_exit_hook"])
+def test_a_launch_hook_sees_every_launch(chain):
+    """A profiler's hook (Proton adds both) must see launches that would otherwise skip Triton."""
     n = 256
     run = launch.Launch(_axpb, (1,), 2, BLOCK=256)
     x = torch.randn(n, device=DEVICE)
     _run(run, x, 1.0, 0.0)  # compiled and kept
     seen = []
     hook = lambda metadata: seen.append(metadata)  # noqa: E731
-    knobs.runtime.launch_enter_hook.add(hook)
+    getattr(knobs.runtime, chain).add(hook)
     try:
         torch.testing.assert_close(_run(run, x, 3.0, 1.0), x * 3 + 1)
     finally:
-        knobs.runtime.launch_enter_hook.remove(hook)
+        getattr(knobs.runtime, chain).remove(hook)
     assert len(seen) == 1
 
 

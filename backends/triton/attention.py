@@ -494,10 +494,10 @@ def _dot_precision(dtype) -> str:
     torch's default, "highest", is IEEE float32. The kernels pass it to every ``tl.dot`` as
     ``input_precision`` (Triton 3.6 decides a dot's default in ``tl.dot`` itself, from
     ``TRITON_F32_DEFAULT``, before its ``default_dot_input_precision`` option is read: the H100
-    showed that option ignored). Half-precision tiles are exact products either way and keep
-    Triton's default."""
-    if dtype != torch.float32:
-        return "tf32"
+    showed that option ignored). Half-precision tiles are exact products either way and pass
+    "ieee", which every target accepts (AMD's only take "ieee" and the bf16x3/x6 emulations)."""
+    if dtype != torch.float32 or torch.version.hip is not None:
+        return "ieee"
     for read in (lambda: torch.backends.cuda.matmul.fp32_precision == "tf32",
                  lambda: torch.backends.cuda.matmul.allow_tf32):
         try:  # torch raises when the legacy and the new TF32 switches were both set: try the other one
@@ -620,7 +620,8 @@ def _fwd_plan(key, q, k, v, causal, scale, precision, out_stride):
 def attention_fwd(q, k, v, *, causal, scale):
     scale = float(scale)  # a plan's launches take floats: an int would be specialised on its value
     precision = _dot_precision(q.dtype)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal, scale < 0, precision)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device, causal,
+           scale < 0, precision)
     plan = _fwd_plans.get(key)
     rq, rk, rv = _row_major(q), _row_major(k), _row_major(v)
     if plan is None:
@@ -694,8 +695,8 @@ def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, precision, out_stride
 def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
     scale = float(scale)
     precision = _dot_precision(q.dtype)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), q.dtype, q.device,
-           causal, precision)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), q.dtype, k.dtype,
+           v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, causal, precision)
     plan = _bwd_plans.get(key)
     rq, rk, rv, out, dout = _row_major(q), _row_major(k), _row_major(v), _row_major(out), _row_major(dout)
     lse = lse.contiguous()  # ours: already contiguous, so no copy

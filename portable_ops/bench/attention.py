@@ -142,6 +142,7 @@ class _NoLaunch:
     as it would a real one."""
 
     compiled = types.SimpleNamespace(run=lambda *args: None, function=None, packed_metadata=None)
+    pre_run_hooks = ()
 
     def __init__(self, kernel):
         self.fn = kernel.fn  # the parameters, read once by launch.Launch
