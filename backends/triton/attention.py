@@ -380,7 +380,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sq_b, sq_h, sq_m, sk_b, sk_h, sk
                    sdo_b, sdo_h, sdo_m, sdq_b, sdq_h, sdq_m, H, GROUP, SQ, SKV, scale, scale_log2,
                    CAUSAL: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                   PRECISION: tl.constexpr):
     # Strides arrive divided by UNIT (see _stride_unit): multiplied back, the compiler knows rows start aligned.
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n = sq_b * UNIT, sq_h * UNIT, sq_m * UNIT, sk_b * UNIT, sk_h * UNIT, sk_n * UNIT
     sv_b, sv_h, sv_n = sv_b * UNIT, sv_h * UNIT, sv_n * UNIT

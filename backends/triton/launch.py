@@ -2,8 +2,8 @@
 
 ``kernel[grid](*args, **kwargs)`` binds, type-checks and specialises every argument on every call:
 33-42 us a launch on the H100's host, against 11-14 us for the compiled kernel's own launcher
-(two runs; docs/performance.md, "Host time"). A plan's launch fixes its grid, its constexprs and every
-integer argument (the plan's key holds the shapes and strides they come from), so the compiled
+(two profiles; docs/backends/triton.md, "Direct launches"). A plan's launch fixes its grid, its
+constexprs and every integer argument (the plan's key holds the shapes and strides they come from), so the compiled
 kernel that Triton returns from a first call is kept and launched directly after that, once per
 current device and per alignment of the tensor arguments: those, the only facts Triton
 specialises on that a plan does not fix, are checked on every call (the plan's key holds every
@@ -60,6 +60,7 @@ class Launch:
         self.compiled: dict = {}
 
     def __call__(self, *args) -> None:
+        _wait_for_cache_key()  # before any launch that may compile, through Triton or not
         if INTERPRETED or _through_triton(self.kernel):
             self.kernel[self.grid](*args, **self.options)
             return
@@ -67,7 +68,6 @@ class Launch:
         key = (device, *[t.data_ptr() % 16 == 0 for t in args[:self.tensors]])
         compiled = self.compiled.get(key)
         if compiled is None:
-            _wait_for_cache_key()
             self.compiled[key] = self.kernel[self.grid](*args, **self.options)
             if self.tail is None:
                 parameters = list(inspect.signature(self.kernel.fn).parameters.values())[len(args):]
@@ -104,5 +104,8 @@ def hash_triton_in_background() -> None:
 
 
 def _wait_for_cache_key() -> None:
-    if _hashing is not None and _hashing.is_alive():
-        _hashing.join()
+    global _hashing
+    hashing = _hashing  # read once: another thread may clear it meanwhile
+    if hashing is not None:
+        hashing.join()
+        _hashing = None
