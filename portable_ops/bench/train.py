@@ -40,6 +40,9 @@ STACKS = ("torch", "portable_ops")
 MODES = ("eager", "compiled")
 MAX_GRAD_NORM = 1.0
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+# A linear lr warm-up, as every recipe at this lr has: without it the loss spikes near step 10 and
+# the spike unwinds differently on every run, torch's own runs included (docs/performance.md).
+LR_WARMUP_STEPS = 20
 WARMUP_STEPS = 3  # compilation and tile tuning happen in these
 # Two runs of one model whose curves differ by more than this have not computed the same training:
 # bf16 autocast rounds every matmul input to 8 bits, so curves drift apart by rounding alone.
@@ -65,6 +68,7 @@ class Run:
         self.cfg, self.stack, self.device = cfg, stack, device
         self.model = Llama(cfg, attention="sdpa" if stack == "torch" else "portable_ops").to(device)
         self.opt = _optimizer(stack, self.model)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / LR_WARMUP_STEPS))
         self.loss_fn = torch.compile(self.model, fullgraph=True) if mode == "compiled" else self.model
         self.data = batches(cfg, steps, device, seed)
         self.losses: list[torch.Tensor] = []
@@ -77,6 +81,7 @@ class Run:
         if self.stack == "torch":
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_GRAD_NORM, foreach=True)
         self.opt.step()
+        self.schedule.step()
         self.opt.zero_grad(set_to_none=True)
         self.losses.append(loss.detach())
 
