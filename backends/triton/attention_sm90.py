@@ -1,0 +1,262 @@
+"""Attention forward for Hopper (sm_90) in Gluon: TMA loads into a shared-memory ring filled by a
+producer warp, warpgroup MMAs, and softmax overlapped with the tensor cores.
+
+One program takes ``BLOCK_M = 128`` query rows of one (batch, head): two consumer warpgroups of 64
+rows each share every K/V tile. A one-warp loader partition (``gl.warp_specialize``) streams the
+K/V tiles through ``STAGES`` slots, each guarded by a ready and an empty mbarrier. The consumers
+run each iteration in this order, so that the exponentials of one tile overlap the tensor cores'
+work on the next::
+
+    S_j = Q K_j^T            (issued, not waited)
+    O  += P_{j-1} V_{j-1}    (issued, not waited)
+    wait S_j; P_j = exp2(S_j * scale - m_j) ...   (softmax while P_{j-1} V_{j-1} runs)
+    wait O; O *= alpha_j; free slot j - 1
+
+Every tensor is addressed through a rank-4 TMA descriptor over its own ``[B, H, S, D]`` strides, so
+q/k/v transposed out of ``[B, S, H, D]`` need no copy, and tiles past a sequence's end read zeros
+and are never written (TMA clips them), never another head's rows. Grouped-query attention reads
+KV head ``h // group``. The kernel declares what it takes (:func:`supports`); every other call
+keeps the ``tl.*`` kernels of ``attention.py``: other head dims, float32, decode, rows that see no
+key (causal with ``Sq > Skv``), strides TMA can't address.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a Triton without Gluon: the tl.* kernels take every call
+    gluon = None
+
+HEAD_DIMS = (64, 128)
+BLOCK_M = 128
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+if gluon is not None:
+    # Triton 3.6 names TMA copies async_copy_*; later releases async_load/async_store and refuse the old names.
+    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+    _LN2 = gl.constexpr(LN2)  # kernels may read only constexpr globals
+
+    @gluon.jit
+    def _loader(k_desc, v_desc, k_smem, v_smem, ready, empty, b, hk, n_blocks):
+        STAGES: gl.constexpr = k_smem.shape[0]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        for j in range(n_blocks):
+            slot = j % STAGES
+            # a fresh barrier counts as having completed the phase before its first: the first pass does not wait
+            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            _tma_load(k_desc, [b, hk, j * BLOCK_N, 0], ready.index(slot), k_smem.index(slot))
+            _tma_load(v_desc, [b, hk, j * BLOCK_N, 0], ready.index(slot), v_smem.index(slot))
+
+    @gluon.jit
+    def _tile(smem, i, BLOCK: gl.constexpr, D: gl.constexpr):
+        """Slot ``i`` of a ring of [1, 1, BLOCK, D] TMA tiles, as the [BLOCK, D] matrix the MMAs take."""
+        return smem.index(i).reshape([BLOCK, D])
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, qk_scale, rows, cols, SKV, diagonal, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+                 NEGATIVE_SCALE: gl.constexpr):
+        """One tile's online-softmax update: (P, m, l, alpha) with m in the scaled log2 domain."""
+        if MASK:
+            visible = cols[None, :] < SKV
+            if CAUSAL:
+                visible = visible & (cols[None, :] <= rows[:, None] + diagonal)
+            s = gl.where(visible, s * qk_scale, float("-inf"))  # scaled first: a negative scale flips -inf
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            p = gl.exp2(s - m_new[:, None])
+        else:
+            # the row maximum of the scaled scores from the unscaled ones: one FMA per score below
+            if NEGATIVE_SCALE:
+                m_new = gl.maximum(m_i, gl.min(s, axis=1) * qk_scale)
+            else:
+                m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
+
+    @gluon.jit
+    def _consume(q_tile, k_smem, v_smem, ready, empty, p, o, m_i, l_i, lo, hi, qk_scale, rows, SKV, diagonal,
+                 MASK: gl.constexpr, CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, s_layout: gl.constexpr,
+                 o_layout: gl.constexpr):
+        """Tiles [lo, hi): the previous tile's P V runs on the tensor cores while this tile's softmax runs."""
+        STAGES: gl.constexpr = k_smem.shape[0]
+        BLOCK_N: gl.constexpr = k_smem.shape[3]
+        D: gl.constexpr = k_smem.shape[4]
+        BM: gl.constexpr = q_tile.shape[0]
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        for j in range(lo, hi):
+            slot = j % STAGES
+            prev = (j - 1) % STAGES
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            s = warpgroup_mma(q_tile, _tile(k_smem, slot, BLOCK_N, D).permute((1, 0)),
+                              gl.zeros([BM, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                              is_async=True)
+            o = warpgroup_mma(p, _tile(v_smem, prev, BLOCK_N, D), o, is_async=True)
+            s = warpgroup_mma_wait(1, deps=(s,))  # groups retire in order: S_j is done, P V may still run
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+            p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, rows, cols, SKV, diagonal, MASK, CAUSAL,
+                                              NEGATIVE_SCALE)
+            o = warpgroup_mma_wait(0, deps=(o, p))[0]
+            mbarrier.arrive(empty.index(prev), count=1)
+            o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p = gl.convert_layout(p_new.to(q_tile.dtype), p_layout)
+        return p, o, m_i, l_i
+
+    @gluon.jit
+    def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, qk_scale, m0, SQ, SKV, full, n_blocks,
+                CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, num_warps: gl.constexpr):
+        """The consumer warpgroups: every tile of K/V for the program's query rows; (O / l, lse)."""
+        BLOCK_N: gl.constexpr = k_smem.shape[3]
+        D: gl.constexpr = k_smem.shape[4]
+        BM: gl.constexpr = q_smem.shape[2]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        q_tile = q_smem.reshape([BM, D])
+        rows = m0 + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
+        diagonal = SKV - SQ
+        mbarrier.wait(q_bar, 0)
+        # Tile 0, alone: every row sees a key in it (the kernel takes no rows that see none), so m is finite after it.
+        mbarrier.wait(ready.index(0), 0)
+        s = warpgroup_mma(q_tile, _tile(k_smem, 0, BLOCK_N, D).permute((1, 0)),
+                          gl.zeros([BM, BLOCK_N], gl.float32, s_layout), use_acc=False)
+        cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
+        m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, rows, cols, SKV, diagonal, True, CAUSAL, NEGATIVE_SCALE)
+        p = gl.convert_layout(p.to(q_tile.dtype), p_layout)
+        o = gl.zeros([BM, D], gl.float32, o_layout)
+        unmasked = gl.maximum(full, 1)
+        p, o, m_i, l_i = _consume(q_tile, k_smem, v_smem, ready, empty, p, o, m_i, l_i, 1, unmasked, qk_scale, rows,
+                                  SKV, diagonal, False, CAUSAL, NEGATIVE_SCALE, s_layout, o_layout)
+        p, o, m_i, l_i = _consume(q_tile, k_smem, v_smem, ready, empty, p, o, m_i, l_i, unmasked, n_blocks, qk_scale,
+                                  rows, SKV, diagonal, True, CAUSAL, NEGATIVE_SCALE, s_layout, o_layout)
+        last = (n_blocks - 1) % k_smem.shape[0]
+        o = warpgroup_mma(p, _tile(v_smem, last, BLOCK_N, D), o)
+        mbarrier.arrive(empty.index(last), count=1)
+        o = o / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        lse = (m_i + gl.log2(l_i)) * _LN2
+        return o, lse
+
+    @gluon.jit
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, GROUP, SQ, SKV, qk_scale,
+                    CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, STAGES: gl.constexpr,
+                    num_warps: gl.constexpr):
+        BM: gl.constexpr = q_desc.block_type.shape[2]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        D: gl.constexpr = q_desc.block_type.shape[3]
+        dtype: gl.constexpr = q_desc.dtype
+        start_m = gl.program_id(0)
+        if CAUSAL:  # the last query blocks see the most keys: start them first, so the tail of the grid is light
+            start_m = gl.num_programs(0) - 1 - start_m
+        b = gl.program_id(1) // H
+        h = gl.program_id(1) % H
+        m0 = start_m * BM
+        # tiles [0, full) are visible to every row and in bounds; tiles [full, n_blocks) need a mask
+        hi = SKV
+        full = SKV // BLOCK_N
+        if CAUSAL:
+            hi = gl.minimum(SKV, m0 + BM + SKV - SQ)
+            full = gl.minimum(full, gl.maximum(m0 + SKV - SQ + 1, 0) // BLOCK_N)
+        n_blocks = gl.cdiv(hi, BLOCK_N)
+
+        q_smem = gl.allocate_shared_memory(dtype, [1, 1, BM, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, m0, 0], q_bar, q_smem)
+
+        result = gl.warp_specialize([
+            (_attend, (q_smem, k_smem, v_smem, q_bar, ready, empty, qk_scale, m0, SQ, SKV, full, n_blocks,
+                       CAUSAL, NEGATIVE_SCALE, num_warps)),
+            (_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, n_blocks)),
+        ], [1], [24])
+        o = result[0]
+        lse = result[1]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        rows = m0 + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
+        gl.store(lse_ptr + gl.program_id(1).to(gl.int64) * SQ + rows, lse, mask=rows < SQ)
+        # Q's tile is free once the last S was computed: the output goes out through it
+        q_smem.reshape([BM, D]).store(o.to(dtype))
+        fence_async_shared()
+        _tma_store(o_desc, [b, h, m0, 0], q_smem)
+        tma.store_wait(0)
+
+
+# (BLOCK_N, STAGES, num_warps, maxnreg) per head dim; BLOCK_M is 128 (two consumer warpgroups of 64 rows).
+# maxnreg caps the whole kernel so that 8 consumer warps + the loader's warpgroup fit the register file:
+# the loader gets 24 registers and the consumers what is left (Triton's setmaxnreg split).
+CONFIGS = {64: (128, 3, 8, 168), 128: (128, 2, 8, 168)}
+
+
+def supports(q, k, v, causal) -> list[str]:
+    """Why the Hopper kernel can't take this call (empty: it can)."""
+    reasons = []
+    if gluon is None:
+        return ["this Triton has no Gluon"]
+    if not (q.is_cuda and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())):
+        reasons.append("not an sm_90 GPU")
+    if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
+        reasons.append("only float16/bfloat16 q, k, v of one dtype")
+    d = q.shape[-1]
+    if d not in HEAD_DIMS:
+        reasons.append(f"head_dim {d} is not one of {HEAD_DIMS}")
+    sq, skv = q.shape[2], k.shape[2]
+    if sq <= 64:
+        reasons.append("decode-sized Sq (<= 64) runs the split-key kernel")
+    if causal and sq > skv:
+        reasons.append("causal with Sq > Skv has rows that see no key")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 or any(st * t.element_size() % 16 for st in _tma_strides(t)[:-1]) or t.data_ptr() % 16:
+            reasons.append(f"{name}'s strides or base are not 16-byte aligned (TMA needs them)")
+    return reasons
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def _tma_strides(t) -> list[int]:
+    """``t``'s strides, with any stride of a size-one dim (never stepped, but TMA wants it 16-byte
+    aligned all the same) replaced by an aligned one."""
+    return [st if n > 1 else 16 // t.element_size() for n, st in zip(t.shape, t.stride())]
+
+
+def _descriptor(t, block):
+    shape = [1, 1, block, t.shape[-1]]
+    layout = gl.NVMMASharedLayout.get_default_for(shape, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
+    return TensorDescriptor(t, list(t.shape), _tma_strides(t), shape, layout)
+
+
+def forward(q, k, v, out, causal, scale):
+    """(out, lse) for a call :func:`supports` took; ``out`` is written through its strides."""
+    b, h, sq, d = q.shape
+    block_n, stages, warps, maxnreg = CONFIGS[d]
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(sq, BLOCK_M), b * h)
+    _fwd_kernel[grid](_descriptor(q, BLOCK_M), _descriptor(k, block_n), _descriptor(v, block_n),
+                      _descriptor(out, BLOCK_M), lse, h, h // k.shape[1], sq, k.shape[2], scale * LOG2E,
+                      CAUSAL=causal, NEGATIVE_SCALE=scale < 0, STAGES=stages, num_warps=warps, maxnreg=maxnreg)
+    return out, lse
