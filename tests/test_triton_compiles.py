@@ -43,6 +43,7 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
     po.__path__ = [str(pathlib.Path(backend_dir).parents[1] / "portable_ops")]
     sys.modules["portable_ops"] = po
     attention = importlib.import_module("kernels.attention")
+    attention_sm90 = importlib.import_module("kernels.attention_sm90")
     adam = importlib.import_module("kernels.adam")
     grad_norm = importlib.import_module("kernels.grad_norm")
     assert not attention.INTERPRETED
@@ -52,15 +53,15 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
     def strides(*names):
         return {f"s{n}_{axis}": "i32" for n in names for axis in ("b", "h", "m")}
 
-    def run(kernel, types_, consts, warps, stages, aligned):
+    def run(kernel, types_, consts, warps, stages, aligned, source_type=triton.compiler.ASTSource, **options):
         signature = dict(types_, **{name: "constexpr" for name in consts})
         assert sorted(signature) == sorted(kernel.arg_names), (sorted(signature), kernel.arg_names)
         signature = {name: signature[name] for name in kernel.arg_names}
         # what a launch on aligned tensors specialises: pointers, and strides that are multiples of 16
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
                  if signature[name].startswith("*") or (aligned and name.startswith("s") and "_" in name)}
-        source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
-        binary = triton.compile(source, target=sm90, options={"num_warps": warps, "num_stages": stages})
+        source = source_type(kernel, signature, consts, attrs)
+        binary = triton.compile(source, target=sm90, options={"num_warps": warps, "num_stages": stages, **options})
         # registers and local memory (spills) as the driver would report them, read from the cubin
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(binary.asm["cubin"])
@@ -72,7 +73,8 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
         # maxima that must keep a NaN compile to PTX max.NaN; the plain max returns the other operand
         return {"regs": regs, "spills": local, "shared": binary.metadata.shared,
                 "scalar_loads": binary.asm["ptx"].count("ld.global.b16"), "nan_max": "max.NaN.f32" in binary.asm["ptx"],
-                "mma": binary.asm["ptx"].count("wgmma.mma_async") + binary.asm["ptx"].count("mma.sync")}
+                "mma": binary.asm["ptx"].count("wgmma.mma_async") + binary.asm["ptx"].count("mma.sync"),
+                "tma": binary.asm["ptx"].count("cp.async.bulk.tensor"), "setmaxnreg": "setmaxnreg" in binary.asm["ptx"]}
 
     def attention_types(pointers, names, extra):
         t = {p: "*fp32" if p in ("LSE", "DELTA") else "*bf16" for p in pointers}
@@ -87,7 +89,23 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
         head = dict(D=d, D0=d0, D1=d1, UPCAST=False, PRECISION="ieee")
         row = dict(spec)
         try:
-            if kind in ("fwd", "decode"):
+            if kind == "fwd_sm90":
+                from triton.experimental.gluon import language as gl
+                from triton.experimental.gluon._runtime import GluonASTSource
+
+                def descriptor(rows):
+                    shape = [1, 1, rows, d]
+                    return f"tensordesc<bf16[{','.join(map(str, shape))}],{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
+
+                block_n, stages = attention_sm90.CONFIGS[d]
+                rows = attention_sm90.BLOCK_M // 2
+                types_ = {"q_desc": descriptor(rows), "k_desc": descriptor(block_n), "v_desc": descriptor(block_n),
+                          "o_desc": descriptor(rows), "lse_ptr": "*fp32", "H": "i32", "GROUP": "i32", "SQ": "i32",
+                          "SKV": "i32", "qk_scale": "fp32"}
+                consts = dict(CAUSAL=spec.get("causal", True), NEGATIVE_SCALE=False, STAGES=stages, num_warps=4)
+                row.update(run(attention_sm90._fwd_kernel, types_, consts, 4, 1, False, GluonASTSource,
+                               maxnreg=attention_sm90.MAXNREG))
+            elif kind in ("fwd", "decode"):
                 block_m, block_n, warps, stages = spec["config"]
                 names = ["sq_b", "sq_h", "sq_m", "sk_b", "sk_h", "sk_n", "sv_b", "sv_h", "sv_n", "so_split", "so_b",
                          "so_h", "so_m", "H", "GROUP", "SQ", "SKV", "KEYS_PER_SPLIT"]
@@ -202,6 +220,20 @@ else:
         # bf16 tiles multiply on the tensor cores with input_precision="ieee" (only float32 operands
         # need "tf32" for that): a dot lowered to FMAs would be many times slower
         assert all(r["mma"] > 0 for r in rows if r["kernel"] in ("fwd", "dkdv", "dq", "decode")), rows
+
+    def test_hopper_attention_forward_compiles_for_sm90():
+        """The Gluon forward, at every head dim it takes, causal or not: TMA loads, warpgroup MMAs,
+        registers split between the loader and the consumers (setmaxnreg), nothing spilled, within an
+        H100's shared memory."""
+        from portable_ops.backends.triton.attention_sm90 import HEAD_DIMS
+
+        specs = [{"kernel": "fwd_sm90", "d": d, "causal": causal} for d in HEAD_DIMS for causal in (False, True)]
+        rows = _run(specs)
+        errors = [r for r in rows if "error" in r]
+        assert not errors, errors
+        for r in rows:
+            assert r["spills"] == 0 and r["shared"] <= SHARED_LIMIT and r["setmaxnreg"], r
+            assert r["mma"] > 0 and r["tma"] > 0, r
 
     def test_norm_and_amsgrad_maxima_keep_nan_on_the_gpu():
         """The inf-norm's maxima and AMSGrad's running max compile to PTX max.NaN (a NaN grad gives a NaN

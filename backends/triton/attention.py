@@ -31,6 +31,7 @@ import triton.language as tl
 
 from portable_ops import layout
 
+from . import attention_sm90
 from .autotune import Tuner, bucket
 from .interpreter import INTERPRETED, to_dtype
 from .launch import Launch
@@ -579,7 +580,7 @@ def _divided(strides, unit):
 
 
 class _FwdPlan:
-    __slots__ = ("out_stride", "splits", "args", "keys_per_split", "fwd", "combine")
+    __slots__ = ("out_stride", "hopper", "splits", "args", "keys_per_split", "fwd", "combine")
 
 
 def _fwd_plan(key, q, k, v, causal, scale, precision, out_stride):
@@ -588,6 +589,13 @@ def _fwd_plan(key, q, k, v, causal, scale, precision, out_stride):
     d0, d1 = head_split(d)
     plan = _FwdPlan()
     plan.out_stride = out_stride
+    # the Gluon kernel on sm_90 where it takes the call (attention_sm90.supports says when); it writes
+    # out through TMA, so out's strides must suit TMA as q's do
+    out = torch.empty_strided(q.shape, out_stride, dtype=q.dtype, device=q.device)
+    plan.hopper = not INTERPRETED and not attention_sm90.supports(q, k, v, causal) \
+        and not attention_sm90.supports(out, k, v, causal)
+    if plan.hopper:
+        return _remember(_fwd_plans, key, plan)
 
     def configure(config):
         block_m, block_n, warps, stages = config
@@ -613,25 +621,29 @@ def _fwd_plan(key, q, k, v, causal, scale, precision, out_stride):
                               BLOCK_S=triton.next_power_of_2(plan.splits), num_warps=4)
         return plan
 
-    config = _config("fwd", q, k, causal, precision, lambda c: _forward(configure(c), q, k, v, scale))
+    config = _config("fwd", q, k, causal, precision, lambda c: _forward(configure(c), q, k, v, scale, causal))
     return _remember(_fwd_plans, key, configure(config))
 
 
 def attention_fwd(q, k, v, *, causal, scale):
     scale = float(scale)  # a plan's launches take floats: an int would be specialised on its value
     precision = _dot_precision(q.dtype)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device, causal,
-           scale < 0, precision)
-    plan = _fwd_plans.get(key)
     rq, rk, rv = _row_major(q), _row_major(k), _row_major(v)
+    # 16-byte aligned bases: what TMA (the Hopper kernel) needs and a stride check can't see
+    aligned = not (rq.data_ptr() % 16 or rk.data_ptr() % 16 or rv.data_ptr() % 16)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device, causal,
+           scale < 0, precision, aligned)
+    plan = _fwd_plans.get(key)
     if plan is None:
         plan = _fwd_plan(key, rq, rk, rv, causal, scale, precision, layout.strides_like(q))
-    return _forward(plan, rq, rk, rv, scale)
+    return _forward(plan, rq, rk, rv, scale, causal)
 
 
-def _forward(plan, q, k, v, scale):
+def _forward(plan, q, k, v, scale, causal):
     b, h, sq, d = q.shape
     out = torch.empty_strided(q.shape, plan.out_stride, dtype=q.dtype, device=q.device)
+    if plan.hopper:
+        return attention_sm90.forward(q, k, v, out, causal, scale)
     if plan.splits == 1:
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
         plan.fwd(q, k, v, out, lse, *plan.args, scale * LOG2E.value, plan.keys_per_split)

@@ -86,9 +86,9 @@ if gluon is not None:
         return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
     @gluon.jit
-    def _consume(q_tile, k_smem, v_smem, ready, empty, p, o, m_i, l_i, lo, hi, qk_scale, rows, SKV, diagonal,
-                 MASK: gl.constexpr, CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, s_layout: gl.constexpr,
-                 o_layout: gl.constexpr):
+    def _consume(q_tile, k_smem, v_smem, ready, empty, turn, p, o, m_i, l_i, lo, hi, qk_scale, rows, SKV, diagonal,
+                 WARPGROUP: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr,
+                 s_layout: gl.constexpr, o_layout: gl.constexpr):
         """Tiles [lo, hi): the previous tile's P V runs on the tensor cores while this tile's softmax runs."""
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[3]
@@ -99,10 +99,11 @@ if gluon is not None:
             slot = j % STAGES
             prev = (j - 1) % STAGES
             mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            _my_turn(turn, j, WARPGROUP)
             s = warpgroup_mma(q_tile, _tile(k_smem, slot, BLOCK_N, D).permute((1, 0)),
-                              gl.zeros([BM, BLOCK_N], gl.float32, s_layout), use_acc=False,
-                              is_async=True)
+                              gl.zeros([BM, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
             o = warpgroup_mma(p, _tile(v_smem, prev, BLOCK_N, D), o, is_async=True)
+            _their_turn(turn, WARPGROUP)
             s = warpgroup_mma_wait(1, deps=(s,))  # groups retire in order: S_j is done, P V may still run
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
             p_new, m_i, l_i, alpha = _softmax(s, m_i, l_i, qk_scale, rows, cols, SKV, diagonal, MASK, CAUSAL,
@@ -114,25 +115,40 @@ if gluon is not None:
         return p, o, m_i, l_i
 
     @gluon.jit
-    def _attend(q_smem, k_smem, v_smem, q_bar, ready, empty, qk_scale, m0, SQ, SKV, full, n_blocks,
-                CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, num_warps: gl.constexpr):
-        """The consumer warpgroups: every tile of K/V for the program's query rows; (O / l, lse)."""
+    def _my_turn(turn, j, WARPGROUP: gl.constexpr):
+        """Wait until the other warpgroup has issued its MMAs of the tile before: the two take turns on
+        the tensor cores, so that one's softmax runs under the other's MMAs (FlashAttention-3's ping-pong).
+        A fresh barrier passes a wait on parity 1: warpgroup 0 goes first."""
+        mbarrier.wait(turn.index(WARPGROUP), (j & 1) ^ (1 - WARPGROUP))
+
+    @gluon.jit
+    def _their_turn(turn, WARPGROUP: gl.constexpr):
+        mbarrier.arrive(turn.index(1 - WARPGROUP), count=1)
+
+    @gluon.jit
+    def _attend(q_desc, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turn, lse_ptr, qk_scale, b, h, m0, SQ,
+                SKV, full, n_blocks, WARPGROUP: gl.constexpr, CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr):
+        """One consumer warpgroup: 64 query rows against every K/V tile, then its rows of O and lse."""
         BLOCK_N: gl.constexpr = k_smem.shape[3]
         D: gl.constexpr = k_smem.shape[4]
-        BM: gl.constexpr = q_smem.shape[2]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+        BM: gl.constexpr = q_smem.shape[3]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        q_tile = q_smem.reshape([BM, D])
+        q_tile = _tile(q_smem, WARPGROUP, BM, D)
+        m0 = m0 + WARPGROUP * BM
         rows = m0 + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
         diagonal = SKV - SQ
         mbarrier.wait(q_bar, 0)
         # Tile 0, alone: every row sees a key in it (the kernel takes no rows that see none), so m is finite after it.
         mbarrier.wait(ready.index(0), 0)
+        _my_turn(turn, 0, WARPGROUP)
         s = warpgroup_mma(q_tile, _tile(k_smem, 0, BLOCK_N, D).permute((1, 0)),
-                          gl.zeros([BM, BLOCK_N], gl.float32, s_layout), use_acc=False)
+                          gl.zeros([BM, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
+        _their_turn(turn, WARPGROUP)
+        s = warpgroup_mma_wait(0, deps=(s,))
         cols = gl.arange(0, BLOCK_N, gl.SliceLayout(0, s_layout))
         m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, s_layout))
@@ -140,22 +156,28 @@ if gluon is not None:
         p = gl.convert_layout(p.to(q_tile.dtype), p_layout)
         o = gl.zeros([BM, D], gl.float32, o_layout)
         unmasked = gl.maximum(full, 1)
-        p, o, m_i, l_i = _consume(q_tile, k_smem, v_smem, ready, empty, p, o, m_i, l_i, 1, unmasked, qk_scale, rows,
-                                  SKV, diagonal, False, CAUSAL, NEGATIVE_SCALE, s_layout, o_layout)
-        p, o, m_i, l_i = _consume(q_tile, k_smem, v_smem, ready, empty, p, o, m_i, l_i, unmasked, n_blocks, qk_scale,
-                                  rows, SKV, diagonal, True, CAUSAL, NEGATIVE_SCALE, s_layout, o_layout)
+        p, o, m_i, l_i = _consume(q_tile, k_smem, v_smem, ready, empty, turn, p, o, m_i, l_i, 1, unmasked, qk_scale,
+                                  rows, SKV, diagonal, WARPGROUP, False, CAUSAL, NEGATIVE_SCALE, s_layout, o_layout)
+        p, o, m_i, l_i = _consume(q_tile, k_smem, v_smem, ready, empty, turn, p, o, m_i, l_i, unmasked, n_blocks,
+                                  qk_scale, rows, SKV, diagonal, WARPGROUP, True, CAUSAL, NEGATIVE_SCALE, s_layout,
+                                  o_layout)
         last = (n_blocks - 1) % k_smem.shape[0]
         o = warpgroup_mma(p, _tile(v_smem, last, BLOCK_N, D), o)
         mbarrier.arrive(empty.index(last), count=1)
         o = o / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
         lse = (m_i + gl.log2(l_i)) * _LN2
-        return o, lse
+        gl.store(lse_ptr + rows, lse, mask=rows < SQ)
+        # this warpgroup's Q tile is free once its last S was computed: its rows of O go out through it
+        q_tile.store(o.to(q_tile.dtype))
+        fence_async_shared()
+        _tma_store(o_desc, [b, h, m0, 0], q_smem.index(WARPGROUP))
+        tma.store_wait(0)
 
     @gluon.jit
     def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, GROUP, SQ, SKV, qk_scale,
                     CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, STAGES: gl.constexpr,
                     num_warps: gl.constexpr):
-        BM: gl.constexpr = q_desc.block_type.shape[2]
+        BM: gl.constexpr = 2 * q_desc.block_type.shape[2]  # two consumer warpgroups' rows
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         D: gl.constexpr = q_desc.block_type.shape[3]
         dtype: gl.constexpr = q_desc.dtype
@@ -173,41 +195,37 @@ if gluon is not None:
             full = gl.minimum(full, gl.maximum(m0 + SKV - SQ + 1, 0) // BLOCK_N)
         n_blocks = gl.cdiv(hi, BLOCK_N)
 
-        q_smem = gl.allocate_shared_memory(dtype, [1, 1, BM, D], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BM // 2, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=1)
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        _tma_load(q_desc, [b, h, m0, 0], q_bar, q_smem)
-
-        result = gl.warp_specialize([
-            (_attend, (q_smem, k_smem, v_smem, q_bar, ready, empty, qk_scale, m0, SQ, SKV, full, n_blocks,
-                       CAUSAL, NEGATIVE_SCALE, num_warps)),
+            mbarrier.init(empty.index(i), count=2)  # a slot is free once both consumer warpgroups are done with it
+        for i in gl.static_range(2):
+            mbarrier.init(turn.index(i), count=1)
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b, h, m0, 0], q_bar, q_smem.index(0))
+        _tma_load(q_desc, [b, h, m0 + BM // 2, 0], q_bar, q_smem.index(1))
+        lse_ptr = lse_ptr + gl.program_id(1).to(gl.int64) * SQ
+        gl.warp_specialize([
+            (_attend, (q_desc, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turn, lse_ptr, qk_scale, b, h, m0,
+                       SQ, SKV, full, n_blocks, 0, CAUSAL, NEGATIVE_SCALE)),
+            (_attend, (q_desc, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turn, lse_ptr, qk_scale, b, h, m0,
+                       SQ, SKV, full, n_blocks, 1, CAUSAL, NEGATIVE_SCALE)),
             (_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, n_blocks)),
-        ], [1], [24])
-        o = result[0]
-        lse = result[1]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        rows = m0 + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
-        gl.store(lse_ptr + gl.program_id(1).to(gl.int64) * SQ + rows, lse, mask=rows < SQ)
-        # Q's tile is free once the last S was computed: the output goes out through it
-        q_smem.reshape([BM, D]).store(o.to(dtype))
-        fence_async_shared()
-        _tma_store(o_desc, [b, h, m0, 0], q_smem)
-        tma.store_wait(0)
+        ], [4, 1], [240, 24])
 
 
-# (BLOCK_N, STAGES, num_warps, maxnreg) per head dim; BLOCK_M is 128 (two consumer warpgroups of 64 rows).
-# maxnreg caps the whole kernel so that 8 consumer warps + the loader's warpgroup fit the register file:
-# the loader gets 24 registers and the consumers what is left (Triton's setmaxnreg split).
-CONFIGS = {64: (128, 3, 8, 168), 128: (128, 2, 8, 168)}
+# (BLOCK_N, STAGES) per head dim; BLOCK_M is 128 (two consumer warpgroups of 64 rows).
+CONFIGS = {64: (128, 4), 128: (128, 3)}
+# Three warpgroups (two consumers, the loader's) share the register file: capped at 168 a thread overall,
+# the loader keeps 24 and each consumer gets 240 (setmaxnreg).
+MAXNREG = 168
 
 
 def supports(q, k, v, causal) -> list[str]:
@@ -253,10 +271,10 @@ def _descriptor(t, block):
 def forward(q, k, v, out, causal, scale):
     """(out, lse) for a call :func:`supports` took; ``out`` is written through its strides."""
     b, h, sq, d = q.shape
-    block_n, stages, warps, maxnreg = CONFIGS[d]
+    block_n, stages = CONFIGS[d]
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(sq, BLOCK_M), b * h)
-    _fwd_kernel[grid](_descriptor(q, BLOCK_M), _descriptor(k, block_n), _descriptor(v, block_n),
-                      _descriptor(out, BLOCK_M), lse, h, h // k.shape[1], sq, k.shape[2], scale * LOG2E,
-                      CAUSAL=causal, NEGATIVE_SCALE=scale < 0, STAGES=stages, num_warps=warps, maxnreg=maxnreg)
+    _fwd_kernel[grid](_descriptor(q, BLOCK_M // 2), _descriptor(k, block_n), _descriptor(v, block_n),
+                      _descriptor(out, BLOCK_M // 2), lse, h, h // k.shape[1], sq, k.shape[2], scale * LOG2E,
+                      CAUSAL=causal, NEGATIVE_SCALE=scale < 0, STAGES=stages, num_warps=4, maxnreg=MAXNREG)
     return out, lse
