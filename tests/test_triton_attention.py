@@ -53,6 +53,48 @@ def _check(q, k, v, causal, scale, dout=None, grad_factor=8):
     return out, lse, grads
 
 
+# ----------------------------------------------------------------------------- the Hopper forward
+
+sm90 = importlib.import_module("portable_ops.backends.triton.attention_sm90")
+ON_SM90 = DEVICE.type == "cuda" and not sm90.supports(*_inputs(1, 1, 1, 128, 128, 64, torch.bfloat16), False,
+                                                      (8192, 8192, 64, 1))
+
+
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU and a Triton with Gluon (the Hopper forward)")
+@pytest.mark.parametrize("b,hq,hkv,sq,skv,d,causal,heads_inner,dtype,scale", [
+    (2, 4, 4, 256, 256, 64, False, False, torch.bfloat16, None),  # two key tiles, slots reused at D 128
+    (1, 8, 2, 1000, 1000, 128, True, True, torch.float16, None),  # GQA, transposed, ragged, many tiles
+    (2, 4, 1, 300, 777, 128, True, True, torch.bfloat16, -0.3),  # bottom-right causal, negative scale
+    (1, 2, 2, 100, 100, 64, True, False, torch.float16, None),  # the second warpgroup's rows past Sq
+    (3, 6, 3, 129, 200, 128, False, False, torch.bfloat16, 0.0),  # a ragged key tail; uniform weights
+    (1, 2, 2, 65, 4097, 64, False, True, torch.float16, None),  # Sq just over decode's, 33 key tiles
+])
+def test_hopper_forward_against_float64(b, hq, hkv, sq, skv, d, causal, heads_inner, dtype, scale):
+    q, k, v = _inputs(b, hq, hkv, sq, skv, d, dtype, heads_inner=heads_inner)
+    assert not sm90.supports(q, k, v, causal, layout.strides_like(q))  # the case reaches the Gluon kernel
+    _check(q, k, v, causal, 1 / math.sqrt(d) if scale is None else scale)
+
+
+def test_hopper_forward_declines_with_reasons():
+    q, k, v = _inputs(1, 2, 2, 128, 128, 64, torch.bfloat16)
+    stride = layout.strides_like(q)
+    reasons = " | ".join(sm90.supports(q.float(), k.float(), v.float(), False, stride) +
+                         sm90.supports(q[..., :16], k[..., :16], v[..., :16], True, stride) +
+                         # rows 136 bytes apart: not a multiple of 16
+                         sm90.supports(torch.zeros(1, 2, 128, 68, dtype=q.dtype, device=DEVICE)[..., :64], k, v, False,
+                                       stride) +
+                         sm90.supports(q, k[:, :1].expand(1, 2, 128, 64), v, False, stride) +
+                         sm90.supports(q, k[:, :, :64], v[:, :, :64], True, stride))
+    if sm90.gluon is None:
+        assert reasons == "this Triton has no Gluon | " * 4 + "this Triton has no Gluon"
+        return
+    for reason in ("only float16/bfloat16", "head_dim 16 is not one of (64, 128)", "k is broadcast",
+                   "causal with Sq > Skv", "q's strides or base are not 16-byte aligned"):
+        assert reason in reasons, reasons
+    if DEVICE.type == "cpu":
+        assert "not an sm_90 GPU" in reasons
+
+
 # ----------------------------------------------------------------------------- head dims
 
 @pytest.mark.parametrize("d,causal,hq,hkv,sq,skv", [

@@ -589,12 +589,10 @@ def _fwd_plan(key, q, k, v, causal, scale, precision, out_stride):
     d0, d1 = head_split(d)
     plan = _FwdPlan()
     plan.out_stride = out_stride
-    # the Gluon kernel on sm_90 where it takes the call (attention_sm90.supports says when); it writes
-    # out through TMA, so out's strides must suit TMA as q's do
-    out = torch.empty_strided(q.shape, out_stride, dtype=q.dtype, device=q.device)
-    plan.hopper = not INTERPRETED and not attention_sm90.supports(q, k, v, causal) \
-        and not attention_sm90.supports(out, k, v, causal)
-    if plan.hopper:
+    # the Gluon kernel on sm_90 where it takes the call (attention_sm90.supports says when)
+    plan.hopper = None
+    if not INTERPRETED and not attention_sm90.supports(q, k, v, causal, out_stride):
+        plan.hopper = attention_sm90.Plan(q, k, v, out_stride, causal, scale)
         return _remember(_fwd_plans, key, plan)
 
     def configure(config):
@@ -621,7 +619,7 @@ def _fwd_plan(key, q, k, v, causal, scale, precision, out_stride):
                               BLOCK_S=triton.next_power_of_2(plan.splits), num_warps=4)
         return plan
 
-    config = _config("fwd", q, k, causal, precision, lambda c: _forward(configure(c), q, k, v, scale, causal))
+    config = _config("fwd", q, k, causal, precision, lambda c: _forward(configure(c), q, k, v, scale))
     return _remember(_fwd_plans, key, configure(config))
 
 
@@ -636,14 +634,14 @@ def attention_fwd(q, k, v, *, causal, scale):
     plan = _fwd_plans.get(key)
     if plan is None:
         plan = _fwd_plan(key, rq, rk, rv, causal, scale, precision, layout.strides_like(q))
-    return _forward(plan, rq, rk, rv, scale, causal)
+    return _forward(plan, rq, rk, rv, scale)
 
 
-def _forward(plan, q, k, v, scale, causal):
+def _forward(plan, q, k, v, scale):
     b, h, sq, d = q.shape
     out = torch.empty_strided(q.shape, plan.out_stride, dtype=q.dtype, device=q.device)
-    if plan.hopper:
-        return attention_sm90.forward(q, k, v, out, causal, scale)
+    if plan.hopper is not None:
+        return attention_sm90.forward(plan.hopper, q, k, v, out, scale)
     if plan.splits == 1:
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
         plan.fwd(q, k, v, out, lse, *plan.args, scale * LOG2E.value, plan.keys_per_split)

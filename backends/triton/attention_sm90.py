@@ -27,6 +27,8 @@ import functools
 import torch
 import triton
 
+from .launch import Launch
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -228,11 +230,22 @@ CONFIGS = {64: (128, 4), 128: (128, 3)}
 MAXNREG = 168
 
 
-def supports(q, k, v, causal) -> list[str]:
-    """Why the Hopper kernel can't take this call (empty: it can)."""
-    reasons = []
+# Gluon is experimental and its API moves between releases: the kernel was written against these two.
+GLUON_READ_IN = ((3, 6), (3, 9))
+
+
+def supports(q, k, v, causal, out_stride) -> list[str]:
+    """Why the Hopper kernel can't take this call, whose output will have strides ``out_stride``
+    (empty: it can)."""
+    from portable_ops import env  # here: the kernel module loads without the package (tests/test_triton_compiles.py)
+
     if gluon is None:
         return ["this Triton has no Gluon"]
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) not in GLUON_READ_IN:
+        return [f"Triton {triton.__version__}: the Gluon kernel was written against Triton 3.6 and 3.9"]
+    if not env.flag("PORTABLE_OPS_SM90_ATTENTION", True):
+        return ["PORTABLE_OPS_SM90_ATTENTION is off"]
+    reasons = []
     if not (q.is_cuda and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())):
         reasons.append("not an sm_90 GPU")
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
@@ -245,36 +258,71 @@ def supports(q, k, v, causal) -> list[str]:
         reasons.append("decode-sized Sq (<= 64) runs the split-key kernel")
     if causal and sq > skv:
         reasons.append("causal with Sq > Skv has rows that see no key")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1 or any(st * t.element_size() % 16 for st in _tma_strides(t)[:-1]) or t.data_ptr() % 16:
-            reasons.append(f"{name}'s strides or base are not 16-byte aligned (TMA needs them)")
+    if q.numel() == 0 or k.numel() == 0:
+        reasons.append("an empty dim (a TMA descriptor has none)")
+    for name, t, stride in (("q", q, q.stride()), ("k", k, k.stride()), ("v", v, v.stride()), ("out", q, out_stride)):
+        if not _tma_addressable(t.shape, stride, t.element_size()) or (name != "out" and t.data_ptr() % 16):
+            reasons.append(f"{name}'s strides or base are not 16-byte aligned with a unit last stride (TMA needs them)")
+        if any(st == 0 and n > 1 for n, st in zip(t.shape, stride)):
+            reasons.append(f"{name} is broadcast (a stride-0 dim): not verified through TMA")
     return reasons
 
 
 @functools.lru_cache(maxsize=None)
 def _is_sm90(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
+    # ROCm reports gfx90a and the MI300s as capability 9.x too
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) == (9, 0)
 
 
-def _tma_strides(t) -> list[int]:
-    """``t``'s strides, with any stride of a size-one dim (never stepped, but TMA wants it 16-byte
+def _tma_strides(shape, stride, element_size) -> list[int]:
+    """``stride``, with any stride of a size-one dim (never stepped, but TMA wants it 16-byte
     aligned all the same) replaced by an aligned one."""
-    return [st if n > 1 else 16 // t.element_size() for n, st in zip(t.shape, t.stride())]
+    return [st if n > 1 else 16 // element_size for n, st in zip(shape, stride)]
 
 
-def _descriptor(t, block):
+def _tma_addressable(shape, stride, element_size) -> bool:
+    return stride[-1] == 1 and all(st * element_size % 16 == 0
+                                   for st in _tma_strides(shape, stride, element_size)[:-1])
+
+
+def _template(t, stride, block):
+    """A descriptor of ``t``'s shape and dtype over ``stride``, checked once, holding no tensor
+    (a plan outlives the call that built it): :func:`_rebased` gives it one per call."""
     shape = [1, 1, block, t.shape[-1]]
     layout = gl.NVMMASharedLayout.get_default_for(shape, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
-    return TensorDescriptor(t, list(t.shape), _tma_strides(t), shape, layout)
+    descriptor = TensorDescriptor(t, list(t.shape), _tma_strides(t.shape, stride, t.element_size()), shape, layout)
+    descriptor.base = None
+    return descriptor
 
 
-def forward(q, k, v, out, causal, scale):
-    """(out, lse) for a call :func:`supports` took; ``out`` is written through its strides."""
-    b, h, sq, d = q.shape
-    block_n, stages = CONFIGS[d]
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(sq, BLOCK_M), b * h)
-    _fwd_kernel[grid](_descriptor(q, BLOCK_M // 2), _descriptor(k, block_n), _descriptor(v, block_n),
-                      _descriptor(out, BLOCK_M // 2), lse, h, h // k.shape[1], sq, k.shape[2], scale * LOG2E,
-                      CAUSAL=causal, NEGATIVE_SCALE=scale < 0, STAGES=stages, num_warps=4, maxnreg=MAXNREG)
+def _rebased(template, base):
+    """``template`` over another tensor of the same shape, strides and alignment (a plan's key fixes
+    them): the checks ``TensorDescriptor`` runs when built cost ~10 us a descriptor, four per call."""
+    descriptor = object.__new__(TensorDescriptor)
+    descriptor.__dict__.update(template.__dict__)
+    descriptor.base = base
+    return descriptor
+
+
+class Plan:
+    """What a call of one layout needs, built once: descriptor templates and the launch."""
+
+    __slots__ = ("descriptors", "launch", "args")
+
+    def __init__(self, q, k, v, out_stride, causal, scale):
+        b, h, sq, d = q.shape
+        block_n, stages = CONFIGS[d]
+        self.descriptors = (_template(q, q.stride(), BLOCK_M // 2), _template(k, k.stride(), block_n),
+                            _template(v, v.stride(), block_n), _template(q, out_stride, BLOCK_M // 2))
+        self.launch = Launch(_fwd_kernel, (triton.cdiv(sq, BLOCK_M), b * h), 0, CAUSAL=causal,
+                             NEGATIVE_SCALE=scale < 0, STAGES=stages, num_warps=4, maxnreg=MAXNREG)
+        self.args = (h, h // k.shape[1], sq, k.shape[2])
+
+
+def forward(plan, q, k, v, out, scale):
+    """(out, lse) for a call :func:`supports` took and ``plan`` was built for; ``out`` is written
+    through its strides."""
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    descriptors = [_rebased(template, t) for template, t in zip(plan.descriptors, (q, k, v, out))]
+    plan.launch(*descriptors, lse, *plan.args, scale * LOG2E)
     return out, lse

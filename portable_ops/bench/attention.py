@@ -153,16 +153,20 @@ class _NoLaunch:
 
 @contextlib.contextmanager
 def no_launches(module):
-    """Every attention kernel of ``module`` (backends/triton/attention.py) replaced by a no-op."""
-    names = ("_fwd_kernel", "_combine_kernel", "_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")
-    saved = {name: getattr(module, name) for name in names}
+    """Every attention kernel of ``module`` (backends/triton/attention.py) and of its Hopper forward
+    (attention_sm90.py, where Gluon is there) replaced by a no-op."""
+    kernels = [(module, name) for name in ("_fwd_kernel", "_combine_kernel", "_delta_kernel", "_bwd_dkdv_kernel",
+                                           "_bwd_dq_kernel")]
+    if hasattr(module.attention_sm90, "_fwd_kernel"):
+        kernels.append((module.attention_sm90, "_fwd_kernel"))
+    saved = [(owner, name, getattr(owner, name)) for owner, name in kernels]
     try:
-        for name in names:
-            setattr(module, name, _NoLaunch(saved[name]))
+        for owner, name, kernel in saved:
+            setattr(owner, name, _NoLaunch(kernel))
         yield
     finally:
-        for name, kernel in saved.items():
-            setattr(module, name, kernel)
+        for owner, name, kernel in saved:
+            setattr(owner, name, kernel)
 
 
 def run_attention_host(calls=2000, b=4, s=256, heads=16, kv_heads=4, d=64) -> list[dict]:
