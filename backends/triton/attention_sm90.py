@@ -1,16 +1,18 @@
 """Attention forward for Hopper (sm_90) in Gluon: TMA loads into a shared-memory ring filled by a
 producer warp, warpgroup MMAs, and softmax overlapped with the tensor cores.
 
-One program takes ``BLOCK_M = 128`` query rows of one (batch, head): two consumer warpgroups of 64
-rows each share every K/V tile. A one-warp loader partition (``gl.warp_specialize``) streams the
-K/V tiles through ``STAGES`` slots, each guarded by a ready and an empty mbarrier. The consumers
-run each iteration in this order, so that the exponentials of one tile overlap the tensor cores'
-work on the next::
+One program takes ``BLOCK_M = 128`` query rows of one (batch, head), split between two consumer
+warpgroups of 64 rows that share every K/V tile. A one-warp loader streams the K/V tiles through
+``STAGES`` slots, each guarded by a ready and an empty mbarrier; the three run as partitions of
+``gl.warp_specialize``. Each consumer runs an iteration in this order, so that the exponentials of
+one tile overlap the tensor cores' work on the previous one::
 
-    S_j = Q K_j^T            (issued, not waited)
-    O  += P_{j-1} V_{j-1}    (issued, not waited)
-    wait S_j; P_j = exp2(S_j * scale - m_j) ...   (softmax while P_{j-1} V_{j-1} runs)
+    (my turn) S_j = Q K_j^T; O += P_{j-1} V_{j-1}   (both issued, not waited) (their turn)
+    wait S_j; P_j = exp2(S_j * scale - m_j) ...    (softmax while P_{j-1} V_{j-1} runs)
     wait O; O *= alpha_j; free slot j - 1
+
+and the two consumers take turns issuing their MMAs (FlashAttention-3's ping-pong), so that one's
+softmax also runs under the other's MMAs.
 
 Every tensor is addressed through a rank-4 TMA descriptor over its own ``[B, H, S, D]`` strides, so
 q/k/v transposed out of ``[B, S, H, D]`` need no copy, and tiles past a sequence's end read zeros
