@@ -93,9 +93,9 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                 from triton.experimental.gluon import language as gl
                 from triton.experimental.gluon._runtime import GluonASTSource
 
-                def descriptor(rows):
-                    shape = [1, 1, rows, d]
-                    return f"tensordesc<bf16[{','.join(map(str, shape))}],{gl.NVMMASharedLayout.get_default_for(shape, gl.bfloat16)!r}>"
+                def descriptor(rows):  # the signature Triton derives from the host's TensorDescriptor
+                    shape, layout = attention_sm90.tile(rows, d, gl.bfloat16)
+                    return f"tensordesc<bf16[{','.join(map(str, shape))}],{layout!r}>"
 
                 block_n, stages = attention_sm90.CONFIGS[d]
                 rows = attention_sm90.BLOCK_M // 2

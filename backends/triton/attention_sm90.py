@@ -29,7 +29,7 @@ import functools
 import torch
 import triton
 
-from .launch import Launch
+from .launch import TRITON_RELEASE, Launch
 
 try:
     from triton.experimental import gluon
@@ -243,7 +243,7 @@ def supports(q, k, v, causal, out_stride) -> list[str]:
 
     if gluon is None:
         return ["this Triton has no Gluon"]
-    if tuple(int(part) for part in triton.__version__.split(".")[:2]) not in GLUON_READ_IN:
+    if TRITON_RELEASE not in GLUON_READ_IN:
         return [f"Triton {triton.__version__}: the Gluon kernel was written against Triton 3.6 and 3.9"]
     if not env.flag("PORTABLE_OPS_SM90_ATTENTION", True):
         return ["PORTABLE_OPS_SM90_ATTENTION is off"]
@@ -287,11 +287,17 @@ def _tma_addressable(shape, stride, element_size) -> bool:
                                    for st in _tma_strides(shape, stride, element_size)[:-1])
 
 
+def tile(block, head_dim, dtype):
+    """The TMA tile of ``block`` rows of a ``[B, H, S, head_dim]`` tensor of Gluon ``dtype``: its
+    block shape and shared-memory layout, what the kernel is specialised on."""
+    shape = [1, 1, block, head_dim]
+    return shape, gl.NVMMASharedLayout.get_default_for(shape, dtype)
+
+
 def _template(t, stride, block):
     """A descriptor of ``t``'s shape and dtype over ``stride``, checked once, holding no tensor
     (a plan outlives the call that built it): :func:`_rebased` gives it one per call."""
-    shape = [1, 1, block, t.shape[-1]]
-    layout = gl.NVMMASharedLayout.get_default_for(shape, gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
+    shape, layout = tile(block, t.shape[-1], gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
     descriptor = TensorDescriptor(t, list(t.shape), _tma_strides(t.shape, stride, t.element_size()), shape, layout)
     descriptor.base = None
     return descriptor

@@ -33,7 +33,8 @@ from .interpreter import INTERPRETED
 # launch_metadata, enter_hook, exit_hook, *every kernel parameter)) is JITFunction.run's in the
 # Triton releases it was read in; any other release launches through Triton.
 PROTOCOL_READ_IN = ((3, 6), (3, 9))
-_KNOWN_PROTOCOL = tuple(int(part) for part in triton.__version__.split(".")[:2]) in PROTOCOL_READ_IN
+TRITON_RELEASE = tuple(int(part) for part in triton.__version__.split(".")[:2])  # (major, minor)
+_KNOWN_PROTOCOL = TRITON_RELEASE in PROTOCOL_READ_IN
 
 
 def _through_triton(kernel) -> bool:
