@@ -56,6 +56,7 @@ def _check(q, k, v, causal, scale, dout=None, grad_factor=8):
 # ----------------------------------------------------------------------------- the Hopper forward
 
 sm90 = importlib.import_module("portable_ops.backends.triton.attention_sm90")
+launch_mod = importlib.import_module("portable_ops.backends.triton.launch")
 ON_SM90 = DEVICE.type == "cuda" and not sm90.supports(*_inputs(1, 1, 1, 128, 128, 64, torch.bfloat16), False,
                                                       (8192, 8192, 64, 1))
 
@@ -73,6 +74,23 @@ def test_hopper_forward_against_float64(b, hq, hkv, sq, skv, d, causal, heads_in
     q, k, v = _inputs(b, hq, hkv, sq, skv, d, dtype, heads_inner=heads_inner)
     assert not sm90.supports(q, k, v, causal, layout.strides_like(q))  # the case reaches the Gluon kernel
     _check(q, k, v, causal, 1 / math.sqrt(d) if scale is None else scale)
+
+
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU and a Triton with Gluon (the Hopper forward)")
+def test_hopper_forward_relaunches_over_other_tensors():
+    """One plan, launched directly after its first call, over tensors at other addresses and over the
+    first tensors again with new contents: each result is the current inputs' (the encoded TMA
+    descriptors are kept per base address, launch.py)."""
+    first = _inputs(1, 4, 2, 384, 384, 128, torch.bfloat16, seed=1, heads_inner=True)
+    second = _inputs(1, 4, 2, 384, 384, 128, torch.bfloat16, seed=2, heads_inner=True)
+    for q, k, v in (first, second, first, second):
+        _check(q, k, v, True, 0.1)
+        for t in (q, k, v):
+            t.mul_(-1)
+    launch = next(p.hopper.launch for p in attn._fwd_plans.values() if p.hopper is not None and p.hopper.args[2] == 384)
+    compiled = next(iter(launch.compiled.values()))
+    if launch_mod.TRITON_RELEASE == (3, 6):  # the release whose launcher the cached-descriptor path was read from
+        assert compiled.tensor_maps is not None and all(len(m) == 2 for m in compiled.tensor_maps[:3])
 
 
 def test_hopper_forward_declines_with_reasons():

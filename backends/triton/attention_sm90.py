@@ -296,33 +296,25 @@ def tile(block, head_dim, dtype):
 
 def _template(t, stride, block):
     """A descriptor of ``t``'s shape and dtype over ``stride``, checked once, holding no tensor
-    (a plan outlives the call that built it): :func:`_rebased` gives it one per call."""
+    (a plan outlives the call that built it): its launch gives it one per call."""
     shape, layout = tile(block, t.shape[-1], gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
     descriptor = TensorDescriptor(t, list(t.shape), _tma_strides(t.shape, stride, t.element_size()), shape, layout)
     descriptor.base = None
     return descriptor
 
 
-def _rebased(template, base):
-    """``template`` over another tensor of the same shape, strides and alignment (a plan's key fixes
-    them): the checks ``TensorDescriptor`` runs when built cost ~10 us a descriptor, four per call."""
-    descriptor = object.__new__(TensorDescriptor)
-    descriptor.__dict__.update(template.__dict__)
-    descriptor.base = base
-    return descriptor
-
-
 class Plan:
-    """What a call of one layout needs, built once: descriptor templates and the launch."""
+    """What a call of one layout needs, built once: the launch, over descriptor templates of q, k,
+    v and the output."""
 
-    __slots__ = ("descriptors", "launch", "args")
+    __slots__ = ("launch", "args")
 
     def __init__(self, q, k, v, out_stride, causal, scale):
         b, h, sq, d = q.shape
         block_n, stages = CONFIGS[d]
-        self.descriptors = (_template(q, q.stride(), BLOCK_M // 2), _template(k, k.stride(), block_n),
-                            _template(v, v.stride(), block_n), _template(q, out_stride, BLOCK_M // 2))
-        self.launch = Launch(_fwd_kernel, (triton.cdiv(sq, BLOCK_M), b * h), 0, CAUSAL=causal,
+        descriptors = (_template(q, q.stride(), BLOCK_M // 2), _template(k, k.stride(), block_n),
+                       _template(v, v.stride(), block_n), _template(q, out_stride, BLOCK_M // 2))
+        self.launch = Launch(_fwd_kernel, (triton.cdiv(sq, BLOCK_M), b * h), 0, descriptors, CAUSAL=causal,
                              NEGATIVE_SCALE=scale < 0, STAGES=stages, num_warps=4, maxnreg=MAXNREG)
         self.args = (h, h // k.shape[1], sq, k.shape[2])
 
@@ -331,6 +323,5 @@ def forward(plan, q, k, v, out, scale):
     """(out, lse) for a call :func:`supports` took and ``plan`` was built for; ``out`` is written
     through its strides."""
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    descriptors = [_rebased(template, t) for template, t in zip(plan.descriptors, (q, k, v, out))]
-    plan.launch(*descriptors, lse, *plan.args, scale * LOG2E)
+    plan.launch(q, k, v, out, lse, *plan.args, scale * LOG2E)
     return out, lse

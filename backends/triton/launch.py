@@ -49,13 +49,14 @@ def _through_triton(kernel) -> bool:
 
 
 class Launch:
-    """``kernel[grid](*args, **options)``, for arguments that lead with ``tensors`` tensors and
-    whose integers are the same on every call."""
+    """``kernel[grid](*args, **options)``, for arguments that lead with ``len(descriptors)`` tensors
+    that those TMA descriptor templates (``TensorDescriptor`` holding no tensor) address, then with
+    ``tensors`` tensors, and whose integers are the same on every call."""
 
-    __slots__ = ("kernel", "grid", "options", "tensors", "tail", "compiled")
+    __slots__ = ("kernel", "grid", "options", "tensors", "descriptors", "tail", "compiled")
 
-    def __init__(self, kernel, grid, tensors: int, **options):
-        self.kernel, self.options, self.tensors = kernel, options, tensors
+    def __init__(self, kernel, grid, tensors: int, descriptors=(), **options):
+        self.kernel, self.options, self.tensors, self.descriptors = kernel, options, tensors, tuple(descriptors)
         self.grid = (*grid, 1, 1)[:3]
         self.tail = None  # the kernel's parameters after the positional arguments, in order
         self.compiled: dict = {}
@@ -63,19 +64,93 @@ class Launch:
     def __call__(self, *args) -> None:
         _wait_for_cache_key()  # before any launch that may compile, through Triton or not
         if INTERPRETED or _through_triton(self.kernel):
-            self.kernel[self.grid](*args, **self.options)
+            self.kernel[self.grid](*self._described(args), **self.options)
             return
         device = driver.active.get_current_device()
-        key = (device, *[t.data_ptr() % 16 == 0 for t in args[:self.tensors]])
+        n = len(self.descriptors)
+        key = (device, *[t.data_ptr() % 16 == 0 for t in args[n:n + self.tensors]])
         compiled = self.compiled.get(key)
         if compiled is None:
-            self.compiled[key] = self.kernel[self.grid](*args, **self.options)
+            self.compiled[key] = _Compiled(self.kernel[self.grid](*self._described(args), **self.options),
+                                           self.descriptors)
             if self.tail is None:
                 parameters = list(inspect.signature(self.kernel.fn).parameters.values())[len(args):]
                 self.tail = tuple(self.options.get(p.name, p.default) for p in parameters)
             return
-        compiled.run(*self.grid, driver.active.get_current_stream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args, *self.tail)
+        stream = driver.active.get_current_stream(device)
+        if compiled.tensor_maps is None:
+            compiled.kernel.run(*self.grid, stream, compiled.kernel.function, compiled.kernel.packed_metadata, None,
+                                None, None, *self._described(args), *self.tail)
+        else:
+            compiled.raw_launch(*self.grid, stream, compiled.kernel.function, *compiled.launch_flags,
+                                compiled.kernel.packed_metadata, None, None, None,
+                                *compiled.expand(self.descriptors, args[:n]), *args[n:], *self.tail)
+
+    def _described(self, args):
+        return (*(_rebased(template, t) for template, t in zip(self.descriptors, args)), *args[len(self.descriptors):])
+
+
+def _rebased(template, base):
+    """``template`` over ``base``, a tensor of the same shape and strides (the plan's key fixes them):
+    the checks ``TensorDescriptor`` runs when built cost ~10 us a descriptor."""
+    descriptor = object.__new__(type(template))
+    descriptor.__dict__.update(template.__dict__)
+    descriptor.base = base
+    return descriptor
+
+
+class _Compiled:
+    """A compiled kernel and, where its launcher's layout is the one read in (Triton 3.6's CUDA
+    launcher), what launching it with cached TMA descriptors needs.
+
+    Triton's launcher encodes every descriptor argument again on every launch (a driver call,
+    ``cuTensorMapEncodeTiled``, and the Python around it). A descriptor depends only on the
+    template, fixed per plan, and the base address, which a training loop's caching allocator hands
+    back step after step; so the encoded descriptors are kept per template and base address, a
+    bounded number of them, and passed to the launcher's C entry point directly.
+    """
+
+    __slots__ = ("kernel", "tensor_maps", "raw_launch", "launch_flags", "metadata")
+
+    MAX_ADDRESSES = 64  # per template: a model's layers each bring their own tensors
+
+    def __init__(self, kernel, descriptors):
+        self.kernel, self.tensor_maps = kernel, None
+        if not descriptors:
+            return
+        launcher = kernel.run
+        wrapper = getattr(launcher, "launch", None)
+        free = dict(zip(getattr(getattr(wrapper, "__code__", None), "co_freevars", ()), wrapper.__closure__ or ())) \
+            if wrapper is not None else {}
+        metadata = free["tensordesc_meta"].cell_contents if "tensordesc_meta" in free else None
+        if (TRITON_RELEASE != (3, 6) or set(free) != {"launcher", "tensordesc_indices", "tensordesc_meta"}
+                or not metadata or None in metadata or len(metadata) != len(descriptors)
+                or any(m["fp4_padded"] for m in metadata)
+                or launcher.global_scratch_size or launcher.profile_scratch_size):
+            return  # descriptors go through Triton's launcher, encoded on every launch
+        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+        self.raw_launch = free["launcher"].cell_contents
+        # cooperative grid, programmatic dependent launch, and no global or profile scratch
+        self.launch_flags = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None)
+        self.metadata = [(m["swizzle"], m["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]], m["block_size"])
+                         for m in metadata]
+        self.tensor_maps = [{} for _ in descriptors]
+
+    def expand(self, templates, tensors):
+        """Each descriptor as the launcher's C entry point takes it: encoded map, shape, strides."""
+        expanded = []
+        for template, t, maps, (swizzle, size, dtype, block) in zip(templates, tensors, self.tensor_maps, self.metadata):
+            address = t.data_ptr()
+            encoded = maps.get(address)
+            if encoded is None:
+                if len(maps) >= self.MAX_ADDRESSES:
+                    maps.clear()
+                encoded = maps[address] = driver.active.utils.fill_tma_descriptor(
+                    address, swizzle, size, dtype, block, template.shape, template.strides,
+                    1 if template.padding == "nan" else 0)
+            expanded += (encoded, *template.shape, *template.strides)
+        return expanded
 
 
 _hashing: threading.Thread | None = None
