@@ -53,4 +53,8 @@ def test_loss_curves_agree_within_tolerance_or_within_torchs_own_spread():
     assert [r["agree"] for r in off] == [False, False]
     # torch's own runs 1.0 apart: a 0.5 gap is within that spread
     spread = train.compare_losses(rows([3.5] * 12, base, [4.0] * 12))
-    assert [r["agree"] for r in spread] == [True, True] and spread[0]["torch eager vs compiled"] == "1 / 1"
+    assert [r["agree"] for r in spread] == [True, True] and spread[0]["torch's own spread"] == "1 / 1"
+    # the same through torch's run with its other attention kernel (the noise run)
+    noisy = rows([3.5] * 12, base, base) + [{"shape": "s", "stack": train.NOISE_RUN[0], "mode": train.NOISE_RUN[1],
+                                             "losses": [2.4] * 12}]
+    assert [r["agree"] for r in train.compare_losses(noisy)] == [True, True]

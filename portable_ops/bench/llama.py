@@ -3,8 +3,9 @@
 RoPE computed in float32, grouped-query attention with q, k and v sliced from one projection and
 transposed out of ``[B, S, H, D]``, RMSNorm, a SwiGLU MLP, an untied output head. Parameters stay
 float32; training runs it under bf16 autocast, so after RoPE attention gets float32 q and k and a
-bf16 v, as in a real model. ``attention`` picks the kernel: ``"portable_ops"`` or ``"sdpa"``
-(``F.scaled_dot_product_attention`` with its default backend choice).
+bf16 v, as in a real model. ``attention`` picks the kernel: ``"portable_ops"``, ``"sdpa"``
+(``F.scaled_dot_product_attention`` with its default backend choice) or ``"sdpa-flash"`` (SDPA held
+to its flash backend).
 """
 
 from __future__ import annotations
@@ -43,11 +44,20 @@ def _sdpa(q, k, v, causal):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
+def _sdpa_flash(q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return _sdpa(q, k, v, causal)
+
+
 def _portable_ops(q, k, v, causal):
     return portable_ops.attention(q, k, v, causal=causal)
 
 
-ATTENTION = {"sdpa": _sdpa, "portable_ops": _portable_ops}
+# "sdpa-flash": torch's stack with another of its attention kernels, the same function computed with
+# other roundings (the benchmark's measure of how far apart bf16 noise alone sends two loss curves)
+ATTENTION = {"sdpa": _sdpa, "sdpa-flash": _sdpa_flash, "portable_ops": _portable_ops}
 
 
 def rope_tables(cfg: LlamaConfig, device) -> tuple[torch.Tensor, torch.Tensor]:
