@@ -4,6 +4,7 @@ only for calls it was specialised for, and Triton's own path is kept where it mu
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
@@ -79,3 +80,15 @@ def test_direct_launches_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("PORTABLE_OPS_DIRECT_LAUNCH", "1")
     torch.testing.assert_close(_run(run, x, 2.0, 1.0), x * 2 + 1)
     assert len(run.compiled) == 1
+
+
+def test_triton_cache_dir_is_pinned_to_where_triton_looks_unless_the_user_chose(monkeypatch, tmp_path):
+    """Inductor redirects TRITON_CACHE_DIR when it first builds a kernel runner: pinned beforehand, our
+    kernels are cached in one directory whatever ran first (launch.pin_triton_cache_dir)."""
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    default = knobs.cache.dir
+    launch.pin_triton_cache_dir()
+    assert os.environ["TRITON_CACHE_DIR"] == default
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    launch.pin_triton_cache_dir()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path)

@@ -20,6 +20,7 @@ globals a kernel read have not changed.
 from __future__ import annotations
 
 import inspect
+import os
 import threading
 
 import triton
@@ -151,6 +152,22 @@ class _Compiled:
                     1 if template.padding == "nan" else 0)
             expanded += (encoded, *template.shape, *template.strides)
         return expanded
+
+
+def pin_triton_cache_dir() -> None:
+    """Fix, for this process and its children, the directory Triton caches compiled kernels in: the
+    one it would use now.
+
+    Inductor (torch.compile) points ``TRITON_CACHE_DIR`` at a directory of its own the first time
+    it builds a kernel runner in a process, unless it is set. Our kernels compiled before that land
+    in Triton's default directory and those compiled after it in Inductor's; a later process in
+    which Inductor runs its graph from its own cache (building no runner) looks for them in the
+    other one and compiles them all again: 4.2 s of the second-run warm-up of the training bench's
+    shape 1, compiled, on the H100 (cProfile: ptxas and the kernel launchers' C builds). Pinned
+    here, where they go no longer depends on what ran first; Inductor keeps its own kernels in the
+    same directory. A directory the user set is left as it is.
+    """
+    os.environ.setdefault("TRITON_CACHE_DIR", knobs.cache.dir)
 
 
 _hashing: threading.Thread | None = None
