@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -40,6 +41,10 @@ SHAPES = {
     "d2048 hd128 s4096": LlamaConfig(d_model=2048, layers=4, heads=16, kv_heads=8, seq=4096, batch=2),
     "d2048 hd128 s8192": LlamaConfig(d_model=2048, layers=4, heads=16, kv_heads=8, seq=8192, batch=1),
 }
+# The environment this process started with: a user's second run starts from it, not from this
+# process's after torch.compile ran (Inductor sets TRITON_PTXAS_PATH to torch's ptxas, which is part
+# of every Triton kernel's cache key: a child inheriting it compiled all our kernels again, 7.9-9.1 s).
+_START_ENV = dict(os.environ)
 STACKS = ("torch", "portable_ops")
 MODES = ("eager", "compiled")
 ATTENTION_OF = {"torch": "sdpa", "portable_ops": "portable_ops", "torch-flash": "sdpa-flash"}
@@ -185,7 +190,7 @@ def warm_second_run(shape: str, device: torch.device) -> list[dict]:
     for mode in MODES:
         for stack in STACKS:
             command = [sys.executable, "-m", "portable_ops.bench.train", shape, stack, mode, str(device)]
-            result = subprocess.run(command, capture_output=True, text=True)
+            result = subprocess.run(command, capture_output=True, text=True, env=_START_ENV)
             if result.returncode:
                 raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
             rows.append({"shape": shape, "stack": stack, "mode": mode,
