@@ -82,13 +82,23 @@ def test_direct_launches_can_be_switched_off(monkeypatch):
     assert len(run.compiled) == 1
 
 
-def test_triton_cache_dir_is_pinned_to_where_triton_looks_unless_the_user_chose(monkeypatch, tmp_path):
-    """Inductor redirects TRITON_CACHE_DIR when it first builds a kernel runner: pinned beforehand, our
-    kernels are cached in one directory whatever ran first (launch.pin_triton_cache_dir)."""
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    default = knobs.cache.dir
-    launch.pin_triton_cache_dir()
-    assert os.environ["TRITON_CACHE_DIR"] == default
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    launch.pin_triton_cache_dir()
-    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path)
+def test_kernels_compile_under_the_triton_environment_of_backend_load(monkeypatch, tmp_path):
+    """Inductor points TRITON_CACHE_DIR and TRITON_PTXAS_PATH elsewhere once it compiles: a launch that may
+    compile ours runs under the values the backend loaded with, and leaves Inductor's in place after."""
+    ours = {"TRITON_CACHE_DIR": str(tmp_path / "ours"), "TRITON_PTXAS_PATH": None}
+    monkeypatch.setattr(launch, "_COMPILE_ENV", ours)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/torch/bin/ptxas")
+    seen = launch.in_compile_env(lambda: (os.environ.get("TRITON_CACHE_DIR"), os.environ.get("TRITON_PTXAS_PATH")))
+    assert seen == (ours["TRITON_CACHE_DIR"], None)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "inductor")
+    assert os.environ["TRITON_PTXAS_PATH"] == "/torch/bin/ptxas"
+    with pytest.raises(ZeroDivisionError):  # restored when the launch raises too
+        launch.in_compile_env(lambda: 1 / 0)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "inductor")
+
+    calls = []
+    monkeypatch.setattr(launch, "in_compile_env", lambda call, *a, **k: calls.append(call) or call(*a, **k))
+    x = torch.randn(256, device=DEVICE)
+    torch.testing.assert_close(_run(launch.Launch(_axpb, (1,), 2, BLOCK=256), x, 2.0, 1.0), x * 2 + 1)
+    assert len(calls) == 1  # the first launch, the one that compiles

@@ -142,6 +142,8 @@ def test_adam_one_launch_per_param_and_state_dtype(state_dtype, monkeypatch):
     triton_adam = importlib.import_module("portable_ops.backends.triton.adam")
     launches = _Launches(triton_adam._adam_kernel)
     monkeypatch.setattr(triton_adam, "_adam_kernel", launches)
+    in_env = []  # every launch (each may compile) under the environment the backend loaded with (launch.py)
+    monkeypatch.setattr(triton_adam, "in_compile_env", lambda call, *a, **k: in_env.append(1) or call(*a, **k))
     sizes = [1, 33, 1500, 4097, 600] * 3
     g = _gen(4)
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
@@ -155,7 +157,7 @@ def test_adam_one_launch_per_param_and_state_dtype(state_dtype, monkeypatch):
         portable_ops.functional.adam(*state, state_dtype=state_dtype, **kw)
     ref_adam_mod.adam(*ref, **kw, grad_scale=None, found_inf=None, clip_coef=None)
     expected = {(triton_adam._TL_DTYPE[d], triton_adam._TL_DTYPE[state_dtype or d]) for d in dtypes}
-    assert sorted(launches.dtypes, key=str) == sorted(expected, key=str)
+    assert sorted(launches.dtypes, key=str) == sorted(expected, key=str) and len(in_env) == len(expected)
     for k in range(5):  # the param at its dtype's tolerance, the moments at their own
         for a, b in zip(state[k], ref[k]):
             _close([a], [b], ADAM_TOL[a.dtype])

@@ -31,10 +31,9 @@ else:
     from .adam import adam, adam_supports
     from .attention import attention_bwd, attention_fwd, attention_supports
     from .grad_norm import grad_norm, grad_norm_supports
-    from .launch import hash_triton_in_background, pin_triton_cache_dir
+    from .launch import hash_triton_in_background
 
     if not INTERPRETED:
-        pin_triton_cache_dir()
         hash_triton_in_background()
 
     def _device_reasons(device: torch.device) -> list[str]:

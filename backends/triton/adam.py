@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from . import multi_tensor as mt
+from .launch import in_compile_env
 from .multi_tensor import (PlanCache, address, block_offsets, by_dtype, dtype_of, load_f32, not_contiguous, store_as,
                            tables, this_chunk)
 
@@ -178,8 +179,8 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     lr_is_tensor = isinstance(lr, torch.Tensor)
     plan = _plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad)
     for (dtype, state_dtype), launch, t, steps, n in plan:
-        _adam_kernel[(t.chunks,)](
-            t.addresses, t.chunk_tensor, t.chunk_start, t.numels, n, steps,
+        in_compile_env(
+            _adam_kernel[(t.chunks,)], t.addresses, t.chunk_tensor, t.chunk_start, t.numels, n, steps,
             lr if lr_is_tensor else dummy, 0.0 if lr_is_tensor else float(lr),
             grad_scale if grad_scale is not None else dummy, found_inf if found_inf is not None else dummy,
             clip_coef if clip_coef is not None else dummy,

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .adam import _TL_DTYPE
 from . import multi_tensor as mt
+from .launch import in_compile_env
 from .multi_tensor import PlanCache, address, block_offsets, by_dtype, load_f32, not_contiguous, tables, this_chunk
 
 FINAL_BLOCK = 1024
@@ -100,10 +101,10 @@ def grad_norm(grads, norm_type):
     offset = 0
     for dtype, launch, t in groups:
         if t.chunks:
-            _partials_kernel[(t.chunks,)](t.addresses, t.chunk_tensor, t.chunk_start, t.numels, partials, offset,
-                                          DTYPE=_TL_DTYPE[dtype], CHUNK=launch.chunk, BLOCK=launch.block,
-                                          INF=inf, ALIGNED=t.aligned, num_warps=launch.num_warps)
+            in_compile_env(_partials_kernel[(t.chunks,)], t.addresses, t.chunk_tensor, t.chunk_start, t.numels,
+                           partials, offset, DTYPE=_TL_DTYPE[dtype], CHUNK=launch.chunk, BLOCK=launch.block, INF=inf,
+                           ALIGNED=t.aligned, num_warps=launch.num_warps)
         offset += t.chunks
     out = torch.empty((), dtype=torch.float32, device=grads[0].device)
-    _final_kernel[(1,)](partials, total, out, BLOCK=FINAL_BLOCK, INF=inf, num_warps=4)
+    in_compile_env(_final_kernel[(1,)], partials, total, out, BLOCK=FINAL_BLOCK, INF=inf, num_warps=4)
     return out

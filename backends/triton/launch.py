@@ -65,15 +65,15 @@ class Launch:
     def __call__(self, *args) -> None:
         _wait_for_cache_key()  # before any launch that may compile, through Triton or not
         if INTERPRETED or _through_triton(self.kernel):
-            self.kernel[self.grid](*self._described(args), **self.options)
+            in_compile_env(self.kernel[self.grid], *self._described(args), **self.options)
             return
         device = driver.active.get_current_device()
         n = len(self.descriptors)
         key = (device, *[t.data_ptr() % 16 == 0 for t in args[n:n + self.tensors]])
         compiled = self.compiled.get(key)
         if compiled is None:
-            self.compiled[key] = _Compiled(self.kernel[self.grid](*self._described(args), **self.options),
-                                           self.descriptors)
+            self.compiled[key] = _Compiled(in_compile_env(self.kernel[self.grid], *self._described(args),
+                                                          **self.options), self.descriptors)
             if self.tail is None:
                 parameters = list(inspect.signature(self.kernel.fn).parameters.values())[len(args):]
                 self.tail = tuple(self.options.get(p.name, p.default) for p in parameters)
@@ -88,6 +88,8 @@ class Launch:
                                 *compiled.expand(self.descriptors, args[:n]), *args[n:], *self.tail)
 
     def _described(self, args):
+        if not self.descriptors:
+            return args
         return (*(_rebased(template, t) for template, t in zip(self.descriptors, args)), *args[len(self.descriptors):])
 
 
@@ -113,7 +115,8 @@ class _Compiled:
 
     __slots__ = ("kernel", "tensor_maps", "raw_launch", "launch_flags", "metadata")
 
-    MAX_ADDRESSES = 64  # per template: a model's layers each bring their own tensors
+    # per template: every layer of a model (activation checkpointing: twice) brings its own tensors; 128 bytes each
+    MAX_ADDRESSES = 1024
 
     def __init__(self, kernel, descriptors):
         self.kernel, self.tensor_maps = kernel, None
@@ -121,10 +124,11 @@ class _Compiled:
             return
         launcher = kernel.run
         wrapper = getattr(launcher, "launch", None)
-        free = dict(zip(getattr(getattr(wrapper, "__code__", None), "co_freevars", ()), wrapper.__closure__ or ())) \
-            if wrapper is not None else {}
+        free = dict(zip(getattr(getattr(wrapper, "__code__", None), "co_freevars", ()),
+                        getattr(wrapper, "__closure__", None) or ()))
         metadata = free["tensordesc_meta"].cell_contents if "tensordesc_meta" in free else None
         if (TRITON_RELEASE != (3, 6) or set(free) != {"launcher", "tensordesc_indices", "tensordesc_meta"}
+                or free["tensordesc_indices"].cell_contents != set(range(len(descriptors)))  # they lead the arguments
                 or not metadata or None in metadata or len(metadata) != len(descriptors)
                 or any(m["fp4_padded"] for m in metadata)
                 or launcher.global_scratch_size or launcher.profile_scratch_size):
@@ -154,20 +158,41 @@ class _Compiled:
         return expanded
 
 
-def pin_triton_cache_dir() -> None:
-    """Fix, for this process and its children, the directory Triton caches compiled kernels in: the
-    one it would use now.
+# Where our kernels are compiled and cached, fixed when the backend loads: Triton's cache directory
+# and ptxas as the user's environment gives them then (unset: Triton's own defaults).
+_COMPILE_ENV = {"TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR") or knobs.cache.dir,
+                "TRITON_PTXAS_PATH": os.environ.get("TRITON_PTXAS_PATH")}
 
-    Inductor (torch.compile) points ``TRITON_CACHE_DIR`` at a directory of its own the first time
-    it builds a kernel runner in a process, unless it is set. Our kernels compiled before that land
-    in Triton's default directory and those compiled after it in Inductor's; a later process in
-    which Inductor runs its graph from its own cache (building no runner) looks for them in the
-    other one and compiles them all again: 4.2 s of the second-run warm-up of the training bench's
-    shape 1, compiled, on the H100 (cProfile: ptxas and the kernel launchers' C builds). Pinned
-    here, where they go no longer depends on what ran first; Inductor keeps its own kernels in the
-    same directory. A directory the user set is left as it is.
-    """
-    os.environ.setdefault("TRITON_CACHE_DIR", knobs.cache.dir)
+
+def _set_env(values: dict) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def in_compile_env(call, *args, **kwargs):
+    """``call(*args, **kwargs)``, a Triton launch that may compile, with Triton's cache directory and
+    ptxas as they were when the backend loaded.
+
+    Inductor (torch.compile) sets ``TRITON_CACHE_DIR`` to a directory of its own when it first
+    builds a kernel runner in a process, and ``TRITON_PTXAS_PATH`` to torch's bundled ptxas (part of
+    every Triton kernel's cache key) when it first compiles; it does neither when it runs a graph
+    from its own cache. So our kernels were compiled into one directory with one ptxas in one
+    process and looked for in another, or under another key, in the next: a second run compiled
+    all of them again (4.2 s of the training bench's shape 1 compiled second run on the H100, ptxas
+    and launcher builds under cProfile). Held here for the duration of a launch that may compile,
+    and restored after, so Inductor's own choices are left as they are. Process-wide while it
+    lasts: a thread compiling at that moment sees the same values."""
+    saved = {key: os.environ.get(key) for key in _COMPILE_ENV}
+    if saved == _COMPILE_ENV:
+        return call(*args, **kwargs)
+    _set_env(_COMPILE_ENV)
+    try:
+        return call(*args, **kwargs)
+    finally:
+        _set_env(saved)
 
 
 _hashing: threading.Thread | None = None
