@@ -58,3 +58,22 @@ def test_loss_curves_agree_within_tolerance_or_within_torchs_own_spread():
     noisy = rows([3.5] * 12, base, base) + [{"shape": "s", "stack": train.NOISE_RUN[0], "mode": train.NOISE_RUN[1],
                                              "losses": [2.4] * 12}]
     assert [r["agree"] for r in train.compare_losses(noisy)] == [True, True]
+
+
+def test_kernel_kinds_sort_ours_torchs_and_the_rest():
+    kinds = {
+        "_fwd_kernel": "attention fwd", "_bwd_dkdv_kernel": "attention bwd", "_delta_kernel": "attention bwd",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128": "attention fwd",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_2_64x128x128": "attention bwd",
+        "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4> >(flash::Flash_fwd_params)":
+            "attention fwd",
+        "fmha_cutlassB_bf16_aligned_64x64_k128_sm80": "attention bwd",
+        "_adam_kernel": "optimizer", "_partials_kernel": "optimizer",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::NormTwoOps<float>>>":
+            "optimizer",
+        "void at::native::multi_tensor_apply_kernel<at::native::FusedAdamMathFunctor<float, 4>>": "optimizer",
+        "triton_poi_fused__scaled_dot_product_flash_attention_backward_0": "other",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "other",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1": "other",
+    }
+    assert {name: train._kind(name) for name in kinds} == kinds
