@@ -511,6 +511,9 @@ def _dot_precision(dtype) -> str:
 def attention_supports(call) -> list[str]:
     q = call["q"]
     reasons = []
+    if q.shape[1] > MAX_GRID_Y:
+        reasons.append(f"{q.shape[1]} heads: a launch takes at most {MAX_GRID_Y} (CUDA's limit on a grid's second "
+                       f"dimension, which holds batch x heads)")
     if q.shape[-1] > MAX_HEAD_DIM:
         reasons.append(f"head_dim {q.shape[-1]} is over {MAX_HEAD_DIM} (a tile row must fit the registers)")
     if q.dtype == torch.float64:
@@ -545,6 +548,9 @@ def _splits(b, h, sq, skv, block_m, block_n, device=None) -> int:
 # dict lookup, its allocations and its launches.
 
 _PLANS_SIZE = 4096  # a decode loop meets a new cache length every token: bounded, cleared when full
+# CUDA's limit on a grid's second dimension, where every kernel here puts (batch, head): a call with
+# more batch x heads than that runs as slices of its batch (_by_batch_slices).
+MAX_GRID_Y = 65535
 _fwd_plans: dict = {}
 _bwd_plans: dict = {}
 
@@ -623,7 +629,28 @@ def _fwd_plan(key, q, k, v, causal, scale, precision, out_stride):
     return _remember(_fwd_plans, key, configure(config))
 
 
+def _batch_slices(q):
+    """Slices of the batch that each fit one launch, or None where the whole batch does."""
+    b, h = q.shape[:2]
+    if b * h <= MAX_GRID_Y:
+        return None
+    step = MAX_GRID_Y // h
+    return [slice(start, start + step) for start in range(0, b, step)]
+
+
+def _by_batch_slices(run, slices, inputs, outputs):
+    """``outputs``, filled slice by slice from ``run`` over the same slices of ``inputs``."""
+    for part in slices:
+        for out, got in zip(outputs, run(*(t[part] for t in inputs))):
+            out[part].copy_(got)
+    return outputs
+
+
 def attention_fwd(q, k, v, *, causal, scale):
+    slices = _batch_slices(q)
+    if slices is not None:
+        return _by_batch_slices(lambda *t: attention_fwd(*t, causal=causal, scale=scale), slices, (q, k, v),
+                                (layout.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)))
     scale = float(scale)  # a plan's launches take floats: an int would be specialised on its value
     precision = _dot_precision(q.dtype)
     rq, rk, rv = _row_major(q), _row_major(k), _row_major(v)
@@ -703,6 +730,10 @@ def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, precision, out_stride
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
+    slices = _batch_slices(q)
+    if slices is not None:
+        return _by_batch_slices(lambda *t: attention_bwd(*t, causal=causal, scale=scale), slices,
+                                (q, k, v, out, lse, dout), tuple(layout.empty_like(t) for t in (q, k, v)))
     scale = float(scale)
     precision = _dot_precision(q.dtype)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), q.dtype, k.dtype,
