@@ -6,10 +6,16 @@ the backend's device, so every backend sees the same numbers. Tolerances are
 keyed by dtype: a value passes when ``|out - ref| <= atol + rtol * |ref|``
 elementwise, against each oracle. Adam cases with ``state_dtype`` in their params keep
 the moments in that dtype and check them with its tolerance.
+
+A ``long`` case (attention at 16k and 32k keys) is checked on ``sampled_rows`` only, blocks of query
+rows (runner.py says why that is exact), and is run only where its backend's tensors are on an
+accelerator, or when asked (``--long``, ``PORTABLE_OPS_CONFORMANCE_LONG=1``): elsewhere it is
+reported as not run, never as a pass.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +46,7 @@ class Case:
     dtype: torch.dtype
     params: dict = field(default_factory=dict)
     seed: int = 0
+    long: bool = False  # too slow for a CPU run by default: see the runner's run policy
 
     @property
     def tolerance(self) -> tuple[float, float]:
@@ -170,7 +177,35 @@ def _attention_cases() -> list[Case]:
             cases.append(Case(name, "attention", dtype, dict(zip(keys, shape))))
     for name, (shape, scale) in scales.items():
         cases.append(Case(name, "attention", F16, dict(zip(keys, shape), scale=scale)))
+    long_shapes = {  # name: ((B, Hq, Hkv, S, D, causal), dtypes); few heads, the length is the point
+        "attn_long_16k_causal_gqa": ((1, 4, 2, 16384, 128, True), (BF16, F16)),
+        "attn_long_16k_gqa": ((1, 4, 1, 16384, 64, False), (BF16,)),
+        "attn_long_32k_causal": ((1, 2, 2, 32768, 128, True), (BF16,)),
+    }
+    for name, (shape, dtypes) in long_shapes.items():
+        for dtype in dtypes:
+            cases.append(Case(name, "attention", dtype, long_attention_params(*shape), long=True))
     return cases
+
+
+# At scale 1/sqrt(D) a row's softmax over 16k random keys is nearly uniform: out and the gradients are ~0.01,
+# inside the bf16 atol (3e-2), so a kernel that returned zeros would pass. Scores of std 3 put a row's weight
+# on some 60 keys (a peaked softmax), and out and dq of order 0.1-1 (docs/conformance.md).
+LONG_SCORE_STD = 3.0
+
+
+def long_attention_params(B: int, Hq: int, Hkv: int, S: int, D: int, causal: bool, block: int = 128) -> dict:
+    """A long case's params: Sq = Skv = S, checked on ``sampled_rows(S, block)``, scores of std ``LONG_SCORE_STD``."""
+    return dict(B=B, Hq=Hq, Hkv=Hkv, Sq=S, Skv=S, D=D, causal=causal, scale=LONG_SCORE_STD / math.sqrt(D),
+                sampled_rows=sampled_rows(S, block))
+
+
+def sampled_rows(sq: int, block: int = 128) -> tuple[tuple[int, int], ...]:
+    """The query rows a long case is checked on, as ``(start, end)`` blocks: the first rows (causal: the
+    fewest keys), a block in the middle that starts and ends off any power-of-two tile, and the last rows
+    (causal: the most keys)."""
+    middle = sq // 2 + 5
+    return ((0, block // 2), (middle, middle + block), (sq - block, sq))
 
 
 CASES: list[Case] = _adam_cases() + _clip_cases() + _attention_cases()

@@ -12,6 +12,12 @@ Oracles: ``float64`` is the reference backend's code run in float64 on the CPU;
 the reference backend. Optimizer cases are compared step by step: before each
 step the oracles start from the backend's own state, so the error measured is
 that of one step, in the backend's dtype.
+
+Attention cases with ``sampled_rows`` (the long ones) are checked on those query rows, against an
+oracle that stays exact for dk and dv over every key (see ``run_attention``). A ``long`` case runs
+only where the backend's tensors are on an accelerator, or when asked (``long=True``, the CLI's
+``--long``, ``PORTABLE_OPS_CONFORMANCE_LONG=1``); elsewhere its row says ``not run``, which is
+neither a pass nor a failure.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch.nn.functional as F
 from torch.optim.adam import adam as torch_adam
 
 import portable_ops
-from portable_ops import dispatch
+from portable_ops import dispatch, env
 from portable_ops.backends.reference.adam import adam as reference_adam
 from portable_ops.backends.reference.attention import attention_bwd as reference_attention_bwd
 from portable_ops.backends.reference.attention import attention_fwd as reference_attention_fwd
@@ -38,13 +44,16 @@ F64 = torch.float64
 # Adam divides by sqrt(v) + eps: where the grad (after L2 decay) nearly cancels, its float32
 # rounding is amplified in the update. A parameter may be off by this fraction of its own update.
 UPDATE_RTOL = 1e-3
+# Run the long cases on the CPU too (the Triton interpreter, the NKI emulator, the reference backend).
+LONG_VARIABLE = "PORTABLE_OPS_CONFORMANCE_LONG"
+STATUSES = ("pass", "fail", "fallback", "error", "not run")
 
 
 @dataclass
 class Row:
     backend: str
     case: str
-    status: str  # pass | fail | fallback | error
+    status: str  # one of STATUSES
     max_abs: float = 0.0
     rel: float = 0.0
     atol: float = 0.0
@@ -277,45 +286,100 @@ def _sdpa(q, k, v, causal, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-def run_attention(case: Case, backend: str, device: torch.device, oracles: list[str], result: Comparison):
-    p, dtype = case.params, case.dtype
+def attention_oracle(oracle, q, k, v, dout, rows, causal, scale):
+    """``out`` and ``dq`` on query rows ``rows = (start, end)``, and ``dk``, ``dv`` over every key, of the
+    attention of those rows alone: with ``dout`` zero on every other row, the whole attention's gradients.
+    Causal: the keys end at the last one the block's last row sees, so that the block's bottom-right
+    mask is the whole sequence's."""
+    start, end = rows
+    skv = k.shape[-2]
+    seen = min(skv, end + skv - q.shape[-2]) if causal else skv
+    q, k, v, dout = q[:, :, start:end], k[:, :, :seen], v[:, :, :seen], dout[:, :, start:end]
+    if oracle == "float64":
+        out, lse = reference_attention_fwd(q, k, v, causal=causal, scale=scale)
+        dq, dk, dv = reference_attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale)
+    else:
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = _sdpa(*leaves, causal, scale)
+        dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+    unseen = (0, 0, 0, skv - seen)
+    return out, dq, F.pad(dk, unseen), F.pad(dv, unseen)
+
+
+def attention_inputs(case: Case):
+    """``q, k, v, dout`` (float32, CPU) drawn from the case's seed, the blocks of query rows that are checked,
+    and a mask of those rows; with ``sampled_rows``, dout is zero outside them."""
+    p = case.params
     gen = torch.Generator().manual_seed(case.seed)
     q = torch.randn(p["B"], p["Hq"], p["Sq"], p["D"], generator=gen)
     k = torch.randn(p["B"], p["Hkv"], p["Skv"], p["D"], generator=gen)
     v = torch.randn(p["B"], p["Hkv"], p["Skv"], p["D"], generator=gen)
     dout = torch.randn(p["B"], p["Hq"], p["Sq"], p["D"], generator=gen)
+    blocks = p.get("sampled_rows") or ((0, p["Sq"]),)
+    sampled = torch.zeros(p["Sq"], dtype=torch.bool)
+    for start, end in blocks:
+        sampled[start:end] = True
+    if int(sampled.sum()) != sum(end - start for start, end in blocks):  # the oracles' dk, dv sum over blocks
+        raise ValueError(f"sampled_rows {blocks} overlap or reach past Sq = {p['Sq']}")
+    dout[:, :, ~sampled] = 0
+    return q, k, v, dout, blocks, sampled
+
+
+def run_attention(case: Case, backend: str, device: torch.device, oracles: list[str], result: Comparison):
+    """Out and dq, dk, dv against each oracle. With ``sampled_rows``, dout is zero outside those blocks of
+    query rows: the backend still runs the whole sequence, but its gradients are then exactly those of
+    the sampled rows' attention, which the oracles compute at a cost of (sampled rows) x Skv. Out and
+    dq are compared on the sampled rows, dk and dv everywhere, and dq elsewhere must be exactly zero
+    (dS = P * (dout V^T - rowsum(dout * out)) is, row by row)."""
+    p, dtype = case.params, case.dtype
+    q, k, v, dout, blocks, sampled = attention_inputs(case)
     inputs = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
     scale = p.get("scale", 1.0 / math.sqrt(p["D"]))
     with forced_strict(backend):
         out = portable_ops.attention(*inputs, causal=p["causal"], scale=scale)
         out.backward(dout.to(device, dtype))
     atol, rtol = case.tolerance
+    grad_tol = (atol * ATTENTION_GRAD_FACTOR, rtol * ATTENTION_GRAD_FACTOR)
+    dq, dk, dv = (t.grad for t in inputs)
+    if not sampled.all():
+        outside = dq[:, :, ~sampled.to(dq.device)]
+        result.check("float64", "dq outside the sampled rows", outside, torch.zeros_like(outside), 0.0, 0.0)
     # The oracles see the inputs rounded to the case's dtype, as the backend did.
     q64, k64, v64 = _f64(inputs)
     dout64 = dout.to(dtype).to(F64)
     for oracle in oracles:
-        if oracle == "float64":
-            ref, lse = reference_attention_fwd(q64, k64, v64, causal=p["causal"], scale=scale)
-            grads = reference_attention_bwd(q64, k64, v64, ref, lse, dout64, causal=p["causal"], scale=scale)
-        else:
-            if p["causal"] and p["Sq"] > p["Skv"]:
-                continue  # SDPA gives NaN for rows that see no key; the float64 oracle covers them
-            leaves = [t.clone().requires_grad_(True) for t in (q64, k64, v64)]
-            ref = _sdpa(*leaves, p["causal"], scale)
-            grads = torch.autograd.grad(ref, leaves, dout64)
-        result.check(oracle, "out", out, ref, atol, rtol)
-        for label, t, g in zip(("dq", "dk", "dv"), inputs, grads):
-            result.check(oracle, label, t.grad, g, atol * ATTENTION_GRAD_FACTOR, rtol * ATTENTION_GRAD_FACTOR)
+        if oracle == "torch" and p["causal"] and p["Sq"] > p["Skv"]:
+            continue  # SDPA gives NaN for rows that see no key; the float64 oracle covers them
+        dk_ref = dv_ref = 0.0
+        for start, end in blocks:
+            ref, dq_ref, dk_rows, dv_rows = attention_oracle(oracle, q64, k64, v64, dout64, (start, end),
+                                                              p["causal"], scale)
+            result.check(oracle, f"out rows {start}:{end}", out[:, :, start:end], ref, atol, rtol)
+            result.check(oracle, f"dq rows {start}:{end}", dq[:, :, start:end], dq_ref, *grad_tol)
+            dk_ref, dv_ref = dk_ref + dk_rows, dv_ref + dv_rows
+        result.check(oracle, "dk", dk, dk_ref, *grad_tol)
+        result.check(oracle, "dv", dv, dv_ref, *grad_tol)
 
 
 RUNNERS = {"adam": run_adam, "clip": run_clip, "attention": run_attention}
 
 
-def run_case(case: Case, backend: str, device: torch.device | None = None) -> Row:
+def long_cases_run(device: torch.device, long: bool | None = None) -> bool:
+    """Whether long cases run on ``device``: always on an accelerator; on the CPU (interpreter, emulator,
+    reference) only when ``long`` is true, or, when it is None, ``PORTABLE_OPS_CONFORMANCE_LONG`` is."""
+    return device.type != "cpu" or (env.flag(LONG_VARIABLE, False) if long is None else long)
+
+
+def run_case(case: Case, backend: str, device: torch.device | None = None, long: bool | None = None) -> Row:
     device = device or default_device(backend)
     oracles = ["float64", "torch"] if backend == "reference" else ["float64"]
     atol, rtol = case.tolerance
     row = Row(backend, case.id, "pass", atol=atol, rtol=rtol)
+    if case.long and not long_cases_run(device, long):
+        row.status = "not run"
+        row.detail = (f"long case: runs on an accelerator; on {device.type} only with --long or "
+                      f"{LONG_VARIABLE}=1")
+        return row
     result = Comparison()
     try:
         RUNNERS[case.op](case, backend, device, oracles, result)
@@ -331,14 +395,19 @@ def run_case(case: Case, backend: str, device: torch.device | None = None) -> Ro
     return row
 
 
-def run(backends: list[str], cases: list[Case] = CASES, device: torch.device | None = None, progress=None) -> list[Row]:
+def run(backends: list[str], cases: list[Case] = CASES, device: torch.device | None = None, progress=None,
+        long: bool | None = None) -> list[Row]:
     rows = []
     for backend in backends:
         for case in cases:
-            rows.append(run_case(case, backend, device))
+            rows.append(run_case(case, backend, device, long))
             if progress:
                 progress(rows[-1])
     return rows
+
+
+def status_counts(rows: list[Row]) -> dict[str, int]:
+    return {s: sum(r.status == s for r in rows) for s in STATUSES}
 
 
 def format_table(rows: list[Row]) -> str:
@@ -348,7 +417,7 @@ def format_table(rows: list[Row]) -> str:
         note = r.detail if r.status != "pass" else ",".join(r.oracles)
         lines.append(f"{r.backend:<10} {r.case:<44} {r.status:<8} {r.max_abs:>9.2e} {r.rel:>9.2e} "
                      f"{r.atol:>7.0e} {r.rtol:>7.0e}  {note}")
-    counts = {s: sum(r.status == s for r in rows) for s in ("pass", "fail", "fallback", "error")}
+    counts = status_counts(rows)
     lines.append("-" * len(header))
     lines.append(", ".join(f"{n} {s}" for s, n in counts.items()) + f" of {len(rows)} cases")
     return "\n".join(lines)
