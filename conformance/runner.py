@@ -415,8 +415,9 @@ def format_table(rows: list[Row]) -> str:
     lines = [header, "-" * len(header)]
     for r in rows:
         note = r.detail if r.status != "pass" else ",".join(r.oracles)
-        lines.append(f"{r.backend:<10} {r.case:<44} {r.status:<8} {r.max_abs:>9.2e} {r.rel:>9.2e} "
-                     f"{r.atol:>7.0e} {r.rtol:>7.0e}  {note}")
+        # a case that computed nothing has no error to show
+        errors = f"{'-':>9} {'-':>9}" if r.status in ("not run", "error") else f"{r.max_abs:>9.2e} {r.rel:>9.2e}"
+        lines.append(f"{r.backend:<10} {r.case:<44} {r.status:<8} {errors} {r.atol:>7.0e} {r.rtol:>7.0e}  {note}")
     counts = status_counts(rows)
     lines.append("-" * len(header))
     lines.append(", ".join(f"{n} {s}" for s, n in counts.items()) + f" of {len(rows)} cases")
