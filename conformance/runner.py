@@ -293,7 +293,7 @@ def attention_oracle(oracle, q, k, v, dout, rows, causal, scale):
     mask is the whole sequence's."""
     start, end = rows
     skv = k.shape[-2]
-    seen = min(skv, end + skv - q.shape[-2]) if causal else skv
+    seen = max(0, min(skv, end + skv - q.shape[-2])) if causal else skv  # 0: the block sees no key
     q, k, v, dout = q[:, :, start:end], k[:, :, :seen], v[:, :, :seen], dout[:, :, start:end]
     if oracle == "float64":
         out, lse = reference_attention_fwd(q, k, v, causal=causal, scale=scale)
@@ -416,7 +416,8 @@ def format_table(rows: list[Row]) -> str:
     for r in rows:
         note = r.detail if r.status != "pass" else ",".join(r.oracles)
         # a case that computed nothing has no error to show
-        errors = f"{'-':>9} {'-':>9}" if r.status in ("not run", "error") else f"{r.max_abs:>9.2e} {r.rel:>9.2e}"
+        computed = r.status not in ("not run", "error", "fallback")
+        errors = f"{r.max_abs:>9.2e} {r.rel:>9.2e}" if computed else f"{'-':>9} {'-':>9}"
         lines.append(f"{r.backend:<10} {r.case:<44} {r.status:<8} {errors} {r.atol:>7.0e} {r.rtol:>7.0e}  {note}")
     counts = status_counts(rows)
     lines.append("-" * len(header))

@@ -97,6 +97,14 @@ def test_kernels_compile_under_the_triton_environment_of_backend_load(monkeypatc
         launch.in_compile_env(lambda: 1 / 0)
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "inductor")
 
+    def inductor_sets_ptxas():  # another thread, meanwhile: its value is kept
+        os.environ["TRITON_PTXAS_PATH"] = "/other/ptxas"
+
+    monkeypatch.delenv("TRITON_PTXAS_PATH")
+    launch.in_compile_env(inductor_sets_ptxas)
+    assert os.environ["TRITON_PTXAS_PATH"] == "/other/ptxas"
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "inductor")
+
     calls = []
     monkeypatch.setattr(launch, "in_compile_env", lambda call, *a, **k: calls.append(call) or call(*a, **k))
     x = torch.randn(256, device=DEVICE)

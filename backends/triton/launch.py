@@ -159,9 +159,9 @@ class _Compiled:
 
 
 # Where our kernels are compiled and cached, fixed when the backend loads: Triton's cache directory
-# and ptxas as the user's environment gives them then (unset: Triton's own defaults).
-_COMPILE_ENV = {"TRITON_CACHE_DIR": os.environ.get("TRITON_CACHE_DIR") or knobs.cache.dir,
-                "TRITON_PTXAS_PATH": os.environ.get("TRITON_PTXAS_PATH")}
+# and ptxas as the user's environment gives them then (unset: Triton's own defaults, left unset).
+_COMPILE_ENV = {key: os.environ.get(key) for key in ("TRITON_CACHE_DIR", "TRITON_PTXAS_PATH")}
+_compile_env_lock = threading.RLock()
 
 
 def _set_env(values: dict) -> None:
@@ -177,22 +177,23 @@ def in_compile_env(call, *args, **kwargs):
     ptxas as they were when the backend loaded.
 
     Inductor (torch.compile) sets ``TRITON_CACHE_DIR`` to a directory of its own when it first
-    builds a kernel runner in a process, and ``TRITON_PTXAS_PATH`` to torch's bundled ptxas (part of
-    every Triton kernel's cache key) when it first compiles; it does neither when it runs a graph
-    from its own cache. So our kernels were compiled into one directory with one ptxas in one
-    process and looked for in another, or under another key, in the next: a second run compiled
-    all of them again (4.2 s of the training bench's shape 1 compiled second run on the H100, ptxas
-    and launcher builds under cProfile). Held here for the duration of a launch that may compile,
-    and restored after, so Inductor's own choices are left as they are. Process-wide while it
-    lasts: a thread compiling at that moment sees the same values."""
-    saved = {key: os.environ.get(key) for key in _COMPILE_ENV}
-    if saved == _COMPILE_ENV:
+    builds a kernel runner in a process, and ``TRITON_PTXAS_PATH`` to torch's bundled ptxas when it
+    first compiles; it does neither when it runs a graph from its own cache. So our kernels were
+    compiled into one directory in one process and looked for in another in the next: a second run
+    compiled all of them again (4.2 s of the training bench's shape 1 compiled second run on the
+    H100, ptxas and launcher builds under cProfile). Held here while a launch that may compile
+    runs, one such launch at a time; afterwards a variable goes back to what it was unless another
+    thread (Inductor) changed it meanwhile, so Inductor's own choices stay as they are."""
+    _wait_for_cache_key()  # before any launch that may compile
+    if all(os.environ.get(key) == value for key, value in _COMPILE_ENV.items()):
         return call(*args, **kwargs)
-    _set_env(_COMPILE_ENV)
-    try:
-        return call(*args, **kwargs)
-    finally:
-        _set_env(saved)
+    with _compile_env_lock:
+        saved = {key: os.environ.get(key) for key in _COMPILE_ENV}
+        _set_env(_COMPILE_ENV)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            _set_env({key: value for key, value in saved.items() if os.environ.get(key) == _COMPILE_ENV[key]})
 
 
 _hashing: threading.Thread | None = None
