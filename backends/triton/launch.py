@@ -63,7 +63,6 @@ class Launch:
         self.compiled: dict = {}
 
     def __call__(self, *args) -> None:
-        _wait_for_cache_key()  # before any launch that may compile, through Triton or not
         if INTERPRETED or _through_triton(self.kernel):
             in_compile_env(self.kernel[self.grid], *self._described(args), **self.options)
             return

@@ -111,6 +111,9 @@ class Run:
         self.losses.append(loss.detach())
 
 
+KINDS = (*KERNEL_KINDS, "other")
+
+
 def _kind(kernel: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS.items() if pattern.search(kernel)), "other")
 
@@ -129,7 +132,7 @@ def _device_time(run: Run, steps: int) -> dict:
     for start, stop in sorted((e.time_range.start, e.time_range.end) for e in kernels):
         busy += max(0.0, stop - max(start, end))
         end = max(end, stop)
-    row = {"busy ms/step": busy / 1e3 / steps, **{f"{kind} ms": 0.0 for kind in (*KERNEL_KINDS, "other")}}
+    row = {"busy ms/step": busy / 1e3 / steps, **{f"{kind} ms": 0.0 for kind in KINDS}}
     for e in kernels:
         row[f"{_kind(e.name)} ms"] += (e.time_range.end - e.time_range.start) / 1e3 / steps
     return row
@@ -194,9 +197,12 @@ def warm_second_run(shape: str, device: torch.device) -> list[dict]:
     for mode in MODES:
         for stack in STACKS:
             command = [sys.executable, "-m", "portable_ops.bench.train", shape, stack, mode, str(device)]
-            env = {**os.environ, **{key: value for key, value in _START_ENV.items() if value is not None}}
-            for key in (key for key, value in _START_ENV.items() if value is None):
-                env.pop(key, None)
+            env = dict(os.environ)
+            for key, value in _START_ENV.items():
+                if value is None:
+                    env.pop(key, None)
+                else:
+                    env[key] = value
             result = subprocess.run(command, capture_output=True, text=True, env=env)
             if result.returncode:
                 raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
@@ -257,7 +263,7 @@ def run_train(shapes=SHAPES, device=None, timed_steps=20, profiled_steps=3, seco
 
 
 RUN_COLUMNS = ["shape", "mode", "stack", "tokens/s", "vs torch", "ms/step", "busy ms/step", "warm-up s", "peak GiB"]
-KIND_COLUMNS = ["shape", "mode", "stack", "busy ms/step", *(f"{kind} ms" for kind in (*KERNEL_KINDS, "other"))]
+KIND_COLUMNS = ["shape", "mode", "stack", "busy ms/step", *(f"{kind} ms" for kind in KINDS)]
 
 
 def report(result: dict, info: dict, out_dir) -> str:
