@@ -74,6 +74,9 @@ def test_hopper_forward_against_float64(b, hq, hkv, sq, skv, d, causal, heads_in
     q, k, v = _inputs(b, hq, hkv, sq, skv, d, dtype, heads_inner=heads_inner)
     assert not sm90.supports(q, k, v, causal, layout.strides_like(q))  # the case reaches the Gluon kernel
     _check(q, k, v, causal, 1 / math.sqrt(d) if scale is None else scale)
+    backward = next(p for key, p in attn._bwd_plans.items() if key[:2] == (q.shape, q.stride()))
+    # and its backward too, but where the tl.* backward is declared faster (head dim 64 without a mask)
+    assert (backward.hopper is not None) == (d != 64 or causal)
 
 
 @pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU and a Triton with Gluon (the Hopper forward)")
@@ -111,6 +114,8 @@ def test_hopper_forward_declines_with_reasons():
         assert reason in reasons, reasons
     if DEVICE.type == "cpu":
         assert "not an sm_90 GPU" in reasons
+    assert "the tl.* backward is faster" in " ".join(sm90.supports_backward(q, k, v, q, False, (stride,) * 3))
+    assert not any("faster" in r for r in sm90.supports_backward(q, k, v, q, True, (stride,) * 3))
 
 
 def test_batch_times_heads_over_the_grid_limit_runs_in_batch_slices(monkeypatch):

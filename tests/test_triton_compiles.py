@@ -74,7 +74,9 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
         return {"regs": regs, "spills": local, "shared": binary.metadata.shared,
                 "scalar_loads": binary.asm["ptx"].count("ld.global.b16"), "nan_max": "max.NaN.f32" in binary.asm["ptx"],
                 "mma": binary.asm["ptx"].count("wgmma.mma_async") + binary.asm["ptx"].count("mma.sync"),
-                "tma": binary.asm["ptx"].count("cp.async.bulk.tensor"), "setmaxnreg": "setmaxnreg" in binary.asm["ptx"]}
+                "tma": binary.asm["ptx"].count("cp.async.bulk.tensor"), "setmaxnreg": "setmaxnreg" in binary.asm["ptx"],
+                "tma_reduce": binary.asm["ptx"].count("cp.reduce.async.bulk.tensor"),
+                "atomics": binary.asm["ptx"].count("atom.global") + binary.asm["ptx"].count("red.global")}
 
     def attention_types(pointers, names, extra):
         t = {p: "*fp32" if p in ("LSE", "DELTA") else "*bf16" for p in pointers}
@@ -104,6 +106,22 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                           "SKV": "i32", "qk_scale": "fp32"}
                 consts = dict(CAUSAL=spec.get("causal", True), NEGATIVE_SCALE=False, STAGES=stages, num_warps=4)
                 row.update(run(attention_sm90._fwd_kernel, types_, consts, 4, 1, False, GluonASTSource,
+                               maxnreg=attention_sm90.MAXNREG))
+            elif kind == "bwd_sm90":
+                from triton.experimental.gluon import language as gl
+                from triton.experimental.gluon._runtime import GluonASTSource
+
+                def descriptor(cols, dtype):  # as above
+                    shape, layout = attention_sm90.tile(attention_sm90.BWD_BLOCK, cols, getattr(gl, dtype))
+                    return f"tensordesc<{'fp32' if dtype == 'float32' else 'bf16'}[{','.join(map(str, shape))}],{layout!r}>"
+
+                types_ = {**{name: descriptor(d, "bfloat16") for name in ("q_desc", "k_desc", "v_desc", "do_desc",
+                                                                          "dk_desc", "dv_desc")},
+                          "dq_desc": descriptor(d // 2, "float32"), "lse_ptr": "*fp32", "delta_ptr": "*fp32",
+                          "H": "i32", "GROUP": "i32", "SQ": "i32", "SKV": "i32", "qk_scale": "fp32", "scale": "fp32"}
+                stages, dq_buffers = attention_sm90.BWD_CONFIGS[d, spec["causal"]]
+                consts = dict(CAUSAL=spec["causal"], STAGES=stages, DQ_BUFFERS=dq_buffers, num_warps=4)
+                row.update(run(attention_sm90._bwd_kernel, types_, consts, 4, 1, False, GluonASTSource,
                                maxnreg=attention_sm90.MAXNREG))
             elif kind in ("fwd", "decode"):
                 block_m, block_n, warps, stages = spec["config"]
@@ -234,6 +252,20 @@ else:
         for r in rows:
             assert r["spills"] == 0 and r["shared"] <= SHARED_LIMIT and r["setmaxnreg"], r
             assert r["mma"] > 0 and r["tma"] > 0, r
+
+    def test_hopper_attention_backward_compiles_for_sm90():
+        """The Gluon backward at every head dim and mask it takes: as the forward, within shared
+        memory with its Q/dO ring, two K/V tiles, four dS tiles and the dQ buffers; dQ goes out
+        through TMA reduce-adds, not atomics from registers."""
+        from portable_ops.backends.triton.attention_sm90 import BWD_CONFIGS
+
+        specs = [{"kernel": "bwd_sm90", "d": d, "causal": causal} for d, causal in BWD_CONFIGS]
+        rows = _run(specs)
+        errors = [r for r in rows if "error" in r]
+        assert not errors, errors
+        for r in rows:
+            assert r["spills"] == 0 and r["shared"] <= SHARED_LIMIT and r["setmaxnreg"], r
+            assert r["mma"] > 0 and r["tma"] > 0 and r["tma_reduce"] > 0 and r["atomics"] == 0, r
 
     def test_norm_and_amsgrad_maxima_keep_nan_on_the_gpu():
         """The inf-norm's maxima and AMSGrad's running max compile to PTX max.NaN (a NaN grad gives a NaN

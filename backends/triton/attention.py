@@ -683,7 +683,8 @@ def _forward(plan, q, k, v, scale):
 
 
 class _BwdPlan:
-    __slots__ = ("dq_stride", "dk_stride", "dv_stride", "delta", "delta_args", "dkdv", "dkdv_args", "dq", "dq_args")
+    __slots__ = ("dq_stride", "dk_stride", "dv_stride", "delta", "delta_args", "hopper", "dkdv", "dkdv_args", "dq",
+                 "dq_args")
 
 
 def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, precision, out_strides):
@@ -696,6 +697,10 @@ def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, precision, out_stride
     plan.delta = Launch(_delta_kernel, (triton.cdiv(sq, block), b * h), 3, D=d, BLOCK_D=triton.next_power_of_2(d),
                         BLOCK=block)
     plan.delta_args = (*out.stride()[:3], *dout.stride()[:3], h, sq)
+    plan.hopper = None
+    if not INTERPRETED and not attention_sm90.supports_backward(q, k, v, dout, causal, out_strides):
+        plan.hopper = attention_sm90.BwdPlan(q, k, v, dout, plan.dk_stride, plan.dv_stride, causal)
+        return _remember(_bwd_plans, key, plan)
     inputs = (*_strides(q.shape, q.stride()), *_strides(k.shape, k.stride()), *_strides(v.shape, v.stride()),
               *_strides(q.shape, dout.stride()))
     dkdv_strides = (*inputs, *_strides(k.shape, plan.dk_stride), *_strides(v.shape, plan.dv_stride))
@@ -746,6 +751,8 @@ def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
         plan = _bwd_plan(key, rq, rk, rv, out, lse, dout, causal, scale, precision, strides)
     delta, dq, dk, dv = _bwd_buffers(plan, rq, rk, rv)
     plan.delta(out, dout, delta, *plan.delta_args)
+    if plan.hopper is not None:
+        return attention_sm90.backward(plan.hopper, rq, rk, rv, dout, lse, delta, dq, dk, dv, scale)
     _dkdv(plan, rq, rk, rv, dout, lse, delta, dk, dv, scale)
     _dq(plan, rq, rk, rv, dout, lse, delta, dq, scale)
     return dq, dk, dv

@@ -1,5 +1,6 @@
-"""Attention forward for Hopper (sm_90) in Gluon: TMA loads into a shared-memory ring filled by a
-producer warp, warpgroup MMAs, and softmax overlapped with the tensor cores.
+"""Attention for Hopper (sm_90) in Gluon: TMA loads into a shared-memory ring filled by a producer
+warp, warpgroup MMAs, and softmax overlapped with the tensor cores. The backward is at the end
+(``_bwd_kernel``: one pass over the queries per block of keys, dQ through TMA reduce-adds).
 
 One program takes ``BLOCK_M = 128`` query rows of one (batch, head), split between two consumer
 warpgroups of 64 rows that share every K/V tile. A one-warp loader streams the K/V tiles through
@@ -49,19 +50,35 @@ if gluon is not None:
     # Triton 3.6 names TMA copies async_copy_*; later releases async_load/async_store and refuse the old names.
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
     _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
+    if hasattr(tma, "async_atomic_add"):
+        _tma_add = tma.async_atomic_add
+    else:  # Triton 3.6 builds TMA reduce-adds but has no Gluon function for them
+        from triton._C.libtriton import ir as _ir
+        from triton.experimental.gluon.language._core import builtin as _builtin
+
+        @_builtin
+        def _tma_add(tensor_desc, coord, src, _semantic=None):
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                      src.handle)
     _LN2 = gl.constexpr(LN2)  # kernels may read only constexpr globals
+    _LOG2E = gl.constexpr(LOG2E)
 
     @gluon.jit
-    def _loader(k_desc, v_desc, k_smem, v_smem, ready, empty, b, hk, n_blocks):
-        STAGES: gl.constexpr = k_smem.shape[0]
-        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-        for j in range(n_blocks):
-            slot = j % STAGES
+    def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty, b, head, heads, lo, hi):
+        """Streams tiles ``[lo, hi)`` of ``a`` and ``b`` (rows of one sequence), head by head for ``heads``
+        heads from ``head``, through the ring: K/V for the forward, Q/dO for the backward."""
+        STAGES: gl.constexpr = a_smem.shape[0]
+        BLOCK: gl.constexpr = a_desc.block_type.shape[2]
+        per_head = hi - lo
+        for t in range(heads * per_head):
+            slot = t % STAGES
             # a fresh barrier counts as having completed the phase before its first: the first pass does not wait
-            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-            _tma_load(k_desc, [b, hk, j * BLOCK_N, 0], ready.index(slot), k_smem.index(slot))
-            _tma_load(v_desc, [b, hk, j * BLOCK_N, 0], ready.index(slot), v_smem.index(slot))
+            mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            coord = [b, head + t // per_head, (lo + t % per_head) * BLOCK, 0]
+            _tma_load(a_desc, coord, ready.index(slot), a_smem.index(slot))
+            _tma_load(b_desc, coord, ready.index(slot), b_smem.index(slot))
 
     @gluon.jit
     def _tile(smem, i, BLOCK: gl.constexpr, D: gl.constexpr):
@@ -221,12 +238,151 @@ if gluon is not None:
                        SQ, SKV, full, n_blocks, 0, CAUSAL, NEGATIVE_SCALE)),
             (_attend, (q_desc, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turn, lse_ptr, qk_scale, b, h, m0,
                        SQ, SKV, full, n_blocks, 1, CAUSAL, NEGATIVE_SCALE)),
-            (_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, n_blocks)),
+            (_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, 1, 0, n_blocks)),
+        ], [4, 1], [240, 24])
+
+
+    @gluon.jit
+    def _dkdv(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ds_bar, ready, empty, dk_desc, dv_desc,
+              dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi,
+              WARPGROUP: gl.constexpr, CAUSAL: gl.constexpr):
+        """One consumer warpgroup of the backward: its 64 keys against every query tile of the group's
+        heads that sees them. dK and dV stay in registers. Each tile's dS^T goes to shared memory, and
+        once both warpgroups' are there, each computes dS K over all 128 keys for half of dQ's columns
+        and adds it to the float32 dQ through a TMA reduce-add: one add per tile and 128 keys, in
+        whole lines (per-element atomics from registers, twice as many, took 1.7 ms of a 5.4 ms step)."""
+        BM: gl.constexpr = q_smem.shape[3]
+        D: gl.constexpr = q_smem.shape[4]
+        BN: gl.constexpr = k_smem.shape[3]
+        HALF: gl.constexpr = D // 2
+        STAGES: gl.constexpr = q_smem.shape[0]
+        DQ_BUFFERS: gl.constexpr = dq_smem.shape[0] // 2
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BM, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, D, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HALF, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        k_tile = _tile(k_smem, WARPGROUP, BN, D)
+        v_tile = _tile(v_smem, WARPGROUP, BN, D)
+        my_keys = n0 + WARPGROUP * BN
+        keys = my_keys + gl.arange(0, BN, gl.SliceLayout(1, s_layout))
+        diagonal = SKV - SQ
+        dk = gl.zeros([BN, D], gl.float32, acc_layout)
+        dv = gl.zeros([BN, D], gl.float32, acc_layout)
+        mbarrier.wait(kv_bar, 0)
+        per_head = hi - lo
+        for t in range(GROUP * per_head):
+            slot = t % STAGES
+            head = hk * GROUP + t // per_head
+            bh = (b * H + head).to(gl.int64)
+            m0 = (lo + t % per_head) * BM
+            mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+            q_tile = _tile(q_smem, slot, BM, D)
+            do_tile = _tile(do_smem, slot, BM, D)
+            rows = m0 + gl.arange(0, BM, gl.SliceLayout(0, s_layout))
+            lse = gl.load(lse_ptr + bh * SQ + rows, mask=rows < SQ, other=0.0) * _LOG2E
+            delta = gl.load(delta_ptr + bh * SQ + rows, mask=rows < SQ, other=0.0)
+            # S^T and dP^T, keys x queries: P^T and dS^T then feed dV and dK from registers
+            st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BN, BM], gl.float32, s_layout),
+                               use_acc=False)
+            dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([BN, BM], gl.float32, s_layout),
+                                use_acc=False)
+            visible = (rows[None, :] < SQ) & (keys[:, None] < SKV)
+            if CAUSAL:
+                visible = visible & (keys[:, None] <= rows[None, :] + diagonal)
+            pt = gl.where(visible, gl.exp2(st * qk_scale - lse[None, :]), 0.0)
+            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv)
+            ds = (pt * (dpt - delta[None, :])).to(dtype)
+            dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk)
+            # dS^T double-buffered: a warpgroup writes this buffer again two tiles on, by when the other
+            # has passed the next tile's barrier, so it is done reading this one
+            buf = t % 2
+            ds_smem.index(2 * buf + WARPGROUP).store(ds.permute((1, 0)))
+            fence_async_shared()
+            mbarrier.arrive(ds_bar.index(buf), count=1)
+            mbarrier.wait(ds_bar.index(buf), (t // 2) & 1)
+            dq = warpgroup_mma(ds_smem.index(2 * buf), _tile(k_smem, 0, BN, D).slice(WARPGROUP * HALF, HALF, 1),
+                               gl.zeros([BM, HALF], gl.float32, dq_layout), use_acc=False)
+            dq = warpgroup_mma(ds_smem.index(2 * buf + 1), _tile(k_smem, 1, BN, D).slice(WARPGROUP * HALF, HALF, 1),
+                               dq)
+            mbarrier.arrive(empty.index(slot), count=1)
+            dq_buf = dq_smem.index(2 * (t % DQ_BUFFERS) + WARPGROUP)
+            tma.store_wait(DQ_BUFFERS - 1)  # that buffer's last reduce-add has read it
+            dq_buf.reshape([BM, HALF]).store(dq * scale)
+            fence_async_shared()
+            _tma_add(dq_desc, [b, head, m0, WARPGROUP * HALF], dq_buf)
+        # the other warpgroup's last dQ MMA reads this one's K tile
+        mbarrier.arrive(ds_bar.index(2), count=1)
+        mbarrier.wait(ds_bar.index(2), 0)
+        # this warpgroup's K and V tiles are free: its rows of dK and dV go out through them
+        k_tile.store((dk * scale).to(dtype))
+        v_tile.store(dv.to(dtype))
+        fence_async_shared()
+        _tma_store(dk_desc, [b, hk, my_keys, 0], k_smem.index(WARPGROUP))
+        _tma_store(dv_desc, [b, hk, my_keys, 0], v_smem.index(WARPGROUP))
+        tma.store_wait(0)
+
+    @gluon.jit
+    def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, H, GROUP, SQ, SKV,
+                    qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+                    num_warps: gl.constexpr):
+        """dK and dV of 2 x 64 keys of one (batch, KV head) over every query of its group's heads that sees
+        them, and those queries' dS K added to a float32 dQ (cast afterwards)."""
+        BM: gl.constexpr = q_desc.block_type.shape[2]
+        BN: gl.constexpr = k_desc.block_type.shape[2]
+        D: gl.constexpr = q_desc.block_type.shape[3]
+        dtype: gl.constexpr = q_desc.dtype
+        hkv = H // GROUP
+        # key blocks along the grid's fast axis: a head's programs run together and share its Q/dO tiles in
+        # L2 (with heads on the fast axis, heaviest-first under a causal mask, every case but GQA 16/4 was
+        # 7-22% slower on the H100)
+        b = gl.program_id(1) // hkv
+        hk = gl.program_id(1) % hkv
+        n0 = gl.program_id(0) * 2 * BN
+        lo = 0
+        if CAUSAL:  # query tiles before the first that sees key n0 see none of these keys
+            lo = gl.maximum(n0 - (SKV - SQ), 0) // BM
+        hi = gl.cdiv(SQ, BM)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BM, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BM, D], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BN, D], v_desc.layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [4, BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dtype))
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS, 1, 1, BM, D // 2], dq_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ds_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # two dS buffers, the end
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        for i in gl.static_range(3):
+            mbarrier.init(ds_bar.index(i), count=2)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # a slot is free once both consumer warpgroups are done with it
+        mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
+        for i in gl.static_range(2):
+            _tma_load(k_desc, [b, hk, n0 + i * BN, 0], kv_bar, k_smem.index(i))
+            _tma_load(v_desc, [b, hk, n0 + i * BN, 0], kv_bar, v_smem.index(i))
+        gl.warp_specialize([
+            (_dkdv, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ds_bar, ready, empty, dk_desc, dv_desc,
+                     dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi, 0, CAUSAL)),
+            (_dkdv, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ds_bar, ready, empty, dk_desc, dv_desc,
+                     dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi, 1, CAUSAL)),
+            (_loader, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, hk * GROUP, GROUP, lo, hi)),
         ], [4, 1], [240, 24])
 
 
 # (BLOCK_N, STAGES) per head dim; BLOCK_M is 128 (two consumer warpgroups of 64 rows).
 CONFIGS = {64: (128, 4), 128: (128, 3)}
+# The backward: (Q/dO ring stages, dQ buffers a warpgroup writes in turn) per (head dim, causal), the
+# faster of those timed on the H100 (.gpu-free: docs/backends/triton.md); 64-row tiles, 2 x 64 keys a
+# program. Each fits the 227 KB of shared memory an H100 block may have. Head dim 64 without a mask
+# keeps the tl.* backward (supports_backward).
+BWD_CONFIGS = {(64, True): (4, 2), (128, False): (3, 1), (128, True): (2, 2)}
+BWD_BLOCK = 64
 # Three warpgroups (two consumers, the loader's) share the register file: capped at 168 a thread overall,
 # the loader keeps 24 and each consumer gets 240 (setmaxnreg).
 MAXNREG = 168
@@ -294,10 +450,12 @@ def tile(block, head_dim, dtype):
     return shape, gl.NVMMASharedLayout.get_default_for(shape, dtype)
 
 
-def _template(t, stride, block):
-    """A descriptor of ``t``'s shape and dtype over ``stride``, checked once, holding no tensor
-    (a plan outlives the call that built it): its launch gives it one per call."""
-    shape, layout = tile(block, t.shape[-1], gl.float16 if t.dtype == torch.float16 else gl.bfloat16)
+def _template(t, stride, block, cols=None):
+    """A descriptor of ``t``'s shape and dtype over ``stride`` (tiles of ``block`` rows and ``cols``
+    columns, all of them by default), checked once, holding no tensor (a plan outlives the call that
+    built it): its launch gives it one per call."""
+    dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[t.dtype]
+    shape, layout = tile(block, cols or t.shape[-1], dtype)
     descriptor = TensorDescriptor(t, list(t.shape), _tma_strides(t.shape, stride, t.element_size()), shape, layout)
     descriptor.base = None
     return descriptor
@@ -325,3 +483,43 @@ def forward(plan, q, k, v, out, scale):
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     plan.launch(q, k, v, out, lse, *plan.args, scale * LOG2E)
     return out, lse
+
+
+class BwdPlan:
+    """The backward's launch for one layout, over descriptor templates of q, k, v, dO, dK, dV and the
+    float32 dQ it adds into."""
+
+    __slots__ = ("launch", "args")
+
+    def __init__(self, q, k, v, dout, dk_stride, dv_stride, causal):
+        b, h, sq, d = q.shape
+        hkv, skv = k.shape[1], k.shape[2]
+        descriptors = tuple(_template(t, stride, BWD_BLOCK) for t, stride in
+                            ((q, q.stride()), (k, k.stride()), (v, v.stride()), (dout, dout.stride()), (k, dk_stride),
+                             (v, dv_stride)))
+        dq_sum = torch.empty(q.shape, dtype=torch.float32, device="meta")
+        descriptors += (_template(dq_sum, dq_sum.stride(), BWD_BLOCK, d // 2),)
+        stages, dq_buffers = BWD_CONFIGS[d, causal]
+        self.launch = Launch(_bwd_kernel, (triton.cdiv(skv, 2 * BWD_BLOCK), b * hkv), 0, descriptors, CAUSAL=causal,
+                             STAGES=stages, DQ_BUFFERS=dq_buffers, num_warps=4, maxnreg=MAXNREG)
+        self.args = (h, h // hkv, sq, skv)
+
+
+def backward(plan, q, k, v, dout, lse, delta, dq, dk, dv, scale):
+    """dq, dk, dv (written through their strides) for a call :func:`supports_backward` took."""
+    dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    plan.launch(q, k, v, dout, dk, dv, dq_sum, lse, delta, *plan.args, scale * LOG2E, scale)
+    dq.copy_(dq_sum)
+    return dq, dk, dv
+
+
+def supports_backward(q, k, v, dout, causal, strides):
+    """Why the Hopper backward can't take this call (empty: it can); ``strides``: dq's, dk's, dv's."""
+    reasons = supports(q, k, v, causal, strides[0])
+    if q.shape[-1] == 64 and not causal:
+        reasons.append("head dim 64 without a causal mask: the tl.* backward is faster there (H100: 1.88 against "
+                       "2.06 ms at B 4, H 16, S 4096; docs/backends/triton.md)")
+    for name, t, stride in (("dout", dout, dout.stride()), ("dk", k, strides[1]), ("dv", v, strides[2])):
+        if not _tma_addressable(t.shape, stride, t.element_size()) or (name == "dout" and t.data_ptr() % 16):
+            reasons.append(f"{name}'s strides or base are not 16-byte aligned with a unit last stride (TMA needs them)")
+    return reasons
