@@ -69,6 +69,7 @@ ON_SM90 = DEVICE.type == "cuda" and not sm90.supports(*_inputs(1, 1, 1, 128, 128
     (1, 2, 2, 100, 100, 64, True, False, torch.float16, None),  # the second warpgroup's rows past Sq
     (3, 6, 3, 129, 200, 128, False, False, torch.bfloat16, 0.0),  # a ragged key tail; uniform weights
     (1, 2, 2, 65, 4097, 64, False, True, torch.float16, None),  # Sq just over decode's, 33 key tiles
+    (2, 8, 2, 333, 517, 128, False, True, torch.bfloat16, None),  # the unmasked D 128 backward: GQA, ragged
 ])
 def test_hopper_forward_against_float64(b, hq, hkv, sq, skv, d, causal, heads_inner, dtype, scale):
     q, k, v = _inputs(b, hq, hkv, sq, skv, d, dtype, heads_inner=heads_inner)
@@ -116,6 +117,31 @@ def test_hopper_forward_declines_with_reasons():
         assert "not an sm_90 GPU" in reasons
     assert "the tl.* backward is faster" in " ".join(sm90.supports_backward(q, k, v, q, False, (stride,) * 3))
     assert not any("faster" in r for r in sm90.supports_backward(q, k, v, q, True, (stride,) * 3))
+    backward = " | ".join(sm90.supports_backward(q, k, v, q.float(), True, (stride,) * 3) +
+                          sm90.supports_backward(q, k, v, q[:, :1].expand(q.shape), True, (stride,) * 3))
+    for reason in ("dout has dtype torch.float32", "dout is broadcast"):
+        assert reason in backward, backward
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert "deterministic" in " ".join(sm90.supports_backward(q, k, v, q, True, (stride,) * 3))
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def test_backward_plans_tell_aligned_bases_apart():
+    """TMA needs 16-byte aligned bases and a stride check can't see them: a dO at an odd address,
+    with the shape and strides of an earlier aligned one, gets its own plan (on Hopper, the tl.*
+    kernels) instead of the aligned call's."""
+    q, k, v = _inputs(1, 2, 2, 96, 96, 64, torch.float16)
+    out, lse = attn.attention_fwd(q, k, v, causal=True, scale=0.125)
+    store = torch.randn(out.numel() + 1, generator=torch.Generator().manual_seed(3)).to(q.dtype).to(DEVICE)
+    aligned, odd = store[:-1].view(out.shape), store[1:].view(out.shape)
+    attn._bwd_plans.clear()
+    first = attn.attention_bwd(q, k, v, out, lse, aligned, causal=True, scale=0.125)
+    second = attn.attention_bwd(q, k, v, out, lse, odd, causal=True, scale=0.125)
+    assert sorted(key[-1] for key in attn._bwd_plans) == [False, True]
+    assert not torch.equal(first[0], second[0])
 
 
 def test_batch_times_heads_over_the_grid_limit_runs_in_batch_slices(monkeypatch):

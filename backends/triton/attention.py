@@ -741,11 +741,13 @@ def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
                                 (q, k, v, out, lse, dout), tuple(layout.empty_like(t) for t in (q, k, v)))
     scale = float(scale)
     precision = _dot_precision(q.dtype)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), q.dtype, k.dtype,
-           v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, causal, precision)
-    plan = _bwd_plans.get(key)
     rq, rk, rv, out, dout = _row_major(q), _row_major(k), _row_major(v), _row_major(out), _row_major(dout)
     lse = lse.contiguous()  # ours: already contiguous, so no copy
+    aligned = not any(t.data_ptr() % 16 for t in (rq, rk, rv, dout))  # as the forward's key: what TMA needs
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), q.dtype, k.dtype,
+           v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, causal, precision,
+           torch.are_deterministic_algorithms_enabled(), aligned)
+    plan = _bwd_plans.get(key)
     if plan is None:
         strides = (layout.strides_like(q), layout.strides_like(k), layout.strides_like(v))
         plan = _bwd_plan(key, rq, rk, rv, out, lse, dout, causal, scale, precision, strides)

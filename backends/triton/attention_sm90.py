@@ -500,7 +500,7 @@ class BwdPlan:
         dq_sum = torch.empty(q.shape, dtype=torch.float32, device="meta")
         descriptors += (_template(dq_sum, dq_sum.stride(), BWD_BLOCK, d // 2),)
         stages, dq_buffers = BWD_CONFIGS[d, causal]
-        self.launch = Launch(_bwd_kernel, (triton.cdiv(skv, 2 * BWD_BLOCK), b * hkv), 0, descriptors, CAUSAL=causal,
+        self.launch = Launch(_bwd_kernel, (triton.cdiv(skv, 2 * BWD_BLOCK), b * hkv), 2, descriptors, CAUSAL=causal,
                              STAGES=stages, DQ_BUFFERS=dq_buffers, num_warps=4, maxnreg=MAXNREG)
         self.args = (h, h // hkv, sq, skv)
 
@@ -519,7 +519,14 @@ def supports_backward(q, k, v, dout, causal, strides):
     if q.shape[-1] == 64 and not causal:
         reasons.append("head dim 64 without a causal mask: the tl.* backward is faster there (H100: 1.88 against "
                        "2.06 ms at B 4, H 16, S 4096; docs/backends/triton.md)")
+    if torch.are_deterministic_algorithms_enabled():
+        reasons.append("torch.use_deterministic_algorithms is on: dQ is summed with float32 reduce-adds in no fixed "
+                       "order (the tl.* backward's dQ pass is deterministic)")
+    if dout.dtype != q.dtype:
+        reasons.append(f"dout has dtype {dout.dtype}, q {q.dtype}: the kernel reads both through one tile type")
     for name, t, stride in (("dout", dout, dout.stride()), ("dk", k, strides[1]), ("dv", v, strides[2])):
         if not _tma_addressable(t.shape, stride, t.element_size()) or (name == "dout" and t.data_ptr() % 16):
             reasons.append(f"{name}'s strides or base are not 16-byte aligned with a unit last stride (TMA needs them)")
+        if any(st == 0 and n > 1 for n, st in zip(t.shape, stride)):
+            reasons.append(f"{name} is broadcast (a stride-0 dim): not verified through TMA")
     return reasons
