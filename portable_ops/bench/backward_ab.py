@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from portable_ops.backends.reference import attention as reference
 from portable_ops.backends.triton import attention
 
-from .common import device_info, table
+from .common import device_info, steady_ms, table
 
 # (B, Hq, Hkv, Sq, Skv, D, causal, q/k/v transposed out of [B, S, H, D])
 CHECKS = [(2, 4, 4, 256, 256, 64, False, False), (1, 8, 2, 1000, 1000, 128, True, True),
@@ -38,19 +38,6 @@ def _inputs(b, hq, hkv, sq, skv, d, heads_inner, seed=0):
         return torch.randn(b, h, s, d, generator=g).to(torch.bfloat16).cuda()
 
     return make(hq, sq), make(hkv, skv), make(hkv, skv)
-
-
-def _ms(fn, steps=20):
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(steps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
 
 
 def check() -> list[dict]:
@@ -85,14 +72,14 @@ def timed(b=4, h=16, s=4096) -> list[dict]:
         for name, switch in (("ours", "1"), ("tl", "0")):
             os.environ["PORTABLE_OPS_SM90_ATTENTION"] = switch
             attention._bwd_plans.clear()
-            row[f"{name} ms"] = _ms(lambda: attention.attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale))
+            row[f"{name} ms"] = steady_ms(lambda: attention.attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale))
         os.environ.pop("PORTABLE_OPS_SM90_ATTENTION")
         attention._bwd_plans.clear()
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             with sdpa_kernel(backend):
                 o = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=hkv != h)
-                row[f"{name} ms"] = _ms(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True))
+                row[f"{name} ms"] = steady_ms(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True))
         row["ours TFLOP/s"] = tflop / row["ours ms"] * 1e3
         row["vs tl"] = row["tl ms"] / row["ours ms"]
         row["vs cudnn"] = row["cudnn ms"] / row["ours ms"]
