@@ -113,7 +113,8 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
 
                 def descriptor(cols, dtype):  # as above
                     shape, layout = attention_sm90.tile(attention_sm90.BWD_BLOCK, cols, getattr(gl, dtype))
-                    return f"tensordesc<{'fp32' if dtype == 'float32' else 'bf16'}[{','.join(map(str, shape))}],{layout!r}>"
+                    name = "fp32" if dtype == "float32" else "bf16"
+                    return f"tensordesc<{name}[{','.join(map(str, shape))}],{layout!r}>"
 
                 types_ = {**{name: descriptor(d, "bfloat16") for name in ("q_desc", "k_desc", "v_desc", "do_desc",
                                                                           "dk_desc", "dv_desc")},
