@@ -629,6 +629,12 @@ def _fwd_plan(key, q, k, v, causal, scale, precision, out_stride):
     return _remember(_fwd_plans, key, configure(config))
 
 
+def _aligned(*tensors) -> bool:
+    """Whether every base is 16-byte aligned: what TMA (the Hopper kernels) needs and a stride check
+    can't see, so a plan's key holds it."""
+    return not any(t.data_ptr() % 16 for t in tensors)
+
+
 def _batch_slices(q):
     """Slices of the batch that each fit one launch, or None where the whole batch does."""
     b, h = q.shape[:2]
@@ -654,10 +660,8 @@ def attention_fwd(q, k, v, *, causal, scale):
     scale = float(scale)  # a plan's launches take floats: an int would be specialised on its value
     precision = _dot_precision(q.dtype)
     rq, rk, rv = _row_major(q), _row_major(k), _row_major(v)
-    # 16-byte aligned bases: what TMA (the Hopper kernel) needs and a stride check can't see
-    aligned = not (rq.data_ptr() % 16 or rk.data_ptr() % 16 or rv.data_ptr() % 16)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device, causal,
-           scale < 0, precision, aligned)
+           scale < 0, precision, _aligned(rq, rk, rv))
     plan = _fwd_plans.get(key)
     if plan is None:
         plan = _fwd_plan(key, rq, rk, rv, causal, scale, precision, layout.strides_like(q))
@@ -743,10 +747,9 @@ def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
     precision = _dot_precision(q.dtype)
     rq, rk, rv, out, dout = _row_major(q), _row_major(k), _row_major(v), _row_major(out), _row_major(dout)
     lse = lse.contiguous()  # ours: already contiguous, so no copy
-    aligned = not any(t.data_ptr() % 16 for t in (rq, rk, rv, dout))  # as the forward's key: what TMA needs
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), q.dtype, k.dtype,
            v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, causal, precision,
-           torch.are_deterministic_algorithms_enabled(), aligned)
+           torch.are_deterministic_algorithms_enabled(), _aligned(rq, rk, rv, dout))
     plan = _bwd_plans.get(key)
     if plan is None:
         strides = (layout.strides_like(q), layout.strides_like(k), layout.strides_like(v))

@@ -64,6 +64,11 @@ if gluon is not None:
     _LN2 = gl.constexpr(LN2)  # kernels may read only constexpr globals
     _LOG2E = gl.constexpr(LOG2E)
 
+    @gluon.constexpr_function
+    def _mma_layout(n):
+        """The accumulator layout of a warpgroup MMA (4 warps) whose tiles are ``n`` columns wide."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
     @gluon.jit
     def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty, b, head, heads, lo, hi):
         """Streams tiles ``[lo, hi)`` of ``a`` and ``b`` (rows of one sequence), head by head for ``heads``
@@ -153,10 +158,8 @@ if gluon is not None:
         BLOCK_N: gl.constexpr = k_smem.shape[3]
         D: gl.constexpr = k_smem.shape[4]
         BM: gl.constexpr = q_smem.shape[3]
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, D, 16])
+        s_layout: gl.constexpr = _mma_layout(BLOCK_N)
+        o_layout: gl.constexpr = _mma_layout(D)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         q_tile = _tile(q_smem, WARPGROUP, BM, D)
         m0 = m0 + WARPGROUP * BM
@@ -258,12 +261,9 @@ if gluon is not None:
         STAGES: gl.constexpr = q_smem.shape[0]
         DQ_BUFFERS: gl.constexpr = dq_smem.shape[0] // 2
         dtype: gl.constexpr = q_smem.dtype
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, BM, 16])
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, D, 16])
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HALF, 16])
+        s_layout: gl.constexpr = _mma_layout(BM)
+        acc_layout: gl.constexpr = _mma_layout(D)
+        dq_layout: gl.constexpr = _mma_layout(HALF)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         k_tile = _tile(k_smem, WARPGROUP, BN, D)
         v_tile = _tile(v_smem, WARPGROUP, BN, D)
@@ -378,7 +378,7 @@ if gluon is not None:
 # (BLOCK_N, STAGES) per head dim; BLOCK_M is 128 (two consumer warpgroups of 64 rows).
 CONFIGS = {64: (128, 4), 128: (128, 3)}
 # The backward: (Q/dO ring stages, dQ buffers a warpgroup writes in turn) per (head dim, causal), the
-# faster of those timed on the H100 (.gpu-free: docs/backends/triton.md); 64-row tiles, 2 x 64 keys a
+# faster of those timed on the H100 (docs/backends/triton.md); 64-row tiles, 2 x 64 keys a
 # program. Each fits the 227 KB of shared memory an H100 block may have. Head dim 64 without a mask
 # keeps the tl.* backward (supports_backward).
 BWD_CONFIGS = {(64, True): (4, 2), (128, False): (3, 1), (128, True): (2, 2)}
@@ -418,12 +418,9 @@ def supports(q, k, v, causal, out_stride) -> list[str]:
         reasons.append("causal with Sq > Skv has rows that see no key")
     if q.numel() == 0 or k.numel() == 0:
         reasons.append("an empty dim (a TMA descriptor has none)")
-    for name, t, stride in (("q", q, q.stride()), ("k", k, k.stride()), ("v", v, v.stride()), ("out", q, out_stride)):
-        if not _tma_addressable(t.shape, stride, t.element_size()) or (name != "out" and t.data_ptr() % 16):
-            reasons.append(f"{name}'s strides or base are not 16-byte aligned with a unit last stride (TMA needs them)")
-        if any(st == 0 and n > 1 for n, st in zip(t.shape, stride)):
-            reasons.append(f"{name} is broadcast (a stride-0 dim): not verified through TMA")
-    return reasons
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        reasons += _tma_reasons(name, t, t.stride())
+    return reasons + _tma_reasons("out", q, out_stride, allocated=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -436,6 +433,17 @@ def _tma_strides(shape, stride, element_size) -> list[int]:
     """``stride``, with any stride of a size-one dim (never stepped, but TMA wants it 16-byte
     aligned all the same) replaced by an aligned one."""
     return [st if n > 1 else 16 // element_size for n, st in zip(shape, stride)]
+
+
+def _tma_reasons(name, t, stride, allocated=True) -> list[str]:
+    """Why TMA can't address ``t`` through ``stride``; a tensor not ``allocated`` yet (an output)
+    has no base to check, only its shape and the strides it will have."""
+    reasons = []
+    if not _tma_addressable(t.shape, stride, t.element_size()) or (allocated and t.data_ptr() % 16):
+        reasons.append(f"{name}'s strides or base are not 16-byte aligned with a unit last stride (TMA needs them)")
+    if any(st == 0 and n > 1 for n, st in zip(t.shape, stride)):
+        reasons.append(f"{name} is broadcast (a stride-0 dim): not verified through TMA")
+    return reasons
 
 
 def _tma_addressable(shape, stride, element_size) -> bool:
@@ -524,9 +532,7 @@ def supports_backward(q, k, v, dout, causal, strides):
                        "order (the tl.* backward's dQ pass is deterministic)")
     if dout.dtype != q.dtype:
         reasons.append(f"dout has dtype {dout.dtype}, q {q.dtype}: the kernel reads both through one tile type")
-    for name, t, stride in (("dout", dout, dout.stride()), ("dk", k, strides[1]), ("dv", v, strides[2])):
-        if not _tma_addressable(t.shape, stride, t.element_size()) or (name == "dout" and t.data_ptr() % 16):
-            reasons.append(f"{name}'s strides or base are not 16-byte aligned with a unit last stride (TMA needs them)")
-        if any(st == 0 and n > 1 for n, st in zip(t.shape, stride)):
-            reasons.append(f"{name} is broadcast (a stride-0 dim): not verified through TMA")
+    reasons += _tma_reasons("dout", dout, dout.stride())
+    for name, t, stride in (("dk", k, strides[1]), ("dv", v, strides[2])):
+        reasons += _tma_reasons(name, t, stride, allocated=False)
     return reasons
