@@ -288,4 +288,8 @@ def attention(q, k, v, *, causal=False, scale=None):
         return _attention_fwd_op(q, k, v, causal, scale)[0]
     if _transformed():
         return _FuncAttention.apply(q, k, v, causal, scale)[0]
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        # nothing to differentiate (inference, decode): autograd.Function.apply costs 20-50 us of host time
+        # even then (H100 host, one-token decode), as much as the rest of the call
+        return forward(q, k, v, causal, scale)[0]
     return _EagerAttention.apply(q, k, v, causal, scale)[0]

@@ -76,7 +76,7 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                 "mma": binary.asm["ptx"].count("wgmma.mma_async") + binary.asm["ptx"].count("mma.sync"),
                 "tma": binary.asm["ptx"].count("cp.async.bulk.tensor"), "setmaxnreg": "setmaxnreg" in binary.asm["ptx"],
                 "tma_reduce": binary.asm["ptx"].count("cp.reduce.async.bulk.tensor"),
-                "atomics": binary.asm["ptx"].count("atom.global") + binary.asm["ptx"].count("red.global")}
+                "atomics": len(re.findall(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red)\.", binary.asm["ptx"], re.M))}
 
     def attention_types(pointers, names, extra):
         t = {p: "*fp32" if p in ("LSE", "DELTA") else "*bf16" for p in pointers}

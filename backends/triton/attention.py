@@ -528,17 +528,21 @@ def _multiprocessors(index: int) -> int:
 
 def _splits(b, h, sq, skv, block_m, block_n, device=None) -> int:
     """How many key ranges to split a forward into: decode (one query block) over a long cache
-    leaves most of the GPU idle unless the keys are shared out too."""
+    leaves most of the GPU idle unless the keys are shared out too. Chosen from H100 sweeps of
+    one-token decode under graph replay (docs/performance.md, "Decode"): a few programs get ranges
+    down to two key blocks; a batch that fills the GPU splits only long caches, in two, so that its
+    last wave of programs is short."""
     if sq > block_m:
         return 1
     programs = max(b * h, 1)  # no programs at all (an empty batch) needs no split
-    if INTERPRETED:
-        target = 4
+    # the interpreter, as if on four SMs: small test shapes still take the split path
+    sms = 4 if INTERPRETED else _multiprocessors(device.index if device is not None and device.index is not None
+                                                 else torch.cuda.current_device())
+    if programs >= sms:
+        want, min_blocks = (2 if skv >= 16384 and programs < 4 * sms else 1), 8
     else:
-        target = 2 * _multiprocessors(device.index if device is not None and device.index is not None
-                                      else torch.cuda.current_device())
-    by_length = skv // (8 * block_n)  # keep each range at least 8 key blocks long
-    return max(1, min(by_length, triton.cdiv(target, programs)))
+        want, min_blocks = triton.cdiv(2 * sms, programs), (2 if 4 * programs <= sms else 8)
+    return max(1, min(skv // (min_blocks * block_n), want))
 
 
 # ----------------------------------------------------------------------------- host path

@@ -67,8 +67,10 @@ def add_fraction_of_power_of_two(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def run_attention(seqs=(512, 1024, 2048, 4096, 8192, 16384), head_dims=(64, 128), tokens=16384, heads=16,
-                  kv_heads=(16, 4)) -> list[dict]:
+def run_attention(seqs=(1024, 2048, 4096, 8192, 16384, 32768), head_dims=(64, 128, 256), tokens=16384, heads=16,
+                  kv_heads=(16, 4), sdpa=("sdpa flash", "sdpa cudnn")) -> list[dict]:
+    """Forward and backward TFLOP/s of ours and of the ``sdpa`` backends (names of ``SDPA``), at
+    ``tokens`` per batch (B = tokens / S, at least 1)."""
     rows = []
     for d in with_power_of_two_dims(head_dims):
         for s in seqs:
@@ -79,7 +81,8 @@ def run_attention(seqs=(512, 1024, 2048, 4096, 8192, 16384), head_dims=(64, 128)
                     k = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                     v = torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                     variants = {"portable_ops": lambda q, k, v: portable_ops.attention(q, k, v, causal=causal),
-                                **_sdpa_variants(causal, hkv != heads)}
+                                **{name: fn for name, fn in _sdpa_variants(causal, hkv != heads).items()
+                                   if name in sdpa}}
                     for direction in ("fwd", "bwd"):
                         for name, fn in variants.items():
                             row = {"bench": "attention", "variant": name, "dir": direction, "D": d, "S": s, "B": b,
@@ -97,30 +100,38 @@ def run_attention(seqs=(512, 1024, 2048, 4096, 8192, 16384), head_dims=(64, 128)
     return add_fraction_of_power_of_two(rows)
 
 
-def run_decode(caches=(1024, 4096, 16384, 65536), batches=(1, 8), heads=32, kv_heads=8, d=128) -> list[dict]:
-    """One new token per sequence against a KV cache, bf16, forward only. SDPA gets
-    ``is_causal=False``: its causal mask is aligned top-left, which would show the token only the
-    first key; ours is bottom-right, so ``causal=True`` sees the whole cache. SDPA's flash and
-    efficient kernels take no GQA, so they get K/V expanded to every query head before timing
-    (and read 4x the bytes). GB/s counts the K/V bytes of the GQA cache, which bound decode."""
+EXPANDED_LIMIT = 8 << 30  # bytes: SDPA's flash and efficient kernels get expanded K/V only up to this
+
+
+def run_decode(caches=tuple(512 << i for i in range(9)), batches=(1, 4, 16, 64), heads=32, kv_heads=8,
+               d=128) -> list[dict]:
+    """One new token per sequence against a KV cache (512 to 128k keys, batch 1 to 64), bf16, forward
+    only. SDPA gets ``is_causal=False``: its causal mask is aligned top-left, which would show the
+    token only the first key; ours is bottom-right, so ``causal=True`` sees the whole cache. SDPA's
+    flash and efficient kernels take no GQA, so they get K/V expanded to every query head before
+    timing (4x the bytes; left out where that would take over ``EXPANDED_LIMIT``). GB/s counts the
+    K/V bytes of the GQA cache, which bound decode. Every output is checked against float32 SDPA, one
+    sequence at a time (the oracle's memory stays one sequence's)."""
     rows = []
+    group = heads // kv_heads
     for b in batches:
         for s in caches:
             q = torch.randn(b, heads, 1, d, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(b, kv_heads, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             kv_bytes = 2 * k.numel() * k.element_size()
-            inputs = {name: (q, k, v) for name in ("portable_ops", "sdpa cudnn")}
-            expanded = (q, *(t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v)))
-            inputs.update({"sdpa flash (K/V expanded)": expanded, "sdpa efficient (K/V expanded)": expanded})
+            with torch.no_grad():
+                ref = torch.cat([F.scaled_dot_product_attention(*(t[i:i + 1].float() for t in (q, k, v)), enable_gqa=True)
+                                 for i in range(b)])
             sdpa = _sdpa_variants(False, False)
-            variants = {"portable_ops": lambda q, k, v: portable_ops.attention(q, k, v, causal=True),
-                        "sdpa cudnn": _sdpa_variants(False, True)["sdpa cudnn"],
-                        "sdpa flash (K/V expanded)": sdpa["sdpa flash"],
-                        "sdpa efficient (K/V expanded)": sdpa["sdpa efficient"]}
-            with torch.no_grad():  # float32 on the expanded K/V: what every variant's output is checked against
-                ref = F.scaled_dot_product_attention(*(t.float() for t in expanded))
-            for name, fn in variants.items():
-                call = lambda fn=fn, args=inputs[name]: fn(*args)  # noqa: E731
+            variants = {"portable_ops": (lambda q, k, v: portable_ops.attention(q, k, v, causal=True), (q, k, v)),
+                        "sdpa cudnn": (_sdpa_variants(False, True)["sdpa cudnn"], (q, k, v))}
+            expanded = None
+            if group * kv_bytes <= EXPANDED_LIMIT:
+                expanded = (q, *(t.repeat_interleave(group, dim=1) for t in (k, v)))
+                variants.update({"sdpa flash (K/V expanded)": (sdpa["sdpa flash"], expanded),
+                                 "sdpa efficient (K/V expanded)": (sdpa["sdpa efficient"], expanded)})
+            for name, (fn, args) in variants.items():
+                call = lambda fn=fn, args=args: fn(*args)  # noqa: E731
                 row = {"bench": "decode", "variant": name, "B": b, "cache": s, "Hq": heads, "Hkv": kv_heads, "D": d}
                 try:
                     with torch.no_grad():
@@ -132,7 +143,7 @@ def run_decode(caches=(1024, 4096, 16384, 65536), batches=(1, 8), heads=32, kv_h
                 except RuntimeError as exc:
                     row["error"] = str(exc).splitlines()[0][:80]
                 rows.append(row)
-            del q, k, v, expanded, ref
+            del q, k, v, expanded, ref, variants
     return rows
 
 
