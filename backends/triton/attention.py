@@ -526,15 +526,18 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+MAX_SPLITS = 64
+
+
 def _splits(b, h, sq, skv, block_m, block_n, device=None) -> int:
     """How many key ranges to split a forward into: decode (one query block) over a long cache
     leaves most of the GPU idle unless the keys are shared out too. Chosen from H100 sweeps of
     one-token decode under graph replay (docs/performance.md, "Decode"): a few programs get ranges
     down to two key blocks; a batch that fills the GPU splits only long caches, in two, so that its
     last wave of programs is short."""
-    if sq > block_m:
+    if sq > block_m or b * h == 0:  # prefill, or no programs at all
         return 1
-    programs = max(b * h, 1)  # no programs at all (an empty batch) needs no split
+    programs = b * h
     # the interpreter, as if on four SMs: small test shapes still take the split path
     sms = 4 if INTERPRETED else _multiprocessors(device.index if device is not None and device.index is not None
                                                  else torch.cuda.current_device())
@@ -542,7 +545,8 @@ def _splits(b, h, sq, skv, block_m, block_n, device=None) -> int:
         want, min_blocks = (2 if skv >= 16384 and programs < 4 * sms else 1), 8
     else:
         want, min_blocks = triton.cdiv(2 * sms, programs), (2 if 4 * programs <= sms else 8)
-    return max(1, min(skv // (min_blocks * block_n), want))
+    # at most MAX_SPLITS: the merge holds a [splits, D] float32 tile per row in registers
+    return max(1, min(skv // (min_blocks * block_n), want, MAX_SPLITS))
 
 
 # ----------------------------------------------------------------------------- host path
