@@ -1,7 +1,8 @@
 """portable-ops: the same Python call runs the fastest correct kernel on whatever hardware holds the tensors.
 
 Public API: ``optim.Adam``, ``optim.AdamW``, ``functional.adam``, ``clip_grad_norm_``,
-``attention``, ``use_backend``, ``explain``. Backends: ``triton`` (CUDA), ``nki``
+``attention``, ``attention_varlen``, ``paged_attention``, ``paged_kv_append``, ``use_backend``,
+``explain``. Backends: ``triton`` (CUDA), ``nki``
 (Trainium), ``reference`` (plain PyTorch, any device).
 """
 
@@ -17,9 +18,11 @@ if not _torch.cuda.is_available():
 
 from . import functional, optim  # noqa: E402
 from .attention import attention  # noqa: E402
+from .attention_varlen import attention_varlen  # noqa: E402
 from .clip import clip_grad_norm_  # noqa: E402
 from .dispatch import BackendUnavailableError, FallbackWarning, use_backend  # noqa: E402
 from .explain import explain  # noqa: E402
+from .paged import paged_attention, paged_kv_append  # noqa: E402
 
 if _torch.cuda.is_available():
     # The default backend of CUDA tensors is loaded now, not inside the first training step: loading
@@ -31,5 +34,5 @@ if _torch.cuda.is_available():
 
 __version__ = "0.1.0"
 
-__all__ = ["optim", "functional", "attention", "clip_grad_norm_", "use_backend", "explain",
-           "BackendUnavailableError", "FallbackWarning"]
+__all__ = ["optim", "functional", "attention", "attention_varlen", "paged_attention", "paged_kv_append",
+           "clip_grad_norm_", "use_backend", "explain", "BackendUnavailableError", "FallbackWarning"]

@@ -6,13 +6,15 @@ outside ``use_backend(...)`` follows a backend forced later, with no recompilati
 
 Three thin autograd wrappers run the same two functions, :func:`forward` and :func:`backward`:
 
-* eager calls: :class:`_EagerAttention`, an old-style ``autograd.Function`` (the custom ops'
+* eager calls: :class:`EagerAttention`, an old-style ``autograd.Function`` (the custom ops'
   dispatcher costs ~80 us a call with autograd on; ``setup_context``-style functions bind their
   arguments through ``inspect`` on every call, ~50 us). Its backward supports
-  ``create_graph=True`` by differentiating the reference definition again.
+  ``create_graph=True`` by differentiating the reference definition again. Packed attention
+  (``portable_ops/attention_varlen.py``) runs through the same class.
 * torch.compile: the ``torch.library`` custom ops ``portable_ops::attention_fwd`` / ``_bwd``,
   opaque to the graph, whose fake implementations allocate what the real ones return
   (``portable_ops.layout``), so any input strides and dynamic shapes trace without graph breaks.
+  Their autograd comes from :func:`register_autograd`, which the packed ops share.
 * torch.func transforms (``vmap``, ``grad``, ``jvp``, ...) and forward-mode AD:
   :class:`_FuncAttention`, a ``setup_context``-style function with a batching rule that folds the
   vmapped dimension into the batch and a forward-mode rule.
@@ -21,7 +23,7 @@ Three thin autograd wrappers run the same two functions, :func:`forward` and :fu
 from __future__ import annotations
 
 import contextlib
-import math
+from typing import Callable
 
 import torch
 from torch.autograd import forward_ad
@@ -39,14 +41,14 @@ def _autocasting(device_type: str) -> bool:
     return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
-def _autocast_off(device_type: str):
-    """Autocast off for a backend's computation: the inputs are already cast (:func:`_autocast`); left
+def autocast_off(device_type: str):
+    """Autocast off for a backend's computation: the inputs are already cast (:func:`autocast_inputs`); left
     on, autocast would also run the float32 products and accumulations (the reference's, the
     emulator's) in the low dtype."""
     return torch.autocast(device_type, enabled=False) if _autocasting(device_type) else contextlib.nullcontext()
 
 
-def _autocast(q, k, v):
+def autocast_inputs(q, k, v):
     """SDPA's autocast policy: under autocast every floating input but float64 is cast to the
     autocast dtype of its device type (its lower-precision list, on CUDA, CPU and XLA alike)."""
     device_type = q.device.type if isinstance(q, torch.Tensor) else None
@@ -57,69 +59,107 @@ def _autocast(q, k, v):
                  else t for t in (q, k, v))
 
 
-def attention_call(q, k, v, causal, scale):
+def _checked(q, k, v, causal, scale, window, softcap):
+    """One call's arguments, checked (after autocast's casts), as the backends take them: a tuple, which
+    the eager call unpacks faster than :func:`attention_call`'s dict."""
+    q, k, v = autocast_inputs(q, k, v)
+    checks.check_attention(q, k, v)
+    return (q, k, v, *checks.attention_options(q.shape[-1], causal, scale, window, softcap,
+                                               compiling=torch.compiler.is_compiling()))
+
+
+def attention_call(q, k, v, causal, scale, window=None, softcap=None):
     """Check one call's arguments (after autocast's casts) and return them as the backends take them."""
-    q, k, v = _autocast(q, k, v)
-    # Under torch.compile a float scale that changes between calls is symbolic: reading its value
-    # here would break the graph or recompile per value, so the custom op checks it when it runs.
-    compiling = torch.compiler.is_compiling()
-    checks.check_attention(q, k, v, causal, scale, check_scale_value=not compiling)
-    if scale is None:
-        d = int(q.shape[-1])  # under torch.compile this specialises the head dim: the kernels do too
-        scale = 1.0 / math.sqrt(d) if d else 1.0
-    elif not (compiling and isinstance(scale, float)):
-        scale = float(checks.as_number(scale))
-    return dict(q=q, k=k, v=v, causal=bool(causal), scale=scale)
+    q, k, v, causal, scale, window, softcap = _checked(q, k, v, causal, scale, window, softcap)
+    return dict(q=q, k=k, v=v, causal=causal, scale=scale, window=window, softcap=softcap)
 
 
-def _layout(q, k, v, causal, scale):
-    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, causal, scale)
+def _layout(q, k, v, causal, scale, window, softcap):
+    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, causal, scale, window, softcap)
 
 
-def _implementation(op, call, prefer):
-    choice = select_by_layout(op, _layout(call["q"], call["k"], call["v"], call["causal"], call["scale"]),
-                              lambda: call, call["q"].device, prefer)
-    return get_backend(choice.backend).ops[op]
+def call_layout(call) -> tuple:
+    """A call's memoisation key for ``select_by_layout``: its tensors' shapes, strides and dtypes and its
+    other arguments. For the ops whose host time is not (yet) critical; dense attention's
+    :func:`_layout` is written out, as it runs on every eager call."""
+    return tuple((t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t for t in call.values())
 
 
-def _run(op, call, prefer):
-    run = _implementation(op, call, prefer).run
-    with _autocast_off(call["q"].device.type):
-        return run(**call)
+def run_op(op, call, layout, device, prefer):
+    """Run ``op(**call)`` on the backend chosen for it, autocast off (the inputs are cast already)."""
+    choice = select_by_layout(op, layout, lambda: call, device, prefer)
+    with autocast_off(device.type):
+        return get_backend(choice.backend).ops[op].run(**call)
 
 
-def forward(q, k, v, causal, scale):
+def forward(q, k, v, causal, scale, window=None, softcap=None):
     """(out, lse) from the backend chosen for this call."""
-    return _run("attention_fwd", dict(q=q, k=k, v=v, causal=causal, scale=scale), None)
+    call = dict(q=q, k=k, v=v, causal=causal, scale=scale, window=window, softcap=softcap)
+    return run_op("attention_fwd", call, _layout(q, k, v, causal, scale, window, softcap), q.device, None)
 
 
-def backward(q, k, v, out, lse, dout, causal, scale, prefer=None):
+def backward(q, k, v, out, lse, dout, causal, scale, window=None, softcap=None, prefer=None):
     """(dq, dk, dv) from the backend chosen for this call; ``prefer``: the backend forced when the
     forward ran, which the backward keeps (``loss.backward()`` usually runs outside the block that
     forced a backend for the forward)."""
-    return _run("attention_bwd", dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, causal=causal, scale=scale),
-                prefer)
+    call = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, causal=causal, scale=scale, window=window,
+                softcap=softcap)
+    return run_op("attention_bwd", call, _layout(q, k, v, causal, scale, window, softcap), q.device, prefer)
 
 
-def _differentiated_again(q, k, v, dout, causal, scale, needs_grad):
+def _definition(q, k, v, causal, scale, window, softcap):
+    return reference.attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)[0]
+
+
+class Variant:
+    """One kind of attention as :class:`EagerAttention` runs it: its ``options`` (the arguments after
+    q, k, v) start with ``index_tensors`` tensors (saved for the backward, so an in-place change
+    between forward and backward is caught), then plain values."""
+
+    __slots__ = ("forward", "backward", "definition", "index_tensors")
+
+    def __init__(self, forward: Callable, backward: Callable, definition: Callable, index_tensors: int = 0):
+        self.forward = forward  # (q, k, v, *options) -> (out, lse)
+        self.backward = backward  # (q, k, v, out, lse, dout, *options, prefer=...) -> (dq, dk, dv)
+        self.definition = definition  # (q, k, v, *options) -> out: the reference, differentiable twice
+        self.index_tensors = index_tensors
+
+
+class Options:
+    """A variant and one call's options, handed to :class:`EagerAttention` as one argument: ``Function.apply``
+    walks its arguments as a pytree on every call, ~0.2 us per argument."""
+
+    __slots__ = ("variant", "values")
+
+    def __init__(self, variant: Variant, values: tuple):
+        self.variant, self.values = variant, values
+
+
+DENSE = Variant(forward, backward, _definition)
+
+
+def _differentiated_again(definition, q, k, v, dout, options, needs_grad):
     """First derivatives that are themselves differentiable (``create_graph=True``): the kernels'
     backward is not, so the reference definition is differentiated instead, one block of queries
     at a time (its autograd graph keeps every block's probabilities: O(Sq x Skv) memory)."""
     inputs = [t for t, needed in zip((q, k, v), needs_grad) if needed]
-    with torch.enable_grad(), _autocast_off(q.device.type):
-        out, _ = reference.attention_fwd(q, k, v, causal=causal, scale=scale)
+    with torch.enable_grad(), autocast_off(q.device.type):
+        out = definition(q, k, v, *options)
         grads = iter(torch.autograd.grad(out, inputs, dout, create_graph=True))
     return tuple(next(grads) if needed else None for needed in needs_grad)
 
 
 # ----------------------------------------------------------------------------- eager
 
-class _EagerAttention(torch.autograd.Function):
+class EagerAttention(torch.autograd.Function):
+    """``apply(q, k, v, Options(variant, options))`` -> (out, lse), differentiable in q, k and v."""
+
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        out, lse = forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.prefer = causal, scale, forced_backend()
+    def forward(ctx, q, k, v, how):
+        variant, options = how.variant, how.values
+        out, lse = variant.forward(q, k, v, *options)
+        ctx.save_for_backward(q, k, v, out, lse, *options[:variant.index_tensors])
+        ctx.variant, ctx.options, ctx.prefer = variant, options[variant.index_tensors:], forced_backend()
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # _dlse, materialised, would cost a zero-filled tensor every call
         return out, lse
@@ -127,56 +167,77 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:  # no gradient reached the output (gradcheck sends such a call)
-            return None, None, None, None, None
-        q, k, v, out, lse = ctx.saved_tensors
+            return None, None, None, None
+        q, k, v, out, lse, *index = ctx.saved_tensors
+        options = (*index, *ctx.options)
         if torch.is_grad_enabled():  # create_graph=True
-            grads = _differentiated_again(q, k, v, dout, ctx.causal, ctx.scale, ctx.needs_input_grad[:3])
+            grads = _differentiated_again(ctx.variant.definition, q, k, v, dout, options, ctx.needs_input_grad[:3])
         else:
-            grads = backward(q, k, v, out, lse, dout, ctx.causal, ctx.scale, ctx.prefer)
-        return (*grads, None, None)
+            grads = ctx.variant.backward(q, k, v, out, lse, dout, *options, prefer=ctx.prefer)
+        return *grads, None
 
 
 # ----------------------------------------------------------------------------- torch.compile
 
-@torch.library.custom_op("portable_ops::attention_fwd", mutates_args=())
-def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    checks.check_number("scale", scale)
-    return forward(q, k, v, causal, scale)
+def window_args(window) -> tuple:
+    """``window`` as the custom ops take it: ``(left, right)``, None for no window or an unbounded side."""
+    return (None, None) if window is None else window
 
 
-def _lse_dtype(q):
+def window_of(left, right):
+    """The inverse of :func:`window_args`."""
+    return None if left is None and right is None else (left, right)
+
+
+def lse_dtype(q):
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
+def register_autograd(fwd_op, bwd_op, index_tensors=0):
+    """Autograd for a forward op ``(q, k, v, *options) -> (out, lse)`` through its backward op
+    ``(q, k, v, out, lse, dout, *options) -> (dq, dk, dv)``; the first ``index_tensors`` options are
+    tensors, saved for the backward."""
+    def setup_context(ctx, inputs, output):
+        q, k, v, *options = inputs
+        ctx.save_for_backward(q, k, v, *output, *options[:index_tensors])
+        ctx.options = options[index_tensors:]
+
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, *index = ctx.saved_tensors
+        options = (*index, *ctx.options)
+        return *bwd_op(q, k, v, out, lse, dout, *options), *(None,) * len(options)
+
+    fwd_op.register_autograd(backward, setup_context=setup_context)
+
+
+@torch.library.custom_op("portable_ops::attention_fwd", mutates_args=())
+def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                      window_left: int | None = None, window_right: int | None = None,
+                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    checks.check_number("scale", scale)
+    return forward(q, k, v, causal, scale, window_of(window_left, window_right), checks.softcap_value(softcap))
+
+
 @_attention_fwd_op.register_fake
-def _(q, k, v, causal, scale):
-    return layout.empty_like(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
+def _(q, k, v, causal, scale, window_left=None, window_right=None, softcap=None):
+    return layout.empty_like(q), q.new_empty(q.shape[:-1], dtype=lse_dtype(q))
 
 
 @torch.library.custom_op("portable_ops::attention_bwd", mutates_args=())
 def _attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                      dout: torch.Tensor, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backward(q, k, v, out, lse, dout, causal, scale)
+                      dout: torch.Tensor, causal: bool, scale: float, window_left: int | None = None,
+                      window_right: int | None = None,
+                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward(q, k, v, out, lse, dout, causal, scale, window_of(window_left, window_right),
+                    checks.softcap_value(softcap))
 
 
 @_attention_bwd_op.register_fake
-def _(q, k, v, out, lse, dout, causal, scale):
+def _(q, k, v, out, lse, dout, causal, scale, window_left=None, window_right=None, softcap=None):
     return layout.empty_like(q), layout.empty_like(k), layout.empty_like(v)
 
 
-def _op_setup_context(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.causal, ctx.scale = causal, scale
-
-
-def _op_backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    return (*_attention_bwd_op(q, k, v, out, lse, dout, ctx.causal, ctx.scale), None, None)
-
-
-_attention_fwd_op.register_autograd(_op_backward, setup_context=_op_setup_context)
+register_autograd(_attention_fwd_op, _attention_bwd_op)
 
 
 # ----------------------------------------------------------------------------- torch.func
@@ -197,33 +258,35 @@ def _unbatched(tensors, size):
 
 class _FuncAttention(torch.autograd.Function):
     @staticmethod
-    def forward(q, k, v, causal, scale):
-        return forward(q, k, v, causal, scale)
+    def forward(q, k, v, causal, scale, window, softcap):
+        return forward(q, k, v, causal, scale, window, softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, causal, scale = inputs
+        q, k, v, *options = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.save_for_forward(q, k, v, lse)
-        ctx.causal, ctx.scale, ctx.prefer = causal, scale, forced_backend()
+        ctx.options, ctx.prefer = options, forced_backend()
         ctx.mark_non_differentiable(lse)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_FuncAttentionBackward.apply(q, k, v, out, lse, dout, ctx.causal, ctx.scale, ctx.prefer), None,
-                None)
+        return (*_FuncAttentionBackward.apply(q, k, v, out, lse, dout, *ctx.options, ctx.prefer),
+                *(None,) * len(ctx.options))
 
     @staticmethod
-    def jvp(ctx, tq, tk, tv, _causal, _scale):
+    def jvp(ctx, tq, tk, tv, *_options):
         q, k, v, lse = ctx.saved_tensors
-        with _autocast_off(q.device.type):
-            return reference.attention_jvp(q, k, v, lse, tq, tk, tv, causal=ctx.causal, scale=ctx.scale), None
+        causal, scale, window, softcap = ctx.options
+        with autocast_off(q.device.type):
+            return reference.attention_jvp(q, k, v, lse, tq, tk, tv, causal=causal, scale=scale, window=window,
+                                           softcap=softcap), None
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, causal, scale):
-        out = _FuncAttention.apply(*_batched((q, k, v), in_dims[:3], info.batch_size), causal, scale)
+    def vmap(info, in_dims, q, k, v, *options):
+        out = _FuncAttention.apply(*_batched((q, k, v), in_dims[:3], info.batch_size), *options)
         return _unbatched(out, info.batch_size), (0, 0)
 
 
@@ -234,8 +297,8 @@ _NO_SECOND_DERIVATIVES = ("portable_ops.attention: second derivatives inside tor
 
 class _FuncAttentionBackward(torch.autograd.Function):
     @staticmethod
-    def forward(q, k, v, out, lse, dout, causal, scale, prefer):
-        return backward(q, k, v, out, lse, dout, causal, scale, prefer)
+    def forward(q, k, v, out, lse, dout, causal, scale, window, softcap, prefer):
+        return backward(q, k, v, out, lse, dout, causal, scale, window, softcap, prefer)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -250,19 +313,19 @@ class _FuncAttentionBackward(torch.autograd.Function):
         raise RuntimeError(_NO_SECOND_DERIVATIVES)
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, out, lse, dout, causal, scale, prefer):
+    def vmap(info, in_dims, q, k, v, out, lse, dout, *options):
         grads = _FuncAttentionBackward.apply(*_batched((q, k, v, out, lse, dout), in_dims[:6], info.batch_size),
-                                             causal, scale, prefer)
+                                             *options)
         return _unbatched(grads, info.batch_size), (0, 0, 0)
 
 
 # ----------------------------------------------------------------------------- the public function
 
-def _transformed() -> bool:
+def transformed() -> bool:
     return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
 
 
-def _degenerate(q, k, v):
+def degenerate(q, k, v):
     """Inputs with a zero-size dimension: SDPA's answer (zeros where a query sees no key, empty
     otherwise), built from torch ops so that gradients (zeros, or empty) flow to q, k and v."""
     groups = q.shape[1] // k.shape[1] if k.shape[1] else 1
@@ -270,26 +333,28 @@ def _degenerate(q, k, v):
     return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
 
 
-def attention(q, k, v, *, causal=False, scale=None):
+def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
     """Softmax attention of q ``[B, Hq, Sq, D]`` over k, v ``[B, Hkv, Skv, D]``, ``Hq % Hkv == 0``.
 
-    ``causal`` masks key ``j`` from query ``i`` when ``j > i + Skv - Sq`` (the mask is aligned
-    to the bottom right, so with ``Sq == 1`` the one query sees the whole KV cache). ``scale``
-    defaults to ``1 / sqrt(D)``. Equal to ``F.scaled_dot_product_attention(q, k, v,
-    is_causal=causal, scale=scale, enable_gqa=True)`` when ``Sq == Skv``, autocast included.
-    Differentiable in q, k and v, twice with ``create_graph=True``; the output's memory layout
-    follows q's (``portable_ops.layout``).
+    Query ``i`` sits at key position ``p = i + Skv - Sq`` (masks are aligned to the bottom right, so
+    with ``Sq == 1`` the one query is the newest token of a KV cache). ``causal`` hides keys
+    ``j > p``; ``window=(left, right)`` hides keys outside ``p - left <= j <= p + right`` (None for
+    an unbounded side). ``scale`` defaults to ``1 / sqrt(D)``; ``softcap`` (None or 0: off) replaces
+    each scaled score ``s`` by ``softcap * tanh(s / softcap)`` before the mask. Equal to
+    ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)``
+    when ``Sq == Skv`` and there is no window or softcap, autocast included. Differentiable in q, k
+    and v, twice with ``create_graph=True``; the output's memory layout follows q's
+    (``portable_ops.layout``). ``docs/api.md``, "Attention features", has the details.
     """
-    call = attention_call(q, k, v, causal, scale)
-    q, k, v, causal, scale = call["q"], call["k"], call["v"], call["causal"], call["scale"]
+    q, k, v, causal, scale, window, softcap = _checked(q, k, v, causal, scale, window, softcap)
     if q.numel() == 0 or k.numel() == 0:
-        return _degenerate(q, k, v)
+        return degenerate(q, k, v)
     if torch.compiler.is_compiling():
-        return _attention_fwd_op(q, k, v, causal, scale)[0]
-    if _transformed():
-        return _FuncAttention.apply(q, k, v, causal, scale)[0]
+        return _attention_fwd_op(q, k, v, causal, scale, *window_args(window), softcap)[0]
+    if transformed():
+        return _FuncAttention.apply(q, k, v, causal, scale, window, softcap)[0]
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # nothing to differentiate (inference, decode): autograd.Function.apply costs 20-50 us of host time
         # even then (H100 host, one-token decode), as much as the rest of the call
-        return forward(q, k, v, causal, scale)[0]
-    return _EagerAttention.apply(q, k, v, causal, scale)[0]
+        return forward(q, k, v, causal, scale, window, softcap)[0]
+    return EagerAttention.apply(q, k, v, Options(DENSE, (causal, scale, window, softcap)))[0]

@@ -10,10 +10,12 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import weakref
 from typing import Sequence
 
 import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -210,12 +212,15 @@ def check_distinct(arg: str, tensors) -> None:
                              f"per step; pass it once")
 
 
-def check_attention(q, k, v, causal=False, scale=None, *, check_scale_value=True) -> None:
+def _check_qkv(q, k, v, layout: str, batched: bool) -> None:
+    """q, k and v as attention takes them: floating tensors of ``layout``'s rank (heads second), one dtype
+    and device, k shaped like v, one head dim, and q's heads a multiple of k's."""
+    dims = layout.count(",") + 1
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{arg} must be a tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{arg} must have 4 dimensions [batch, heads, seq, head_dim], got shape {tuple(t.shape)}")
+        if t.dim() != dims:
+            raise ValueError(f"{arg} must have {dims} dimensions {layout}, got shape {tuple(t.shape)}")
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{arg} has dtype {t.dtype}; expected float16, bfloat16, float32 or float64")
     for arg, t in (("k", k), ("v", v)):
@@ -223,19 +228,349 @@ def check_attention(q, k, v, causal=False, scale=None, *, check_scale_value=True
             raise TypeError(f"{arg} has dtype {t.dtype} but q has {q.dtype}")
         if t.device != q.device:
             raise ValueError(f"{arg} is on {t.device} but q is on {q.device}")
-        if t.shape[0] != q.shape[0]:
+        if batched and t.shape[0] != q.shape[0]:
             raise ValueError(f"{arg} has batch {t.shape[0]} but q has batch {q.shape[0]}")
         if t.shape[-1] != q.shape[-1]:
             raise ValueError(f"{arg} has head_dim {t.shape[-1]} but q has head_dim {q.shape[-1]}")
     if k.shape != v.shape:
         raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match")
-    hq, hkv = q.shape[1], k.shape[1]
+    _check_heads(q.shape[1], k.shape[1], "k and v")  # dim 1 in both layouts
+
+
+def _check_heads(hq, hkv, kv: str) -> None:
     if (hq % hkv != 0) if hkv else hq != 0:
-        raise ValueError(f"q has {hq} heads, k and v have {hkv}: q's head count must be a multiple of k's (grouped-query)")
+        raise ValueError(f"q has {hq} heads, {kv} have {hkv}: q's head count must be a multiple of k's "
+                         f"(grouped-query)")
+
+
+_FLOAT_DTYPE_SET = frozenset(FLOAT_DTYPES)
+
+
+def check_attention(q, k, v) -> None:
+    """``attention``'s tensors; its other arguments: :func:`attention_options`."""
+    # Fast path, run on every eager call (host-time critical): one expression that holds for every valid
+    # call but those with no heads; the checks one by one, to name the culprit, otherwise.
+    try:
+        q_shape, k_shape, dtype, device = q.shape, k.shape, q.dtype, q.device
+        ok = (len(q_shape) == 4 and k_shape == v.shape and len(k_shape) == 4 and dtype in _FLOAT_DTYPE_SET
+              and k.dtype == dtype and v.dtype == dtype and k.device == device and v.device == device
+              and k_shape[0] == q_shape[0] and k_shape[3] == q_shape[3] and k_shape[1] > 0
+              and q_shape[1] % k_shape[1] == 0)
+    except AttributeError:
+        ok = False
+    if not ok:
+        _check_qkv(q, k, v, "[batch, heads, seq, head_dim]", batched=True)
+
+
+def attention_options(head_dim, causal, scale, window, softcap, *, compiling=False) -> tuple:
+    """``(causal, scale, window, softcap)`` checked and as the backends take them: ``scale`` a float
+    (default ``1 / sqrt(head_dim)``), ``window`` None or ``(left, right)`` of ints or None, ``softcap``
+    None or a positive float. Under torch.compile (``compiling``) a float ``scale`` or ``softcap`` may be
+    symbolic: reading its value would break the graph or recompile per value, so it is passed on as it
+    is and the custom op checks it when it runs.
+
+    One spelling per mask, so that a kernel without windows still takes the masks it has: under
+    ``causal`` a window's right side is moot (dropped); ``window=(left, 0)`` is ``causal`` with
+    ``(left, None)``; a window unbounded on both sides is no window."""
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    causal = bool(causal)
     if isinstance(scale, torch.Tensor) and scale.requires_grad:
-        raise TypeError("scale must be a number, or a tensor that does not require grad: attention is not "
-                        "differentiable in scale")
-    if scale is not None and check_scale_value:
-        check_number("scale", scale)
+        raise TypeError(_NOT_DIFFERENTIABLE_IN.format("scale"))
+    if scale is None:
+        d = int(head_dim)  # under torch.compile this specialises the head dim: the kernels do too
+        scale = 1.0 / math.sqrt(d) if d else 1.0
+    elif not (compiling and isinstance(scale, float)):
+        if not compiling:
+            check_number("scale", scale)
+        scale = float(as_number(scale))
+    if window is not None:
+        left, right = window_bounds(window)
+        if right == 0:
+            causal = True
+        if causal:
+            right = None
+        window = None if left is None and right is None else (left, right)
+    if softcap is not None:
+        if isinstance(softcap, torch.Tensor) and softcap.requires_grad:
+            raise TypeError(_NOT_DIFFERENTIABLE_IN.format("softcap"))
+        if not (compiling and isinstance(softcap, float)):
+            softcap = softcap_value(softcap)
+    return causal, scale, window, softcap
+
+
+_NOT_DIFFERENTIABLE_IN = ("{0} must be a number, or a tensor that does not require grad: attention is not "
+                          "differentiable in {0}")
+
+
+def window_bounds(window) -> tuple[int | None, int | None] | None:
+    """``window`` as ``(left, right)`` Python ints or None (unbounded side), or None for no window; a
+    TypeError or ValueError naming it for anything else."""
+    if window is None:
+        return None
+    expected = "None or a pair (left, right), each a non-negative int or None (unbounded)"
+    if not isinstance(window, (tuple, list)):
+        raise TypeError(f"window must be {expected}, got {type(window).__name__} {window!r}")
+    if len(window) != 2:
+        raise ValueError(f"window must be {expected}, got {len(window)} entries: {tuple(window)!r}")
+    bounds = []
+    for i, side in enumerate(window):
+        if side is None:
+            bounds.append(None)
+            continue
+        if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
+            raise TypeError(f"window[{i}] must be a non-negative int or None (unbounded), got "
+                            f"{type(side).__name__} {side!r}")
+        if side < 0:
+            raise ValueError(f"window[{i}] must be >= 0, got {side}; use None for an unbounded side "
+                             f"(FlashAttention's -1)")
+        bounds.append(side if isinstance(side, int) else int(side))
+    return bounds[0], bounds[1]
+
+
+def softcap_value(softcap) -> float | None:
+    """``softcap`` as a positive float, or None when it is off (None or 0). Taken as ``scale`` is: a
+    Python or numpy number, or a one-element CPU tensor (a device tensor would have to be read back)."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, torch.Tensor) and softcap.device.type != "cpu":
+        raise ValueError(f"softcap must be a number or a one-element CPU tensor, got a tensor on {softcap.device}")
+    check_number("softcap", softcap, low=0.0)
+    value = float(softcap.item() if isinstance(softcap, torch.Tensor) else as_number(softcap))
+    return value or None
+
+
+def _check_int(arg: str, value, low: int = 0) -> None:
+    """A Python or numpy int (a SymInt under torch.compile), not a bool, at least ``low``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer, torch.SymInt)):
+        raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{arg} must be >= {low}, got {value}")
+
+
+def _check_index_tensor(arg: str, t, dims: int, layout: str, device: torch.device) -> None:
+    """An int32 index tensor of ``dims`` dimensions on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{arg} must be an int32 tensor {layout}, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{arg} has dtype {t.dtype}; expected torch.int32 {layout}")
+    if t.dim() != dims:
+        raise ValueError(f"{arg} must have {dims} dimension{'s' if dims > 1 else ''} {layout}, got shape "
+                         f"{tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{arg} is on {t.device} but q is on {device}")
+
+
+def check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """``attention_varlen``'s tensors and lengths, but not the values of ``cu_seqlens_*``
+    (:func:`check_cu_seqlens_values`, which reads them); its options: :func:`attention_options`."""
+    _check_qkv(q, k, v, "[tokens, heads, head_dim]", batched=False)
+    for arg, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        _check_index_tensor(arg, cu, 1, "[N + 1] (cumulative sequence lengths, from 0)", q.device)
+        if cu.shape[0] == 0:
+            raise ValueError(f"{arg} must have N + 1 >= 1 entries (N sequences), got none")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.shape[0]} entries but cu_seqlens_k has "
+                         f"{cu_seqlens_k.shape[0]}: q and k must hold the same number of sequences")
+    _check_int("max_seqlen_q", max_seqlen_q)
+    _check_int("max_seqlen_k", max_seqlen_k)
+
+
+
+def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, tokens_q: int, tokens_k: int, max_seqlen_q: int,
+                            max_seqlen_k: int) -> None:
+    """The values of ``cu_seqlens_q`` and ``_k``: from 0, non-decreasing, ending at q's (k's) token count,
+    no sequence longer than ``max_seqlen_*``. Read once per version of the tensors
+    (:func:`check_values_once`)."""
+    def check(values_q, values_k):
+        for side, values, tokens, longest in (("q", values_q, tokens_q, max_seqlen_q),
+                                              ("k", values_k, tokens_k, max_seqlen_k)):
+            arg = f"cu_seqlens_{side}"
+            if values[0] != 0:
+                raise ValueError(f"{arg}[0] must be 0, got {values[0]}")
+            lengths = np.diff(values.astype(np.int64))
+            if (lengths < 0).any():
+                i = int(np.argmax(lengths < 0))
+                raise ValueError(f"{arg} must be non-decreasing, but {arg}[{i + 1}] = {values[i + 1]} < "
+                                 f"{arg}[{i}] = {values[i]}")
+            if values[-1] != tokens:
+                raise ValueError(f"{arg}[-1] is {values[-1]} but {side} has {tokens} tokens (its first dimension)")
+            if lengths.size and lengths.max() > longest:
+                i = int(np.argmax(lengths))
+                raise ValueError(f"max_seqlen_{side} is {longest} but sequence {i} has {lengths[i]} tokens "
+                                 f"({arg}); it must be at least the longest (kernels size their grids from it)")
+
+    check_values_once((cu_seqlens_q, cu_seqlens_k), ("cu_seqlens", tokens_q, tokens_k, max_seqlen_q, max_seqlen_k),
+                      check)
+
+
+def _check_cache(k_cache, v_cache, device: torch.device, dtype: torch.dtype) -> None:
+    layout = "[num_pages, page_size, kv_heads, head_dim]"
+    for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg} must be a tensor {layout}, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{arg} must have 4 dimensions {layout}, got shape {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise TypeError(f"{arg} has dtype {t.dtype} but q has {dtype}")
+        if t.device != device:
+            raise ValueError(f"{arg} is on {t.device} but q is on {device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache has shape {tuple(k_cache.shape)} but v_cache has {tuple(v_cache.shape)}; they "
+                         f"must match")
+    if k_cache.shape[1] == 0:
+        raise ValueError("k_cache has page_size 0 (its second dimension); a page must hold at least one token")
+
+
+def _check_page_tables(block_table, cache_seqlens, batch: int, device: torch.device) -> None:
+    _check_index_tensor("block_table", block_table, 2, "[batch, max_pages] (page numbers)", device)
+    _check_index_tensor("cache_seqlens", cache_seqlens, 1, "[batch] (tokens per sequence)", device)
+    for arg, t in (("block_table", block_table), ("cache_seqlens", cache_seqlens)):
+        if t.shape[0] != batch:
+            raise ValueError(f"{arg} has batch {t.shape[0]} but q has batch {batch}")
+
+
+def check_paged_attention(q, k_cache, v_cache, block_table, cache_seqlens) -> None:
+    """``paged_attention``'s tensors, but not the values of ``block_table`` and ``cache_seqlens``
+    (:func:`check_page_values`); its options: :func:`attention_options`."""
+    layout = "[batch, seq, heads, head_dim]"
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a tensor {layout}, got {type(q).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q must have 4 dimensions {layout}, got shape {tuple(q.shape)}")
+    if q.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; expected float16, bfloat16, float32 or float64")
+    _check_cache(k_cache, v_cache, q.device, q.dtype)
+    if k_cache.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k_cache has head_dim {k_cache.shape[-1]} but q has head_dim {q.shape[-1]}")
+    _check_heads(q.shape[2], k_cache.shape[2], "k_cache and v_cache")
+    _check_page_tables(block_table, cache_seqlens, q.shape[0], q.device)
+    check_not_differentiated("paged_attention", q=q, k_cache=k_cache, v_cache=v_cache)
+
+
+def check_paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new) -> None:
+    """``paged_kv_append``'s arguments but the values of ``block_table`` and ``cache_seqlens``."""
+    layout = "[batch, new_tokens, kv_heads, head_dim]"
+    for arg, t in (("k_new", k_new), ("v_new", v_new)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg} must be a tensor {layout}, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{arg} must have 4 dimensions {layout}, got shape {tuple(t.shape)}")
+    if k_new.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"k_new has dtype {k_new.dtype}; expected float16, bfloat16, float32 or float64")
+    if v_new.shape != k_new.shape:
+        raise ValueError(f"v_new has shape {tuple(v_new.shape)} but k_new has {tuple(k_new.shape)}; they must match")
+    if v_new.dtype != k_new.dtype or v_new.device != k_new.device:
+        raise TypeError(f"v_new is {v_new.dtype} on {v_new.device} but k_new is {k_new.dtype} on {k_new.device}")
+    for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if isinstance(t, torch.Tensor) and t.dtype != k_new.dtype:
+            raise TypeError(f"{arg} has dtype {t.dtype} but k_new has {k_new.dtype}; the cache keeps its dtype, "
+                            f"cast k_new and v_new to it")
+    _check_cache(k_cache, v_cache, k_new.device, k_new.dtype)
+    if k_new.shape[2:] != k_cache.shape[2:]:
+        raise ValueError(f"k_new has (kv_heads, head_dim) {tuple(k_new.shape[2:])} but k_cache has "
+                         f"{tuple(k_cache.shape[2:])}")
+    _check_page_tables(block_table, cache_seqlens, k_new.shape[0], k_new.device)
+    check_not_differentiated("paged_kv_append", k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
+
+
+def check_not_differentiated(op: str, **tensors) -> None:
+    """Inference-only ops refuse to run where autograd would record them: with grad mode on, an input that
+    requires grad would get no gradient (or, written into a cache, a graph across decode steps)."""
+    if not torch.is_grad_enabled():
+        return
+    for arg, t in tensors.items():
+        if t.requires_grad:
+            raise RuntimeError(f"{op} is not differentiable (inference only), but {arg} requires grad: call it "
+                               f"under torch.no_grad() or torch.inference_mode(), or pass {arg}.detach()")
+
+
+def check_page_values(block_table, cache_seqlens, *, page_size: int, num_pages: int, new_tokens: int,
+                      window_left: int | None = None, append: bool = False) -> None:
+    """The values of ``block_table`` and ``cache_seqlens``, read once per version (:func:`check_values_once`).
+
+    Attention (``append=False``): sequence b's queries are its last ``new_tokens`` positions of
+    ``cache_seqlens[b]``, and the keys they see start ``window_left`` before the first of them. Appending:
+    positions ``cache_seqlens[b] ..`` ``+ new_tokens`` are written, and no two tokens may land in one slot.
+    Every page either touches must be a page of the cache, and every position inside the table's
+    ``max_pages * page_size``."""
+    def check(table, lengths):
+        lengths = lengths.astype(np.int64)
+        capacity = table.shape[1] * page_size
+        end = lengths + new_tokens if append else lengths
+        if (lengths < 0).any():
+            b = int(np.argmax(lengths < 0))
+            raise ValueError(f"cache_seqlens[{b}] is {lengths[b]}; lengths must be >= 0")
+        if (end > capacity).any():
+            b = int(np.argmax(end > capacity))
+            what = (f"cache_seqlens[{b}] + {new_tokens} new tokens = {end[b]}" if append
+                    else f"cache_seqlens[{b}] is {end[b]}, which")
+            raise ValueError(f"{what} exceeds the {capacity} positions block_table holds ({table.shape[1]} pages of "
+                             f"{page_size})")
+        if append:
+            start = lengths
+        else:
+            start = np.zeros_like(lengths) if window_left is None else np.maximum(end - new_tokens - window_left, 0)
+        pages = np.arange(table.shape[1])
+        touched = (pages >= start[:, None] // page_size) & (pages * page_size < end[:, None])
+        bad = touched & ((table < 0) | (table >= num_pages))
+        if bad.any():
+            b, j = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(f"block_table[{b}, {j}] is {table[b, j]}, not a page of the cache (it has {num_pages}); "
+                             f"sequence {b} {'writes' if append else 'reads'} positions {j * page_size} to "
+                             f"{min(end[b], (j + 1) * page_size) - 1} there")
+        if append and new_tokens:
+            positions = lengths[:, None] + np.arange(new_tokens)
+            slots = table[np.arange(len(lengths))[:, None], positions // page_size] * page_size + positions % page_size
+            unique, counts = np.unique(slots.ravel(), return_counts=True)
+            if (counts > 1).any():
+                slot = unique[np.argmax(counts > 1)]
+                (b1, t1), (b2, t2) = np.argwhere(slots == slot)[:2]
+                raise ValueError(f"token {t1} of sequence {b1} and token {t2} of sequence {b2} would both be written "
+                                 f"to page {slot // page_size}, slot {slot % page_size}: block_table maps both "
+                                 f"positions to one page")
+
+    check_values_once((block_table, cache_seqlens),
+                      ("append" if append else "attention", page_size, num_pages, new_tokens, window_left), check)
+
+
+# Value checks already passed: tensor -> {params: (versions, the other tensors)}. Keyed by identity (a
+# weakref.WeakKeyDictionary compares tensors with ==), weakly, so a dropped tensor takes its entry with it.
+_checked_values = WeakIdKeyDictionary()
+_CHECKS_PER_TENSOR = 16  # params a tensor is checked under (a decode step: attention and append, per length)
+
+
+def values_readable(t: torch.Tensor) -> bool:
+    """Whether a check may read ``t``'s values now: not while torch.compile traces (fake tensors hold no
+    values; the custom op checks when the graph runs), not during CUDA graph capture (a read would break
+    it), not on the meta device."""
+    if torch.compiler.is_compiling() or t.device.type == "meta":
+        return False
+    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def check_values_once(tensors: tuple[torch.Tensor, ...], params: tuple, check) -> None:
+    """``check(*arrays)`` on the values of ``tensors`` (numpy, one device-to-host read per distinct tensor),
+    unless it passed before on these same tensors, unmodified since (their version counters), with the
+    same ``params``. So the usual loop, one ``cu_seqlens`` (or block table) per step passed to every
+    layer, reads once per step, not per layer. Inference tensors have no version counter: they are read
+    every call."""
+    if not values_readable(tensors[0]):
+        return
+    tracked = not any(t.is_inference() for t in tensors)
+    if tracked:
+        versions = tuple(t._version for t in tensors)
+        record = _checked_values.get(tensors[0], {}).get(params)
+        if (record is not None and record[0] == versions
+                and all(ref() is t for ref, t in zip(record[1], tensors[1:]))):
+            return
+    arrays: dict[int, np.ndarray] = {}
+    for t in tensors:
+        if id(t) not in arrays:
+            arrays[id(t)] = t.detach().cpu().numpy()
+    check(*(arrays[id(t)] for t in tensors))
+    if tracked:
+        records = _checked_values.setdefault(tensors[0], {})
+        if len(records) >= _CHECKS_PER_TENSOR:
+            records.clear()
+        records[params] = (versions, tuple(weakref.ref(t) for t in tensors[1:]))

@@ -57,6 +57,9 @@ class Backend:
     # Reasons the backend can't run on tensors of this device type, empty when it can.
     device_reasons: Callable[[torch.device], list[str]] = lambda device: []
     description: str = ""
+    # Ops the backend does not implement (yet), each with the reason a user reads in explain's report
+    # and in a fallback's warning; any other op it lacks reads "<name> does not implement <op>".
+    declined: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -147,7 +150,7 @@ def _reasons(name: str, op: str, call: Call, device: torch.device | None) -> lis
         return [reason]
     backend = _backends[name]
     if op not in backend.ops:
-        return [f"{name} does not implement {op}"]
+        return [backend.declined.get(op) or f"{name} does not implement {op}"]
     reasons = list(backend.device_reasons(device)) if device is not None else []
     return reasons or backend.ops[op].supports(call)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import inspect
 
 from .attention import attention, attention_call
+from .attention_varlen import attention_varlen, attention_varlen_call
 from .clip import clip_grad_norm_, grad_norm_call, grads_of
 from .dispatch import Choice, choose
 from .functional import adam, adam_call
+from .paged import paged_attention, paged_attention_call, paged_kv_append, paged_kv_append_call
 
 _ADAM_CALL_ARGS = inspect.signature(adam_call).parameters
 
@@ -15,7 +17,10 @@ _ADAM_CALL_ARGS = inspect.signature(adam_call).parameters
 # arguments as bound to its signature (defaults applied).
 _OPS = {
     "attention": (attention, "attention_fwd",
-                  lambda a: attention_call(a["q"], a["k"], a["v"], a["causal"], a["scale"])),
+                  lambda a: attention_call(a["q"], a["k"], a["v"], a["causal"], a["scale"], a["window"], a["softcap"])),
+    "attention_varlen": (attention_varlen, "attention_varlen_fwd", lambda a: attention_varlen_call(**a)),
+    "paged_attention": (paged_attention, "paged_attention", lambda a: paged_attention_call(**a)),
+    "paged_kv_append": (paged_kv_append, "paged_kv_append", lambda a: paged_kv_append_call(**a)),
     "adam": (adam, "adam", lambda a: adam_call(**{k: v for k, v in a.items() if k in _ADAM_CALL_ARGS})),
     "clip_grad_norm_": (clip_grad_norm_, "grad_norm",
                         lambda a: grad_norm_call(grads_of(a["parameters"]), a["norm_type"])),
@@ -26,8 +31,8 @@ _BY_FUNCTION = {function: name for name, (function, _, _) in _OPS.items()}
 def explain(op, *args, **kwargs) -> Choice:
     """The backend that ``op(*args, **kwargs)`` would run on, with every other backend's reasons.
 
-    ``op`` is a public function (``portable_ops.attention``, ``portable_ops.functional.adam``,
-    ``portable_ops.clip_grad_norm_``) or its name. The arguments are checked as the call would
+    ``op`` is a public function (``portable_ops.attention``, ``attention_varlen``, ``paged_attention``,
+    ``paged_kv_append``, ``portable_ops.functional.adam``, ``portable_ops.clip_grad_norm_``) or its name. The arguments are checked as the call would
     check them; nothing is computed. The returned :class:`~portable_ops.dispatch.Choice` prints as
     a readable report.
     """
@@ -36,7 +41,7 @@ def explain(op, *args, **kwargs) -> Choice:
         raise ValueError(f"explain: unknown op {op!r}; expected one of {', '.join(_OPS)} or its function")
     function, dispatch_op, build = _OPS[name]
     call = build(_bound(name, function, args, kwargs))
-    tensors = call.get("params") or call.get("grads") or [call.get("q")]
+    tensors = call.get("params") or call.get("grads") or [call.get("q", call.get("k_new"))]
     device = tensors[0].device if tensors and tensors[0] is not None else None
     return choose(dispatch_op, call, device)
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import torch
 
+from portable_ops.backends.pending import declined_ops
 from portable_ops.dispatch import Backend, OpImpl
 
 from . import compat
 from .adam import adam, adam_supports
-from .attention import attention_bwd, attention_fwd, attention_supports
+from .attention import KERNELS, attention_bwd, attention_fwd, attention_supports
 from .grad_norm import grad_norm, grad_norm_supports
 from .runtime import TRAINIUM_DEVICES
 
@@ -52,4 +53,5 @@ BACKEND = Backend(
     unavailable=lambda: None,
     device_reasons=_device_reasons,
     description=_description(),
+    declined=declined_ops(KERNELS),
 )

@@ -24,6 +24,7 @@ import math
 
 import torch
 
+from portable_ops.backends.pending import dense_feature_reasons, refuse_features
 from portable_ops.layout import as_layout_of
 
 from .compat import nki, nisa, nl
@@ -314,9 +315,12 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256
 
 
+KERNELS = "NKI kernels"
+
+
 def attention_supports(call) -> list[str]:
     q, k, v = call["q"], call["k"], call["v"]
-    reasons = []
+    reasons = dense_feature_reasons(call, KERNELS)
     if q.dtype not in SUPPORTED_DTYPES:
         reasons.append(f"NKI attention takes float32, bfloat16 and float16; got {str(q.dtype).removeprefix('torch.')}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -330,15 +334,17 @@ def attention_supports(call) -> list[str]:
     return reasons
 
 
-def attention_fwd(q, k, v, *, causal, scale):
+def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
     """The kernels take contiguous ``[B, H, S, D]``; ``out`` comes back in the layout
     portable_ops/layout.py gives q's output (a copy only when q's heads are inner to its sequence)."""
+    refuse_features(window, softcap, KERNELS)
     out, lse = launch(attention_fwd_kernel, q.contiguous(), k.contiguous(), v.contiguous(),
                       scale=float(scale), causal=bool(causal))
     return as_layout_of(out, q), lse.reshape(q.shape[:-1])
 
 
-def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
+def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None):
+    refuse_features(window, softcap, KERNELS)
     lse4 = lse.to(torch.float32).reshape(*q.shape[:-1], 1).contiguous()
     dq, dk, dv = launch(attention_bwd_kernel, q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
                         lse4, dout.to(q.dtype).contiguous(), scale=float(scale), causal=bool(causal))

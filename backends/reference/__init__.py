@@ -8,7 +8,9 @@ from portable_ops.dispatch import Backend, OpImpl
 
 from .adam import adam
 from .attention import attention_bwd, attention_fwd
+from .attention_varlen import attention_varlen_bwd, attention_varlen_fwd
 from .grad_norm import grad_norm
+from .paged import paged_attention, paged_kv_append
 
 BACKEND = Backend(
     name="reference",
@@ -18,5 +20,9 @@ BACKEND = Backend(
         "grad_norm": OpImpl(run=grad_norm),
         "attention_fwd": OpImpl(run=attention_fwd),
         "attention_bwd": OpImpl(run=attention_bwd),
+        "attention_varlen_fwd": OpImpl(run=attention_varlen_fwd),
+        "attention_varlen_bwd": OpImpl(run=attention_varlen_bwd),
+        "paged_attention": OpImpl(run=paged_attention),
+        "paged_kv_append": OpImpl(run=paged_kv_append),
     },
 )

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from portable_ops.backends.pending import declined_ops
 from portable_ops.dispatch import Backend, OpImpl
 
 if importlib.util.find_spec("triton") is None:
@@ -29,7 +30,7 @@ else:
     LATE_SWITCH = INTERPRETED and type(tl.zeros).__name__ != "InterpretedFunction"
 
     from .adam import adam, adam_supports
-    from .attention import attention_bwd, attention_fwd, attention_supports
+    from .attention import KERNELS, attention_bwd, attention_fwd, attention_supports
     from .grad_norm import grad_norm, grad_norm_supports
     from .launch import hash_triton_in_background
 
@@ -57,4 +58,5 @@ else:
             "attention_bwd": OpImpl(run=attention_bwd, supports=attention_supports),
         },
         device_reasons=_device_reasons,
+        declined=declined_ops(KERNELS),
     )

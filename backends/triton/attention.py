@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from portable_ops import layout
+from portable_ops.backends.pending import dense_feature_reasons, refuse_features
 
 from . import attention_sm90
 from .autotune import Tuner, bucket
@@ -508,9 +509,12 @@ def _dot_precision(dtype) -> str:
     return "ieee"
 
 
+KERNELS = "triton kernels"
+
+
 def attention_supports(call) -> list[str]:
     q = call["q"]
-    reasons = []
+    reasons = dense_feature_reasons(call, KERNELS)
     if q.shape[1] > MAX_GRID_Y:
         reasons.append(f"{q.shape[1]} heads: a launch takes at most {MAX_GRID_Y} (CUDA's limit on a grid's second "
                        f"dimension, which holds batch x heads)")
@@ -660,7 +664,9 @@ def _by_batch_slices(run, slices, inputs, outputs):
     return outputs
 
 
-def attention_fwd(q, k, v, *, causal, scale):
+def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
+    if window is not None or softcap is not None:
+        refuse_features(window, softcap, KERNELS)
     slices = _batch_slices(q)
     if slices is not None:
         return _by_batch_slices(lambda *t: attention_fwd(*t, causal=causal, scale=scale), slices, (q, k, v),
@@ -746,7 +752,9 @@ def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, precision, out_stride
     return _remember(_bwd_plans, key, plan)
 
 
-def attention_bwd(q, k, v, out, lse, dout, *, causal, scale):
+def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None):
+    if window is not None or softcap is not None:
+        refuse_features(window, softcap, KERNELS)
     slices = _batch_slices(q)
     if slices is not None:
         return _by_batch_slices(lambda *t: attention_bwd(*t, causal=causal, scale=scale), slices,

@@ -1,0 +1,124 @@
+"""Packed variable-length attention: ``attention_varlen``, FlashAttention's ``flash_attn_varlen_func``.
+
+Many sequences of different lengths are packed along one token dimension, with no padding:
+q ``[Tq, Hq, D]``, k and v ``[Tk, Hkv, D]``, and ``cu_seqlens_q`` / ``cu_seqlens_k`` (int32, ``N + 1``
+entries from 0) mark where each of the N sequences starts. Eager calls run through
+:class:`portable_ops.attention.EagerAttention` like dense attention; torch.compile sees the custom ops
+``portable_ops::attention_varlen_fwd`` / ``_bwd``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import checks
+from .attention import (EagerAttention, Options, Variant, autocast_inputs, call_layout, degenerate, lse_dtype, register_autograd,
+                        run_op, window_args, window_of)
+from .backends.reference import attention_varlen as reference
+
+
+def attention_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
+                          softcap):
+    """Check one call's arguments (after autocast's casts; the offsets' values once per version) and
+    return them as the backends take them."""
+    q, k, v = autocast_inputs(q, k, v)
+    checks.check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    causal, scale, window, softcap = checks.attention_options(q.shape[-1], causal, scale, window, softcap,
+                                                              compiling=torch.compiler.is_compiling())
+    checks.check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    return dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k, causal=causal, scale=scale, window=window, softcap=softcap)
+
+
+def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap):
+    """(out ``[Tq, Hq, D]``, lse ``[Hq, Tq]``) from the backend chosen for this call."""
+    call = dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                max_seqlen_k=max_seqlen_k, causal=causal, scale=scale, window=window, softcap=softcap)
+    return run_op("attention_varlen_fwd", call, call_layout(call), q.device, None)
+
+
+def backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
+             softcap, prefer=None):
+    """(dq, dk, dv) from the backend chosen for this call (``prefer``: as dense attention's backward)."""
+    call = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, scale=scale, window=window,
+                softcap=softcap)
+    return run_op("attention_varlen_bwd", call, call_layout(call), q.device, prefer)
+
+
+def _definition(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap):
+    return reference.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          causal=causal, scale=scale, window=window, softcap=softcap)[0]
+
+
+VARLEN = Variant(forward, backward, _definition, index_tensors=2)
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+@torch.library.custom_op("portable_ops::attention_varlen_fwd", mutates_args=())
+def _varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
+                   window_left: int | None, window_right: int | None,
+                   softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    checks.check_number("scale", scale)
+    # A compiled graph's first chance to read the offsets (tracing could not): once per version, as eagerly.
+    checks.check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    return forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                   window_of(window_left, window_right), checks.softcap_value(softcap))
+
+
+@_varlen_fwd_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right,
+      softcap):
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q))
+
+
+@torch.library.custom_op("portable_ops::attention_varlen_bwd", mutates_args=())
+def _varlen_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   dout: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                   max_seqlen_k: int, causal: bool, scale: float, window_left: int | None, window_right: int | None,
+                   softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                    window_of(window_left, window_right), checks.softcap_value(softcap))
+
+
+@_varlen_bwd_op.register_fake
+def _(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left,
+      window_right, softcap):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+register_autograd(_varlen_fwd_op, _varlen_bwd_op, index_tensors=2)
+
+
+# ----------------------------------------------------------------------------- the public function
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
+                     window=None, softcap=None):
+    """Attention of each packed sequence's queries over its own keys (FlashAttention's
+    ``flash_attn_varlen_func``).
+
+    q ``[Tq, Hq, D]``, k and v ``[Tk, Hkv, D]`` (``Hq % Hkv == 0``); sequence ``b`` is rows
+    ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of q and ``cu_seqlens_k[b] : cu_seqlens_k[b + 1]`` of k
+    and v. ``cu_seqlens_*``: int32, on q's device, ``N + 1`` entries from 0, non-decreasing (empty
+    sequences allowed), ending at ``Tq`` (``Tk``); ``max_seqlen_*``: ints at least the longest
+    sequence. ``causal``, ``scale``, ``window`` and ``softcap`` mean what they mean for
+    :func:`portable_ops.attention`, per sequence (bottom-right: query ``i`` of sequence ``b`` sits at
+    key position ``i + len_k(b) - len_q(b)``). Returns ``[Tq, Hq, D]``, contiguous; differentiable in
+    q, k and v. The offsets' values are read once per version of each tensor (``docs/api.md``).
+    """
+    call = attention_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                                 window, softcap)
+    q, k, v = call["q"], call["k"], call["v"]
+    options = tuple(call.values())[3:]
+    if q.numel() == 0 or k.numel() == 0:
+        # No row sees a key, or there is nothing to compute: dense attention's answer, as one sequence
+        return degenerate(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1).contiguous()
+    if torch.compiler.is_compiling():
+        cu_q, cu_k, max_q, max_k, causal, scale, window, softcap = options
+        return _varlen_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, *window_args(window), softcap)[0]
+    if torch._C._are_functorch_transforms_active():
+        raise RuntimeError("portable_ops.attention_varlen does not support torch.func transforms (vmap, grad, jvp, "
+                           "...) yet; portable_ops.attention does")
+    return EagerAttention.apply(q, k, v, Options(VARLEN, options))[0]
