@@ -1,7 +1,7 @@
 """The shared case catalogue: the same cases for every backend.
 
-A case names an op family (``adam``, ``clip``, ``attention``), a seed, its
-parameters and a dtype. Inputs are drawn from the seed on the CPU and moved to
+A case names an op family (``adam``, ``clip``, ``attention``, ``attention_varlen``,
+``paged``), a seed, its parameters and a dtype. Inputs are drawn from the seed on the CPU and moved to
 the backend's device, so every backend sees the same numbers. Tolerances are
 keyed by dtype: a value passes when ``|out - ref| <= atol + rtol * |ref|``
 elementwise, against each oracle. Adam cases with ``state_dtype`` in their params keep
@@ -30,6 +30,8 @@ TOLERANCES = {
     "clip": {F32: (1e-6, 1e-5), F16: (1e-4, 2e-3), BF16: (1e-3, 1.6e-2)},
     "attention": {F32: (2e-3, 2e-3), F16: (4e-3, 4e-3), BF16: (3e-2, 3e-2)},
 }
+# Packed and paged attention are dense attention per sequence: the same tolerances.
+TOLERANCES["attention_varlen"] = TOLERANCES["paged"] = TOLERANCES["attention"]
 # Gradients of attention sum over a whole sequence: allow a few times the forward's error.
 ATTENTION_GRAD_FACTOR = 4.0
 # A half-precision param stepped from float32 moments: the float32 step, then one rounding to nearest
@@ -42,7 +44,7 @@ FP32_STATE_PARAM_TOLERANCES = {F16: (1e-7, 1e-3), BF16: (1e-7, 4e-3)}
 @dataclass(frozen=True)
 class Case:
     name: str
-    op: str  # "adam", "clip" or "attention"
+    op: str  # a key of TOLERANCES
     dtype: torch.dtype
     params: dict = field(default_factory=dict)
     seed: int = 0
@@ -208,4 +210,83 @@ def sampled_rows(sq: int, block: int = 128) -> tuple[tuple[int, int], ...]:
     return ((0, block // 2), (middle, middle + block), (sq - block, sq))
 
 
-CASES: list[Case] = _adam_cases() + _clip_cases() + _attention_cases()
+# Scores of std 10 against a softcap of 30 or 50: tanh bends them enough that a backend ignoring the softcap
+# fails on 29-77% of out's elements (bf16 to fp32, at these tolerances). Not more: dq grows with the scale, and
+# the backward's rowsum(dout * out), taken from the rounded fp16/bf16 out as every flash backward takes it,
+# is amplified with it; at std 40 the reference's own fp16 and bf16 dq missed the float64 oracle by 2x the
+# tolerance (docs/conformance.md).
+CAPPED_SCORE_STD = 10.0
+
+
+def _capped_scale(d: int) -> float:
+    return CAPPED_SCORE_STD / math.sqrt(d)
+
+
+def _window_softcap_cases() -> list[Case]:
+    """Dense attention with a sliding window or a softcap (issue 12): one family each."""
+    keys = ("B", "Hq", "Hkv", "Sq", "Skv", "D", "causal")
+    windows = {  # name: (shape as in _attention_cases, window, dtypes)
+        "attn_window_0_0": ((1, 2, 2, 40, 40, 32, False), (0, 0), (F16,)),  # each query sees its own key only
+        "attn_window_3_5_gqa": ((1, 8, 2, 37, 37, 64, False), (3, 5), (F16, BF16, F32)),
+        "attn_window_3_5_causal": ((1, 4, 2, 45, 45, 64, True), (3, 5), (F16,)),  # right side moot
+        "attn_window_right_7": ((1, 2, 1, 30, 50, 64, False), (None, 7), (F16,)),
+        "attn_window_left_128_causal": ((1, 2, 1, 77, 300, 64, True), (128, None), (F16,)),
+        "attn_window_left_5_right_0": ((1, 2, 2, 33, 33, 32, False), (5, 0), (F16,)),  # spelled as causal
+        "attn_window_more_queries": ((1, 2, 2, 20, 12, 32, False), (2, 1), (F16,)),  # first rows see no key
+        "attn_window_decode": ((2, 8, 2, 1, 300, 64, True), (128, None), (F16,)),
+    }
+    cases = []
+    for name, (shape, window, dtypes) in windows.items():
+        for dtype in dtypes:
+            cases.append(Case(name, "attention", dtype, dict(zip(keys, shape), window=window)))
+    softcaps = {  # name: (shape, softcap, window, dtypes)
+        "attn_softcap_30": ((1, 4, 2, 50, 50, 64, True), 30.0, None, (F16, BF16, F32)),
+        "attn_softcap_50_cross": ((1, 2, 1, 19, 70, 64, False), 50.0, None, (F16,)),
+        "attn_softcap_30_window": ((1, 4, 4, 41, 41, 32, False), 30.0, (16, 4), (F16,)),
+        "attn_softcap_50_decode": ((2, 8, 2, 1, 200, 128, True), 50.0, None, (F16,)),
+    }
+    for name, (shape, softcap, window, dtypes) in softcaps.items():
+        for dtype in dtypes:
+            cases.append(Case(name, "attention", dtype, dict(zip(keys, shape), softcap=softcap, window=window,
+                                                             scale=_capped_scale(shape[5]))))
+    return cases
+
+
+def _varlen_cases() -> list[Case]:
+    """Packed sequences (attention_varlen): lengths not multiples of 16, an empty sequence, queries and
+    keys of different lengths per sequence (bottom-right masks per sequence)."""
+    cases = {  # name: (params, dtypes)
+        "varlen_ragged": (dict(lens_q=(17, 0, 33, 5, 64), Hq=2, Hkv=2, D=64, causal=False), (F16, BF16, F32)),
+        "varlen_causal_gqa": (dict(lens_q=(29, 1, 47), Hq=8, Hkv=2, D=32, causal=True), (F16,)),
+        "varlen_cross_lengths_causal": (dict(lens_q=(5, 0, 12, 9), lens_k=(20, 7, 12, 4), Hq=4, Hkv=2, D=64,
+                                             causal=True), (F16,)),  # the last sequence: more queries than keys
+        "varlen_window_3_5": (dict(lens_q=(40, 23, 0, 18), Hq=4, Hkv=1, D=64, causal=False, window=(3, 5)), (F16,)),
+        "varlen_window_causal_softcap": (dict(lens_q=(31, 66, 2), Hq=2, Hkv=2, D=64, causal=True, window=(8, None),
+                                              softcap=30.0, scale=_capped_scale(64)), (F16,)),
+        "varlen_one_sequence": (dict(lens_q=(50,), lens_k=(90,), Hq=2, Hkv=1, D=128, causal=True), (F16,)),
+    }
+    return [Case(name, "attention_varlen", dtype, params) for name, (params, dtypes) in cases.items()
+            for dtype in dtypes]
+
+
+def _paged_cases() -> list[Case]:
+    """A decode step on a paged KV cache: append each sequence's Sq new tokens (paged_kv_append, compared
+    bit for bit), then attend (paged_attention). Pages are shuffled across the pool; ``lens`` are the
+    lengths after the append."""
+    base = dict(Hq=8, Hkv=2, D=64)
+    cases = {  # name: (params, dtypes)
+        "paged_decode_page16": (dict(base, lens=(1, 17, 100, 33), Sq=1, page_size=16), (F16, BF16, F32)),
+        "paged_speculative_page16": (dict(base, lens=(3, 40, 77), Sq=3, page_size=16), (F16,)),
+        "paged_decode_page256": (dict(base, lens=(300, 5, 513), Sq=1, page_size=256), (F16,)),
+        # pages wholly before the window are marked -1 in the table: they must not be read
+        "paged_speculative_page256_window": (dict(base, lens=(600, 260), Sq=3, page_size=256, window=(128, None)),
+                                             (F16,)),
+        "paged_decode_window_page16": (dict(base, lens=(90, 12), Sq=1, page_size=16, window=(20, None)), (F16,)),
+        "paged_softcap_page16": (dict(Hq=4, Hkv=4, D=128, lens=(70, 31), Sq=1, page_size=16, softcap=30.0,
+                                      scale=_capped_scale(128)), (F16,)),
+    }
+    return [Case(name, "paged", dtype, params) for name, (params, dtypes) in cases.items() for dtype in dtypes]
+
+
+CASES: list[Case] = (_adam_cases() + _clip_cases() + _attention_cases() + _window_softcap_cases() + _varlen_cases()
+                     + _paged_cases())

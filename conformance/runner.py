@@ -23,6 +23,7 @@ neither a pass nor a failure.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -36,7 +37,10 @@ from portable_ops import dispatch, env
 from portable_ops.backends.reference.adam import adam as reference_adam
 from portable_ops.backends.reference.attention import attention_bwd as reference_attention_bwd
 from portable_ops.backends.reference.attention import attention_fwd as reference_attention_fwd
+from portable_ops.backends.reference.attention_varlen import attention_varlen_bwd as reference_varlen_bwd
+from portable_ops.backends.reference.attention_varlen import attention_varlen_fwd as reference_varlen_fwd
 from portable_ops.backends.reference.grad_norm import grad_norm as reference_grad_norm
+from portable_ops.backends.reference.paged import paged_attention as reference_paged_attention
 
 from .cases import ATTENTION_GRAD_FACTOR, CASES, Case
 
@@ -278,32 +282,64 @@ def _run_fused_clip_step(case, backend, device, oracles, result, gen):
 
 # ----------------------------------------------------------------------------- attention
 
-def _sdpa(q, k, v, causal, scale):
-    sq, skv = q.shape[-2], k.shape[-2]
-    mask = None
-    if causal:  # bottom-right alignment; SDPA's is_causal is top-left when Sq != Skv
-        mask = torch.ones(sq, skv, dtype=torch.bool).tril(diagonal=skv - sq)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+def torch_mask(sq, skv, causal, window):
+    """Which keys each query sees, spelled apart from the reference's ``visible`` (diagonal offsets of
+    ``tril``, bottom-right: query ``i`` sits at key position ``i + skv - sq``)."""
+    ones = torch.ones(sq, skv, dtype=torch.bool)
+    shift, mask = skv - sq, ones
+    if causal:
+        mask = mask & ones.tril(shift)
+    left, right = window or (None, None)
+    if left is not None:
+        mask = mask & ~ones.tril(shift - left - 1)
+    if right is not None:
+        mask = mask & ones.tril(shift + right)
+    return mask
 
 
-def attention_oracle(oracle, q, k, v, dout, rows, causal, scale):
+def torch_attention(q, k, v, mask, scale, softcap):
+    """PyTorch's attention under an explicit boolean mask: SDPA, or without a softcap in SDPA, the
+    softcapped math definition (``softcap * tanh(s / softcap)`` of the scaled scores, then the mask)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    scores = softcap * torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap)
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
+def attention_oracle(oracle, q, k, v, dout, rows, causal, scale, window=None, softcap=None):
     """``out`` and ``dq`` on query rows ``rows = (start, end)``, and ``dk``, ``dv`` over every key, of the
     attention of those rows alone: with ``dout`` zero on every other row, the whole attention's gradients.
     Causal: the keys end at the last one the block's last row sees, so that the block's bottom-right
-    mask is the whole sequence's."""
+    mask is the whole sequence's. ``dout=None``: ``out`` alone. The torch oracle takes only the rows
+    that see a key (SDPA gives NaN for the others): zeros elsewhere, as the convention says."""
     start, end = rows
     skv = k.shape[-2]
     seen = max(0, min(skv, end + skv - q.shape[-2])) if causal else skv  # 0: the block sees no key
-    q, k, v, dout = q[:, :, start:end], k[:, :, :seen], v[:, :, :seen], dout[:, :, start:end]
+    q, k, v = q[:, :, start:end], k[:, :, :seen], v[:, :, :seen]
     if oracle == "float64":
-        out, lse = reference_attention_fwd(q, k, v, causal=causal, scale=scale)
-        dq, dk, dv = reference_attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale)
+        out, lse = reference_attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
+        if dout is None:
+            return out
+        grads = reference_attention_bwd(q, k, v, out, lse, dout[:, :, start:end], causal=causal, scale=scale,
+                                        window=window, softcap=softcap)
     else:
-        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        out = _sdpa(*leaves, causal, scale)
-        dq, dk, dv = torch.autograd.grad(out, leaves, dout)
+        leaves = [t.clone().requires_grad_(dout is not None) for t in (q, k, v)]
+        mask = torch_mask(q.shape[-2], seen, causal, window)
+        rows_seeing = mask.any(-1).nonzero()[:, 0]
+        out = torch.zeros_like(q)
+        if len(rows_seeing):
+            out = out.index_copy(2, rows_seeing, torch_attention(leaves[0][:, :, rows_seeing], *leaves[1:],
+                                                                 mask[rows_seeing], scale, softcap))
+        if dout is None:
+            return out.detach()
+        grads = [torch.zeros_like(t) for t in leaves]
+        if len(rows_seeing):
+            grads = torch.autograd.grad(out, leaves, dout[:, :, start:end])
+    dq, dk, dv = grads
     unseen = (0, 0, 0, skv - seen)
-    return out, dq, F.pad(dk, unseen), F.pad(dv, unseen)
+    return out.detach(), dq, F.pad(dk, unseen), F.pad(dv, unseen)
 
 
 def attention_inputs(case: Case):
@@ -335,8 +371,9 @@ def run_attention(case: Case, backend: str, device: torch.device, oracles: list[
     q, k, v, dout, blocks, sampled = attention_inputs(case)
     inputs = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
     scale = p.get("scale", 1.0 / math.sqrt(p["D"]))
+    window, softcap = p.get("window"), p.get("softcap")
     with forced_strict(backend):
-        out = portable_ops.attention(*inputs, causal=p["causal"], scale=scale)
+        out = portable_ops.attention(*inputs, causal=p["causal"], scale=scale, window=window, softcap=softcap)
         out.backward(dout.to(device, dtype))
     atol, rtol = case.tolerance
     grad_tol = (atol * ATTENTION_GRAD_FACTOR, rtol * ATTENTION_GRAD_FACTOR)
@@ -348,12 +385,10 @@ def run_attention(case: Case, backend: str, device: torch.device, oracles: list[
     q64, k64, v64 = _f64(inputs)
     dout64 = dout.to(dtype).to(F64)
     for oracle in oracles:
-        if oracle == "torch" and p["causal"] and p["Sq"] > p["Skv"]:
-            continue  # SDPA gives NaN for rows that see no key; the float64 oracle covers them
         dk_ref = dv_ref = 0.0
         for start, end in blocks:
             ref, dq_ref, dk_rows, dv_rows = attention_oracle(oracle, q64, k64, v64, dout64, (start, end),
-                                                              p["causal"], scale)
+                                                              p["causal"], scale, window, softcap)
             result.check(oracle, f"out rows {start}:{end}", out[:, :, start:end], ref, atol, rtol)
             result.check(oracle, f"dq rows {start}:{end}", dq[:, :, start:end], dq_ref, *grad_tol)
             dk_ref, dv_ref = dk_ref + dk_rows, dv_ref + dv_rows
@@ -361,7 +396,123 @@ def run_attention(case: Case, backend: str, device: torch.device, oracles: list[
         result.check(oracle, "dv", dv, dv_ref, *grad_tol)
 
 
-RUNNERS = {"adam": run_adam, "clip": run_clip, "attention": run_attention}
+def _dense(t):
+    """One packed sequence ``[S, H, D]`` as dense attention's ``[1, H, S, D]``."""
+    return t.transpose(0, 1)[None]
+
+
+def _offsets(lengths) -> torch.Tensor:
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+
+def run_attention_varlen(case: Case, backend: str, device: torch.device, oracles: list[str], result: Comparison):
+    """Packed sequences: out and dq, dk, dv against the reference's varlen definition in float64 and,
+    for the reference backend, each sequence's attention in PyTorch (SDPA under its mask)."""
+    p, dtype = case.params, case.dtype
+    lens_q = p["lens_q"]
+    lens_k = p.get("lens_k", lens_q)
+    gen = torch.Generator().manual_seed(case.seed)
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(tq, p["Hq"], p["D"], generator=gen)
+    k, v = (torch.randn(tk, p["Hkv"], p["D"], generator=gen) for _ in range(2))
+    dout = torch.randn(tq, p["Hq"], p["D"], generator=gen)
+    cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+    scale = p.get("scale", 1.0 / math.sqrt(p["D"]))
+    options = dict(causal=p["causal"], scale=scale, window=p.get("window"), softcap=p.get("softcap"))
+    inputs = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+    with forced_strict(backend):
+        out = portable_ops.attention_varlen(*inputs, cu_q.to(device), cu_k.to(device), max(lens_q), max(lens_k),
+                                            **options)
+        out.backward(dout.to(device, dtype))
+    atol, rtol = case.tolerance
+    grad_tol = (atol * ATTENTION_GRAD_FACTOR, rtol * ATTENTION_GRAD_FACTOR)
+    q64, k64, v64 = _f64(inputs)
+    dout64 = dout.to(dtype).to(F64)
+    for oracle in oracles:
+        if oracle == "float64":
+            ref, lse = reference_varlen_fwd(q64, k64, v64, cu_q, cu_k, max(lens_q), max(lens_k), **options)
+            grads = reference_varlen_bwd(q64, k64, v64, ref, lse, dout64, cu_q, cu_k, max(lens_q), max(lens_k),
+                                         **options)
+        else:
+            parts = []
+            for (q0, q1), (k0, k1) in zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist())):
+                dense = [_dense(t) for t in (q64[q0:q1], k64[k0:k1], v64[k0:k1], dout64[q0:q1])]
+                parts.append([t[0].transpose(0, 1) for t in
+                              attention_oracle("torch", *dense, (0, q1 - q0), p["causal"], scale, options["window"],
+                                               options["softcap"])])
+            ref, *grads = (torch.cat(ts) for ts in zip(*parts))
+        result.check(oracle, "out", out, ref, atol, rtol)
+        for label, got, want in zip(("dq", "dk", "dv"), (t.grad for t in inputs), grads):
+            result.check(oracle, label, got, want, *grad_tol)
+
+
+def paged_inputs(case: Case):
+    """A paged cache holding each sequence's first ``lens - Sq`` tokens, the ``Sq`` new tokens' k/v, the
+    queries, and the block table: each sequence's pages drawn at random from a shuffled pool (with spares),
+    the table's unused entries -1, and so are the entries of pages wholly before a window (never read)."""
+    p = case.params
+    gen = torch.Generator().manual_seed(case.seed)
+    lens, sq, page_size = p["lens"], p["Sq"], p["page_size"]
+    pages_needed = [-(-length // page_size) for length in lens]
+    max_pages = max(pages_needed) + 1
+    pool = torch.randperm(sum(pages_needed) + 3, generator=gen)
+    table = torch.full((len(lens), max_pages), -1, dtype=torch.int32)
+    taken = 0
+    left = (p.get("window") or (None, None))[0]
+    for b, (length, n) in enumerate(zip(lens, pages_needed)):
+        table[b, :n] = pool[taken:taken + n]
+        taken += n
+        if left is not None:
+            table[b, :max(0, length - sq - left) // page_size] = -1
+    cache_shape = (len(pool), page_size, p["Hkv"], p["D"])
+    k_cache, v_cache = (torch.randn(cache_shape, generator=gen) for _ in range(2))
+    k_new, v_new = (torch.randn(len(lens), sq, p["Hkv"], p["D"], generator=gen) for _ in range(2))
+    q = torch.randn(len(lens), sq, p["Hq"], p["D"], generator=gen)
+    return q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32), k_new, v_new
+
+
+def run_paged(case: Case, backend: str, device: torch.device, oracles: list[str], result: Comparison):
+    """One decode step: ``paged_kv_append`` of the new tokens, compared bit for bit with writing each
+    token where the table says, then ``paged_attention``, against the reference's paged definition in
+    float64 and, for the reference backend, SDPA on each sequence's keys gathered position by position."""
+    p, dtype = case.params, case.dtype
+    q, k_cache, v_cache, table, lens, k_new, v_new = paged_inputs(case)
+    sq, page_size = p["Sq"], p["page_size"]
+    scale = p.get("scale", 1.0 / math.sqrt(p["D"]))
+    options = dict(scale=scale, window=p.get("window"), softcap=p.get("softcap"))
+    q, k_cache, v_cache, k_new, v_new = (t.to(device, dtype) for t in (q, k_cache, v_cache, k_new, v_new))
+    expected = _f64([k_cache, v_cache])
+    with forced_strict(backend), torch.no_grad():
+        portable_ops.paged_kv_append(k_cache, v_cache, table.to(device), (lens - sq).to(device), k_new, v_new)
+        out = portable_ops.paged_attention(q, k_cache, v_cache, table.to(device), lens.to(device), **options)
+    for b, length in enumerate(lens.tolist()):
+        for t in range(sq):
+            position = length - sq + t
+            page, offset = int(table[b, position // page_size]), position % page_size
+            for cache, new in zip(expected, (k_new, v_new)):
+                cache[page, offset] = new[b, t].to("cpu", F64)
+    for label, got, want in zip(("k_cache", "v_cache"), (k_cache, v_cache), expected):
+        result.check("float64", f"{label} after paged_kv_append", got, want, 0.0, 0.0)
+    atol, rtol = case.tolerance
+    q64, k64, v64 = _f64([q, k_cache, v_cache])
+    for oracle in oracles:
+        if oracle == "float64":
+            ref = reference_paged_attention(q64, k64, v64, table, lens, **options)
+        else:
+            left = (options["window"] or (None, None))[0]
+            refs = []
+            for b, length in enumerate(lens.tolist()):
+                first = 0 if left is None else max(0, length - sq - left)
+                keys = [torch.stack([cache[int(table[b, j // page_size]), j % page_size] for j in range(first, length)])
+                        if length > first else cache.new_zeros(0, p["Hkv"], p["D"]) for cache in (k64, v64)]
+                refs.append(attention_oracle("torch", _dense(q64[b]), *map(_dense, keys), None, (0, sq), True, scale,
+                                             options["window"], options["softcap"])[0].transpose(0, 1))
+            ref = torch.stack(refs)
+        result.check(oracle, "out", out, ref, atol, rtol)
+
+
+RUNNERS = {"adam": run_adam, "clip": run_clip, "attention": run_attention, "attention_varlen": run_attention_varlen,
+           "paged": run_paged}
 
 
 def long_cases_run(device: torch.device, long: bool | None = None) -> bool:
