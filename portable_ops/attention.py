@@ -321,6 +321,14 @@ class _FuncAttentionBackward(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------- the public function
 
+def refuse_transforms(op: str) -> None:
+    """For the ops that have no torch.func rules: a clear error, before their checks read an index tensor
+    (which inside a transform fails with a message about storage)."""
+    if torch._C._are_functorch_transforms_active():
+        raise RuntimeError(f"portable_ops.{op} does not support torch.func transforms (vmap, grad, jvp, ...) yet; "
+                           f"portable_ops.attention does")
+
+
 def transformed() -> bool:
     return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
 

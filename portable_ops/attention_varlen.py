@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from . import checks
-from .attention import (EagerAttention, Options, Variant, autocast_inputs, call_layout, degenerate, lse_dtype, register_autograd,
-                        run_op, window_args, window_of)
+from .attention import (EagerAttention, Options, Variant, autocast_inputs, call_layout, degenerate, lse_dtype,
+                        refuse_transforms, register_autograd, run_op, window_args, window_of)
 from .backends.reference import attention_varlen as reference
 
 
@@ -108,6 +108,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     key position ``i + len_k(b) - len_q(b)``). Returns ``[Tq, Hq, D]``, contiguous; differentiable in
     q, k and v. The offsets' values are read once per version of each tensor (``docs/api.md``).
     """
+    refuse_transforms("attention_varlen")
     call = attention_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                                  window, softcap)
     q, k, v = call["q"], call["k"], call["v"]
@@ -118,7 +119,4 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if torch.compiler.is_compiling():
         cu_q, cu_k, max_q, max_k, causal, scale, window, softcap = options
         return _varlen_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, *window_args(window), softcap)[0]
-    if torch._C._are_functorch_transforms_active():
-        raise RuntimeError("portable_ops.attention_varlen does not support torch.func transforms (vmap, grad, jvp, "
-                           "...) yet; portable_ops.attention does")
     return EagerAttention.apply(q, k, v, Options(VARLEN, options))[0]

@@ -460,12 +460,12 @@ def check_paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v
         raise TypeError(f"k_new has dtype {k_new.dtype}; expected float16, bfloat16, float32 or float64")
     if v_new.shape != k_new.shape:
         raise ValueError(f"v_new has shape {tuple(v_new.shape)} but k_new has {tuple(k_new.shape)}; they must match")
-    if v_new.dtype != k_new.dtype or v_new.device != k_new.device:
-        raise TypeError(f"v_new is {v_new.dtype} on {v_new.device} but k_new is {k_new.dtype} on {k_new.device}")
     for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if isinstance(t, torch.Tensor) and t.dtype != k_new.dtype:
             raise TypeError(f"{arg} has dtype {t.dtype} but k_new has {k_new.dtype}; the cache keeps its dtype, "
                             f"cast k_new and v_new to it")
+    if v_new.dtype != k_new.dtype or v_new.device != k_new.device:
+        raise TypeError(f"v_new is {v_new.dtype} on {v_new.device} but k_new is {k_new.dtype} on {k_new.device}")
     _check_cache(k_cache, v_cache, k_new.device, k_new.dtype)
     if k_new.shape[2:] != k_cache.shape[2:]:
         raise ValueError(f"k_new has (kv_heads, head_dim) {tuple(k_new.shape[2:])} but k_cache has "
@@ -517,8 +517,8 @@ def check_page_values(block_table, cache_seqlens, *, page_size: int, num_pages: 
         if bad.any():
             b, j = (int(i) for i in np.argwhere(bad)[0])
             raise ValueError(f"block_table[{b}, {j}] is {table[b, j]}, not a page of the cache (it has {num_pages}); "
-                             f"sequence {b} {'writes' if append else 'reads'} positions {j * page_size} to "
-                             f"{min(end[b], (j + 1) * page_size) - 1} there")
+                             f"sequence {b} {'writes' if append else 'reads'} positions "
+                             f"{max(start[b], j * page_size)} to {min(end[b], (j + 1) * page_size) - 1} there")
         if append and new_tokens:
             positions = lengths[:, None] + np.arange(new_tokens)
             slots = table[np.arange(len(lengths))[:, None], positions // page_size] * page_size + positions % page_size
@@ -549,6 +549,11 @@ def values_readable(t: torch.Tensor) -> bool:
     return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
+def read_values(t: torch.Tensor) -> np.ndarray:
+    """The one device-to-host read of a value check."""
+    return t.detach().cpu().numpy()
+
+
 def check_values_once(tensors: tuple[torch.Tensor, ...], params: tuple, check) -> None:
     """``check(*arrays)`` on the values of ``tensors`` (numpy, one device-to-host read per distinct tensor),
     unless it passed before on these same tensors, unmodified since (their version counters), with the
@@ -567,7 +572,7 @@ def check_values_once(tensors: tuple[torch.Tensor, ...], params: tuple, check) -
     arrays: dict[int, np.ndarray] = {}
     for t in tensors:
         if id(t) not in arrays:
-            arrays[id(t)] = t.detach().cpu().numpy()
+            arrays[id(t)] = read_values(t)
     check(*(arrays[id(t)] for t in tensors))
     if tracked:
         records = _checked_values.setdefault(tensors[0], {})

@@ -1,0 +1,692 @@
+"""Sliding windows, softcapping, packed (varlen) sequences and paged KV caches (issue 12).
+
+Each feature is compared with a computation written here from its definition: masks from Python loops
+over query and key positions, the softcap as ``softcap * tanh(s / softcap)``, packed sequences one at a
+time, a paged cache gathered position by position; gradients through torch's autograd of that
+computation, in float64. Bad input must be refused before anything runs, naming the argument, and a
+refused ``paged_kv_append`` must leave the caches bit-identical. The triton and nki backends decline
+every new feature with a reason (their kernels come later): the calls fall back, or raise under strict
+mode. torch.compile and opcheck: tests/test_compile.py.
+"""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_bit_identical, snapshot
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import portable_ops
+from portable_ops import checks, dispatch
+from portable_ops.conformance import CASES, run_case, usable_backends
+from portable_ops.conformance.runner import default_device, forced_strict
+
+F64 = torch.float64
+BACKENDS = usable_backends()
+NOT_REFERENCE = [b for b in BACKENDS if b != "reference"]
+
+
+# ----------------------------------------------------------------------------- the definitions, written here
+
+def definition_mask(sq, skv, causal, window):
+    """Which keys query i sees, from the definition: position p = i + skv - sq; p - left <= j <= p + right;
+    causal: j <= p."""
+    left, right = window or (None, None)
+    mask = torch.zeros(sq, skv, dtype=torch.bool)
+    for i in range(sq):
+        p = i + skv - sq
+        for j in range(skv):
+            mask[i, j] = ((left is None or j >= p - left) and (right is None or j <= p + right)
+                          and (not causal or j <= p))
+    return mask
+
+
+def definition(q, k, v, causal=False, scale=None, window=None, softcap=None):
+    """Dense attention ``[B, H, S, D]`` from its definition; rows that see no key are zeros."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    mask = definition_mask(q.shape[-2], k.shape[-2], causal, window)
+    probs = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1).nan_to_num(0.0)
+    return probs @ v
+
+
+def qkv(b=2, hq=4, hkv=2, sq=9, skv=9, d=8, dtype=F64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda h, s: torch.randn(b, h, s, d, generator=g, dtype=dtype).requires_grad_()  # noqa: E731
+    return make(hq, sq), make(hkv, skv), make(hkv, skv)
+
+
+def assert_same_with_gradients(ours, theirs, inputs, tol=1e-10):
+    """Outputs, and gradients of a random projection of them, equal."""
+    dout = torch.randn(ours.shape, generator=torch.Generator().manual_seed(9), dtype=ours.dtype)
+    torch.testing.assert_close(ours, theirs, atol=tol, rtol=tol)
+    for a, b in zip(torch.autograd.grad(ours, inputs, dout), torch.autograd.grad(theirs, inputs, dout)):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------- sliding window and softcap
+
+WINDOWS = [(0, 0), (3, 5), (None, 7), (128, None), (2, None), (None, 0), (1, 0), (None, None)]
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, skv", [(9, 9), (5, 13), (11, 4)], ids=["square", "fewer-queries", "more-queries"])
+def test_window_is_the_definition(window, causal, sq, skv):
+    q, k, v = qkv(sq=sq, skv=skv)
+    ours = portable_ops.attention(q, k, v, causal=causal, window=window)
+    assert_same_with_gradients(ours, definition(q, k, v, causal, window=window), (q, k, v))
+
+
+def test_window_0_0_sees_only_its_own_position():
+    q, k, v = qkv(sq=6, skv=6, hq=4, hkv=2)
+    out = portable_ops.attention(q, k, v, window=(0, 0), scale=100.0)
+    torch.testing.assert_close(out, v.repeat_interleave(2, dim=1))  # each query's own key's value, GQA heads
+
+
+def test_rows_that_see_no_key_are_zero_with_zero_gradient_and_minus_inf_lse():
+    # the last key sits at position 9 for query 9 (Sq == Skv); window (0, 0) with 3 more queries than keys:
+    # queries 0-2 sit at positions -3..-1 and see nothing
+    q, k, v = qkv(sq=8, skv=5)
+    out = portable_ops.attention(q, k, v, window=(0, 0))
+    dq, = torch.autograd.grad(out.sum(), q)
+    assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3]))
+    assert torch.equal(dq[:, :, :3], torch.zeros_like(dq[:, :, :3])) and dq[:, :, 3:].abs().sum() > 0
+    from portable_ops.backends.reference.attention import attention_fwd
+    _, lse = attention_fwd(q.detach(), k.detach(), v.detach(), causal=False, scale=0.3, window=(0, 0))
+    assert torch.isneginf(lse[:, :, :3]).all() and torch.isfinite(lse[:, :, 3:]).all()
+
+
+@pytest.mark.parametrize("softcap, scale", [(30.0, None), (50.0, 2.0), (5.0, 100.0), (0.5, 1e4)],
+                         ids=["30", "50-scale-2", "5-huge-scores", "0.5-saturated"])
+@pytest.mark.parametrize("window", [None, (4, 1)], ids=["no-window", "window"])
+def test_softcap_is_the_definition(softcap, scale, window):
+    """Huge scores (scale 1e4 against a cap of 0.5) saturate tanh: finite, and the definition's answer."""
+    q, k, v = qkv(sq=7, skv=10)
+    ours = portable_ops.attention(q, k, v, causal=True, scale=scale, window=window, softcap=softcap)
+    assert torch.isfinite(ours).all()
+    assert_same_with_gradients(ours, definition(q, k, v, True, scale, window, softcap), (q, k, v), tol=1e-9)
+
+
+def test_softcap_changes_the_answer_and_off_is_off():
+    q, k, v = qkv()
+    plain = portable_ops.attention(q, k, v, scale=3.0)
+    assert (portable_ops.attention(q, k, v, scale=3.0, softcap=5.0) - plain).abs().max() > 0.1
+    for off in (None, 0, 0.0, np.float32(0)):
+        assert torch.equal(portable_ops.attention(q, k, v, scale=3.0, softcap=off), plain)
+
+
+def test_gradcheck_and_second_derivatives_through_window_and_softcap():
+    q, k, v = qkv(b=1, hq=2, hkv=1, sq=4, skv=6, d=3)
+
+    def f(q, k, v):
+        return portable_ops.attention(q, k, v, causal=True, window=(2, None), softcap=2.0, scale=1.5)
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+    assert torch.autograd.gradgradcheck(f, (q, k, v))
+
+
+def test_torch_func_transforms_with_window_and_softcap():
+    q, k, v = (t.detach() for t in qkv(b=1, sq=5, skv=7))
+    options = dict(causal=False, window=(1, 2), softcap=3.0, scale=2.0)
+    batch = [torch.stack([t, t.flip(-2)]) for t in (q, k, v)]
+    ours = lambda q, k, v: portable_ops.attention(q, k, v, **options)  # noqa: E731
+    theirs = lambda q, k, v: definition(q, k, v, **options)  # noqa: E731
+    torch.testing.assert_close(torch.func.vmap(ours)(*batch), torch.func.vmap(theirs)(*batch))
+    tangents = tuple(torch.randn_like(t) for t in (q, k, v))
+    torch.testing.assert_close(torch.func.jvp(ours, (q, k, v), tangents)[1],
+                               torch.func.jvp(theirs, (q, k, v), tangents)[1])
+    for a, b in zip(torch.func.grad(lambda *t: ours(*t).square().sum(), argnums=(0, 1, 2))(q, k, v),
+                    torch.func.grad(lambda *t: theirs(*t).square().sum(), argnums=(0, 1, 2))(q, k, v)):
+        torch.testing.assert_close(a, b)
+
+
+def test_numpy_and_tensor_arguments_act_as_the_numbers_they_hold():
+    q, k, v = (t.detach() for t in qkv())
+    want = portable_ops.attention(q, k, v, window=(3, 2), softcap=30.0)
+    for window, softcap in (((np.int64(3), np.int32(2)), np.float32(30.0)), ([3, 2], np.float64(30.0)),
+                            ((3, 2), torch.tensor(30.0)), ((3, 2), np.array(30.0)), ((3, 2), 30)):
+        assert torch.equal(portable_ops.attention(q, k, v, window=window, softcap=softcap), want)
+
+
+BAD_OPTIONS = {
+    "negative left": (dict(window=(-1, 2)), ValueError, r"window\[0\] must be >= 0, got -1; use None for an unbounded "
+                                                       r"side \(FlashAttention's -1\)"),
+    "negative right": (dict(window=(2, -1)), ValueError, r"window\[1\] must be >= 0, got -1"),
+    "one entry": (dict(window=(3,)), ValueError, r"window must be None or a pair \(left, right\).*1 entries"),
+    "three entries": (dict(window=(1, 2, 3)), ValueError, "window must be None or a pair"),
+    "an int": (dict(window=3), TypeError, "window must be None or a pair .* got int 3"),
+    "a float side": (dict(window=(3.0, 1)), TypeError, r"window\[0\] must be a non-negative int or None .* float"),
+    "a bool side": (dict(window=(1, True)), TypeError, r"window\[1\] must be a non-negative int or None .* bool"),
+    "a tensor side": (dict(window=(torch.tensor(2), 1)), TypeError, r"window\[0\] must be a non-negative int"),
+    "negative softcap": (dict(softcap=-1.0), ValueError, "softcap must be >= 0.0, got -1.0"),
+    "nan softcap": (dict(softcap=math.nan), ValueError, "softcap must be finite, got nan"),
+    "inf softcap": (dict(softcap=math.inf), ValueError, "softcap must be finite, got inf"),
+    "string softcap": (dict(softcap="30"), TypeError, "softcap must be a number, got str"),
+    "bool softcap": (dict(softcap=True), TypeError, "softcap must be a number, got bool"),
+    "softcap needing grad": (dict(softcap=torch.tensor(3.0, requires_grad=True)), TypeError,
+                             "softcap must be a number, or a tensor that does not require grad"),
+    "softcap on another device": (dict(softcap=torch.tensor(3.0, device="meta")), ValueError,
+                                  "softcap must be a number or a one-element CPU tensor, got a tensor on meta"),
+    "softcap of two elements": (dict(softcap=torch.tensor([3.0, 4.0])), ValueError,
+                                "softcap must be a float or a one-element tensor"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_OPTIONS)
+def test_bad_window_and_softcap_are_refused_by_name(name, fake_backend):
+    calls = []
+    stand_in = fake_backend("triton")
+    for op in ("attention_fwd", "attention_bwd"):
+        stand_in.ops[op] = dispatch.OpImpl(run=lambda **call: calls.append(call))
+    options, error, message = BAD_OPTIONS[name]
+    q, k, v = qkv()
+    with portable_ops.use_backend("triton"), pytest.raises(error, match=message):
+        portable_ops.attention(q, k, v, **options)
+    assert not calls  # refused before any backend ran
+
+
+@pytest.mark.parametrize("backend", NOT_REFERENCE)
+@pytest.mark.parametrize("feature", ["window", "softcap"])
+def test_other_backends_decline_window_and_softcap_with_the_reason(backend, feature, monkeypatch):
+    """A fallback warns naming the feature and runs the reference; strict mode raises; explain says why."""
+    monkeypatch.setattr(dispatch, "_warned", set())
+    q, k, v = qkv(dtype=torch.float32)
+    options, reason = {"window": (dict(window=(2, 1)), "sliding window"),
+                       "softcap": (dict(softcap=20.0), "logit softcapping")}[feature]
+    kernels = {"triton": "triton kernels", "nki": "NKI kernels"}[backend]
+    expected = f"{reason}: not in the {kernels} yet (issue 12)"
+    with portable_ops.use_backend(backend):
+        choice = portable_ops.explain(portable_ops.attention, q, k, v, **options)
+        assert choice.backend == "reference" and expected in choice.rejected[backend]
+        with pytest.warns(portable_ops.FallbackWarning, match=re_escape(expected)):
+            out = portable_ops.attention(q, k, v, **options)
+    torch.testing.assert_close(out, definition(*(t.double() for t in (q, k, v)), **options).float())
+    with forced_strict(backend), pytest.raises(portable_ops.BackendUnavailableError, match=re_escape(expected)):
+        portable_ops.attention(q, k, v, **options)
+
+
+@pytest.mark.parametrize("backend", NOT_REFERENCE)
+def test_masks_a_backend_has_still_run_there(backend):
+    """One spelling per mask: window (None, 0) is causal and (None, None) no window, which the kernels take;
+    the fast path's choice is unchanged by the new arguments."""
+    q, k, v = qkv(dtype=torch.float32)
+    with portable_ops.use_backend(backend):
+        for options in (dict(window=(None, 0)), dict(window=(None, None)), dict(causal=True, window=(None, 3)),
+                        dict(softcap=0.0), {}):
+            assert portable_ops.explain(portable_ops.attention, q, k, v, **options).backend == backend, options
+
+
+def re_escape(text):
+    import re
+
+    return re.escape(text)
+
+
+# ----------------------------------------------------------------------------- packed sequences
+
+def packed(lens_q, lens_k, hq=4, hkv=2, d=8, dtype=F64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lens_q), hq, d, generator=g, dtype=dtype).requires_grad_()
+    k, v = (torch.randn(sum(lens_k), hkv, d, generator=g, dtype=dtype).requires_grad_() for _ in range(2))
+    offsets = lambda lens: torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)  # noqa: E731
+    return q, k, v, offsets(lens_q), offsets(lens_k)
+
+
+def per_sequence(q, k, v, lens_q, lens_k, **options):
+    """The definition of each sequence's attention in turn, concatenated."""
+    outs, q0, k0 = [], 0, 0
+    for lq, lk in zip(lens_q, lens_k):
+        dense = [t.transpose(0, 1)[None] for t in (q[q0:q0 + lq], k[k0:k0 + lk], v[k0:k0 + lk])]
+        outs.append(definition(*dense, **options)[0].transpose(0, 1))
+        q0, k0 = q0 + lq, k0 + lk
+    return torch.cat(outs)
+
+
+VARLEN = {
+    "ragged": ((17, 0, 33, 5), (17, 0, 33, 5)),
+    "cross lengths": ((5, 0, 12, 9), (20, 7, 12, 4)),  # the last sequence has more queries than keys
+    "one sequence": ((11,), (11,)),
+    "empty first and last": ((0, 6, 0), (3, 6, 0)),
+}
+
+
+@pytest.mark.parametrize("lens", VARLEN.values(), ids=VARLEN.keys())
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window=(3, 5)), dict(causal=True, window=(2, None)),
+                                     dict(softcap=5.0, scale=2.0), dict(causal=True, window=(4, 1), softcap=30.0)],
+                         ids=["plain", "causal", "window", "causal-window", "softcap", "all"])
+def test_varlen_is_each_sequence_on_its_own(lens, options):
+    lens_q, lens_k = lens
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k)
+    ours = portable_ops.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), **options)
+    assert ours.shape == q.shape and ours.is_contiguous()
+    assert_same_with_gradients(ours, per_sequence(q, k, v, lens_q, lens_k, **options), (q, k, v))
+
+
+def test_varlen_equals_dense_attention_for_equal_lengths_and_takes_sliced_inputs():
+    """Three sequences of 8 packed are dense attention with batch 3; q, k, v sliced from one projection."""
+    qkv_ = torch.randn(24, 8, 16, dtype=F64, requires_grad=True)
+    q, k, v = qkv_.split([4, 2, 2], dim=1)
+    cu = torch.tensor([0, 8, 16, 24], dtype=torch.int32)
+    ours = portable_ops.attention_varlen(q, k, v, cu, cu, 8, 8, causal=True, window=(3, None))
+    dense = portable_ops.attention(*(t.view(3, 8, -1, 16).transpose(1, 2) for t in (q, k, v)), causal=True,
+                                   window=(3, None))
+    assert_same_with_gradients(ours, dense.transpose(1, 2).reshape(24, 4, 16), (qkv_,))
+
+
+def test_varlen_gradcheck_and_second_derivatives():
+    q, k, v, cu_q, cu_k = packed((3, 0, 4), (2, 1, 5), hq=2, hkv=1, d=3)
+
+    def f(q, k, v):
+        return portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 4, 5, causal=True, softcap=3.0, window=(2, None))
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+    assert torch.autograd.gradgradcheck(f, (q, k, v))
+
+
+def test_varlen_without_queries_or_keys():
+    q, k, v, cu_q, cu_k = packed((0, 0), (3, 4))
+    assert portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 0, 4).shape == (0, 4, 8)
+    q, k, v, cu_q, cu_k = packed((3, 4), (0, 0))  # no keys at all: every row sees none
+    out = portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 4, 0)
+    dq, = torch.autograd.grad(out.sum(), q)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(dq, torch.zeros_like(dq))
+
+
+def bad_varlen():
+    """name -> (a function of the good arguments returning the bad ones, error, message)."""
+    def changed(i, value):
+        return lambda args: args[:i] + [value] + args[i + 1:]
+
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    return {
+        "q of 4 dims": (changed(0, torch.randn(1, 7, 4, 8)), ValueError,
+                        r"q must have 3 dimensions \[tokens, heads, head_dim\], got shape \(1, 7, 4, 8\)"),
+        "k of another dtype": (changed(1, torch.randn(7, 2, 8)), TypeError, "k has dtype torch.float32 but q has"),
+        "heads": (changed(0, torch.randn(7, 3, 8, dtype=F64)), ValueError,
+                  "q has 3 heads, k and v have 2: q's head count must be a multiple"),
+        "int64 offsets": (changed(3, cu.long()), TypeError, "cu_seqlens_q has dtype torch.int64; expected torch.int32"),
+        "2-d offsets": (changed(4, cu[None]), ValueError, r"cu_seqlens_k must have 1 dimension"),
+        "offsets elsewhere": (changed(3, cu.to("meta")), ValueError, "cu_seqlens_q is on meta but q is on cpu"),
+        "offsets a list": (changed(3, [0, 3, 7]), TypeError, "cu_seqlens_q must be an int32 tensor"),
+        "no entries": (changed(3, cu[:0]), ValueError, "cu_seqlens_q must have N \\+ 1 >= 1 entries"),
+        "sequence counts differ": (changed(4, cu[:2]), ValueError,
+                                   "cu_seqlens_q has 3 entries but cu_seqlens_k has 2"),
+        "not from 0": (changed(3, torch.tensor([1, 3, 7], dtype=torch.int32)), ValueError,
+                       r"cu_seqlens_q\[0\] must be 0, got 1"),
+        "decreasing": (changed(4, torch.tensor([0, 5, 4], dtype=torch.int32)), ValueError,
+                       r"cu_seqlens_k must be non-decreasing, but cu_seqlens_k\[2\] = 4 < cu_seqlens_k\[1\] = 5"),
+        "short of the tokens": (changed(3, torch.tensor([0, 3, 6], dtype=torch.int32)), ValueError,
+                                r"cu_seqlens_q\[-1\] is 6 but q has 7 tokens"),
+        "max_seqlen too small": (changed(5, 3), ValueError,
+                                 "max_seqlen_q is 3 but sequence 1 has 4 tokens .*at least the longest"),
+        "max_seqlen a float": (changed(6, 4.0), TypeError, "max_seqlen_k must be an int, got float"),
+        "max_seqlen a bool": (changed(6, True), TypeError, "max_seqlen_k must be an int, got bool"),
+        "max_seqlen negative": (changed(6, -1), ValueError, "max_seqlen_k must be >= 0, got -1"),
+    }
+
+
+BAD_VARLEN = bad_varlen()
+
+
+@pytest.mark.parametrize("name", BAD_VARLEN)
+def test_bad_varlen_input_is_refused_by_name_before_anything_runs(name, fake_backend):
+    calls = []
+    stand_in = fake_backend("triton", ops=("attention_varlen_fwd", "attention_varlen_bwd"))
+    for op in stand_in.ops:
+        stand_in.ops[op] = dispatch.OpImpl(run=lambda **call: calls.append(call))
+    q, k, v, cu_q, cu_k = packed((3, 4), (3, 4))
+    make, error, message = BAD_VARLEN[name]
+    args = make([q, k, v, cu_q, cu_k, 4, 4])
+    with portable_ops.use_backend("triton"), pytest.raises(error, match=message):
+        portable_ops.attention_varlen(*args, causal=True)
+    assert not calls
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The tensors value checks read back from the device, in order."""
+    seen = []
+    original = checks.read_values
+    monkeypatch.setattr(checks, "read_values", lambda t: seen.append(t) or original(t))
+    return seen
+
+
+def test_offsets_are_read_once_per_version(reads):
+    """The training loop's case: one cu_seqlens per step, passed to every layer (here as both q's and k's)."""
+    q, k, v, cu, _ = packed((3, 4), (3, 4))
+    for _layer in range(4):
+        portable_ops.attention_varlen(q, k, v, cu, cu, 4, 4, causal=True).sum().backward()
+    assert len(reads) == 1 and reads[0] is cu
+    cu.copy_(torch.tensor([0, 2, 7], dtype=torch.int32))  # the next step's lengths, written in place
+    portable_ops.attention_varlen(q, k, v, cu, cu, 5, 5)
+    portable_ops.attention_varlen(q, k, v, cu, cu, 5, 5)
+    assert len(reads) == 2
+    cu[1] = 9  # a change that breaks the offsets is caught on the next call
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        portable_ops.attention_varlen(q, k, v, cu, cu, 9, 9)
+    fresh = torch.tensor([0, 3, 7], dtype=torch.int32)  # equal values, another tensor: read
+    portable_ops.attention_varlen(q, k, v, fresh, fresh, 4, 4)
+    assert len(reads) == 4
+
+
+def test_inference_tensors_have_no_version_and_are_read_every_call(reads):
+    q, k, v, _, _ = (t.detach() if t.requires_grad else t for t in packed((3, 4), (3, 4)))
+    with torch.inference_mode():
+        cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+        portable_ops.attention_varlen(q, k, v, cu, cu, 4, 4)
+        cu[1] = 9
+        with pytest.raises(ValueError, match="non-decreasing"):
+            portable_ops.attention_varlen(q, k, v, cu, cu, 9, 9)
+    assert len(reads) == 2
+
+
+def test_varlen_inside_torch_func_is_refused_clearly():
+    q, k, v, cu_q, cu_k = packed((3, 4), (3, 4))
+    with pytest.raises(RuntimeError, match="attention_varlen does not support torch.func transforms"):
+        torch.func.grad(lambda q: portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 4, 4).sum())(q.detach())
+
+
+@pytest.mark.parametrize("backend", NOT_REFERENCE)
+def test_other_backends_decline_varlen_with_the_reason(backend):
+    q, k, v, cu_q, cu_k = packed((3, 4), (3, 4), dtype=torch.float32)
+    kernels = {"triton": "triton kernels", "nki": "NKI kernels"}[backend]
+    expected = f"packed variable-length sequences (attention_varlen): not in the {kernels} yet (issue 12)"
+    with portable_ops.use_backend(backend):
+        choice = portable_ops.explain("attention_varlen", q, k, v, cu_q, cu_k, 4, 4, causal=True)
+    assert choice.backend == "reference" and choice.rejected[backend] == [expected]
+    with forced_strict(backend), pytest.raises(portable_ops.BackendUnavailableError, match=re_escape(expected)):
+        portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 4, 4)
+
+
+# ----------------------------------------------------------------------------- paged KV cache
+
+def paged_cache(lens, page_size, hkv=2, d=8, dtype=F64, seed=0, spare=3):
+    """k/v caches with each sequence's pages drawn from a shuffled pool; the table's unused entries -1."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page_size) for n in lens]
+    pool = torch.randperm(sum(pages) + spare, generator=g)
+    table = torch.full((len(lens), max(pages) + 1), -1, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = pool[start:start + n]
+        start += n
+    caches = [torch.randn(len(pool), page_size, hkv, d, generator=g, dtype=dtype) for _ in range(2)]
+    return *caches, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def gathered(cache, table, b, length, page_size):
+    """Sequence b's tokens, position by position: ``[1, H, length, D]``."""
+    rows = [cache[int(table[b, j // page_size]), j % page_size] for j in range(length)]
+    return (torch.stack(rows) if rows else cache.new_zeros(0, *cache.shape[2:])).transpose(0, 1)[None]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("sq", [1, 3])
+@pytest.mark.parametrize("options", [dict(), dict(window=(5, None)), dict(softcap=5.0, scale=2.0),
+                                     dict(window=(0, 3), softcap=30.0)], ids=["plain", "window", "softcap", "both"])
+def test_paged_attention_is_dense_causal_attention_on_the_gathered_cache(page_size, sq, options):
+    lens = [sq, 23, 40, 7]
+    k_cache, v_cache, table, seqlens = paged_cache(lens, page_size, hkv=2)
+    q = torch.randn(len(lens), sq, 4, 8, dtype=F64)
+    out = portable_ops.paged_attention(q, k_cache, v_cache, table, seqlens, **options)
+    assert out.shape == q.shape and out.is_contiguous()
+    for b, length in enumerate(lens):
+        keys = [gathered(c, table, b, length, page_size) for c in (k_cache, v_cache)]
+        want = definition(q[b].transpose(0, 1)[None], *keys, causal=True, **options)
+        torch.testing.assert_close(out[b], want[0].transpose(0, 1), atol=1e-12, rtol=1e-12)
+
+
+def test_paged_attention_with_an_empty_sequence_and_more_queries_than_tokens():
+    k_cache, v_cache, table, _ = paged_cache([6, 2], 4)
+    q = torch.randn(2, 3, 4, 8, dtype=F64)
+    out = portable_ops.paged_attention(q, k_cache, v_cache, table, torch.tensor([0, 2], dtype=torch.int32))
+    assert torch.equal(out[0], torch.zeros_like(out[0]))  # no token: no key
+    assert torch.equal(out[1, 0], torch.zeros_like(out[1, 0]))  # query 0 sits at position -1
+    assert out[1, 1:].abs().sum() > 0
+
+
+def test_pages_wholly_before_the_window_are_never_read():
+    """A cache may release the pages a sliding window has left behind: their table entries may be -1."""
+    k_cache, v_cache, table, seqlens = paged_cache([40], 4)
+    q = torch.randn(1, 2, 4, 8, dtype=F64)
+    want = portable_ops.paged_attention(q, k_cache, v_cache, table, seqlens, window=(6, None))
+    table[0, :8] = -1  # positions 0-31; the window starts at 40 - 2 - 6 = 32
+    torch.testing.assert_close(portable_ops.paged_attention(q, k_cache, v_cache, table, seqlens, window=(6, None)),
+                               want)
+    with pytest.raises(ValueError, match=r"block_table\[0, 7\] is -1, not a page of the cache .* positions 31 to 31"):
+        portable_ops.paged_attention(q, k_cache, v_cache, table, seqlens, window=(7, None))
+
+
+def test_append_then_attend_is_a_decode_step():
+    lens = [5, 16, 30]
+    k_cache, v_cache, table, seqlens = paged_cache([n + 2 for n in lens], 4, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    k_new, v_new = (torch.randn(3, 2, 2, 8, generator=g) for _ in range(2))
+    before = snapshot([k_cache, v_cache])
+    with torch.no_grad():
+        portable_ops.paged_kv_append(k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32), k_new, v_new)
+    expected = [c.clone() for c in before]
+    for b, n in enumerate(lens):
+        for t in range(2):
+            page, offset = int(table[b, (n + t) // 4]), (n + t) % 4
+            expected[0][page, offset], expected[1][page, offset] = k_new[b, t], v_new[b, t]
+    assert_bit_identical(expected, [k_cache, v_cache])  # those slots written, every other bit as it was
+    q = torch.randn(3, 2, 4, 8, generator=g)
+    out = portable_ops.paged_attention(q, k_cache, v_cache, table, seqlens)
+    for b, n in enumerate(lens):
+        keys = [gathered(c, table, b, n + 2, 4) for c in (k_cache, v_cache)]
+        torch.testing.assert_close(out[b], portable_ops.attention(q[b].transpose(0, 1)[None], *keys,
+                                                                  causal=True)[0].transpose(0, 1))
+
+
+def bad_append():
+    """name -> (a function of the good arguments (a list) making them bad, error, message)."""
+    def changed(i, value):
+        return lambda args: args[:i] + [value(args)] + args[i + 1:]
+
+    def table_entry(value, b=1, j=1):
+        def bad(args):
+            table = args[2].clone()
+            table[b, j] = value
+            return table
+        return bad
+
+    return {
+        "a page past the pool": (changed(2, table_entry(99)), ValueError,
+                                 r"block_table\[1, 1\] is 99, not a page of the cache \(it has \d+\); sequence 1 writes "
+                                 r"positions 5 to 6 there"),
+        "a released page": (changed(2, table_entry(-1)), ValueError, r"block_table\[1, 1\] is -1, not a page"),
+        "past the table": (changed(3, lambda a: torch.tensor([5, 11], dtype=torch.int32)), ValueError,
+                           r"cache_seqlens\[1\] \+ 2 new tokens = 13 exceeds the 12 positions block_table holds "
+                           r"\(3 pages of 4\)"),
+        "negative length": (changed(3, lambda a: torch.tensor([-1, 3], dtype=torch.int32)), ValueError,
+                            r"cache_seqlens\[0\] is -1; lengths must be >= 0"),
+        "two sequences, one slot": (lambda a: a[:2] + [torch.tensor([[0, 1, 2], [3, 1, 5]], dtype=torch.int32),
+                                                       torch.tensor([3, 4], dtype=torch.int32)] + a[4:],
+                                    ValueError, "token 1 of sequence 0 and token 0 of sequence 1 would both be written "
+                                                "to page 1, slot 0"),
+        "new k/v in another dtype": (lambda a: a[:4] + [a[4].float(), a[5].float()], TypeError,
+                                     "k_cache has dtype torch.float64 but k_new has torch.float32; the cache keeps"),
+        "v_new in another dtype": (changed(5, lambda a: a[5].float()), TypeError,
+                                   "v_new is torch.float32 on cpu but k_new is torch.float64"),
+        "v_new of another shape": (changed(5, lambda a: a[5][:, :1]), ValueError, "v_new has shape"),
+        "k_new of other heads": (changed(4, lambda a: a[4][:, :, :1]), ValueError,
+                                 r"k_new has shape \(2, 2, 1, 8\)|v_new has shape"),
+        "caches differ": (changed(1, lambda a: a[1][:, :2]), ValueError, "k_cache has shape .* but v_cache has"),
+        "an int64 table": (changed(2, lambda a: a[2].long()), TypeError, "block_table has dtype torch.int64; expected "
+                                                                         r"torch.int32 \[batch, max_pages\]"),
+        "a 1-d table": (changed(2, lambda a: a[2][0]), ValueError, "block_table must have 2 dimensions"),
+        "lengths of another batch": (changed(3, lambda a: a[3][:1]), ValueError,
+                                     "cache_seqlens has batch 1 but q has batch 2"),
+        "lengths elsewhere": (changed(3, lambda a: a[3].to("meta")), ValueError, "cache_seqlens is on meta"),
+        "k_new needing grad": (changed(4, lambda a: a[4].clone().requires_grad_()), RuntimeError,
+                               r"paged_kv_append is not differentiable \(inference only\), but k_new requires grad"),
+        "page size 0": (changed(0, lambda a: a[0][:, :0]), ValueError, "k_cache has shape|page_size 0"),
+    }
+
+
+BAD_APPEND = bad_append()
+
+
+@pytest.mark.parametrize("name", BAD_APPEND)
+def test_a_refused_append_leaves_the_caches_bit_identical(name):
+    k_cache, v_cache, table, _ = paged_cache([6, 6], 4, spare=4)
+    g = torch.Generator().manual_seed(1)
+    k_new, v_new = (torch.randn(2, 2, 2, 8, generator=g, dtype=F64) for _ in range(2))
+    args = [k_cache, v_cache, table, torch.tensor([3, 5], dtype=torch.int32), k_new, v_new]
+    make, error, message = BAD_APPEND[name]
+    bad = make(args)
+    before = snapshot([k_cache, v_cache])
+    with pytest.raises(error, match=message):
+        portable_ops.paged_kv_append(*bad)
+    assert_bit_identical(before, [k_cache, v_cache])
+    portable_ops.paged_kv_append(*args)  # the good call goes through
+    assert not torch.equal(before[0], k_cache)
+
+
+BAD_PAGED = {
+    "q needing grad": (lambda a: {**a, "q": a["q"].clone().requires_grad_()}, RuntimeError,
+                       r"paged_attention is not differentiable \(inference only\), but q requires grad: call it under "
+                       r"torch.no_grad\(\)"),
+    "q of 3 dims": (lambda a: {**a, "q": a["q"][0]}, ValueError,
+                    r"q must have 4 dimensions \[batch, seq, heads, head_dim\]"),
+    "cache in another dtype": (lambda a: {**a, "k_cache": a["k_cache"].float(), "v_cache": a["v_cache"].float()},
+                               TypeError, "k_cache has dtype torch.float32 but q has torch.float64"),
+    "heads": (lambda a: {**a, "q": a["q"][:, :, :3]}, ValueError, "q has 3 heads, k_cache and v_cache have 2"),
+    "head dims": (lambda a: {**a, "q": a["q"][..., :4]}, ValueError, "k_cache has head_dim 8 but q has head_dim 4"),
+    "a page past the pool": (lambda a: {**a, "block_table": a["block_table"] + 100}, ValueError,
+                             r"block_table\[0, 0\] is 1\d\d, not a page of the cache"),
+    "longer than the table": (lambda a: {**a, "cache_seqlens": torch.tensor([6, 17], dtype=torch.int32)},
+                              ValueError, r"cache_seqlens\[1\] is 17, which exceeds the 16 positions block_table "
+                                          r"holds \(4 pages of 4\)"),
+    "a released page": (lambda a: {**a, "cache_seqlens": torch.tensor([6, 13], dtype=torch.int32)}, ValueError,
+                        r"block_table\[1, 3\] is -1, not a page of the cache \(it has \d+\); sequence 1 reads "
+                        r"positions 12 to 12 there"),
+    "bad window": (lambda a: {**a, "window": (-1, None)}, ValueError, "use None for an unbounded side"),
+    "bad softcap": (lambda a: {**a, "softcap": -3.0}, ValueError, "softcap must be >= 0.0"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_PAGED)
+def test_bad_paged_attention_input_is_refused_by_name(name, fake_backend):
+    calls = []
+    stand_in = fake_backend("triton", ops=("paged_attention",))
+    stand_in.ops["paged_attention"] = dispatch.OpImpl(run=lambda **call: calls.append(call))
+    k_cache, v_cache, table, seqlens = paged_cache([6, 9], 4)
+    args = dict(q=torch.randn(2, 1, 4, 8, dtype=F64), k_cache=k_cache, v_cache=v_cache, block_table=table,
+                cache_seqlens=seqlens)
+    make, error, message = BAD_PAGED[name]
+    with portable_ops.use_backend("triton"), pytest.raises(error, match=message):
+        portable_ops.paged_attention(**make(args))
+    assert not calls
+
+
+def test_a_decode_loop_reads_the_tables_once_per_step(reads):
+    """Per step: append (one read of the tables), then attention in every layer (one more read: the check
+    differs), then the lengths grow in place, which is a new version."""
+    k_cache, v_cache, table, seqlens = paged_cache([12, 12], 4)
+    seqlens -= 2
+    with torch.no_grad():
+        for _step in range(2):
+            for _layer in range(3):
+                new = torch.randn(2, 1, 2, 8, dtype=F64)
+                portable_ops.paged_kv_append(k_cache, v_cache, table, seqlens, new, new)
+            seqlens += 1
+            for _layer in range(3):
+                portable_ops.paged_attention(torch.randn(2, 1, 4, 8, dtype=F64), k_cache, v_cache, table, seqlens)
+    assert len(reads) == 2 * 2 * 2  # steps x (append, attention) x (table, lengths)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] \+ 5 new tokens = 17 exceeds the 16 positions"):
+        portable_ops.paged_kv_append(k_cache, v_cache, table, seqlens, *(torch.zeros(2, 5, 2, 8, dtype=F64),) * 2)
+
+
+@pytest.mark.parametrize("backend", NOT_REFERENCE)
+def test_other_backends_decline_paged_ops_with_the_reason(backend):
+    k_cache, v_cache, table, seqlens = paged_cache([6, 9], 4, dtype=torch.float32)
+    q, new = torch.randn(2, 1, 4, 8), torch.randn(2, 1, 2, 8)
+    kernels = {"triton": "triton kernels", "nki": "NKI kernels"}[backend]
+    with portable_ops.use_backend(backend):
+        for op, args, feature in (
+                ("paged_attention", (q, k_cache, v_cache, table, seqlens), "attention over a paged KV cache"),
+                ("paged_kv_append", (k_cache, v_cache, table, seqlens - 1, new, new), "appending to a paged KV cache")):
+            choice = portable_ops.explain(op, *args)
+            assert choice.backend == "reference"
+            assert choice.rejected[backend] == [f"{feature} ({op}): not in the {kernels} yet (issue 12)"]
+    before = snapshot([k_cache, v_cache])
+    with forced_strict(backend), pytest.raises(portable_ops.BackendUnavailableError, match="appending to a paged"):
+        portable_ops.paged_kv_append(k_cache, v_cache, table, seqlens - 1, new, new)
+    assert_bit_identical(before, [k_cache, v_cache])
+
+
+# ----------------------------------------------------------------------------- properties
+
+PROPERTY = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+SIDE = st.one_of(st.none(), st.integers(0, 12))
+
+
+@PROPERTY
+@given(sq=st.integers(1, 12), skv=st.integers(1, 12), groups=st.integers(1, 3), causal=st.booleans(),
+       window=st.one_of(st.none(), st.tuples(SIDE, SIDE)), softcap=st.one_of(st.none(), st.floats(0.5, 60.0)),
+       scale=st.floats(-3.0, 30.0))
+def test_any_dense_window_and_softcap_is_the_definition(sq, skv, groups, causal, window, softcap, scale):
+    q, k, v = qkv(b=1, hq=2 * groups, hkv=2, sq=sq, skv=skv, d=4)
+    ours = portable_ops.attention(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
+    assert_same_with_gradients(ours, definition(q, k, v, causal, scale, window, softcap), (q, k, v), tol=1e-9)
+
+
+@PROPERTY
+@given(lens=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9)), min_size=1, max_size=4),
+       causal=st.booleans(), window=st.one_of(st.none(), st.tuples(SIDE, SIDE)),
+       softcap=st.one_of(st.none(), st.floats(1.0, 50.0)))
+def test_any_packing_is_each_sequence_on_its_own(lens, causal, window, softcap):
+    lens_q, lens_k = zip(*lens)
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, hq=2, hkv=1, d=4)
+    ours = portable_ops.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, window=window,
+                                         softcap=softcap)
+    assert_same_with_gradients(ours, per_sequence(q, k, v, lens_q, lens_k, causal=causal, window=window,
+                                                  softcap=softcap), (q, k, v))
+
+
+# ----------------------------------------------------------------------------- the conformance cases can fail
+
+def _broken(run, **changes):
+    """``run`` with some of its call's arguments replaced: a backend that gets a feature wrong."""
+    return lambda **call: run(**{**call, **changes})
+
+
+@pytest.mark.parametrize("case_name, op, changes", [
+    ("attn_window_3_5_gqa", "attention_fwd", dict(window=None)),
+    ("attn_window_left_128_causal", "attention_fwd", dict(window=(127, None))),
+    ("attn_softcap_30", "attention_fwd", dict(softcap=None)),
+    ("attn_softcap_50_cross", "attention_bwd", dict(softcap=None)),
+    ("varlen_window_3_5", "attention_varlen_fwd", dict(window=(3, 4))),
+    ("varlen_cross_lengths_causal", "attention_varlen_bwd", dict(causal=False)),
+    ("paged_decode_window_page16", "paged_attention", dict(window=None)),
+    ("paged_softcap_page16", "paged_attention", dict(softcap=45.0)),
+])
+def test_a_backend_that_gets_a_feature_wrong_fails_its_cases(case_name, op, changes, fake_backend, monkeypatch):
+    ops = ("attention_fwd", "attention_bwd", "attention_varlen_fwd", "attention_varlen_bwd", "paged_attention",
+           "paged_kv_append")
+    stand_in = fake_backend("triton", ops=ops)
+    stand_in.ops[op] = dispatch.OpImpl(run=_broken(stand_in.ops[op].run, **changes))
+    case = next(c for c in CASES if c.name == case_name and c.dtype == torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", portable_ops.FallbackWarning)
+        row = run_case(case, "triton", device=torch.device("cpu"))
+    assert row.status == "fail", row
+
+
+def test_an_append_to_the_wrong_slot_fails_its_case(fake_backend):
+    stand_in = fake_backend("triton", ops=("paged_attention", "paged_kv_append"))
+    append = stand_in.ops["paged_kv_append"].run
+    stand_in.ops["paged_kv_append"] = dispatch.OpImpl(
+        run=lambda cache_seqlens, **call: append(cache_seqlens=cache_seqlens + 1, **call))
+    case = next(c for c in CASES if c.name == "paged_speculative_page16")
+    row = run_case(case, "triton", device=torch.device("cpu"))
+    assert row.status == "fail" and "after paged_kv_append" in row.detail, row
