@@ -446,10 +446,15 @@ def run_attention_varlen(case: Case, backend: str, device: torch.device, oracles
             result.check(oracle, label, got, want, *grad_tol)
 
 
+# The table entry of a page a sliding window has left behind (a cache may release it): far past the pool, so
+# that reading it fails (-1 would index the last page in torch and read out of bounds in a kernel, unnoticed).
+RELEASED = 1 << 30
+
+
 def paged_inputs(case: Case):
     """A paged cache holding each sequence's first ``lens - Sq`` tokens, the ``Sq`` new tokens' k/v, the
     queries, and the block table: each sequence's pages drawn at random from a shuffled pool (with spares),
-    the table's unused entries -1, and so are the entries of pages wholly before a window (never read)."""
+    the table's unused entries -1, and pages wholly before a window ``RELEASED`` (never read)."""
     p = case.params
     gen = torch.Generator().manual_seed(case.seed)
     lens, sq, page_size = p["lens"], p["Sq"], p["page_size"]
@@ -463,7 +468,7 @@ def paged_inputs(case: Case):
         table[b, :n] = pool[taken:taken + n]
         taken += n
         if left is not None:
-            table[b, :max(0, length - sq - left) // page_size] = -1
+            table[b, :max(0, length - sq - left) // page_size] = RELEASED
     cache_shape = (len(pool), page_size, p["Hkv"], p["D"])
     k_cache, v_cache = (torch.randn(cache_shape, generator=gen) for _ in range(2))
     k_new, v_new = (torch.randn(len(lens), sq, p["Hkv"], p["D"], generator=gen) for _ in range(2))
