@@ -213,7 +213,7 @@ def sampled_rows(sq: int, block: int = 128) -> tuple[tuple[int, int], ...]:
 # Scores of std 10 against a softcap of 30 or 50: tanh bends them enough that a backend ignoring the softcap
 # fails on 29-77% of out's elements (bf16 to fp32, at these tolerances). Not more: dq grows with the scale, and
 # the backward's rowsum(dout * out), taken from the rounded fp16/bf16 out as every flash backward takes it,
-# is amplified with it; at std 40 the reference's own fp16 and bf16 dq missed the float64 oracle by 2x the
+# is amplified with it; at std 40 the reference's own fp16 and bf16 dq missed the float64 oracle by 1.8x the
 # tolerance (docs/conformance.md).
 CAPPED_SCORE_STD = 10.0
 

@@ -303,11 +303,9 @@ _NOT_DIFFERENTIABLE_IN = ("{0} must be a number, or a tensor that does not requi
                           "differentiable in {0}")
 
 
-def window_bounds(window) -> tuple[int | None, int | None] | None:
-    """``window`` as ``(left, right)`` Python ints or None (unbounded side), or None for no window; a
-    TypeError or ValueError naming it for anything else."""
-    if window is None:
-        return None
+def window_bounds(window) -> tuple[int | None, int | None]:
+    """``window`` as ``(left, right)``, Python ints or None (an unbounded side); a TypeError or ValueError
+    naming it for anything else."""
     expected = "None or a pair (left, right), each a non-negative int or None (unbounded)"
     if not isinstance(window, (tuple, list)):
         raise TypeError(f"window must be {expected}, got {type(window).__name__} {window!r}")
@@ -341,8 +339,8 @@ def softcap_value(softcap) -> float | None:
 
 
 def _check_int(arg: str, value, low: int = 0) -> None:
-    """A Python or numpy int (a SymInt under torch.compile), not a bool, at least ``low``."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer, torch.SymInt)):
+    """A Python or numpy int, not a bool, at least ``low`` (under torch.compile a symbolic int passes as an int)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{arg} must be an int, got {type(value).__name__} {value!r}")
     if value < low:
         raise ValueError(f"{arg} must be >= {low}, got {value}")

@@ -32,9 +32,9 @@ def explain(op, *args, **kwargs) -> Choice:
     """The backend that ``op(*args, **kwargs)`` would run on, with every other backend's reasons.
 
     ``op`` is a public function (``portable_ops.attention``, ``attention_varlen``, ``paged_attention``,
-    ``paged_kv_append``, ``portable_ops.functional.adam``, ``portable_ops.clip_grad_norm_``) or its name. The arguments are checked as the call would
-    check them; nothing is computed. The returned :class:`~portable_ops.dispatch.Choice` prints as
-    a readable report.
+    ``paged_kv_append``, ``portable_ops.functional.adam``, ``portable_ops.clip_grad_norm_``) or its name.
+    The arguments are checked as the call would check them (offsets' and page tables' values included);
+    nothing is computed. The returned :class:`~portable_ops.dispatch.Choice` prints as a readable report.
     """
     name = _BY_FUNCTION.get(op) if callable(op) else op
     if not isinstance(name, str) or name not in _OPS:

@@ -10,6 +10,7 @@ mode. torch.compile and opcheck: tests/test_compile.py.
 """
 
 import math
+import re
 import warnings
 
 import numpy as np
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 import portable_ops
 from portable_ops import checks, dispatch
 from portable_ops.conformance import CASES, run_case, usable_backends
-from portable_ops.conformance.runner import RELEASED, default_device, forced_strict
+from portable_ops.conformance.runner import RELEASED, forced_strict
 
 F64 = torch.float64
 BACKENDS = usable_backends()
@@ -205,10 +206,10 @@ def test_other_backends_decline_window_and_softcap_with_the_reason(backend, feat
     with portable_ops.use_backend(backend):
         choice = portable_ops.explain(portable_ops.attention, q, k, v, **options)
         assert choice.backend == "reference" and expected in choice.rejected[backend]
-        with pytest.warns(portable_ops.FallbackWarning, match=re_escape(expected)):
+        with pytest.warns(portable_ops.FallbackWarning, match=re.escape(expected)):
             out = portable_ops.attention(q, k, v, **options)
     torch.testing.assert_close(out, definition(*(t.double() for t in (q, k, v)), **options).float())
-    with forced_strict(backend), pytest.raises(portable_ops.BackendUnavailableError, match=re_escape(expected)):
+    with forced_strict(backend), pytest.raises(portable_ops.BackendUnavailableError, match=re.escape(expected)):
         portable_ops.attention(q, k, v, **options)
 
 
@@ -221,12 +222,6 @@ def test_masks_a_backend_has_still_run_there(backend):
         for options in (dict(window=(None, 0)), dict(window=(None, None)), dict(causal=True, window=(None, 3)),
                         dict(softcap=0.0), {}):
             assert portable_ops.explain(portable_ops.attention, q, k, v, **options).backend == backend, options
-
-
-def re_escape(text):
-    import re
-
-    return re.escape(text)
 
 
 # ----------------------------------------------------------------------------- packed sequences
@@ -258,8 +253,9 @@ VARLEN = {
 
 
 @pytest.mark.parametrize("lens", VARLEN.values(), ids=VARLEN.keys())
-@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window=(3, 5)), dict(causal=True, window=(2, None)),
-                                     dict(softcap=5.0, scale=2.0), dict(causal=True, window=(4, 1), softcap=30.0)],
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window=(3, 5)),
+                                     dict(causal=True, window=(2, None)), dict(softcap=5.0, scale=2.0),
+                                     dict(causal=True, window=(4, 1), softcap=30.0)],
                          ids=["plain", "causal", "window", "causal-window", "softcap", "all"])
 def test_varlen_is_each_sequence_on_its_own(lens, options):
     lens_q, lens_k = lens
@@ -401,7 +397,7 @@ def test_other_backends_decline_varlen_with_the_reason(backend):
     with portable_ops.use_backend(backend):
         choice = portable_ops.explain("attention_varlen", q, k, v, cu_q, cu_k, 4, 4, causal=True)
     assert choice.backend == "reference" and choice.rejected[backend] == [expected]
-    with forced_strict(backend), pytest.raises(portable_ops.BackendUnavailableError, match=re_escape(expected)):
+    with forced_strict(backend), pytest.raises(portable_ops.BackendUnavailableError, match=re.escape(expected)):
         portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 4, 4)
 
 
@@ -503,8 +499,8 @@ def bad_append():
 
     return {
         "a page past the pool": (changed(2, table_entry(99)), ValueError,
-                                 r"block_table\[1, 1\] is 99, not a page of the cache \(it has \d+\); sequence 1 writes "
-                                 r"positions 5 to 6 there"),
+                                 r"block_table\[1, 1\] is 99, not a page of the cache \(it has \d+\); sequence 1 "
+                                 r"writes positions 5 to 6 there"),
         "a released page": (changed(2, table_entry(-1)), ValueError, r"block_table\[1, 1\] is -1, not a page"),
         "past the table": (changed(3, lambda a: torch.tensor([5, 11], dtype=torch.int32)), ValueError,
                            r"cache_seqlens\[1\] \+ 2 new tokens = 13 exceeds the 12 positions block_table holds "
@@ -673,7 +669,7 @@ def _broken(run, **changes):
     ("paged_decode_window_page16", "paged_attention", dict(window=None)),
     ("paged_softcap_page16", "paged_attention", dict(softcap=45.0)),
 ])
-def test_a_backend_that_gets_a_feature_wrong_fails_its_cases(case_name, op, changes, fake_backend, monkeypatch):
+def test_a_backend_that_gets_a_feature_wrong_fails_its_cases(case_name, op, changes, fake_backend):
     ops = ("attention_fwd", "attention_bwd", "attention_varlen_fwd", "attention_varlen_bwd", "paged_attention",
            "paged_kv_append")
     stand_in = fake_backend("triton", ops=ops)

@@ -27,7 +27,7 @@ from portable_ops.layout import as_layout_of
 SCORE_BUDGET = 1 << 24  # elements of one block's scores (64 MiB in float32)
 
 
-def _opmath(t):
+def opmath(t):
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
@@ -95,7 +95,7 @@ def _through_softcap(d_scores, tanh):
 
 
 def _opmath_rows(q, k, v):
-    dtype, hkv = _opmath(q), k.shape[1]
+    dtype, hkv = opmath(q), k.shape[1]
     return _rows(q.to(dtype), hkv), k.to(dtype), v.to(dtype)
 
 

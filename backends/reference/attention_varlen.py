@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import attention_bwd, attention_fwd
+from .attention import attention_bwd, attention_fwd, opmath
 
 
 def _sequences(cu_seqlens_q, cu_seqlens_k):
@@ -44,7 +44,7 @@ def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                                  window=window, softcap=softcap)
         outs.append(_packed(out))
         lses.append(lse[0])
-    lse_like = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
+    lse_like = q.new_empty((q.shape[1], q.shape[0]), dtype=opmath(q))
     return _cat(outs, q).contiguous(), _cat(lses, lse_like, dim=1).contiguous()
 
 

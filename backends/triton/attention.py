@@ -665,7 +665,7 @@ def _by_batch_slices(run, slices, inputs, outputs):
 
 
 def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
-    if window is not None or softcap is not None:
+    if window is not None or softcap is not None:  # tested here, not in the call: host-time critical
         refuse_features(window, softcap, KERNELS)
     slices = _batch_slices(q)
     if slices is not None:
