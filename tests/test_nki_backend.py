@@ -7,6 +7,7 @@ import importlib
 import math
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from portable_ops.backends.nki import compat, emulator, runtime
 from portable_ops.backends.reference.adam import adam as reference_adam
 from portable_ops.backends.reference.attention import attention_bwd as reference_bwd
 from portable_ops.backends.reference.attention import attention_fwd as reference_fwd
+from portable_ops.backends.reference.attention import visible
 from portable_ops.backends.reference.grad_norm import grad_norm as reference_grad_norm
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -218,29 +220,141 @@ ATTN_SHAPES = {  # (B, Hq, Hkv, Sq, Skv, D, causal)
 }
 
 
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-@pytest.mark.parametrize("name", ATTN_SHAPES)
-def test_attention_fwd_bwd_match_float64_reference(name, dtype):
-    B, Hq, Hkv, Sq, Skv, D, causal = ATTN_SHAPES[name]
-    g = torch.Generator().manual_seed(5)
+def _check_attention(shape, dtype, seed=5, key_std=1.0, scale=None, **features):
+    """The nki forward and backward on ``shape`` = (B, Hq, Hkv, Sq, Skv, D, causal) against the float64
+    reference, with ``features`` (window, softcap) passed to both. Rows that see no key must come out
+    exactly as the reference's convention: out 0, lse -inf, dQ 0. Returns (out, lse, grads)."""
+    B, Hq, Hkv, Sq, Skv, D, causal = shape
+    g = torch.Generator().manual_seed(seed)
     q, do = (torch.randn(B, Hq, Sq, D, generator=g).to(dtype) for _ in range(2))
-    k, v = (torch.randn(B, Hkv, Skv, D, generator=g).to(dtype) for _ in range(2))
-    scale = D ** -0.5
-    out, lse = OPS["attention_fwd"].run(q=q, k=k, v=v, causal=causal, scale=scale)
-    r_out, r_lse = reference_fwd(q.double(), k.double(), v.double(), causal=causal, scale=scale)
+    k, v = ((key_std * torch.randn(B, Hkv, Skv, D, generator=g)).to(dtype) for _ in range(2))
+    options = dict(causal=causal, scale=D ** -0.5 if scale is None else scale, **features)
+    out, lse = OPS["attention_fwd"].run(q=q, k=k, v=v, **options)
+    r_out, r_lse = reference_fwd(q.double(), k.double(), v.double(), **options)
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (B, Hq, Sq)
     close(out, r_out, ATTN_TOL[dtype])
     assert torch.equal(torch.isinf(lse), torch.isinf(r_lse))
     close(lse.nan_to_num(neginf=0.0), r_lse.nan_to_num(neginf=0.0), ATTN_TOL[F32])
-    grads = OPS["attention_bwd"].run(q=q, k=k, v=v, out=out, lse=lse, dout=do, causal=causal, scale=scale)
-    r_grads = reference_bwd(q.double(), k.double(), v.double(), r_out, r_lse, do.double(),
-                                          causal=causal, scale=scale)
+    grads = OPS["attention_bwd"].run(q=q, k=k, v=v, out=out, lse=lse, dout=do, **options)
+    r_grads = reference_bwd(q.double(), k.double(), v.double(), r_out, r_lse, do.double(), **options)
     for mine, ref, like in zip(grads, r_grads, (q, k, v)):
         assert mine.shape == like.shape and mine.dtype == dtype
         close(mine, ref, ATTN_TOL[dtype], factor=4.0)
-    if name == "more_queries_than_keys":
-        assert torch.equal(out[:, :, :128], torch.zeros_like(out[:, :, :128]))
-        assert torch.equal(grads[0][:, :, :128], torch.zeros_like(grads[0][:, :, :128]))
+    seen = visible(torch.arange(Sq) + Skv - Sq, torch.arange(Skv), causal, features.get("window"))
+    blind = torch.zeros(Sq, dtype=torch.bool) if seen is None else ~seen.any(-1)  # rows that see no key
+    assert torch.equal(out[:, :, blind], torch.zeros_like(out[:, :, blind]))
+    assert bool((lse[:, :, blind] == -math.inf).all()) and bool(lse[:, :, ~blind].isfinite().all())
+    assert torch.equal(grads[0][:, :, blind], torch.zeros_like(grads[0][:, :, blind]))
+    return out, lse, grads
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("name", ATTN_SHAPES)
+def test_attention_fwd_bwd_match_float64_reference(name, dtype):
+    _check_attention(ATTN_SHAPES[name], dtype)
+
+
+ATTN_FEATURES = {  # name: ((B, Hq, Hkv, Sq, Skv, D, causal), window, softcap)
+    "window_gqa_ragged": ((1, 4, 2, 150, 150, 32, False), (20, 9), None),
+    "window_0_0": ((1, 2, 1, 130, 130, 16, False), (0, 0), None),  # each query sees its own key only
+    "window_causal_skips_blocks": ((1, 2, 1, 300, 300, 32, True), (40, None), None),
+    "window_causal_wide_left": ((1, 2, 2, 200, 330, 16, True), (150, None), None),
+    "window_right_only_cross": ((1, 2, 2, 70, 260, 16, False), (None, 5), None),
+    "window_left_only_cross": ((1, 4, 1, 140, 90, 16, False), (3, None), None),
+    # Sq > Skv: the first rows' bands end before key 0, so they see no key at all
+    "window_more_queries": ((1, 2, 2, 140, 12, 32, False), (2, 1), None),
+    "window_causal_more_queries_gqa": ((1, 4, 2, 200, 70, 16, True), (10, None), None),
+    "window_decode": ((2, 4, 1, 1, 260, 64, True), (128, None), None),
+    "window_head_dim_192": ((1, 2, 1, 130, 150, 192, False), (60, 20), None),
+    "softcap_causal_gqa": ((1, 4, 2, 130, 130, 32, True), None, 1.5),
+    "softcap_cross": ((1, 2, 1, 90, 200, 64, False), None, 2.0),
+    "softcap_window_gqa": ((1, 4, 2, 150, 170, 32, False), (30, 12), 2.0),
+    "softcap_window_causal_more_queries": ((1, 2, 2, 140, 12, 32, True), (4, None), 1.0),
+    "softcap_decode": ((2, 8, 2, 1, 200, 128, True), None, 5.0),
+}
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("name", ATTN_FEATURES)
+def test_attention_window_and_softcap_match_float64_reference(name, dtype):
+    shape, window, softcap = ATTN_FEATURES[name]
+    # keys of std 3 make scores of std ~3: a softcap of 1 to 5 bends them, so ignoring it would fail
+    _check_attention(shape, dtype, key_std=3.0, window=window, softcap=softcap)
+
+
+def test_softcap_saturates_huge_scores_and_keeps_gradients_finite():
+    """Scores of ~1e4 against a softcap of 2: nearly every capped score is +-2, as in the reference."""
+    out, lse, grads = _check_attention((1, 2, 1, 40, 50, 16, False), F32, scale=2e3, softcap=2.0)
+    assert all(bool(t.isfinite().all()) for t in (out, lse, *grads))
+
+
+def test_window_skips_invisible_blocks_and_masks_only_the_edge_blocks(monkeypatch):
+    """At trace time: a (query tile, key block) pair is computed iff some query of the tile sees some
+    key of the block, and an affine_select cuts scores only where a band edge crosses the block (one
+    per edge), in the forward and in both backward passes. Counted on the Tensor Engine (a fixed number
+    of matmuls and transposes per tile and per pair) and on affine_select calls."""
+    from portable_ops.backends.nki import attention as nki_attention
+    B, H, Sq, Skv, D = 1, 1, 300, 520, 32
+    cases = [(False, (100, 30)), (True, (150, None)), (False, (None, 7)), (False, (3, None)), (True, None)]
+    for causal, window in cases:
+        seen = visible(torch.arange(Sq) + Skv - Sq, torch.arange(Skv), causal, window)
+        left, right = window or (None, None)
+        offset = torch.arange(Skv)[None, :] - (torch.arange(Sq) + Skv - Sq)[:, None]  # key minus query position
+        pairs = edges = 0
+        for q0 in range(0, Sq, 128):
+            for k0 in range(0, Skv, 128):
+                block, off = seen[q0:q0 + 128, k0:k0 + 128], offset[q0:q0 + 128, k0:k0 + 128]
+                if block.any():
+                    pairs += 1
+                    right_edge = 0 if causal and (right is None or right > 0) else right
+                    edges += int(right_edge is not None and bool((off > right_edge).any()))
+                    edges += int(left is not None and bool((off < -left).any()))
+        n_q, n_k = -(-Sq // 128), -(-Skv // 128)
+        selects = []  # the first pattern step of each affine_select: -1 for a score mask, 0 for a row fix-up
+
+        def counted(dst, pattern, real=nki_attention.nisa.affine_select, seen=selects, **kwargs):
+            seen.append(pattern[0][0])
+            return real(dst, pattern, **kwargs)
+
+        monkeypatch.setattr(nki_attention.nisa, "affine_select", counted)
+        q, do = torch.randn(B, H, Sq, D), torch.randn(B, H, Sq, D)
+        k, v = torch.randn(B, H, Skv, D), torch.randn(B, H, Skv, D)
+        options = dict(causal=causal, scale=0.2, window=window)
+        with emulator.count_instructions() as fwd:
+            out, lse = OPS["attention_fwd"].run(q=q, k=k, v=v, **options)
+        fwd_masks, selects[:] = selects.count(-1), []
+        with emulator.count_instructions() as bwd:
+            OPS["attention_bwd"].run(q=q, k=k, v=v, out=out, lse=lse, dout=do, **options)
+        monkeypatch.undo()
+        # forward: Q^T per query tile; K^T, S = QK^T, P^T, PV per pair
+        assert fwd.instructions["tensor"] == n_q + 4 * pairs, (causal, window)
+        # backward: Q^T and dO^T per query tile (dQ pass) and K^T, V^T per key block (dK/dV pass); per
+        # pair six in each pass (dQ: K^T, V^T, S, dP, dS^T, dS K; dK/dV: Q^T, dO^T, S, dP, P^T dO, dS^T Q)
+        assert bwd.instructions["tensor"] == 2 * n_q + 2 * n_k + 12 * pairs, (causal, window)
+        assert fwd_masks == edges and selects.count(-1) == 2 * edges, (causal, window)
+        assert pairs < n_q * n_k or window is None
+
+
+def test_attention_takes_window_and_softcap_through_the_public_api_with_autograd():
+    """Dispatch keeps window and softcap calls on nki (no fallback), and autograd's gradients are the
+    reference's."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 4, 150, 32, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 2, 150, 32, generator=g, requires_grad=True) for _ in range(2))
+    for options in (dict(window=(20, 3)), dict(causal=True, window=(40, None), softcap=3.0), dict(softcap=1.0)):
+        with portable_ops.use_backend("nki"):
+            assert OPS["attention_fwd"].supports(dict(dict(q=q, k=k, v=v, scale=1.0, causal=False), **options)) == []
+            assert portable_ops.explain("attention", q, k, v, **options).backend == "nki", options
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", portable_ops.FallbackWarning)
+                out = portable_ops.attention(q, k, v, **options)
+            grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+        with portable_ops.use_backend("reference"):
+            ref = portable_ops.attention(q, k, v, **options)
+            r_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+        torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+        for a, b in zip(grads, r_grads):
+            torch.testing.assert_close(a, b, atol=8e-3, rtol=8e-3)
 
 
 @pytest.mark.parametrize("D", [40, 72, 80, 96, 160, 192])

@@ -233,6 +233,28 @@ def test_affine_select_matches_its_documented_predicate():
     assert torch.equal(kernel(x), expected)
 
 
+def test_tanh_activation_scales_first_and_saturates():
+    """nl.tanh as an activation function: ``tanh(data * scale + bias)`` on the Scalar Engine, valid on
+    [-inf, inf] (nki.api.shared, 'Supported Activation Functions'), so +-inf map to +-1."""
+    @jit
+    def kernel(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(t, x)
+        nisa.activation(t, op=nl.tanh, data=t, scale=0.5)
+        nisa.dma_copy(out, t)
+        return out
+
+    x = torch.tensor([[-float("inf"), -3.0, 0.0, 1e-3, 2.0, 1e30, float("inf")]])
+    with emulator.count_instructions() as stats:
+        out = kernel(x)
+    assert torch.equal(out, torch.tanh(x * 0.5))
+    assert out[0, 0] == -1.0 and out[0, -1] == 1.0 and out[0, -2] == 1.0
+    assert stats.instructions["scalar"] == 1
+    with pytest.raises(EmulatorError, match="api-subset"):
+        nl.tanh(x)  # a tile-level call is outside the emulated subset, as every nl operator
+
+
 def test_instruction_counts_per_engine():
     hp = torch.zeros(128, len(SHARED) + PAIR)
     p = torch.zeros(128 * 1500)

@@ -1,4 +1,5 @@
-"""Flash attention forward and backward as NKI kernels (online softmax, GQA, bottom-right causal).
+"""Flash attention forward and backward as NKI kernels (online softmax, GQA, bottom-right causal,
+sliding window, logit softcap).
 
 Layout: a query tile holds up to 128 rows on the partitions; a key tile holds up to 128 keys.
 Scores ``S = Q K^T`` come from ``nc_matmul(stationary=Q^T [D, bq], moving=K^T [D, bk])`` into
@@ -7,10 +8,18 @@ chunks of at most 128 partitions (``[128, n_chunks, rows]`` tiles) whose matmuls
 one PSUM tile; where D is a free size (``P V`` and the gradients, ``[rows, D]`` in PSUM) it needs
 no split up to 512 fp32 per bank. ``Q^T`` / ``K^T`` / ``P^T`` are made on the Tensor Engine with
 ``nc_transpose``. Ragged
-sequence lengths use smaller static edge tiles; the causal mask (query ``i`` sees key ``j``
-iff ``j <= i + Skv - Sq``) is one GpSimd ``affine_select`` on the diagonal blocks only, and
-key blocks no row of a query tile can see are skipped at trace time. GQA reads K/V head
-``h // (Hq // Hkv)`` in place (query heads loop inside their KV head), never a repeated copy.
+sequence lengths use smaller static edge tiles.
+
+Masks are one band: query ``i`` sits at key position ``p = i + Skv - Sq`` and sees key ``j`` iff
+``p - left <= j <= p + right`` (either side None: unbounded), where ``causal`` makes ``right``
+at most 0 and ``window=(left, right)`` gives the sides (``visible`` in the reference). Key blocks
+wholly outside the band of a query tile are skipped at trace time (and query tiles wholly outside
+a key block's, in the dK/dV pass), so a window of W keys costs O(W) per query, not O(Skv); only
+blocks that a band edge crosses get a GpSimd ``affine_select`` (one per edge). A softcap replaces
+each scaled score ``s`` by ``softcap * tanh(s / softcap)`` before the mask: the Scalar Engine's
+``tanh`` as the scores leave PSUM, its output kept for the backward's ``1 - tanh^2``. GQA reads
+K/V head ``h // (Hq // Hkv)`` in place (query heads loop inside their KV head), never a repeated
+copy.
 
 Forward returns ``out`` and ``lse`` (float32, natural log; ``-inf`` and zero output for rows that
 see no key). Backward recomputes P from ``lse`` in two passes: dQ with query tiles outside,
@@ -24,7 +33,6 @@ import math
 
 import torch
 
-from portable_ops.backends.pending import dense_feature_reasons, refuse_features
 from portable_ops.layout import as_layout_of
 
 from .compat import nki, nisa, nl
@@ -85,42 +93,88 @@ def _load(src, rows, cols, dtype):
     return tile
 
 
-def _visible_key_blocks(q0, bq, Sq, Skv, causal):
-    """Key blocks that some row of the query tile [q0, q0 + bq) can see."""
-    n_k = (Skv + B_K - 1) // B_K
-    if not causal:
-        return n_k
-    last = q0 + bq - 1 + Skv - Sq  # the last row's last visible key
-    return 0 if last < 0 else min(n_k, last // B_K + 1)
+def _band(causal, window_left, window_right):
+    """``(left, right)``: the query at position ``p`` sees keys ``p - left .. p + right`` (None: that
+    side unbounded). ``causal`` is the right side at most 0, so it and a window are one mask."""
+    right = window_right
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return window_left, right
 
 
-def _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, causal):
-    """Scaled, masked scores ``[bq, bk]`` in float32 SBUF."""
+def _key_blocks(q0, bq, shift, Skv, left, right):
+    """``(first, stop)``: the key blocks some row of the query tile ``[q0, q0 + bq)`` can see. Row
+    bands slide by one key per row and each holds at least one position (``left, right >= 0`` or
+    None), so the tile sees one contiguous run of keys: from its first row's lowest to its last
+    row's highest. ``(0, 0)`` when that run misses ``[0, Skv)``."""
+    lo = 0 if left is None else max(0, q0 + shift - left)
+    hi = Skv - 1 if right is None else min(Skv - 1, q0 + bq - 1 + shift + right)
+    return (lo // B_K, hi // B_K + 1) if lo <= hi else (0, 0)
+
+
+def _query_tiles(k0, bk, shift, Sq, left, right):
+    """``(first, stop)``: the query tiles with some row that sees a key of ``[k0, k0 + bk)``; key
+    ``j`` is seen by positions ``j - right .. j + left``, query rows ``i = p - shift``."""
+    lo = 0 if right is None else max(0, k0 - right - shift)
+    hi = Sq - 1 if left is None else min(Sq - 1, k0 + bk - 1 + left - shift)
+    return (lo // B_Q, hi // B_Q + 1) if lo <= hi else (0, 0)
+
+
+def _mask(s, q0, k0, bq, bk, shift, left, right):
+    """Scores outside the band -> NEG, on edge blocks only. With ``d = (q0 + r + shift) - (k0 + c)``
+    (the query's position minus the key's, ``r`` the partition and ``c`` the free index), key
+    ``k0 + c`` is visible iff ``-right <= d <= left``: one affine_select per side that cuts the block.
+
+    A row with no visible key in this block (but some in another) gets weights exp(NEG - NEG) = 1
+    here while its running max is still NEG; its first visible score rescales them by
+    exp(NEG - m) = 0, and rows with no visible key anywhere are overwritten by _rows_without_keys."""
+    if right is not None and k0 + bk - 1 > q0 + shift + right:  # the block's last key is past row 0's band
+        nisa.affine_select(s, pattern=[[-1, bk]], offset=q0 + shift - k0 + right, channel_multiplier=1,
+                           on_true_tile=s, on_false_value=NEG, cmp_op=nl.greater_equal)
+    if left is not None and k0 < q0 + bq - 1 + shift - left:  # the block's first key is before the last row's
+        nisa.affine_select(s, pattern=[[-1, bk]], offset=q0 + shift - k0 - left, channel_multiplier=1,
+                           on_true_tile=s, on_false_value=NEG, cmp_op=nl.less_equal)
+
+
+def _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, left, right, softcap):
+    """Scaled, capped, masked scores ``[bq, bk]`` in float32 SBUF, and ``tanh(scale * QK^T / softcap)``
+    for the softcap's derivative (None without a softcap)."""
     s_ps = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.psum)
     _matmul_chunked(s_ps, qT, kT, D)
     s = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(s, op=nl.copy, data=s_ps, scale=scale)
-    if causal and k0 + bk - 1 > q0 + shift:  # some (row, key) of this block is above the diagonal
-        # keep where (q0 + p) + shift - (k0 + j) >= 0
-        nisa.affine_select(s, pattern=[[-1, bk]], offset=q0 + shift - k0, channel_multiplier=1,
-                           on_true_tile=s, on_false_value=NEG, cmp_op=nl.greater_equal)
-    return s
+    t = None
+    if softcap is None:
+        nisa.activation(s, op=nl.copy, data=s_ps, scale=scale)
+    else:
+        # The activation's pre-scale takes scale / softcap for free as the scores leave PSUM; the
+        # Scalar Engine's tanh is valid on [-inf, inf], so huge scores saturate at +-softcap.
+        t = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(t, op=nl.tanh, data=s_ps, scale=scale / softcap)
+        nisa.tensor_scalar(s, t, op0=nl.multiply, operand0=softcap)
+    _mask(s, q0, k0, bq, bk, shift, left, right)  # after the cap, as the reference: capped scores are masked
+    return s, t
 
 
-def _rows_without_keys(tile, q0, shift, width, fill):
-    """Set rows that see no key (query q0 + p with q0 + p + shift < 0) to ``fill``."""
-    nisa.affine_select(tile, pattern=[[0, width]], offset=q0 + shift, channel_multiplier=1,
-                       on_true_tile=tile, on_false_value=fill, cmp_op=nl.greater_equal)
+def _rows_without_keys(tile, q0, shift, right, width, fill):
+    """Set the rows of a query tile that see no key to ``fill``: row ``r`` sees none iff its band ends
+    before key 0, ``q0 + r + shift + right < 0`` (its band never passes the last key: ``p <= Skv - 1``).
+    A no-op unless the tile has such rows (checked at trace time)."""
+    if right is not None and q0 + shift + right < 0:
+        nisa.affine_select(tile, pattern=[[0, width]], offset=q0 + shift + right, channel_multiplier=1,
+                           on_true_tile=tile, on_false_value=fill, cmp_op=nl.greater_equal)
 
 
 @nki.jit
-def attention_fwd_kernel(q, k, v, scale=1.0, causal=False):
-    """``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Skv, D]`` -> ``out`` like q, ``lse [B, Hq, Sq, 1]`` fp32."""
+def attention_fwd_kernel(q, k, v, scale=1.0, causal=False, window_left=None, window_right=None, softcap=None):
+    """``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Skv, D]`` -> ``out`` like q, ``lse [B, Hq, Sq, 1]`` fp32.
+    ``window_left`` / ``window_right``: the sliding window's sides (None: unbounded); ``softcap``: None
+    or a positive float. All are trace-time constants: each combination is its own kernel."""
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     G = Hq // Hkv
     dt = q.dtype
     shift = Skv - Sq
+    left, right = _band(causal, window_left, window_right)
     out = nl.ndarray(q.shape, dtype=dt, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Sq, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     n_q = (Sq + B_Q - 1) // B_Q
@@ -137,13 +191,14 @@ def attention_fwd_kernel(q, k, v, scale=1.0, causal=False):
                     nisa.memset(m, NEG)
                     l_sum = nl.zeros((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
                     acc = nl.zeros((bq, D), dtype=nl.float32, buffer=nl.sbuf)
-                    for ki in nl.static_range(_visible_key_blocks(q0, bq, Sq, Skv, causal)):
+                    k_first, k_stop = _key_blocks(q0, bq, shift, Skv, left, right)
+                    for ki in nl.static_range(k_first, k_stop):
                         k0 = ki * B_K
                         bk = min(B_K, Skv - k0)
                         k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
                         kT = _transposed_chunks(k_sb, bk, D, dt)
                         v_sb = _load(v[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
-                        s = _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, causal)
+                        s, _ = _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, left, right, softcap)
                         # online softmax: m_new = max(m, rowmax(s)); alpha = exp(m - m_new)
                         m_new = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
                         nisa.tensor_reduce(m_new, op=nl.maximum, data=s, axis=1, keepdims=True)
@@ -177,15 +232,16 @@ def attention_fwd_kernel(q, k, v, scale=1.0, causal=False):
                     lse_t = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.activation(lse_t, op=nl.log, data=l_sum)
                     nisa.tensor_tensor(lse_t, lse_t, m, op=nl.add)
-                    if causal and q0 + shift < 0:  # rows that see no key: out 0, lse -inf
-                        _rows_without_keys(o, q0, shift, D, 0.0)
-                        _rows_without_keys(lse_t, q0, shift, 1, -math.inf)
+                    # Rows that see no key had only masked scores (or, with no visible block, none):
+                    # out 0 and lse -inf, as the reference, not the mean of masked values.
+                    _rows_without_keys(o, q0, shift, right, D, 0.0)
+                    _rows_without_keys(lse_t, q0, shift, right, 1, -math.inf)
                     nisa.dma_copy(out[b, h, q0:q0 + bq, 0:D], o)
                     nisa.dma_copy(lse[b, h, q0:q0 + bq, 0:1], lse_t)
     return out, lse
 
 
-def _query_side(q, o, do, lse, b, h, q0, bq, D, dt, shift, causal):
+def _query_side(q, o, do, lse, b, h, q0, bq, D, dt, shift, right):
     """Per query tile: Q, dO, their transposes, -lse (NEG for rows without keys) and
     delta = rowsum(dO * O)."""
     q_sb = _load(q[b, h, q0:q0 + bq, 0:D], bq, D, dt)
@@ -196,8 +252,7 @@ def _query_side(q, o, do, lse, b, h, q0, bq, D, dt, shift, causal):
     lse_t = _load(lse[b, h, q0:q0 + bq, 0:1], bq, 1, nl.float32)
     neg_lse = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(neg_lse, lse_t, op0=nl.multiply, operand0=-1.0)
-    if causal and q0 + shift < 0:
-        _rows_without_keys(neg_lse, q0, shift, 1, NEG)  # lse = -inf there: P must be 0, not exp(+inf)
+    _rows_without_keys(neg_lse, q0, shift, right, 1, NEG)  # lse = -inf there: P must be 0, not exp(+inf)
     prod = nl.ndarray((bq, D), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(prod, do_sb, o_sb, op=nl.multiply)
     delta = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -205,15 +260,22 @@ def _query_side(q, o, do, lse, b, h, q0, bq, D, dt, shift, causal):
     return q_sb, do_sb, qT, doT, neg_lse, delta
 
 
-def _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, bq, bk, q0, k0, shift, scale, causal):
-    """P = exp(S - lse) and dS = P * (dO V^T - delta), both ``[bq, bk]`` float32."""
-    s = _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, causal)
+def _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, bq, bk, q0, k0, shift, scale, left, right, softcap):
+    """P = exp(S - lse) and dS = P * (dO V^T - delta), both ``[bq, bk]`` float32; under a softcap dS
+    is taken back through it, times ``1 - tanh^2``, so that it is the derivative by the scaled scores."""
+    s, t = _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, left, right, softcap)
     p = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(p, op=nl.exp, data=s, bias=neg_lse)
     dp_ps = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.psum)
     _matmul_chunked(dp_ps, doT, vT, D)
     ds = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(ds, data=dp_ps, op0=nl.subtract, operand0=delta, op1=nl.multiply, operand1=p)
+    if t is not None:
+        # tanh is taken before the mask, so 1 - t^2 is finite on masked keys too, where P = 0 made dS 0.
+        t2 = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(t2, op=nl.square, data=t)  # on the Scalar Engine, beside VectorE's dS work
+        nisa.scalar_tensor_tensor(ds, data=t2, op0=nl.subtract, operand0=1.0, reverse0=True,
+                                  op1=nl.multiply, operand1=ds)
     return p, ds
 
 
@@ -225,22 +287,17 @@ def _cast(src, rows, cols, dtype):
     return dst
 
 
-def _first_visible_query_tile(k0, Sq, Skv, causal):
-    """Query tiles before this one have no row that sees key block k0 (rows i >= k0 - shift do)."""
-    if not causal:
-        return 0
-    first_row = k0 - (Skv - Sq)
-    return max(0, first_row) // B_Q
-
-
 @nki.jit
-def attention_bwd_kernel(q, k, v, o, lse, do, scale=1.0, causal=False):
-    """Gradients ``(dq, dk, dv)``; ``lse`` is ``[B, Hq, Sq, 1]`` float32 from the forward."""
+def attention_bwd_kernel(q, k, v, o, lse, do, scale=1.0, causal=False, window_left=None, window_right=None,
+                         softcap=None):
+    """Gradients ``(dq, dk, dv)``; ``lse`` is ``[B, Hq, Sq, 1]`` float32 from the forward; the masks
+    and softcap as :func:`attention_fwd_kernel`'s."""
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     G = Hq // Hkv
     dt = q.dtype
     shift = Skv - Sq
+    left, right = _band(causal, window_left, window_right)
     dq = nl.ndarray(q.shape, dtype=dt, buffer=nl.shared_hbm)
     dk = nl.ndarray(k.shape, dtype=dt, buffer=nl.shared_hbm)
     dv = nl.ndarray(v.shape, dtype=dt, buffer=nl.shared_hbm)
@@ -255,16 +312,18 @@ def attention_bwd_kernel(q, k, v, o, lse, do, scale=1.0, causal=False):
                 for qi in nl.static_range(n_q):
                     q0 = qi * B_Q
                     bq = min(B_Q, Sq - q0)
-                    _, _, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, b, h, q0, bq, D, dt, shift, causal)
+                    _, _, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, b, h, q0, bq, D, dt, shift, right)
                     dq_acc = nl.zeros((bq, D), dtype=nl.float32, buffer=nl.sbuf)
-                    for ki in nl.static_range(_visible_key_blocks(q0, bq, Sq, Skv, causal)):
+                    k_first, k_stop = _key_blocks(q0, bq, shift, Skv, left, right)
+                    for ki in nl.static_range(k_first, k_stop):
                         k0 = ki * B_K
                         bk = min(B_K, Skv - k0)
                         k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
                         v_sb = _load(v[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
                         kT = _transposed_chunks(k_sb, bk, D, dt)
                         vT = _transposed_chunks(v_sb, bk, D, dt)
-                        _, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, bq, bk, q0, k0, shift, scale, causal)
+                        _, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, bq, bk, q0, k0, shift, scale,
+                                                   left, right, softcap)
                         dsT = _transposed(_cast(ds, bq, bk, dt), bq, bk, dt)
                         dq_ps = nl.ndarray((bq, D), dtype=nl.float32, buffer=nl.psum)
                         nisa.nc_matmul(dq_ps, dsT, k_sb, accumulate=False)
@@ -285,15 +344,16 @@ def attention_bwd_kernel(q, k, v, o, lse, do, scale=1.0, causal=False):
                 vT = _transposed_chunks(v_sb, bk, D, dt)
                 dk_acc = nl.zeros((bk, D), dtype=nl.float32, buffer=nl.sbuf)
                 dv_acc = nl.zeros((bk, D), dtype=nl.float32, buffer=nl.sbuf)
+                q_first, q_stop = _query_tiles(k0, bk, shift, Sq, left, right)
                 for g in nl.static_range(G):
                     h = hkv * G + g
-                    for qi in nl.static_range(_first_visible_query_tile(k0, Sq, Skv, causal), n_q):
+                    for qi in nl.static_range(q_first, q_stop):
                         q0 = qi * B_Q
                         bq = min(B_Q, Sq - q0)
                         q_sb, do_sb, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, b, h, q0, bq, D, dt,
-                                                                            shift, causal)
+                                                                            shift, right)
                         p, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, bq, bk, q0, k0, shift,
-                                                   scale, causal)
+                                                   scale, left, right, softcap)
                         dv_ps = nl.ndarray((bk, D), dtype=nl.float32, buffer=nl.psum)
                         nisa.nc_matmul(dv_ps, _cast(p, bq, bk, dt), do_sb, accumulate=False)
                         nisa.tensor_tensor(dv_acc, dv_acc, dv_ps, op=nl.add)
@@ -319,8 +379,9 @@ KERNELS = "NKI kernels"
 
 
 def attention_supports(call) -> list[str]:
+    """Every window and softcap is taken (the kernels' masks and cap); the reasons are about dtypes and sizes."""
     q, k, v = call["q"], call["k"], call["v"]
-    reasons = dense_feature_reasons(call, KERNELS)
+    reasons = []
     if q.dtype not in SUPPORTED_DTYPES:
         reasons.append(f"NKI attention takes float32, bfloat16 and float16; got {str(q.dtype).removeprefix('torch.')}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -334,18 +395,24 @@ def attention_supports(call) -> list[str]:
     return reasons
 
 
+def _static(causal, scale, window, softcap):
+    """The kernels' trace-time arguments, as plain Python numbers (one compiled kernel per value)."""
+    left, right = window if window is not None else (None, None)
+    return dict(scale=float(scale), causal=bool(causal),
+                window_left=None if left is None else int(left), window_right=None if right is None else int(right),
+                softcap=float(softcap) if softcap else None)  # 0 is off, as the public API's
+
+
 def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
     """The kernels take contiguous ``[B, H, S, D]``; ``out`` comes back in the layout
     portable_ops/layout.py gives q's output (a copy only when q's heads are inner to its sequence)."""
-    refuse_features(window, softcap, KERNELS)
     out, lse = launch(attention_fwd_kernel, q.contiguous(), k.contiguous(), v.contiguous(),
-                      scale=float(scale), causal=bool(causal))
+                      **_static(causal, scale, window, softcap))
     return as_layout_of(out, q), lse.reshape(q.shape[:-1])
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None):
-    refuse_features(window, softcap, KERNELS)
     lse4 = lse.to(torch.float32).reshape(*q.shape[:-1], 1).contiguous()
     dq, dk, dv = launch(attention_bwd_kernel, q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
-                        lse4, dout.to(q.dtype).contiguous(), scale=float(scale), causal=bool(causal))
+                        lse4, dout.to(q.dtype).contiguous(), **_static(causal, scale, window, softcap))
     return as_layout_of(dq, q), as_layout_of(dk, k), as_layout_of(dv, v)

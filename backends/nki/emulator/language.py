@@ -149,6 +149,10 @@ def reciprocal(x, dtype=None):
     _outside_subset("reciprocal")
 
 
+def tanh(x, dtype=None):
+    _outside_subset("tanh")
+
+
 def _maximum(a, b):
     a, b = torch.as_tensor(a), torch.as_tensor(b)
     return torch.fmax(a, b) if core.nan_drops() else torch.maximum(a, b)
@@ -172,7 +176,7 @@ ALU = {add: torch.add, subtract: torch.sub, multiply: torch.mul, maximum: _maxim
 ALU_UNARY = {abs: torch.abs, square: torch.square, rsqrt: torch.rsqrt, reciprocal: torch.reciprocal}
 # Scalar Engine activation functions (the engine approximates them; the emulator computes exactly).
 ACTIVATION = {copy: lambda x: x, exp: torch.exp, log: torch.log, sqrt: torch.sqrt, rsqrt: torch.rsqrt,
-              square: torch.square, abs: torch.abs, reciprocal: torch.reciprocal}
+              square: torch.square, abs: torch.abs, reciprocal: torch.reciprocal, tanh: torch.tanh}
 
 
 def _reduce_max(x, dims):
