@@ -1,13 +1,14 @@
-"""python -m portable_ops.conformance [--backend NAME ...] [--json FILE] [--case SUBSTRING] [--device DEVICE] [--long]
+"""python -m portable_ops.conformance [--backend NAME ...] [--json FILE] [--case SUBSTRING] [--device DEVICE] [--long] [--strict]
 
 Runs the shared suite on each named backend (default: every backend usable on
-this machine), prints a table, and exits 0 only when every case run passes: a
-fallback or an error is not a pass. The long cases (attention at 16k and 32k) run
+this machine), prints a table, and exits 0 only when every case run passes or falls back on an
+op its backend declares it has no kernel for ("fallback", counted as declared; --strict fails
+those too): an undeclared fallback or an error is not a pass. The long cases (attention at 16k and 32k) run
 on an accelerator, or on the CPU with --long (or PORTABLE_OPS_CONFORMANCE_LONG=1);
 otherwise their rows say "not run", counted apart from the passes.
 
-Exit status: 0 every case run passed (and at least one ran); 1 a case failed, fell back or
-raised, or none ran; 2 the command line can't run (a backend unavailable, a device this machine
+Exit status: 0 every case run passed or made a declared fallback (and at least one ran); 1 a
+case failed, raised or fell back undeclared (any fallback under --strict), or none ran; 2 the command line can't run (a backend unavailable, a device this machine
 lacks, a --json folder that is missing or read-only, a --case that matches no case, a
 PORTABLE_OPS_CONFORMANCE_LONG that is not a boolean), reported before any case runs.
 """
@@ -26,7 +27,7 @@ from portable_ops import cli, env
 from portable_ops.dispatch import BACKEND_NAMES, get_backend, unavailable_reason
 
 from .cases import CASES
-from .runner import LONG_VARIABLE, default_device, format_table, run, status_counts, usable_backends
+from .runner import LONG_VARIABLE, default_device, format_table, passed, run, status_counts, usable_backends
 
 
 def main(argv=None) -> int:
@@ -40,6 +41,8 @@ def main(argv=None) -> int:
     parser.add_argument("--long", action="store_true",
                         help=f"also run the long cases on the CPU, where they are slow (reference: minutes; "
                              f"interpreter, emulator: far longer); default: {LONG_VARIABLE}, else off")
+    parser.add_argument("--strict", action="store_true",
+                        help="fail on every fallback, declared ones included (an op a backend has no kernel for)")
     args = parser.parse_args(argv)
 
     backends = list(dict.fromkeys(args.backend)) if args.backend else usable_backends()  # each once
@@ -74,8 +77,7 @@ def main(argv=None) -> int:
         except OSError as exc:  # checked before the run, but a disk can fill up meanwhile
             print(f"--json {args.json!r}: could not write the results ({exc.strerror or exc})", file=sys.stderr)
             return 2
-    ran = [r for r in rows if r.status != "not run"]
-    return 0 if ran and all(r.status == "pass" for r in ran) else 1
+    return 0 if passed(rows, strict=args.strict) else 1
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ One runner serves the CLI (``python -m portable_ops.conformance``) and pytest
 (``tests/test_conformance.py``). Each case runs with its backend forced and
 ``PORTABLE_OPS_STRICT=1``, so a call the backend declines raises instead of
 quietly running the reference: that case is reported as ``fallback`` with the
-backend's reason, never as a pass.
+backend's reason, never as a pass. A fallback is ``declared`` when the backend lists the op
+among those it has no kernel for (``Backend.declined``); the CLI's exit status counts only
+undeclared ones, unless ``--strict`` (docs/conformance.md, "Exit status").
 
 Oracles: ``float64`` is the reference backend's code run in float64 on the CPU;
 ``torch`` is PyTorch itself (``torch.optim`` functional Adam/AdamW,
@@ -64,6 +66,7 @@ class Row:
     rtol: float = 0.0
     oracles: list[str] = field(default_factory=list)
     detail: str = ""
+    declared: bool = False  # a fallback on an op the backend declares it has no kernel for
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -541,6 +544,7 @@ def run_case(case: Case, backend: str, device: torch.device | None = None, long:
         RUNNERS[case.op](case, backend, device, oracles, result)
     except dispatch.BackendUnavailableError as exc:
         row.status, row.detail = "fallback", str(exc).split(" -- ")[0]
+        row.declared = any(reason in row.detail for reason in dispatch.get_backend(backend).declined.values())
         return row
     except Exception as exc:  # a crash is a failure of the case, reported, not raised
         row.status, row.detail = "error", f"{type(exc).__name__}: {exc}"
@@ -562,6 +566,13 @@ def run(backends: list[str], cases: list[Case] = CASES, device: torch.device | N
     return rows
 
 
+def passed(rows: list[Row], strict: bool = False) -> bool:
+    """Whether a run passes: at least one case ran, and each that ran passed or, unless ``strict``, fell
+    back on an op its backend declares it has no kernel for."""
+    ran = [r for r in rows if r.status != "not run"]
+    return bool(ran) and all(r.status == "pass" or (r.declared and not strict) for r in ran)
+
+
 def status_counts(rows: list[Row]) -> dict[str, int]:
     return {s: sum(r.status == s for r in rows) for s in STATUSES}
 
@@ -577,5 +588,7 @@ def format_table(rows: list[Row]) -> str:
         lines.append(f"{r.backend:<10} {r.case:<44} {r.status:<8} {errors} {r.atol:>7.0e} {r.rtol:>7.0e}  {note}")
     counts = status_counts(rows)
     lines.append("-" * len(header))
-    lines.append(", ".join(f"{n} {s}" for s, n in counts.items()) + f" of {len(rows)} cases")
+    declared = sum(r.declared for r in rows)
+    lines.append(", ".join(f"{n} {s}" + (f" ({declared} declared)" if s == "fallback" and declared else "")
+                           for s, n in counts.items()) + f" of {len(rows)} cases")
     return "\n".join(lines)

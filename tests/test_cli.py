@@ -59,7 +59,22 @@ def test_a_declined_case_is_a_fallback_not_a_pass(fake_backend):
     fake_backend("triton", reasons=["no kernel for this test"])
     row = runner.run_case(Case("probe", "clip", torch.float32, dict(shapes=[(4,)], max_norm=1.0, norm_type=2.0)),
                           "triton", torch.device("cpu"))
-    assert row.status == "fallback" and "no kernel for this test" in row.detail
+    assert row.status == "fallback" and "no kernel for this test" in row.detail and not row.declared
+    assert conformance_cli.main(["--backend", "triton", "--case", "clip_l2_odd_sizes[float32]"]) == 1
+
+
+def test_a_declared_decline_is_a_fallback_that_fails_only_under_strict(fake_backend, capsys):
+    """An op the backend lists in Backend.declined falls back on every case: reported as a fallback
+    (declared), never a pass; the exit status is 0 unless --strict."""
+    backend = fake_backend("triton", ops=("adam", "attention_fwd", "attention_bwd"))
+    backend.declined["grad_norm"] = "global norms: no kernel in this stand-in"
+    row = runner.run_case(Case("probe", "clip", torch.float32, dict(shapes=[(4,)], max_norm=1.0, norm_type=2.0)),
+                          "triton", torch.device("cpu"))
+    assert row.status == "fallback" and row.declared and "no kernel in this stand-in" in row.detail
+    case = ["--backend", "triton", "--case", "clip_l2_odd_sizes[float32]"]
+    assert conformance_cli.main(case) == 0
+    assert "0 pass, 0 fail, 1 fallback (1 declared)" in capsys.readouterr().out
+    assert conformance_cli.main([*case, "--strict"]) == 1
 
 
 # ----------------------------------------------------------------------------- usage errors: exit 2, before any work

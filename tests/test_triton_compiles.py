@@ -89,6 +89,11 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
         kind, d = spec["kernel"], spec.get("d", 128)
         d0, d1 = attention.head_split(d)
         head = dict(D=d, D0=d0, D1=d1, UPCAST=False, PRECISION="ieee")
+        # the masks and features a spec asks for (default: causal, nothing else)
+        features = dict(BOUND_LEFT=spec.get("window", False), BOUND_RIGHT=spec.get("causal", True),
+                        SOFTCAP=spec.get("softcap", False), VARLEN=spec.get("varlen", False))
+        floats = {"scale_log2": "fp32", "squash": "fp32", "cap_log2": "fp32"}
+        offsets = {name: "*i32" for name in ("CU_Q", "CU_K")}  # the packed sequences' cu_seqlens
         row = dict(spec)
         try:
             if kind == "fwd_sm90":
@@ -124,29 +129,34 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                 consts = dict(CAUSAL=spec["causal"], STAGES=stages, DQ_BUFFERS=dq_buffers, num_warps=4)
                 row.update(run(attention_sm90._bwd_kernel, types_, consts, 4, 1, False, GluonASTSource,
                                maxnreg=attention_sm90.MAXNREG))
-            elif kind in ("fwd", "decode"):
+            elif kind in ("fwd", "decode", "paged"):
                 block_m, block_n, warps, stages = spec["config"]
                 names = ["sq_b", "sq_h", "sq_m", "sk_b", "sk_h", "sk_n", "sv_b", "sv_h", "sv_n", "so_split", "so_b",
-                         "so_h", "so_m", "H", "GROUP", "SQ", "SKV", "KEYS_PER_SPLIT"]
-                types_ = attention_types(("Q", "K", "V", "O", "LSE"), names, {"scale_log2": "fp32"})
-                consts = dict(head, CAUSAL=spec.get("causal", True), BLOCK_M=block_m, BLOCK_N=block_n,
-                              PACK_GROUP=kind == "decode", NEGATIVE_SCALE=False, UNIT=spec.get("unit", 8))
+                         "so_h", "so_m", "slse_split", "slse_b", "slse_h", "stable_b", "H", "GROUP", "SQ", "SKV",
+                         "LEFT", "RIGHT", "KEYS_PER_SPLIT"]
+                types_ = attention_types(("Q", "K", "V", "O", "LSE"), names, {**floats, **offsets, "CACHE_LENS": "*i32",
+                                                                             "TABLE": "*i32"})
+                consts = dict(head, **features, PAGED=kind == "paged", PAGE=16 if kind == "paged" else 0,
+                              BLOCK_M=block_m, BLOCK_N=block_n, PACK_GROUP=kind in ("decode", "paged"),
+                              NEGATIVE_SCALE=False, UNIT=spec.get("unit", 8))
                 row.update(run(attention._fwd_kernel, types_, consts, warps, stages, False))
             elif kind == "dkdv":
                 block_m, block_n, warps, stages = spec["config"]
                 names = [f"s{t}_{a}" for t in ("q", "k", "v", "do", "dk", "dv") for a in
                          (("b", "h", "n") if t in ("k", "v", "dk", "dv") else ("b", "h", "m"))]
                 types_ = attention_types(("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV"),
-                                         names + ["HKV", "GROUP", "SQ", "SKV"], {"scale": "fp32", "scale_log2": "fp32"})
-                consts = dict(head, CAUSAL=spec.get("causal", True), BLOCK_M=block_m, BLOCK_N=block_n, UNIT=8)
+                                         names + ["slse_b", "slse_h", "HKV", "GROUP", "SQ", "SKV", "LEFT", "RIGHT"],
+                                         {"scale": "fp32", **floats, **offsets})
+                consts = dict(head, **features, BLOCK_M=block_m, BLOCK_N=block_n, UNIT=8)
                 row.update(run(attention._bwd_dkdv_kernel, types_, consts, warps, stages, False))
             elif kind == "dq":
                 block_m, block_n, warps, stages = spec["config"]
                 names = [f"s{t}_{a}" for t in ("q", "k", "v", "do", "dq") for a in
                          (("b", "h", "n") if t in ("k", "v") else ("b", "h", "m"))]
                 types_ = attention_types(("Q", "K", "V", "DO", "LSE", "DELTA", "DQ"),
-                                         names + ["H", "GROUP", "SQ", "SKV"], {"scale": "fp32", "scale_log2": "fp32"})
-                consts = dict(head, CAUSAL=spec.get("causal", True), BLOCK_M=block_m, BLOCK_N=block_n, UNIT=8)
+                                         names + ["slse_b", "slse_h", "H", "GROUP", "SQ", "SKV", "LEFT", "RIGHT"],
+                                         {"scale": "fp32", **floats, **offsets})
+                consts = dict(head, **features, BLOCK_M=block_m, BLOCK_N=block_n, UNIT=8)
                 row.update(run(attention._bwd_dq_kernel, types_, consts, warps, stages, False))
             elif kind == "delta":
                 types_ = {"O": "*bf16", "DO": "*bf16", "DELTA": "*fp32", **strides("o", "do"), "H": "i32", "SQ": "i32"}
@@ -177,7 +187,11 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                               HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, HAS_CLIP=True, ALIGNED=True)
                 row.update(run(adam._adam_kernel, types_, consts, 8, 3, False))
         except Exception as exc:  # noqa: BLE001 -- reported per spec, so one failure names itself
-            row["error"] = f"{type(exc).__name__}: {str(exc)[-500:]}"
+            root = exc  # Triton chains an error through every inlined function: the root names the cause
+            while root.__cause__ is not None:
+                root = root.__cause__
+            cause = f" (from {type(root).__name__}: {str(root)[-500:]})" if root is not exc else ""
+            row["error"] = f"{type(exc).__name__}: {str(exc)[-500:]}{cause}"
         results.append(row)
         print(json.dumps(row), flush=True)
     return results
@@ -227,6 +241,11 @@ else:
                       for kernel in ("fwd", "dkdv", "dq")]
             specs += [{"kernel": "decode", "d": d, "config": list(_DECODE_CONFIG[width > 128])},
                       {"kernel": "delta", "d": d}, {"kernel": "combine", "d": d}]
+        # issue 12's features at D 128: a sliding window with a softcap, packed sequences, a paged cache
+        for kernel in ("fwd", "dkdv", "dq"):
+            specs += [{"kernel": kernel, "d": 128, "config": list(CONFIGS[kernel][128][0]), "window": True,
+                       "softcap": True, "varlen": True}]
+        specs.append({"kernel": "paged", "d": 128, "config": list(_DECODE_CONFIG[False]), "window": True})
         rows = _run(specs)
         assert len(rows) == len(specs)
         errors = [r for r in rows if "error" in r]

@@ -12,7 +12,6 @@ import os
 
 import torch
 
-from portable_ops.backends.pending import declined_ops
 from portable_ops.dispatch import Backend, OpImpl
 
 if importlib.util.find_spec("triton") is None:
@@ -30,7 +29,9 @@ else:
     LATE_SWITCH = INTERPRETED and type(tl.zeros).__name__ != "InterpretedFunction"
 
     from .adam import adam, adam_supports
-    from .attention import KERNELS, attention_bwd, attention_fwd, attention_supports
+    from .attention import (attention_bwd, attention_fwd, attention_supports, attention_varlen_bwd,
+                            attention_varlen_fwd, attention_varlen_supports, paged_attention, paged_attention_supports,
+                            paged_kv_append, paged_kv_append_supports)
     from .grad_norm import grad_norm, grad_norm_supports
     from .launch import hash_triton_in_background
 
@@ -56,7 +57,10 @@ else:
             "grad_norm": OpImpl(run=grad_norm, supports=grad_norm_supports),
             "attention_fwd": OpImpl(run=attention_fwd, supports=attention_supports),
             "attention_bwd": OpImpl(run=attention_bwd, supports=attention_supports),
+            "attention_varlen_fwd": OpImpl(run=attention_varlen_fwd, supports=attention_varlen_supports),
+            "attention_varlen_bwd": OpImpl(run=attention_varlen_bwd, supports=attention_varlen_supports),
+            "paged_attention": OpImpl(run=paged_attention, supports=paged_attention_supports),
+            "paged_kv_append": OpImpl(run=paged_kv_append, supports=paged_kv_append_supports),
         },
         device_reasons=_device_reasons,
-        declined=declined_ops(KERNELS),
     )

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from portable_ops import layout
-from portable_ops.backends.pending import dense_feature_reasons, refuse_features
 
 from . import attention_sm90
 from .autotune import Tuner, bucket
@@ -119,23 +119,136 @@ def _store2(base, row_offs, row_ok, first, second, D: tl.constexpr, D1: tl.const
         _store(base, row_offs, row_ok, second, first.shape[1], D)
 
 
+# ----------------------------------------------------------------------------- masks
+#
+# Every mask is a band around the diagonal: query row ``i`` sits at key position ``i + SKV - SQ``
+# and sees keys from ``lo_off`` to ``hi_off`` past its row, bounded on a side only under
+# BOUND_LEFT / BOUND_RIGHT (causal is ``hi_off = SKV - SQ``). A loop over tiles runs in three
+# ranges: tiles that some rows see only partly (masked), tiles every row sees in full (no mask),
+# then partly seen tiles again; tiles no row sees are never visited, so a sliding window costs
+# time in proportion to its width, not to the sequence.
+
+@triton.jit
+def _visible(pos, cols, in_bounds, lo_off, hi_off, BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr):
+    """Which (row at key position ``pos``, key ``cols``) pairs are seen; broadcasting operands."""
+    seen = in_bounds
+    if BOUND_RIGHT:
+        seen = seen & (cols <= pos + hi_off)
+    if BOUND_LEFT:
+        seen = seen & (cols >= pos + lo_off)
+    return seen
+
+
+@triton.jit
+def _key_ranges(pos_lo, pos_hi, lo, hi, SKV, lo_off, hi_off, BLOCK_N: tl.constexpr, BOUND_LEFT: tl.constexpr,
+                BOUND_RIGHT: tl.constexpr):
+    """For rows ``pos_lo..pos_hi`` and keys ``[lo, hi)`` (``lo`` a multiple of BLOCK_N): ``(lo, full_lo,
+    full_hi, hi)``, where keys ``[full_lo, full_hi)`` are whole tiles every row sees and keys outside
+    ``[lo, hi)`` no row sees."""
+    full_lo = lo
+    full_hi = SKV // BLOCK_N * BLOCK_N
+    if BOUND_RIGHT:
+        hi = tl.minimum(hi, pos_hi + hi_off + 1)
+        full_hi = tl.minimum(full_hi, tl.maximum(pos_lo + hi_off + 1, 0) // BLOCK_N * BLOCK_N)
+    if BOUND_LEFT:
+        lo = tl.maximum(lo, tl.maximum(pos_lo + lo_off, 0) // BLOCK_N * BLOCK_N)
+        full_lo = tl.cdiv(tl.maximum(pos_hi + lo_off, 0), BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_ranges(n0, SQ, SKV, lo_off, hi_off, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr):
+    """The transpose of :func:`_key_ranges` for keys ``n0..n0 + BLOCK_N - 1``: ``(lo, full_lo, full_hi,
+    hi)`` over query rows, ``[full_lo, full_hi)`` whole tiles of rows that see every key of the block."""
+    lo = 0
+    hi = SQ
+    full_lo = 0
+    full_hi = SQ // BLOCK_M * BLOCK_M
+    if BOUND_RIGHT:
+        lo = tl.maximum(n0 - hi_off, 0) // BLOCK_M * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - hi_off, 0), BLOCK_M) * BLOCK_M
+    if BOUND_LEFT:
+        hi = tl.minimum(hi, n0 + BLOCK_N - lo_off)
+        full_hi = tl.minimum(full_hi, tl.maximum(n0 - lo_off + 1, 0) // BLOCK_M * BLOCK_M)
+    if n0 + BLOCK_N > SKV:  # a ragged key block masks everywhere
+        full_hi = 0
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _tanh(x):
+    # from exp2 (one MUFU op): libdevice's tanh is not in every Triton's interpreter
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def _logits(s, scale_log2, squash, cap_log2, SOFTCAP: tl.constexpr):
+    """Scores ``q . k`` -> scaled (and soft-capped: ``cap * tanh(scale * s / cap)``) scores, in the log2 domain."""
+    if SOFTCAP:
+        s = _tanh(s * squash) * cap_log2
+    else:
+        s = s * scale_log2
+    return s
+
+
+@triton.jit
+def _probs(s, lse_log2, scale_log2, squash, cap_log2, SOFTCAP: tl.constexpr):
+    """``(P, slope)`` from scores and the rows' log2-domain lse (broadcast): the probabilities, and
+    d(capped score) / d(scaled score), which the score gradient takes (1 without a softcap)."""
+    # one return statement: a compiled function's returns must agree in type, constexpr branches included
+    if SOFTCAP:
+        t = _tanh(s * squash)
+        p = tl.exp2(t * cap_log2 - lse_log2)
+        slope = 1.0 - t * t
+    else:
+        p = tl.exp2(s * scale_log2 - lse_log2)
+        slope = 1.0
+    return p, slope
+
+
+@triton.jit
+def _kv_rows(cols, readable, table, sk_page, sk_n, sv_page, sv_n, PAGED: tl.constexpr, PAGE: tl.constexpr):
+    """Row offsets of keys ``cols`` in K and V: ``cols * stride``, or, from a paged cache, through the
+    sequence's row of the page table (pages of unreadable keys are not looked up)."""
+    if PAGED:
+        page = tl.load(table + cols // PAGE, mask=readable, other=0).to(tl.int64)
+        slot = cols % PAGE
+        k_rows = page * sk_page + slot * sk_n
+        v_rows = page * sv_page + slot * sv_n
+    else:
+        k_rows = cols * sk_n
+        v_rows = cols * sv_n
+    return k_rows, v_rows
+
+
 # ----------------------------------------------------------------------------- forward
 
 @triton.jit
-def _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, sk_n, sv_n, pos, offs_n, lo, hi, SKV, diagonal,
-               scale_log2, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, MASK: tl.constexpr,
-               CAUSAL: tl.constexpr, UPCAST: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, table, sk_page, sk_n, sv_page, sv_n, pos, offs_n, lo,
+               hi, SKV, first_key, lo_off, hi_off, scale_log2, squash, cap_log2, D: tl.constexpr,
+               D0: tl.constexpr, D1: tl.constexpr, MASK: tl.constexpr, BOUND_LEFT: tl.constexpr,
+               BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+               UPCAST: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, PRECISION: tl.constexpr):
     for start_n in tl.range(lo, hi, offs_n.shape[0]):
         cols = start_n + offs_n
         in_bounds = cols < SKV
-        k0, k1 = _load2(k_base, cols * sk_n, in_bounds, D, D0, D1, MASK, True, UPCAST)
+        readable = in_bounds
+        if PAGED:  # pages before the window may be released: not even their page numbers are read
+            readable = in_bounds & (cols >= first_key)
+        k_rows, v_rows = _kv_rows(cols, readable, table, sk_page, sk_n, sv_page, sv_n, PAGED, PAGE)
+        k0, k1 = _load2(k_base, k_rows, readable, D, D0, D1, MASK, True, UPCAST)
         s = _dot2(q0, q1, k0, k1, tl.zeros([q0.shape[0], offs_n.shape[0]], dtype=tl.float32), D1, PRECISION)
-        if MASK:
-            visible = in_bounds[None, :]
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= pos[:, None] + diagonal)
+        if MASK or SOFTCAP:
             # scaled before masking: -inf times a zero scale would be NaN
-            s = tl.where(visible, s * scale_log2, float("-inf"))
+            s = _logits(s, scale_log2, squash, cap_log2, SOFTCAP)
+            if MASK:
+                s = tl.where(_visible(pos[:, None], cols[None, :], in_bounds[None, :], lo_off, hi_off, BOUND_LEFT,
+                                      BOUND_RIGHT), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
             p = tl.exp2(s - m_exp[:, None])
@@ -149,7 +262,7 @@ def _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, sk_n, sv_n, pos, of
             p = tl.exp2(s * scale_log2 - m_exp[:, None])
         alpha = tl.exp2(m_i - m_exp)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v0, v1 = _load2(v_base, cols * sv_n, in_bounds, D, D0, D1, MASK, False, UPCAST)
+        v0, v1 = _load2(v_base, v_rows, readable, D, D0, D1, MASK, False, UPCAST)
         acc0 = tl.dot(p.to(v0.dtype), v0, acc0 * alpha[:, None], input_precision=PRECISION)
         if D1 > 0:
             acc1 = tl.dot(p.to(v1.dtype), v1, acc1 * alpha[:, None], input_precision=PRECISION)
@@ -158,17 +271,20 @@ def _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, sk_n, sv_n, pos, of
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_split, so_b, so_h, so_m,
-                H, GROUP, SQ, SKV, scale_log2, KEYS_PER_SPLIT,
-                CAUSAL: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PACK_GROUP: tl.constexpr, NEGATIVE_SCALE: tl.constexpr,
-                UNIT: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, CACHE_LENS, TABLE,
+                sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_split, so_b, so_h, so_m,
+                slse_split, slse_b, slse_h, stable_b, H, GROUP, SQ, SKV, LEFT, RIGHT,
+                scale_log2, squash, cap_log2, KEYS_PER_SPLIT,
+                BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
+                PAGED: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PACK_GROUP: tl.constexpr,
+                NEGATIVE_SCALE: tl.constexpr, UNIT: tl.constexpr, PRECISION: tl.constexpr):
     # Strides arrive divided by UNIT (see _stride_unit): multiplied back, the compiler knows rows start aligned.
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n = sq_b * UNIT, sq_h * UNIT, sq_m * UNIT, sk_b * UNIT, sk_h * UNIT, sk_n * UNIT
     sv_b, sv_h, sv_n = sv_b * UNIT, sv_h * UNIT, sv_n * UNIT
     so_split, so_b, so_h, so_m = so_split * UNIT, so_b * UNIT, so_h * UNIT, so_m * UNIT
     start_m = tl.program_id(0)
-    if CAUSAL:  # the last query blocks see the most keys: start them first, so the tail of the grid is light
+    if BOUND_RIGHT:  # the last query blocks see the most keys: start them first, so the tail of the grid is light
         start_m = tl.num_programs(0) - 1 - start_m
     split = tl.program_id(2)  # which range of keys, when decode splits them across programs
     r = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -176,22 +292,44 @@ def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h,
         # Decode under GQA: one program takes every query head of a KV head's group as its rows
         # (head-major, then position), so each K/V tile is read once for the whole group.
         b, hk = tl.program_id(1) // (H // GROUP), tl.program_id(1) % (H // GROUP)
+    else:
+        b, h = tl.program_id(1) // H, tl.program_id(1) % H
+        hk = h // GROUP
+    # a sequence's rows: packed sequences (VARLEN) start at rows q_start, k_start of one [1, H, T, D]
+    # tensor, whose batch strides are 0; a paged cache's batch strides are its pages'
+    q_base = Q + b.to(tl.int64) * sq_b
+    k_base = K + b.to(tl.int64) * sk_b + hk * sk_h
+    v_base = V + b.to(tl.int64) * sv_b + hk * sv_h
+    o_base = O + split.to(tl.int64) * so_split + b.to(tl.int64) * so_b
+    lse_base = LSE + split.to(tl.int64) * slse_split + b.to(tl.int64) * slse_b
+    if VARLEN:
+        q_start = tl.load(CU_Q + b)
+        SQ = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        SKV = tl.load(CU_K + b + 1) - k_start
+        if start_m * BLOCK_M >= SQ:
+            return
+        q_base += q_start.to(tl.int64) * sq_m
+        k_base += k_start.to(tl.int64) * sk_n
+        v_base += k_start.to(tl.int64) * sv_n
+        o_base += q_start.to(tl.int64) * so_m
+        lse_base += q_start
+    if PAGED:
+        SKV = tl.load(CACHE_LENS + b)
+        k_base = K + hk * sk_h
+        v_base = V + hk * sv_h
+    if PACK_GROUP:
         h = hk * GROUP + r // SQ
         pos = r % SQ
         valid = r < GROUP * SQ
         pos_lo, pos_hi = 0, SQ - 1
-        n_bh = tl.num_programs(1) * GROUP
     else:
-        b, h = tl.program_id(1) // H, tl.program_id(1) % H
-        hk = h // GROUP
         pos = r
         valid = r < SQ
-        pos_lo, pos_hi = start_m * BLOCK_M, start_m * BLOCK_M + BLOCK_M - 1
-        n_bh = tl.num_programs(1)
+        pos_lo = start_m * BLOCK_M
+        pos_hi = tl.minimum(pos_lo + BLOCK_M, SQ) - 1
     offs_n = tl.arange(0, BLOCK_N)
-    q0, q1 = _load2(Q + b.to(tl.int64) * sq_b, h * sq_h + pos * sq_m, valid, D, D0, D1, True, False, UPCAST)
-    k_base = K + b.to(tl.int64) * sk_b + hk * sk_h
-    v_base = V + b.to(tl.int64) * sv_b + hk * sv_h
+    q0, q1 = _load2(q_base, h * sq_h + pos * sq_m, valid, D, D0, D1, True, False, UPCAST)
 
     # m_i is already in the log2 domain (scaled); -inf until the row sees a key
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -200,27 +338,26 @@ def _fwd_kernel(Q, K, V, O, LSE, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h,
     acc1 = acc0  # stands in for the second chunk's accumulator when there is none
     if D1 > 0:
         acc1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
-    diagonal = SKV - SQ
+    lo_off = SKV - SQ - LEFT
+    hi_off = SKV - SQ + RIGHT
     lo = split * KEYS_PER_SPLIT
-    hi = tl.minimum(SKV, lo + KEYS_PER_SPLIT)
-    # keys [lo, full) are visible to every row of the block and in bounds: no mask needed
-    full = SKV // BLOCK_N * BLOCK_N
-    if CAUSAL:
-        hi = tl.minimum(hi, pos_hi + 1 + diagonal)
-        full = tl.minimum(full, tl.maximum(pos_lo + diagonal + 1, 0) // BLOCK_N * BLOCK_N)
-    full = tl.maximum(tl.minimum(full, hi), lo)
-    acc0, acc1, l_i, m_i = _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, sk_n, sv_n, pos, offs_n, lo,
-                                      full, SKV, diagonal, scale_log2, D, D0, D1, False, CAUSAL, UPCAST,
-                                      NEGATIVE_SCALE, PRECISION)
-    acc0, acc1, l_i, m_i = _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, sk_n, sv_n, pos, offs_n, full,
-                                      hi, SKV, diagonal, scale_log2, D, D0, D1, True, CAUSAL, UPCAST,
-                                      NEGATIVE_SCALE, PRECISION)
+    lo, full_lo, full_hi, hi = _key_ranges(pos_lo, pos_hi, lo, tl.minimum(SKV, lo + KEYS_PER_SPLIT), SKV, lo_off,
+                                           hi_off, BLOCK_N, BOUND_LEFT, BOUND_RIGHT)
+    first_key = 0
+    if BOUND_LEFT:
+        first_key = tl.maximum(pos_lo + lo_off, 0)
+    table = TABLE + b.to(tl.int64) * stable_b
+    for part in tl.static_range(3):  # masked, whole, masked
+        acc0, acc1, l_i, m_i = _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, table, sk_b, sk_n, sv_b,
+                                          sv_n, pos, offs_n, (lo, full_lo, full_hi)[part],
+                                          (full_lo, full_hi, hi)[part], SKV, first_key, lo_off, hi_off, scale_log2,
+                                          squash, cap_log2, D, D0, D1, part != 1, BOUND_LEFT, BOUND_RIGHT, SOFTCAP,
+                                          PAGED, PAGE, UPCAST, NEGATIVE_SCALE, PRECISION)
     seen = l_i > 0
     norm = 1.0 / tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    o_base = O + split.to(tl.int64) * so_split + b.to(tl.int64) * so_b
     _store2(o_base, h * so_h + pos * so_m, valid, acc0 * norm[:, None], acc1 * norm[:, None], D, D1)
-    tl.store(LSE + (split * n_bh + b * H + h).to(tl.int64) * SQ + pos, lse, mask=valid)  # [splits, B, H, SQ]
+    tl.store(lse_base + h.to(tl.int64) * slse_h + pos, lse, mask=valid)
 
 
 @triton.jit
@@ -244,7 +381,6 @@ def _combine_kernel(O_PART, LSE_PART, O, LSE, SPLITS, H, SQ, so_b, so_h, so_m,
     tl.store(O + b * so_b + h * so_h + pos * so_m + offs_d, to_dtype(out, O.dtype.element_ty), mask=offs_d < D)
     tl.store(LSE + row, tl.where(total > 0, m_safe + tl.log(total), float("-inf")))
 
-
 # ----------------------------------------------------------------------------- backward
 
 @triton.jit
@@ -262,11 +398,11 @@ def _delta_kernel(O, DO, DELTA, so_b, so_h, so_m, sdo_b, sdo_h, sdo_m, H, SQ,
     tl.store(DELTA + bh.to(tl.int64) * SQ + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1),
              mask=rows < SQ)
 
-
 @triton.jit
 def _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, delta_base, sq_m, sdo_m, cols,
-                offs_m, lo, hi, SQ, SKV, scale_log2, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                MASK: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                offs_m, lo, hi, SQ, SKV, lo_off, hi_off, scale_log2, squash, cap_log2, D: tl.constexpr,
+                D0: tl.constexpr, D1: tl.constexpr, MASK: tl.constexpr, BOUND_LEFT: tl.constexpr,
+                BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     # Works on transposed tiles (keys x queries) so P^T and dS^T come out of tl.dot in the
     # layout the dV and dK products want, with no register transposes.
     for start_m in tl.range(lo, hi, offs_m.shape[0]):
@@ -279,17 +415,16 @@ def _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, d
         lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         delta = tl.load(delta_base + rows, mask=in_bounds, other=0.0)
         zeros = tl.zeros([cols.shape[0], offs_m.shape[0]], dtype=tl.float32)
-        p_t = tl.exp2(_dot2(k0, k1, q0_t, q1_t, zeros, D1, PRECISION) * scale_log2 - lse[None, :])
+        p_t, slope = _probs(_dot2(k0, k1, q0_t, q1_t, zeros, D1, PRECISION), lse[None, :], scale_log2, squash,
+                            cap_log2, SOFTCAP)
         if MASK:
-            visible = cols[:, None] < SKV
-            if CAUSAL:
-                visible = visible & (cols[:, None] <= rows[None, :] + (SKV - SQ))
-            p_t = tl.where(visible, p_t, 0.0)
+            p_t = tl.where(_visible(rows[None, :], cols[:, None], cols[:, None] < SKV, lo_off, hi_off, BOUND_LEFT,
+                                    BOUND_RIGHT), p_t, 0.0)
         dv0 = tl.dot(p_t.to(do0.dtype), do0, dv0, input_precision=PRECISION)
         if D1 > 0:
             dv1 = tl.dot(p_t.to(do1.dtype), do1, dv1, input_precision=PRECISION)
         dp_t = _dot2(v0, v1, tl.trans(do0), tl.trans(do1), zeros, D1, PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
+        ds_t = p_t * (dp_t - delta[None, :]) * slope
         dk0 = tl.dot(ds_t.to(q0_t.dtype), tl.trans(q0_t), dk0, input_precision=PRECISION)
         if D1 > 0:
             dk1 = tl.dot(ds_t.to(q1_t.dtype), tl.trans(q1_t), dk1, input_precision=PRECISION)
@@ -297,10 +432,11 @@ def _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, d
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
-                     sdo_b, sdo_h, sdo_m, sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n,
-                     HKV, GROUP, SQ, SKV, scale, scale_log2,
-                     CAUSAL: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h,
+                     sv_n, sdo_b, sdo_h, sdo_m, sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, slse_b, slse_h,
+                     HKV, GROUP, SQ, SKV, LEFT, RIGHT, scale, scale_log2, squash, cap_log2,
+                     BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
+                     D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr,
                      PRECISION: tl.constexpr):
     # Strides arrive divided by UNIT (see _stride_unit): multiplied back, the compiler knows rows start aligned.
@@ -313,64 +449,74 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sq_b, sq_h, sq_m, sk_b, sk
     bh = tl.program_id(1)
     b, hk = bh // HKV, bh % HKV
     n0 = start_n * BLOCK_N
+    q_off = b.to(tl.int64) * sq_b
+    do_off = b.to(tl.int64) * sdo_b
+    k_off = b.to(tl.int64) * sk_b
+    v_off = b.to(tl.int64) * sv_b
+    dk_off = b.to(tl.int64) * sdk_b
+    dv_off = b.to(tl.int64) * sdv_b
+    lse_off = b.to(tl.int64) * slse_b
+    if VARLEN:  # as in the forward: one [1, H, T, D] tensor, batch strides 0
+        q_start = tl.load(CU_Q + b)
+        SQ = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        SKV = tl.load(CU_K + b + 1) - k_start
+        if n0 >= SKV:
+            return
+        q_off += q_start.to(tl.int64) * sq_m
+        do_off += q_start.to(tl.int64) * sdo_m
+        k_off += k_start.to(tl.int64) * sk_n
+        v_off += k_start.to(tl.int64) * sv_n
+        dk_off += k_start.to(tl.int64) * sdk_n
+        dv_off += k_start.to(tl.int64) * sdv_n
+        lse_off += q_start
     cols = n0 + tl.arange(0, BLOCK_N)
     in_bounds = cols < SKV
     offs_m = tl.arange(0, BLOCK_M)
-    k0, k1 = _load2(K + b.to(tl.int64) * sk_b + hk * sk_h, cols * sk_n, in_bounds, D, D0, D1, True, False, UPCAST)
-    v0, v1 = _load2(V + b.to(tl.int64) * sv_b + hk * sv_h, cols * sv_n, in_bounds, D, D0, D1, True, False, UPCAST)
+    k0, k1 = _load2(K + k_off + hk * sk_h, cols * sk_n, in_bounds, D, D0, D1, True, False, UPCAST)
+    v0, v1 = _load2(V + v_off + hk * sv_h, cols * sv_n, in_bounds, D, D0, D1, True, False, UPCAST)
     dk0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
     dk1, dv1 = dk0, dk0  # stand in for the second chunk's accumulators when there is none
     if D1 > 0:
         dk1 = tl.zeros([BLOCK_N, D1], dtype=tl.float32)
         dv1 = tl.zeros([BLOCK_N, D1], dtype=tl.float32)
     dv0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
-    diagonal = SKV - SQ
-    lo = 0
-    full = 0  # query blocks [full, even) see every key of this block and are in bounds
-    even = SQ // BLOCK_M * BLOCK_M
-    if CAUSAL:  # queries before this one cannot see the block's first key
-        lo = tl.maximum(0, n0 - diagonal) // BLOCK_M * BLOCK_M
-        full = tl.cdiv(tl.maximum(0, n0 + BLOCK_N - 1 - diagonal), BLOCK_M) * BLOCK_M
-    if n0 + BLOCK_N > SKV:  # a ragged key block masks everywhere
-        even = lo
-    full = tl.maximum(lo, tl.minimum(full, even))
-    even = tl.maximum(full, even)
+    lo_off = SKV - SQ - LEFT
+    hi_off = SKV - SQ + RIGHT
+    lo, full_lo, full_hi, hi = _query_ranges(n0, SQ, SKV, lo_off, hi_off, BLOCK_M, BLOCK_N, BOUND_LEFT, BOUND_RIGHT)
     for g in range(0, GROUP):
         h = hk * GROUP + g
-        q_base = Q + b.to(tl.int64) * sq_b + h * sq_h
-        do_base = DO + b.to(tl.int64) * sdo_b + h * sdo_h
-        row0 = (b * HKV * GROUP + h).to(tl.int64) * SQ  # lse and delta are [B, H, SQ]
-        dk0, dk1, dv0, dv1 = _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, LSE + row0,
-                                         DELTA + row0, sq_m, sdo_m, cols, offs_m, lo, full, SQ, SKV, scale_log2,
-                                         D, D0, D1, True, CAUSAL, UPCAST, PRECISION)
-        dk0, dk1, dv0, dv1 = _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, LSE + row0,
-                                         DELTA + row0, sq_m, sdo_m, cols, offs_m, full, even, SQ, SKV, scale_log2,
-                                         D, D0, D1, False, CAUSAL, UPCAST, PRECISION)
-        dk0, dk1, dv0, dv1 = _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, LSE + row0,
-                                         DELTA + row0, sq_m, sdo_m, cols, offs_m, even, SQ, SQ, SKV, scale_log2,
-                                         D, D0, D1, True, CAUSAL, UPCAST, PRECISION)
-    _store2(DK + b.to(tl.int64) * sdk_b + hk * sdk_h, cols * sdk_n, in_bounds, dk0 * scale, dk1 * scale, D, D1)
-    _store2(DV + b.to(tl.int64) * sdv_b + hk * sdv_h, cols * sdv_n, in_bounds, dv0, dv1, D, D1)
+        q_base = Q + q_off + h * sq_h
+        do_base = DO + do_off + h * sdo_h
+        row0 = lse_off + h.to(tl.int64) * slse_h  # lse and delta share one layout
+        for part in tl.static_range(3):  # masked, whole, masked
+            dk0, dk1, dv0, dv1 = _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, LSE + row0,
+                                             DELTA + row0, sq_m, sdo_m, cols, offs_m, (lo, full_lo, full_hi)[part],
+                                             (full_lo, full_hi, hi)[part], SQ, SKV, lo_off, hi_off, scale_log2, squash,
+                                             cap_log2, D, D0, D1, part != 1, BOUND_LEFT, BOUND_RIGHT, SOFTCAP, UPCAST,
+                                             PRECISION)
+    _store2(DK + dk_off + hk * sdk_h, cols * sdk_n, in_bounds, dk0 * scale, dk1 * scale, D, D1)
+    _store2(DV + dv_off + hk * sdv_h, cols * sdv_n, in_bounds, dv0, dv1, D, D1)
 
 
 @triton.jit
-def _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, sk_n, sv_n, rows, offs_n, lo, hi, SQ, SKV,
-              scale_log2, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, MASK: tl.constexpr,
-              CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, sk_n, sv_n, rows, offs_n, lo, hi, SKV,
+              lo_off, hi_off, scale_log2, squash, cap_log2, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+              MASK: tl.constexpr, BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     for start_n in tl.range(lo, hi, offs_n.shape[0]):
         cols = start_n + offs_n
         in_bounds = cols < SKV
         k0_t, k1_t = _load2(k_base, cols * sk_n, in_bounds, D, D0, D1, MASK, True, UPCAST)
         v0_t, v1_t = _load2(v_base, cols * sv_n, in_bounds, D, D0, D1, MASK, True, UPCAST)
         zeros = tl.zeros([rows.shape[0], offs_n.shape[0]], dtype=tl.float32)
-        p = tl.exp2(_dot2(q0, q1, k0_t, k1_t, zeros, D1, PRECISION) * scale_log2 - lse[:, None])
+        p, slope = _probs(_dot2(q0, q1, k0_t, k1_t, zeros, D1, PRECISION), lse[:, None], scale_log2, squash, cap_log2,
+                          SOFTCAP)
         if MASK:
-            visible = in_bounds[None, :]
-            if CAUSAL:
-                visible = visible & (cols[None, :] <= rows[:, None] + (SKV - SQ))
-            p = tl.where(visible, p, 0.0)
+            p = tl.where(_visible(rows[:, None], cols[None, :], in_bounds[None, :], lo_off, hi_off, BOUND_LEFT,
+                                  BOUND_RIGHT), p, 0.0)
         dp = _dot2(do0, do1, v0_t, v1_t, zeros, D1, PRECISION)
-        ds = p * (dp - delta[:, None])
+        ds = p * (dp - delta[:, None]) * slope
         dq0 = tl.dot(ds.to(k0_t.dtype), tl.trans(k0_t), dq0, input_precision=PRECISION)
         if D1 > 0:
             dq1 = tl.dot(ds.to(k1_t.dtype), tl.trans(k1_t), dq1, input_precision=PRECISION)
@@ -378,9 +524,11 @@ def _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, sk_n, sv_n
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
-                   sdo_b, sdo_h, sdo_m, sdq_b, sdq_h, sdq_m, H, GROUP, SQ, SKV, scale, scale_log2,
-                   CAUSAL: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
+                   sdo_b, sdo_h, sdo_m, sdq_b, sdq_h, sdq_m, slse_b, slse_h, H, GROUP, SQ, SKV, LEFT, RIGHT, scale,
+                   scale_log2, squash, cap_log2,
+                   BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
+                   D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr,
                    PRECISION: tl.constexpr):
     # Strides arrive divided by UNIT (see _stride_unit): multiplied back, the compiler knows rows start aligned.
@@ -389,36 +537,55 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sq_b, sq_h, sq_m, sk_b, sk_h, sk
     sdo_b, sdo_h, sdo_m = sdo_b * UNIT, sdo_h * UNIT, sdo_m * UNIT
     sdq_b, sdq_h, sdq_m = sdq_b * UNIT, sdq_h * UNIT, sdq_m * UNIT
     start_m = tl.program_id(0)
-    if CAUSAL:  # heaviest query blocks first, as in the forward
+    if BOUND_RIGHT:  # heaviest query blocks first, as in the forward
         start_m = tl.num_programs(0) - 1 - start_m
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
+    q_off = b.to(tl.int64) * sq_b
+    do_off = b.to(tl.int64) * sdo_b
+    dq_off = b.to(tl.int64) * sdq_b
+    k_off = b.to(tl.int64) * sk_b
+    v_off = b.to(tl.int64) * sv_b
+    lse_off = b.to(tl.int64) * slse_b
+    if VARLEN:  # as in the forward
+        q_start = tl.load(CU_Q + b)
+        SQ = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        SKV = tl.load(CU_K + b + 1) - k_start
+        if start_m * BLOCK_M >= SQ:
+            return
+        q_off += q_start.to(tl.int64) * sq_m
+        do_off += q_start.to(tl.int64) * sdo_m
+        dq_off += q_start.to(tl.int64) * sdq_m
+        k_off += k_start.to(tl.int64) * sk_n
+        v_off += k_start.to(tl.int64) * sv_n
+        lse_off += q_start
     rows = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     in_bounds = rows < SQ
     offs_n = tl.arange(0, BLOCK_N)
-    q0, q1 = _load2(Q + b.to(tl.int64) * sq_b + h * sq_h, rows * sq_m, in_bounds, D, D0, D1, True, False, UPCAST)
-    do0, do1 = _load2(DO + b.to(tl.int64) * sdo_b + h * sdo_h, rows * sdo_m, in_bounds, D, D0, D1, True, False,
-                      UPCAST)
-    lse = tl.load(LSE + bh.to(tl.int64) * SQ + rows, mask=in_bounds, other=float("-inf"))
+    q0, q1 = _load2(Q + q_off + h * sq_h, rows * sq_m, in_bounds, D, D0, D1, True, False, UPCAST)
+    do0, do1 = _load2(DO + do_off + h * sdo_h, rows * sdo_m, in_bounds, D, D0, D1, True, False, UPCAST)
+    row0 = lse_off + h.to(tl.int64) * slse_h
+    lse = tl.load(LSE + row0 + rows, mask=in_bounds, other=float("-inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # P = 0 on rows that see no key
-    delta = tl.load(DELTA + bh.to(tl.int64) * SQ + rows, mask=in_bounds, other=0.0)
-    k_base = K + b.to(tl.int64) * sk_b + (h // GROUP) * sk_h
-    v_base = V + b.to(tl.int64) * sv_b + (h // GROUP) * sv_h
+    delta = tl.load(DELTA + row0 + rows, mask=in_bounds, other=0.0)
+    k_base = K + k_off + (h // GROUP) * sk_h
+    v_base = V + v_off + (h // GROUP) * sv_h
     dq0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
     dq1 = dq0  # stands in for the second chunk's accumulator when there is none
     if D1 > 0:
         dq1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
-    hi = SKV
-    full = SKV // BLOCK_N * BLOCK_N
-    if CAUSAL:
-        hi = tl.minimum(SKV, (start_m + 1) * BLOCK_M + SKV - SQ)
-        full = tl.minimum(full, tl.maximum(start_m * BLOCK_M + SKV - SQ + 1, 0) // BLOCK_N * BLOCK_N)
-    full = tl.maximum(tl.minimum(full, hi), 0)
-    dq0, dq1 = _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, sk_n, sv_n, rows, offs_n, 0, full,
-                         SQ, SKV, scale_log2, D, D0, D1, False, CAUSAL, UPCAST, PRECISION)
-    dq0, dq1 = _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, sk_n, sv_n, rows, offs_n, full, hi,
-                         SQ, SKV, scale_log2, D, D0, D1, True, CAUSAL, UPCAST, PRECISION)
-    _store2(DQ + b.to(tl.int64) * sdq_b + h * sdq_h, rows * sdq_m, in_bounds, dq0 * scale, dq1 * scale, D, D1)
+    lo_off = SKV - SQ - LEFT
+    hi_off = SKV - SQ + RIGHT
+    pos_lo = start_m * BLOCK_M
+    lo, full_lo, full_hi, hi = _key_ranges(pos_lo, tl.minimum(pos_lo + BLOCK_M, SQ) - 1, 0, SKV, SKV, lo_off, hi_off,
+                                           BLOCK_N, BOUND_LEFT, BOUND_RIGHT)
+    for part in tl.static_range(3):  # masked, whole, masked
+        dq0, dq1 = _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, sk_n, sv_n, rows, offs_n,
+                             (lo, full_lo, full_hi)[part], (full_lo, full_hi, hi)[part], SKV, lo_off, hi_off,
+                             scale_log2, squash, cap_log2, D, D0, D1, part != 1, BOUND_LEFT, BOUND_RIGHT, SOFTCAP,
+                             UPCAST, PRECISION)
+    _store2(DQ + dq_off + h * sdq_h, rows * sdq_m, in_bounds, dq0 * scale, dq1 * scale, D, D1)
 
 
 # ----------------------------------------------------------------------------- tile choices
@@ -467,20 +634,21 @@ CONFIGS = {
 }
 _INTERPRETER_CONFIG = (32, 32, 4, 1)  # one small tile: every tile costs real time there
 _DECODE_CONFIG = {False: (16, 64, 4, 3), True: (16, 32, 4, 3)}  # by width > 128: a tall query tile would be padding
-_KERNELS = (_load, _load2, _dot2, _store, _store2, _fwd_tiles, _fwd_kernel, _combine_kernel, _delta_kernel,
-            _dkdv_tiles, _bwd_dkdv_kernel, _dq_tiles, _bwd_dq_kernel, to_dtype)
+_KERNELS = (_load, _load2, _dot2, _store, _store2, _visible, _key_ranges, _query_ranges, _tanh, _logits, _probs,
+            _kv_rows, _fwd_tiles, _fwd_kernel, _combine_kernel, _delta_kernel, _dkdv_tiles, _bwd_dkdv_kernel,
+            _dq_tiles, _bwd_dq_kernel, to_dtype)
 _tuner = Tuner(name="attention", sources=_KERNELS)
 
 
-def _config(kernel: str, q, k, causal, precision, launch) -> tuple:
+def _config(kernel: str, q, sq, skv, hkv, causal, precision, launch) -> tuple:
+    """``q``: the [B, H, S, D] view; ``sq``, ``skv``: each sequence's (longest) query and key lengths."""
     if INTERPRETED:
         return _INTERPRETER_CONFIG
-    b, h, sq, d = q.shape
+    b, h, _, d = q.shape
     width = sum(head_split(d))
     if kernel == "fwd" and sq <= 16:
         return _DECODE_CONFIG[width > 128]
-    key = (kernel, d, q.dtype, precision, causal, bucket(sq), bucket(k.shape[2]), bucket(b * h),
-           h // max(k.shape[1], 1))
+    key = (kernel, d, q.dtype, precision, causal, bucket(sq), bucket(skv), bucket(b * h), h // max(hkv, 1))
     return _tuner.pick(key, CONFIGS[kernel][width], launch)
 
 
@@ -512,16 +680,41 @@ def _dot_precision(dtype) -> str:
 KERNELS = "triton kernels"
 
 
-def attention_supports(call) -> list[str]:
-    q = call["q"]
-    reasons = dense_feature_reasons(call, KERNELS)
-    if q.shape[1] > MAX_GRID_Y:
-        reasons.append(f"{q.shape[1]} heads: a launch takes at most {MAX_GRID_Y} (CUDA's limit on a grid's second "
-                       f"dimension, which holds batch x heads)")
-    if q.shape[-1] > MAX_HEAD_DIM:
-        reasons.append(f"head_dim {q.shape[-1]} is over {MAX_HEAD_DIM} (a tile row must fit the registers)")
+def _tile_reasons(q, head_dim) -> list[str]:
+    reasons = []
+    if head_dim > MAX_HEAD_DIM:
+        reasons.append(f"head_dim {head_dim} is over {MAX_HEAD_DIM} (a tile row must fit the registers)")
     if q.dtype == torch.float64:
         reasons.append("float64 is not supported (fp16, bf16 and fp32 are)")
+    return reasons
+
+
+def _grid_reasons(programs: int, what: str) -> list[str]:
+    if programs <= MAX_GRID_Y:
+        return []
+    return [f"{programs} {what}: a launch takes at most {MAX_GRID_Y} (CUDA's limit on a grid's second dimension)"]
+
+
+def attention_supports(call) -> list[str]:
+    q = call["q"]
+    return _grid_reasons(q.shape[1], "heads") + _tile_reasons(q, q.shape[-1])  # batches over the limit run in slices
+
+
+def attention_varlen_supports(call) -> list[str]:
+    q = call["q"]
+    sequences = call["cu_seqlens_q"].shape[0] - 1
+    return _grid_reasons(sequences * q.shape[1], "sequences x heads") + _tile_reasons(q, q.shape[-1])
+
+
+def paged_attention_supports(call) -> list[str]:
+    q = call["q"]
+    return _grid_reasons(q.shape[0] * q.shape[2], "sequences x heads") + _tile_reasons(q, q.shape[-1])
+
+
+def paged_kv_append_supports(call) -> list[str]:
+    reasons = _grid_reasons(call["k_new"].shape[2], "KV heads")
+    if any(call[name].stride(-1) != 1 for name in ("k_cache", "v_cache")):
+        reasons.append("a cache whose last dim is strided: the kernel writes rows of unit-stride columns")
     return reasons
 
 
@@ -597,47 +790,85 @@ def _divided(strides, unit):
     return tuple(st // unit for st in strides)
 
 
+class Sequences(NamedTuple):
+    """Where a call's sequences lie in the [B, H, S, D] views the kernels take: a dense batch, packed
+    (``attention_varlen``: one [1, H, T, D] view, rows from ``cu_seqlens``) or keys in a paged cache
+    (``paged_attention``: k, v views [pages, Hkv, page_size, D], rows through ``block_table``)."""
+    kind: str  # "dense", "varlen" or "paged"
+    batch: int  # sequences: the grid's batch
+    sq: int  # query rows (the longest sequence's)
+    skv: int  # keys (the longest sequence's)
+    page: int = 0  # page size, paged only
+    table_stride: int = 0
+    tokens: int = 0  # query rows of every sequence together, varlen only
+
+    def lse_strides(self, h: int) -> tuple:
+        """lse's (batch, head) strides: [B, H, Sq], or varlen's [H, T] (rows offset by each start)."""
+        return (0, self.tokens) if self.kind == "varlen" else (h * self.sq, self.sq)
+
+
+def _mask(causal, window) -> tuple:
+    """(BOUND_LEFT, BOUND_RIGHT, LEFT, RIGHT) of the kernels: keys from ``LEFT`` before to ``RIGHT`` after
+    a row's position are seen; causal is a right bound of 0."""
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return left is not None, right is not None, left or 0, right or 0
+
+
+def _cap(scale, softcap) -> tuple:
+    """The softcap's per-call floats: (scale / cap, cap * log2(e)); unused zeros without one."""
+    return (0.0, 0.0) if softcap is None else (scale / softcap, softcap * LOG2E.value)
+
+
 class _FwdPlan:
     __slots__ = ("out_stride", "hopper", "splits", "args", "keys_per_split", "fwd", "combine")
 
 
-def _fwd_plan(key, q, k, v, causal, scale, precision, out_stride):
-    b, h, sq, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
+def _fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_stride, seqs, extras):
+    h, d = q.shape[1], q.shape[3]
+    hkv, b, sq, skv = k.shape[1], seqs.batch, seqs.sq, seqs.skv
     d0, d1 = head_split(d)
     plan = _FwdPlan()
     plan.out_stride = out_stride
     # the Gluon kernel on sm_90 where it takes the call (attention_sm90.supports says when)
     plan.hopper = None
-    if not INTERPRETED and not attention_sm90.supports(q, k, v, causal, out_stride):
+    if (not INTERPRETED and seqs.kind == "dense"
+            and not attention_sm90.supports(q, k, v, causal, out_stride, window, softcap)):
         plan.hopper = attention_sm90.Plan(q, k, v, out_stride, causal, scale)
         return _remember(_fwd_plans, key, plan)
+    bound_left, bound_right, left, right = _mask(causal, window)
 
     def configure(config):
         block_m, block_n, warps, stages = config
         group = h // max(hkv, 1)  # no heads at all: no programs either
-        pack = group > 1 and group * sq <= block_m  # decode under GQA: the group's heads share one program
+        # decode under GQA: the group's heads share one program
+        pack = seqs.kind != "varlen" and group > 1 and group * sq <= block_m
         heads, rows = (hkv, group * sq) if pack else (h, sq)
-        splits = _splits(b, heads, rows, skv, block_m, block_n, q.device)
+        splits = 1 if seqs.kind == "varlen" else _splits(b, heads, rows, skv, block_m, block_n, q.device)
         plan.keys_per_split = max(triton.cdiv(triton.cdiv(skv, splits), block_n), 1) * block_n
         plan.splits = max(triton.cdiv(skv, plan.keys_per_split), 1)  # no keys: one range, seeing none
         if plan.splits == 1:  # out, through its own strides
-            so = (0, *_strides(q.shape, out_stride))
-        else:  # contiguous float32 partials [splits, B, H, SQ, D]
+            so, slse = (0, *_strides(q.shape, out_stride)), (0, *seqs.lse_strides(h))
+        else:  # contiguous float32 partials [splits, B, H, SQ, D] and [splits, B, H, SQ]
             so = (b * h * sq * d, *_strides(q.shape, (h * sq * d, sq * d, d)))
+            slse = (b * h * sq, h * sq, sq)
         strides = (*_strides(q.shape, q.stride()), *_strides(k.shape, k.stride()), *_strides(v.shape, v.stride()),
                    *so)
         unit = _stride_unit(strides)
-        plan.args = (*_divided(strides, unit), h, group, sq, skv)
-        plan.fwd = Launch(_fwd_kernel, (triton.cdiv(rows, block_m), b * heads, plan.splits), 5, CAUSAL=causal, D=d,
-                          D0=d0, D1=d1, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q.dtype), PACK_GROUP=pack,
+        plan.args = (*_divided(strides, unit), *slse, seqs.table_stride, h, group, sq, skv, left, right)
+        plan.fwd = Launch(_fwd_kernel, (triton.cdiv(rows, block_m), b * heads, plan.splits), 9,
+                          BOUND_LEFT=bound_left, BOUND_RIGHT=bound_right, SOFTCAP=softcap is not None,
+                          VARLEN=seqs.kind == "varlen", PAGED=seqs.kind == "paged", PAGE=seqs.page, D=d, D0=d0,
+                          D1=d1, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q.dtype), PACK_GROUP=pack,
                           NEGATIVE_SCALE=scale < 0, UNIT=unit, PRECISION=precision, num_warps=warps,
                           num_stages=stages)
         plan.combine = Launch(_combine_kernel, (b * h * sq,), 4, D=d, BLOCK_D=triton.next_power_of_2(d),
                               BLOCK_S=triton.next_power_of_2(plan.splits), num_warps=4)
         return plan
 
-    config = _config("fwd", q, k, causal, precision, lambda c: _forward(configure(c), q, k, v, scale))
+    config = _config("fwd", q, sq, skv, hkv, bound_right, precision,
+                     lambda c: _forward(configure(c), q, k, v, scale, softcap, extras))
     return _remember(_fwd_plans, key, configure(config))
 
 
@@ -665,36 +896,72 @@ def _by_batch_slices(run, slices, inputs, outputs):
 
 
 def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
-    if window is not None or softcap is not None:  # tested here, not in the call: host-time critical
-        refuse_features(window, softcap, KERNELS)
     slices = _batch_slices(q)
     if slices is not None:
-        return _by_batch_slices(lambda *t: attention_fwd(*t, causal=causal, scale=scale), slices, (q, k, v),
-                                (layout.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)))
+        return _by_batch_slices(lambda *t: attention_fwd(*t, causal=causal, scale=scale, window=window,
+                                                         softcap=softcap),
+                                slices, (q, k, v), (layout.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)))
+    b, h, sq, _ = q.shape
+    return _forward_call(q, k, v, causal, scale, window, softcap, layout.strides_like(q),
+                         Sequences("dense", b, sq, k.shape[2]), (q, q, q, q))
+
+
+def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, scale,
+                         window=None, softcap=None):
+    """``q [Tq, H, D]`` -> (out ``[Tq, H, D]`` contiguous, lse ``[H, Tq]``), one launch for every sequence."""
+    seqs = Sequences("varlen", cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, tokens=q.shape[0])
+    out, lse = _forward_call(*_as_batch(q, k, v), causal, scale, window, softcap, _as_batch_strides(q), seqs,
+                             (cu_seqlens_q, cu_seqlens_k, q, q))
+    return out[0].transpose(0, 1), lse[0]
+
+
+def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, window=None, softcap=None):
+    """``q [B, Sq, Hq, D]`` over ``[pages, page_size, Hkv, D]`` caches -> ``[B, Sq, Hq, D]`` contiguous."""
+    b, sq, h, d = q.shape
+    page = k_cache.shape[1]
+    seqs = Sequences("paged", b, sq, block_table.shape[1] * page, page, block_table.stride(0))
+    out, _ = _forward_call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), True, scale, window,
+                           softcap, (sq * h * d, d, h * d, 1), seqs, (q, q, cache_seqlens, block_table))
+    return out.transpose(1, 2)
+
+
+def _as_batch(*packed):
+    """Packed ``[T, H, D]`` tensors as the kernels' ``[1, H, T, D]`` views."""
+    return tuple(t.transpose(0, 1)[None] for t in packed)
+
+
+def _as_batch_strides(t) -> tuple:
+    """The ``[1, H, T, D]`` view's strides of a contiguous ``[T, H, D]`` tensor shaped as ``t``."""
+    tokens, h, d = t.shape
+    return (tokens * h * d, d, h * d, 1)
+
+
+def _forward_call(q, k, v, causal, scale, window, softcap, out_stride, seqs, extras):
     scale = float(scale)  # a plan's launches take floats: an int would be specialised on its value
     precision = _dot_precision(q.dtype)
     rq, rk, rv = _row_major(q), _row_major(k), _row_major(v)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device, causal,
-           scale < 0, precision, _aligned(rq, rk, rv))
+           window, softcap is None, scale < 0, precision, _aligned(rq, rk, rv), seqs)
     plan = _fwd_plans.get(key)
     if plan is None:
-        plan = _fwd_plan(key, rq, rk, rv, causal, scale, precision, layout.strides_like(q))
-    return _forward(plan, rq, rk, rv, scale)
+        plan = _fwd_plan(key, rq, rk, rv, causal, scale, window, softcap, precision, out_stride, seqs, extras)
+    return _forward(plan, rq, rk, rv, scale, softcap, extras)
 
 
-def _forward(plan, q, k, v, scale):
+def _forward(plan, q, k, v, scale, softcap, extras):
     b, h, sq, d = q.shape
     out = torch.empty_strided(q.shape, plan.out_stride, dtype=q.dtype, device=q.device)
     if plan.hopper is not None:
         return attention_sm90.forward(plan.hopper, q, k, v, out, scale)
+    floats = (scale * LOG2E.value, *_cap(scale, softcap))
     if plan.splits == 1:
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-        plan.fwd(q, k, v, out, lse, *plan.args, scale * LOG2E.value, plan.keys_per_split)
+        plan.fwd(q, k, v, out, lse, *extras, *plan.args, *floats, plan.keys_per_split)
         return out, lse
     # Split partial results stay in float32 until they are merged.
     parts = torch.empty((plan.splits, b, h, sq, d), dtype=torch.float32, device=q.device)
     part_lse = torch.empty((plan.splits, b, h, sq), dtype=torch.float32, device=q.device)
-    plan.fwd(q, k, v, parts, part_lse, *plan.args, scale * LOG2E.value, plan.keys_per_split)
+    plan.fwd(q, k, v, parts, part_lse, *extras, *plan.args, *floats, plan.keys_per_split)
     lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
     plan.combine(parts, part_lse, out, lse, plan.splits, h, sq, *plan.out_stride[:3])
     return out, lse
@@ -705,77 +972,101 @@ class _BwdPlan:
                  "dq_args")
 
 
-def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, precision, out_strides):
-    b, h, sq, d = q.shape
-    hkv, skv = k.shape[1], k.shape[2]
+def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, precision, out_strides, seqs, extras):
+    h, d = q.shape[1], q.shape[3]
+    hkv, b, sq, skv = k.shape[1], seqs.batch, seqs.sq, seqs.skv
     d0, d1 = head_split(d)
     plan = _BwdPlan()
     plan.dq_stride, plan.dk_stride, plan.dv_stride = out_strides
     block = 64 if d <= 128 else 32
-    plan.delta = Launch(_delta_kernel, (triton.cdiv(sq, block), b * h), 3, D=d, BLOCK_D=triton.next_power_of_2(d),
-                        BLOCK=block)
-    plan.delta_args = (*out.stride()[:3], *dout.stride()[:3], h, sq)
+    # delta over the [B, H, S] rows of the views (varlen: [1, H, T], the layout of its lse)
+    plan.delta = Launch(_delta_kernel, (triton.cdiv(q.shape[2], block), q.shape[0] * h), 3, D=d,
+                        BLOCK_D=triton.next_power_of_2(d), BLOCK=block)
+    plan.delta_args = (*out.stride()[:3], *dout.stride()[:3], h, q.shape[2])
     plan.hopper = None
-    if not INTERPRETED and not attention_sm90.supports_backward(q, k, v, dout, causal, out_strides):
+    if (not INTERPRETED and seqs.kind == "dense"
+            and not attention_sm90.supports_backward(q, k, v, dout, causal, out_strides, window, softcap)):
         plan.hopper = attention_sm90.BwdPlan(q, k, v, dout, plan.dk_stride, plan.dv_stride, causal)
         return _remember(_bwd_plans, key, plan)
+    bound_left, bound_right, left, right = _mask(causal, window)
     inputs = (*_strides(q.shape, q.stride()), *_strides(k.shape, k.stride()), *_strides(v.shape, v.stride()),
               *_strides(q.shape, dout.stride()))
     dkdv_strides = (*inputs, *_strides(k.shape, plan.dk_stride), *_strides(v.shape, plan.dv_stride))
     dq_strides = (*inputs, *_strides(q.shape, plan.dq_stride))
     dkdv_unit, dq_unit = _stride_unit(dkdv_strides), _stride_unit(dq_strides)
-    common = dict(CAUSAL=causal, D=d, D0=d0, D1=d1, UPCAST=_upcast(q.dtype), PRECISION=precision)
+    common = dict(BOUND_LEFT=bound_left, BOUND_RIGHT=bound_right, SOFTCAP=softcap is not None,
+                  VARLEN=seqs.kind == "varlen", D=d, D0=d0, D1=d1, UPCAST=_upcast(q.dtype), PRECISION=precision)
     group = h // max(hkv, 1)
+    tail = (group, sq, skv, left, right)
 
     def configure_dkdv(config):
         block_m, block_n, warps, stages = config
-        plan.dkdv = Launch(_bwd_dkdv_kernel, (triton.cdiv(skv, block_n), b * hkv), 8, **common, BLOCK_M=block_m,
+        plan.dkdv = Launch(_bwd_dkdv_kernel, (triton.cdiv(skv, block_n), b * hkv), 10, **common, BLOCK_M=block_m,
                            BLOCK_N=block_n, UNIT=dkdv_unit, num_warps=warps, num_stages=stages)
-        plan.dkdv_args = (*_divided(dkdv_strides, dkdv_unit), hkv, group, sq, skv)
+        plan.dkdv_args = (*_divided(dkdv_strides, dkdv_unit), *seqs.lse_strides(h), hkv, *tail)
         return plan
 
     def configure_dq(config):
         block_m, block_n, warps, stages = config
-        plan.dq = Launch(_bwd_dq_kernel, (triton.cdiv(sq, block_m), b * h), 7, **common, BLOCK_M=block_m,
+        plan.dq = Launch(_bwd_dq_kernel, (triton.cdiv(sq, block_m), b * h), 9, **common, BLOCK_M=block_m,
                          BLOCK_N=block_n, UNIT=dq_unit, num_warps=warps, num_stages=stages)
-        plan.dq_args = (*_divided(dq_strides, dq_unit), h, group, sq, skv)
+        plan.dq_args = (*_divided(dq_strides, dq_unit), *seqs.lse_strides(h), h, *tail)
         return plan
 
     # A candidate is timed on its own kernel, over real buffers: each kernel overwrites its outputs,
     # so nothing is left to undo.
     delta, dq, dk, dv = _bwd_buffers(plan, q, k, v)
     plan.delta(out, dout, delta, *plan.delta_args)
-    configure_dkdv(_config("dkdv", q, k, causal, precision,
-                           lambda c: _dkdv(configure_dkdv(c), q, k, v, dout, lse, delta, dk, dv, scale)))
-    configure_dq(_config("dq", q, k, causal, precision,
-                         lambda c: _dq(configure_dq(c), q, k, v, dout, lse, delta, dq, scale)))
+    floats = (scale, scale * LOG2E.value, *_cap(scale, softcap))
+    configure_dkdv(_config("dkdv", q, sq, skv, hkv, bound_right, precision,
+                           lambda c: configure_dkdv(c).dkdv(q, k, v, dout, lse, delta, dk, dv, *extras,
+                                                            *plan.dkdv_args, *floats)))
+    configure_dq(_config("dq", q, sq, skv, hkv, bound_right, precision,
+                         lambda c: configure_dq(c).dq(q, k, v, dout, lse, delta, dq, *extras, *plan.dq_args,
+                                                      *floats)))
     return _remember(_bwd_plans, key, plan)
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None):
-    if window is not None or softcap is not None:
-        refuse_features(window, softcap, KERNELS)
     slices = _batch_slices(q)
     if slices is not None:
-        return _by_batch_slices(lambda *t: attention_bwd(*t, causal=causal, scale=scale), slices,
-                                (q, k, v, out, lse, dout), tuple(layout.empty_like(t) for t in (q, k, v)))
+        return _by_batch_slices(lambda *t: attention_bwd(*t, causal=causal, scale=scale, window=window,
+                                                         softcap=softcap),
+                                slices, (q, k, v, out, lse, dout), tuple(layout.empty_like(t) for t in (q, k, v)))
+    strides = (layout.strides_like(q), layout.strides_like(k), layout.strides_like(v))
+    return _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, strides,
+                          Sequences("dense", q.shape[0], q.shape[2], k.shape[2]), (q, q))
+
+
+def attention_varlen_bwd(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                         causal, scale, window=None, softcap=None):
+    """Gradients ``[T, H, D]``, contiguous, of :func:`attention_varlen_fwd`."""
+    seqs = Sequences("varlen", cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, tokens=q.shape[0])
+    strides = tuple(_as_batch_strides(t) for t in (q, k, v))
+    grads = _backward_call(*_as_batch(q, k, v, out), lse[None], *_as_batch(dout), causal, scale, window, softcap,
+                           strides, seqs, (cu_seqlens_q, cu_seqlens_k))
+    return tuple(g[0].transpose(0, 1) for g in grads)
+
+
+def _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, seqs, extras):
     scale = float(scale)
     precision = _dot_precision(q.dtype)
     rq, rk, rv, out, dout = _row_major(q), _row_major(k), _row_major(v), _row_major(out), _row_major(dout)
     lse = lse.contiguous()  # ours: already contiguous, so no copy
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), q.dtype, k.dtype,
-           v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, causal, precision,
-           torch.are_deterministic_algorithms_enabled(), _aligned(rq, rk, rv, dout))
+           v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, causal, window, softcap is None, precision,
+           torch.are_deterministic_algorithms_enabled(), _aligned(rq, rk, rv, dout), seqs)
     plan = _bwd_plans.get(key)
     if plan is None:
-        strides = (layout.strides_like(q), layout.strides_like(k), layout.strides_like(v))
-        plan = _bwd_plan(key, rq, rk, rv, out, lse, dout, causal, scale, precision, strides)
+        plan = _bwd_plan(key, rq, rk, rv, out, lse, dout, causal, scale, window, softcap, precision, strides, seqs,
+                         extras)
     delta, dq, dk, dv = _bwd_buffers(plan, rq, rk, rv)
     plan.delta(out, dout, delta, *plan.delta_args)
     if plan.hopper is not None:
         return attention_sm90.backward(plan.hopper, rq, rk, rv, dout, lse, delta, dq, dk, dv, scale)
-    _dkdv(plan, rq, rk, rv, dout, lse, delta, dk, dv, scale)
-    _dq(plan, rq, rk, rv, dout, lse, delta, dq, scale)
+    floats = (scale, scale * LOG2E.value, *_cap(scale, softcap))
+    plan.dkdv(rq, rk, rv, dout, lse, delta, dk, dv, *extras, *plan.dkdv_args, *floats)
+    plan.dq(rq, rk, rv, dout, lse, delta, dq, *extras, *plan.dq_args, *floats)
     return dq, dk, dv
 
 
@@ -787,9 +1078,32 @@ def _bwd_buffers(plan, q, k, v):
     return delta, dq, dk, dv
 
 
-def _dkdv(plan, q, k, v, dout, lse, delta, dk, dv, scale):
-    plan.dkdv(q, k, v, dout, lse, delta, dk, dv, *plan.dkdv_args, scale, scale * LOG2E.value)
+# ----------------------------------------------------------------------------- paged cache writes
+
+@triton.jit
+def _append_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_LENS, TABLE, SN, skn_b, skn_t, skn_h, svn_b, svn_t,
+                   svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, stable_b,
+                   PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token ``t`` of sequence ``b`` (program ``b * SN + t``), every KV head: to its slot in the cache."""
+    b, t = tl.program_id(0) // SN, tl.program_id(0) % SN
+    heads = tl.program_id(1)
+    pos = tl.load(CACHE_LENS + b) + t
+    page = tl.load(TABLE + b.to(tl.int64) * stable_b + pos // PAGE).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    ok = cols < D
+    src = b.to(tl.int64) * skn_b + t * skn_t + heads * skn_h + cols
+    tl.store(K_CACHE + page * skc_p + (pos % PAGE) * skc_s + heads * skc_h + cols, tl.load(K_NEW + src, mask=ok),
+             mask=ok)
+    src = b.to(tl.int64) * svn_b + t * svn_t + heads * svn_h + cols
+    tl.store(V_CACHE + page * svc_p + (pos % PAGE) * svc_s + heads * svc_h + cols, tl.load(V_NEW + src, mask=ok),
+             mask=ok)
 
 
-def _dq(plan, q, k, v, dout, lse, delta, dq, scale):
-    plan.dq(q, k, v, dout, lse, delta, dq, *plan.dq_args, scale, scale * LOG2E.value)
+def paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new):
+    """``k_new, v_new [B, Sn, Hkv, D]`` to positions ``cache_seqlens[b] + t`` of the paged caches, in place."""
+    b, sn, hkv, d = k_new.shape
+    k_new, v_new = _row_major(k_new), _row_major(v_new)
+    _append_kernel[(b * sn, hkv)](k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, sn,
+                                  *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3],
+                                  *v_cache.stride()[:3], block_table.stride(0), PAGE=k_cache.shape[1], D=d,
+                                  BLOCK_D=triton.next_power_of_2(d))

@@ -392,7 +392,7 @@ MAXNREG = 168
 GLUON_READ_IN = ((3, 6), (3, 9))
 
 
-def supports(q, k, v, causal, out_stride) -> list[str]:
+def supports(q, k, v, causal, out_stride, window=None, softcap=None) -> list[str]:
     """Why the Hopper kernel can't take this call, whose output will have strides ``out_stride``
     (empty: it can)."""
     from portable_ops import env  # here: the kernel module loads without the package (tests/test_triton_compiles.py)
@@ -404,6 +404,11 @@ def supports(q, k, v, causal, out_stride) -> list[str]:
     if not env.flag("PORTABLE_OPS_SM90_ATTENTION", True):
         return ["PORTABLE_OPS_SM90_ATTENTION is off"]
     reasons = []
+    if window is not None:
+        reasons.append("a sliding window: the Hopper kernels have no window mask yet (the tl.* kernels skip the "
+                       "blocks outside it)")
+    if softcap is not None:
+        reasons.append("a softcap: the Hopper kernels have no tanh in their softmax yet (the tl.* kernels have)")
     if not (q.is_cuda and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())):
         reasons.append("not an sm_90 GPU")
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
@@ -521,9 +526,9 @@ def backward(plan, q, k, v, dout, lse, delta, dq, dk, dv, scale):
     return dq, dk, dv
 
 
-def supports_backward(q, k, v, dout, causal, strides):
+def supports_backward(q, k, v, dout, causal, strides, window=None, softcap=None):
     """Why the Hopper backward can't take this call (empty: it can); ``strides``: dq's, dk's, dv's."""
-    reasons = supports(q, k, v, causal, strides[0])
+    reasons = supports(q, k, v, causal, strides[0], window, softcap)
     if q.shape[-1] == 64 and not causal:
         reasons.append("head dim 64 without a causal mask: the tl.* backward is faster there (H100: 1.88 against "
                        "2.06 ms at B 4, H 16, S 4096; docs/backends/triton.md)")
