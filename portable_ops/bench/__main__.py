@@ -1,4 +1,4 @@
-"""python -m portable_ops.bench train|optimizer|clip|attention|decode|attention-host|nki [--out DIR]
+"""python -m portable_ops.bench train|optimizer|clip|attention|decode|features|attention-host|nki [--out DIR]
 
 Times portable_ops against PyTorch's own kernels in the same run, on the GPU, prints a table,
 and writes JSON and a plot into DIR (default docs/perf). ``train`` is the headline: a Llama-style
@@ -28,6 +28,8 @@ COLUMNS = {
                   "steady TFLOP/s", "error"],
     "attention-host": ["variant", "dir", "device", "B", "S", "Hq", "Hkv", "D", "host us"],
     "decode": ["variant", "B", "cache", "us", "steady us", "graph us", "graph GB/s", "max abs diff", "error"],
+    "features": ["feature", "variant", "dir", "shape", "ms", "TFLOP/s", "steady ms", "steady TFLOP/s", "us",
+                 "contiguous_us", "of_contiguous", "error"],
     "train": [],  # its own tables: portable_ops.bench.train.report
 }
 
@@ -144,6 +146,8 @@ def main(argv=None) -> int:
         from .optimizer import run_clip_step as run
     elif args.bench == "decode":
         from .attention import run_decode as run
+    elif args.bench == "features":
+        from .features import run_features as run
     else:
         from .attention import run_attention
 
@@ -157,7 +161,8 @@ def main(argv=None) -> int:
     info = device_info()
     path = write(args.bench, rows, info, args.out)
     try:
-        plot(args.bench, rows, path.with_suffix(".png"))
+        if args.bench != "features":  # mixed units: the table is the figure
+            plot(args.bench, rows, path.with_suffix(".png"))
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
     print(table(rows, COLUMNS[args.bench]))
