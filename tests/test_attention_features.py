@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import portable_ops
+from portable_ops.conformance.runner import default_device
 from portable_ops import checks, dispatch
 from portable_ops.conformance import CASES, run_case, usable_backends
 from portable_ops.conformance.runner import RELEASED, forced_strict
@@ -202,7 +203,7 @@ def test_bad_window_and_softcap_are_refused_by_name(name, fake_backend):
 def test_kernel_backends_take_window_and_softcap(backend, feature, monkeypatch):
     """No fallback: explain, strict mode and the warning filter all see the call run on the backend."""
     monkeypatch.setattr(dispatch, "_warned", set())
-    q, k, v = qkv(dtype=torch.float32)
+    q, k, v = (t.to(default_device(backend)) for t in qkv(dtype=torch.float32))
     options = {"window": dict(window=(2, 1)), "softcap": dict(softcap=20.0)}[feature]
     with portable_ops.use_backend(backend):
         choice = portable_ops.explain(portable_ops.attention, q, k, v, **options)
@@ -210,7 +211,7 @@ def test_kernel_backends_take_window_and_softcap(backend, feature, monkeypatch):
         with warnings.catch_warnings():
             warnings.simplefilter("error", portable_ops.FallbackWarning)
             out = portable_ops.attention(q, k, v, **options)
-    torch.testing.assert_close(out, definition(*(t.double() for t in (q, k, v)), **options).float(),
+    torch.testing.assert_close(out.cpu(), definition(*(t.double().cpu() for t in (q, k, v)), **options).float(),
                                atol=2e-3, rtol=2e-3)
     with forced_strict(backend):
         portable_ops.attention(q, k, v, **options)
@@ -612,9 +613,10 @@ def test_a_decode_loop_reads_the_tables_once_per_step(reads):
 def test_kernel_backends_take_varlen_and_paged_ops(backend, monkeypatch):
     """explain and strict mode see packed and paged calls run on the backend, with the definition's values."""
     monkeypatch.setattr(dispatch, "_warned", set())
-    q, k, v, cu_q, cu_k = packed((3, 4), (3, 4), dtype=torch.float32)
-    k_cache, v_cache, table, seqlens = paged_cache([6, 9], 4, dtype=torch.float32)
-    pq, new = torch.randn(2, 1, 4, 8), torch.randn(2, 1, 2, 8)
+    device = default_device(backend)
+    q, k, v, cu_q, cu_k = (t.to(device) for t in packed((3, 4), (3, 4), dtype=torch.float32))
+    k_cache, v_cache, table, seqlens = (t.to(device) for t in paged_cache([6, 9], 4, dtype=torch.float32))
+    pq, new = torch.randn(2, 1, 4, 8, device=device), torch.randn(2, 1, 2, 8, device=device)
     with portable_ops.use_backend(backend):
         for op, args in (("attention_varlen", (q, k, v, cu_q, cu_k, 4, 4)),
                          ("paged_attention", (pq, k_cache, v_cache, table, seqlens)),

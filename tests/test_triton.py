@@ -18,7 +18,8 @@ def test_decode_splits_keys_across_programs_and_merges_exactly():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 3, 64, generator=g).to(device)
     k, v = (torch.randn(1, 1, 1100, 64, generator=g).to(device) for _ in range(2))
-    block_m, block_n = _config("fwd", q, k, False, "ieee", launch=None)[:2]  # decode shapes are never timed
+    # decode shapes are never timed
+    block_m, block_n = _config("fwd", q, q.shape[2], k.shape[2], k.shape[1], False, "ieee", launch=None)[:2]
     assert _splits(1, 2, 1, 1100, block_m, block_n) > 1  # the conformance case takes the split path
     assert _splits(1, 2, block_m + 1, 1100, block_m, block_n) == 1  # prefill does not
     for causal in (False, True):

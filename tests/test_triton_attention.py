@@ -183,7 +183,8 @@ def test_every_head_dim_forward_and_backward(d, causal, hq, hkv, sq, skv):
 def test_odd_head_dims_decode_packed_gqa_and_split_keys(d):
     # 4 query heads x 2 tokens share a program (GQA-packed); 1100 keys split across programs
     q, k, v = _inputs(1, 8, 2, 2, 1100, d, seed=d)
-    plan_block_m, plan_block_n = attn._config("fwd", q, k, True, "ieee", launch=None)[:2]
+    plan_block_m, plan_block_n = attn._config("fwd", q, q.shape[2], k.shape[2], k.shape[1], True, "ieee",
+                                              launch=None)[:2]
     assert attn._splits(1, 2, 8, 1100, plan_block_m, plan_block_n) > 1 or DEVICE.type == "cuda"
     _check(q, k, v, True, 1 / math.sqrt(d))
 

@@ -941,7 +941,7 @@ def _forward_call(q, k, v, causal, scale, window, softcap, out_stride, seqs, ext
     precision = _dot_precision(q.dtype)
     rq, rk, rv = _row_major(q), _row_major(k), _row_major(v)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device, causal,
-           window, softcap is None, scale < 0, precision, _aligned(rq, rk, rv), seqs)
+           window, softcap is None, scale < 0, precision, seqs, _aligned(rq, rk, rv))
     plan = _fwd_plans.get(key)
     if plan is None:
         plan = _fwd_plan(key, rq, rk, rv, causal, scale, window, softcap, precision, out_stride, seqs, extras)
@@ -1055,7 +1055,7 @@ def _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, stri
     lse = lse.contiguous()  # ours: already contiguous, so no copy
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), q.dtype, k.dtype,
            v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, causal, window, softcap is None, precision,
-           torch.are_deterministic_algorithms_enabled(), _aligned(rq, rk, rv, dout), seqs)
+           torch.are_deterministic_algorithms_enabled(), seqs, _aligned(rq, rk, rv, dout))
     plan = _bwd_plans.get(key)
     if plan is None:
         plan = _bwd_plan(key, rq, rk, rv, out, lse, dout, causal, scale, window, softcap, precision, strides, seqs,
