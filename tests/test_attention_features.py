@@ -221,7 +221,7 @@ def test_kernel_backends_take_window_and_softcap(backend, feature, monkeypatch):
 def test_masks_a_backend_has_still_run_there(backend):
     """One spelling per mask: window (None, 0) is causal and (None, None) no window, which the kernels take;
     the fast path's choice is unchanged by the new arguments."""
-    q, k, v = qkv(dtype=torch.float32)
+    q, k, v = (t.to(default_device(backend)) for t in qkv(dtype=torch.float32))
     with portable_ops.use_backend(backend):
         for options in (dict(window=(None, 0)), dict(window=(None, None)), dict(causal=True, window=(None, 3)),
                         dict(softcap=0.0), {}):
