@@ -714,3 +714,39 @@ def test_an_append_to_the_wrong_slot_fails_its_case(fake_backend):
     case = next(c for c in CASES if c.name == "paged_speculative_page16")
     row = run_case(case, "triton", device=torch.device("cpu"))
     assert row.status == "fail" and "after paged_kv_append" in row.detail, row
+
+
+# ----------------------------------------------------------------------------- review findings (kernels)
+
+@pytest.mark.parametrize("backend", TAKING)
+def test_index_tensors_of_any_strides(backend):
+    """Offsets, page tables and lengths that are views with strides (a column of a bigger tensor, a
+    transposed table) read as their values, not as the memory after their first element."""
+    device = default_device(backend)
+    q, k, v, cu_q, cu_k = (t.to(device) for t in packed((3, 5), (3, 5), dtype=torch.float32))
+    strided = lambda t: torch.stack([t, t * 0 + 99]).t()[:, 0]  # noqa: E731  same values, stride 2
+    k_cache, v_cache, table, seqlens = (t.to(device) for t in paged_cache([6, 9], 4, dtype=torch.float32))
+    pq = torch.randn(2, 1, 4, 8, device=device)
+    with portable_ops.use_backend(backend):
+        got = [portable_ops.attention_varlen(q, k, v, strided(cu_q), strided(cu_k), 5, 5, causal=True),
+               portable_ops.paged_attention(pq, k_cache, v_cache, table.t().contiguous().t(), strided(seqlens))]
+    with portable_ops.use_backend("reference"):
+        want = [portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 5, 5, causal=True),
+                portable_ops.paged_attention(pq, k_cache, v_cache, table, seqlens)]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", TAKING)
+@pytest.mark.parametrize("options", [dict(window=(None, 2**31 - 1)), dict(window=(2**31 - 1, None), causal=True),
+                                     dict(softcap=1e7), dict(softcap=1e-42), dict(softcap=1e39)],
+                         ids=["right_int32_max", "left_int32_max", "cap_1e7", "cap_1e-42", "cap_1e39"])
+def test_extreme_windows_and_caps_match_the_definition(backend, options):
+    """A window side near int32's limit is no window (it overflowed into 'no key' once); a huge or tiny
+    cap stays as accurate and as finite as the definition."""
+    q, k, v = (t.to(default_device(backend)) for t in qkv(dtype=torch.float32))
+    q = torch.cat([torch.zeros_like(q[:, :, :1]), q[:, :, 1:]], dim=2)  # a row of zero scores
+    with portable_ops.use_backend(backend):
+        out = portable_ops.attention(q, k, v, **options)
+    torch.testing.assert_close(out.cpu(), definition(*(t.double().cpu() for t in (q, k, v)), **options).float(),
+                               atol=1e-5, rtol=1e-5)

@@ -182,8 +182,11 @@ def _query_ranges(n0, SQ, SKV, lo_off, hi_off, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 @triton.jit
 def _tanh(x):
-    # from exp2 (one MUFU op): libdevice's tanh is not in every Triton's interpreter
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+    # from exp2 (one MUFU op): libdevice's tanh is not in every Triton's interpreter. Near 0, where
+    # 1 - 2 / (e^2x + 1) cancels (a large cap makes every x small), its series: exact to float32 there.
+    x2 = x * x
+    series = x * (1.0 - x2 * (1.0 / 3.0 - x2 * (2.0 / 15.0)))
+    return tl.where(x2 < 0.015625, series, 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0))
 
 
 @triton.jit
@@ -807,18 +810,34 @@ class Sequences(NamedTuple):
         return (0, self.tokens) if self.kind == "varlen" else (h * self.sq, self.sq)
 
 
-def _mask(causal, window) -> tuple:
+def _mask(causal, window, seqs) -> tuple:
     """(BOUND_LEFT, BOUND_RIGHT, LEFT, RIGHT) of the kernels: keys from ``LEFT`` before to ``RIGHT`` after
-    a row's position are seen; causal is a right bound of 0."""
+    a row's position are seen; causal is a right bound of 0. A side wider than every sequence is cut to
+    that width (the same mask): the kernels add it to positions in int32."""
     left, right = window if window is not None else (None, None)
     if causal:
         right = 0 if right is None else min(right, 0)
-    return left is not None, right is not None, left or 0, right or 0
+    widest = seqs.sq + seqs.skv
+    return left is not None, right is not None, min(left or 0, widest), min(right or 0, widest)
+
+
+# A cap this large is the identity on any float32 score a softmax can tell apart (tanh(x) = x to float32
+# below |x| ~ 1e-4); cap * log2(e) would overflow float32 above ~2e38.
+SOFTCAP_NONE_ABOVE = 1e30
+FLOAT32_MAX = 3.4e38
+
+
+def _softcap(softcap):
+    return None if softcap is None or softcap > SOFTCAP_NONE_ABOVE else softcap
 
 
 def _cap(scale, softcap) -> tuple:
-    """The softcap's per-call floats: (scale / cap, cap * log2(e)); unused zeros without one."""
-    return (0.0, 0.0) if softcap is None else (scale / softcap, softcap * LOG2E.value)
+    """The softcap's per-call floats: (scale / cap, cap * log2(e)); unused zeros without one. A tiny cap's
+    scale / cap is held to float32's range: every nonzero score saturates either way, and a zero one
+    stays 0 (not 0 * inf)."""
+    if softcap is None:
+        return 0.0, 0.0
+    return max(-FLOAT32_MAX, min(scale / softcap, FLOAT32_MAX)), softcap * LOG2E.value
 
 
 class _FwdPlan:
@@ -837,7 +856,7 @@ def _fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_strid
             and not attention_sm90.supports(q, k, v, causal, out_stride, window, softcap)):
         plan.hopper = attention_sm90.Plan(q, k, v, out_stride, causal, scale)
         return _remember(_fwd_plans, key, plan)
-    bound_left, bound_right, left, right = _mask(causal, window)
+    bound_left, bound_right, left, right = _mask(causal, window, seqs)
 
     def configure(config):
         block_m, block_n, warps, stages = config
@@ -910,8 +929,9 @@ def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
                          window=None, softcap=None):
     """``q [Tq, H, D]`` -> (out ``[Tq, H, D]`` contiguous, lse ``[H, Tq]``), one launch for every sequence."""
     seqs = Sequences("varlen", cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, tokens=q.shape[0])
+    offsets = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous())  # the kernels step them by one
     out, lse = _forward_call(*_as_batch(q, k, v), causal, scale, window, softcap, _as_batch_strides(q), seqs,
-                             (cu_seqlens_q, cu_seqlens_k, q, q))
+                             (*offsets, q, q))
     return out[0].transpose(0, 1), lse[0]
 
 
@@ -919,9 +939,10 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, w
     """``q [B, Sq, Hq, D]`` over ``[pages, page_size, Hkv, D]`` caches -> ``[B, Sq, Hq, D]`` contiguous."""
     b, sq, h, d = q.shape
     page = k_cache.shape[1]
+    block_table = block_table.contiguous()  # its row stride is a plan's, its columns are stepped by one
     seqs = Sequences("paged", b, sq, block_table.shape[1] * page, page, block_table.stride(0))
     out, _ = _forward_call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), True, scale, window,
-                           softcap, (sq * h * d, d, h * d, 1), seqs, (q, q, cache_seqlens, block_table))
+                           softcap, (sq * h * d, d, h * d, 1), seqs, (q, q, cache_seqlens.contiguous(), block_table))
     return out.transpose(1, 2)
 
 
@@ -938,6 +959,7 @@ def _as_batch_strides(t) -> tuple:
 
 def _forward_call(q, k, v, causal, scale, window, softcap, out_stride, seqs, extras):
     scale = float(scale)  # a plan's launches take floats: an int would be specialised on its value
+    softcap = _softcap(softcap)
     precision = _dot_precision(q.dtype)
     rq, rk, rv = _row_major(q), _row_major(k), _row_major(v)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device, causal,
@@ -988,7 +1010,7 @@ def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, prec
             and not attention_sm90.supports_backward(q, k, v, dout, causal, out_strides, window, softcap)):
         plan.hopper = attention_sm90.BwdPlan(q, k, v, dout, plan.dk_stride, plan.dv_stride, causal)
         return _remember(_bwd_plans, key, plan)
-    bound_left, bound_right, left, right = _mask(causal, window)
+    bound_left, bound_right, left, right = _mask(causal, window, seqs)
     inputs = (*_strides(q.shape, q.stride()), *_strides(k.shape, k.stride()), *_strides(v.shape, v.stride()),
               *_strides(q.shape, dout.stride()))
     dkdv_strides = (*inputs, *_strides(k.shape, plan.dk_stride), *_strides(v.shape, plan.dv_stride))
@@ -1044,12 +1066,13 @@ def attention_varlen_bwd(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, ma
     seqs = Sequences("varlen", cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, tokens=q.shape[0])
     strides = tuple(_as_batch_strides(t) for t in (q, k, v))
     grads = _backward_call(*_as_batch(q, k, v, out), lse[None], *_as_batch(dout), causal, scale, window, softcap,
-                           strides, seqs, (cu_seqlens_q, cu_seqlens_k))
+                           strides, seqs, (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()))
     return tuple(g[0].transpose(0, 1) for g in grads)
 
 
 def _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, seqs, extras):
     scale = float(scale)
+    softcap = _softcap(softcap)
     precision = _dot_precision(q.dtype)
     rq, rk, rv, out, dout = _row_major(q), _row_major(k), _row_major(v), _row_major(out), _row_major(dout)
     lse = lse.contiguous()  # ours: already contiguous, so no copy
@@ -1103,6 +1126,7 @@ def paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new):
     """``k_new, v_new [B, Sn, Hkv, D]`` to positions ``cache_seqlens[b] + t`` of the paged caches, in place."""
     b, sn, hkv, d = k_new.shape
     k_new, v_new = _row_major(k_new), _row_major(v_new)
+    block_table, cache_seqlens = block_table.contiguous(), cache_seqlens.contiguous()  # read by stepping one
     _append_kernel[(b * sn, hkv)](k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, sn,
                                   *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3],
                                   *v_cache.stride()[:3], block_table.stride(0), PAGE=k_cache.shape[1], D=d,
