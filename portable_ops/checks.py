@@ -212,15 +212,20 @@ def check_distinct(arg: str, tensors) -> None:
                              f"per step; pass it once")
 
 
+def _check_rank(arg: str, t, layout: str) -> None:
+    """``t`` a tensor of ``layout``'s rank (``"[batch, heads, seq, head_dim]"``: 4)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{arg} must be a tensor {layout}, got {type(t).__name__}")
+    dims = layout.count(",") + 1
+    if t.dim() != dims:
+        raise ValueError(f"{arg} must have {dims} dimensions {layout}, got shape {tuple(t.shape)}")
+
+
 def _check_qkv(q, k, v, layout: str, batched: bool) -> None:
     """q, k and v as attention takes them: floating tensors of ``layout``'s rank (heads second), one dtype
     and device, k shaped like v, one head dim, and q's heads a multiple of k's."""
-    dims = layout.count(",") + 1
     for arg, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{arg} must be a tensor, got {type(t).__name__}")
-        if t.dim() != dims:
-            raise ValueError(f"{arg} must have {dims} dimensions {layout}, got shape {tuple(t.shape)}")
+        _check_rank(arg, t, layout)
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{arg} has dtype {t.dtype}; expected float16, bfloat16, float32 or float64")
     for arg, t in (("k", k), ("v", v)):
@@ -405,10 +410,7 @@ def check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, tokens_q: int, tokens_k:
 def _check_cache(k_cache, v_cache, device: torch.device, dtype: torch.dtype) -> None:
     layout = "[num_pages, page_size, kv_heads, head_dim]"
     for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{arg} must be a tensor {layout}, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{arg} must have 4 dimensions {layout}, got shape {tuple(t.shape)}")
+        _check_rank(arg, t, layout)
         if t.dtype != dtype:
             raise TypeError(f"{arg} has dtype {t.dtype} but q has {dtype}")
         if t.device != device:
@@ -431,11 +433,7 @@ def _check_page_tables(block_table, cache_seqlens, batch: int, device: torch.dev
 def check_paged_attention(q, k_cache, v_cache, block_table, cache_seqlens) -> None:
     """``paged_attention``'s tensors, but not the values of ``block_table`` and ``cache_seqlens``
     (:func:`check_page_values`); its options: :func:`attention_options`."""
-    layout = "[batch, seq, heads, head_dim]"
-    if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a tensor {layout}, got {type(q).__name__}")
-    if q.dim() != 4:
-        raise ValueError(f"q must have 4 dimensions {layout}, got shape {tuple(q.shape)}")
+    _check_rank("q", q, "[batch, seq, heads, head_dim]")
     if q.dtype not in FLOAT_DTYPES:
         raise TypeError(f"q has dtype {q.dtype}; expected float16, bfloat16, float32 or float64")
     _check_cache(k_cache, v_cache, q.device, q.dtype)
@@ -448,12 +446,8 @@ def check_paged_attention(q, k_cache, v_cache, block_table, cache_seqlens) -> No
 
 def check_paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new) -> None:
     """``paged_kv_append``'s arguments but the values of ``block_table`` and ``cache_seqlens``."""
-    layout = "[batch, new_tokens, kv_heads, head_dim]"
     for arg, t in (("k_new", k_new), ("v_new", v_new)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{arg} must be a tensor {layout}, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{arg} must have 4 dimensions {layout}, got shape {tuple(t.shape)}")
+        _check_rank(arg, t, "[batch, new_tokens, kv_heads, head_dim]")
     if k_new.dtype not in FLOAT_DTYPES:
         raise TypeError(f"k_new has dtype {k_new.dtype}; expected float16, bfloat16, float32 or float64")
     if v_new.shape != k_new.shape:

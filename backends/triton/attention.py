@@ -229,6 +229,14 @@ def _kv_rows(cols, readable, table, sk_page, sk_n, sv_page, sv_n, PAGED: tl.cons
     return k_rows, v_rows
 
 
+@triton.jit
+def _sequence(CU_Q, CU_K, b):
+    """``(q_start, SQ, k_start, SKV)`` of packed sequence ``b``: where its rows start, and how many."""
+    q_start = tl.load(CU_Q + b)
+    k_start = tl.load(CU_K + b)
+    return q_start, tl.load(CU_Q + b + 1) - q_start, k_start, tl.load(CU_K + b + 1) - k_start
+
+
 # ----------------------------------------------------------------------------- forward
 
 @triton.jit
@@ -306,10 +314,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, CACHE_LENS, TABLE,
     o_base = O + split.to(tl.int64) * so_split + b.to(tl.int64) * so_b
     lse_base = LSE + split.to(tl.int64) * slse_split + b.to(tl.int64) * slse_b
     if VARLEN:
-        q_start = tl.load(CU_Q + b)
-        SQ = tl.load(CU_Q + b + 1) - q_start
-        k_start = tl.load(CU_K + b)
-        SKV = tl.load(CU_K + b + 1) - k_start
+        q_start, SQ, k_start, SKV = _sequence(CU_Q, CU_K, b)
         if start_m * BLOCK_M >= SQ:
             return
         q_base += q_start.to(tl.int64) * sq_m
@@ -460,10 +465,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, sq_b, sq_h, sq
     dv_off = b.to(tl.int64) * sdv_b
     lse_off = b.to(tl.int64) * slse_b
     if VARLEN:  # as in the forward: one [1, H, T, D] tensor, batch strides 0
-        q_start = tl.load(CU_Q + b)
-        SQ = tl.load(CU_Q + b + 1) - q_start
-        k_start = tl.load(CU_K + b)
-        SKV = tl.load(CU_K + b + 1) - k_start
+        q_start, SQ, k_start, SKV = _sequence(CU_Q, CU_K, b)
         if n0 >= SKV:
             return
         q_off += q_start.to(tl.int64) * sq_m
@@ -551,10 +553,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, sq_b, sq_h, sq_m, sk
     v_off = b.to(tl.int64) * sv_b
     lse_off = b.to(tl.int64) * slse_b
     if VARLEN:  # as in the forward
-        q_start = tl.load(CU_Q + b)
-        SQ = tl.load(CU_Q + b + 1) - q_start
-        k_start = tl.load(CU_K + b)
-        SKV = tl.load(CU_K + b + 1) - k_start
+        q_start, SQ, k_start, SKV = _sequence(CU_Q, CU_K, b)
         if start_m * BLOCK_M >= SQ:
             return
         q_off += q_start.to(tl.int64) * sq_m
@@ -638,8 +637,8 @@ CONFIGS = {
 _INTERPRETER_CONFIG = (32, 32, 4, 1)  # one small tile: every tile costs real time there
 _DECODE_CONFIG = {False: (16, 64, 4, 3), True: (16, 32, 4, 3)}  # by width > 128: a tall query tile would be padding
 _KERNELS = (_load, _load2, _dot2, _store, _store2, _visible, _key_ranges, _query_ranges, _tanh, _logits, _probs,
-            _kv_rows, _fwd_tiles, _fwd_kernel, _combine_kernel, _delta_kernel, _dkdv_tiles, _bwd_dkdv_kernel,
-            _dq_tiles, _bwd_dq_kernel, to_dtype)
+            _kv_rows, _sequence, _fwd_tiles, _fwd_kernel, _combine_kernel, _delta_kernel, _dkdv_tiles,
+            _bwd_dkdv_kernel, _dq_tiles, _bwd_dq_kernel, to_dtype)
 _tuner = Tuner(name="attention", sources=_KERNELS)
 
 
@@ -917,9 +916,9 @@ def _by_batch_slices(run, slices, inputs, outputs):
 def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
     slices = _batch_slices(q)
     if slices is not None:
-        return _by_batch_slices(lambda *t: attention_fwd(*t, causal=causal, scale=scale, window=window,
-                                                         softcap=softcap),
-                                slices, (q, k, v), (layout.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)))
+        run = lambda *t: attention_fwd(*t, causal=causal, scale=scale, window=window, softcap=softcap)  # noqa: E731
+        return _by_batch_slices(run, slices, (q, k, v),
+                                (layout.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)))
     b, h, sq, _ = q.shape
     return _forward_call(q, k, v, causal, scale, window, softcap, layout.strides_like(q),
                          Sequences("dense", b, sq, k.shape[2]), (q, q, q, q))
