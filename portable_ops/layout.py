@@ -35,15 +35,17 @@ def strides_like(t: torch.Tensor) -> tuple[int, int, int, int]:
 
 def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An uninitialised tensor of ``t``'s shape (``[B, H, S, D]``) in the layout the rule above picks."""
-    b, h, s, d = t.shape
-    if heads_inner(t):
-        return t.new_empty((b, s, h, d), dtype=dtype).transpose(1, 2)
-    return t.new_empty((b, h, s, d), dtype=dtype)
+    # not new_empty(...).transpose(1, 2): that is a view, and a view made under no_grad can't be modified in
+    # place once grad mode is back on (SDPA's output can)
+    return torch.empty_strided(t.shape, strides_like(t), dtype=dtype or t.dtype, device=t.device)
 
 
 def as_layout_of(result: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``result`` (shaped like ``t``) in ``t``'s output layout: itself when its strides already are, else a
-    copy (strides are compared exactly, size-one dimensions included: a compiled graph checks them so)."""
+    copy (strides are compared exactly, size-one dimensions included: a compiled graph checks them so).
+    Never a view: a kernel's result is a fresh tensor, as SDPA's is, so that an in-place op on one made
+    under ``no_grad`` stays legal; a result that is a view of a temporary is detached from it (no copy),
+    unless autograd tracks it (the reference differentiated twice)."""
     if result.stride() == strides_like(t):
-        return result
+        return result.detach() if result._is_view() and not result.requires_grad else result
     return empty_like(t, dtype=result.dtype).copy_(result)

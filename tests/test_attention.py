@@ -226,6 +226,25 @@ def test_autocast_only_casts_the_inputs(backend):
         assert g.dtype == torch.float32 and torch.equal(g, want.float())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("sq", [1, 9])
+def test_an_output_made_under_no_grad_is_modifiable_in_place(backend, transposed, sq):
+    """Like SDPA's: an output is a fresh tensor, not a view, so that adding a tensor that requires grad
+    into it in place is legal once grad mode is back on."""
+    device = default_device(backend)
+    g = torch.Generator().manual_seed(0)
+    make = lambda h, s: (torch.randn(2, s, h, 32, generator=g).transpose(1, 2) if transposed  # noqa: E731
+                         else torch.randn(2, h, s, 32, generator=g)).to(device)
+    q, k, v = make(4, sq), make(2, 9), make(2, 9)
+    with forced_strict(backend), torch.no_grad():
+        out = portable_ops.attention(q, k, v, causal=True)
+    want = out.detach().clone()
+    bias = torch.ones(out.shape, device=device, requires_grad=True)
+    out.add_(bias)
+    assert out.requires_grad and torch.equal(out.detach(), want + 1)
+
+
 def test_causal_must_be_a_bool_and_scale_must_not_need_grad():
     q, k, v = (t.detach() for t in qkv(dtype=torch.float32))
     with pytest.raises(TypeError, match="causal must be a bool, got str 'false'"):
