@@ -70,6 +70,11 @@ ON_SM90 = DEVICE.type == "cuda" and not sm90.supports(*_inputs(1, 1, 1, 128, 128
     (3, 6, 3, 129, 200, 128, False, False, torch.bfloat16, 0.0),  # a ragged key tail; uniform weights
     (1, 2, 2, 65, 4097, 64, False, True, torch.float16, None),  # Sq just over decode's, 33 key tiles
     (2, 8, 2, 333, 517, 128, False, True, torch.bfloat16, None),  # the unmasked D 128 backward: GQA, ragged
+    # persistent grids, each program taking many work tiles: separate O buffers (D 64) and O through Q (D 128);
+    # fewer key tiles than ring slots, so a tile's ring positions start mid-ring
+    (40, 8, 2, 520, 520, 64, False, True, torch.bfloat16, None),
+    (24, 8, 8, 1000, 1000, 128, False, False, torch.float16, None),
+    (300, 4, 4, 130, 130, 128, False, True, torch.bfloat16, None),
 ])
 def test_hopper_forward_against_float64(b, hq, hkv, sq, skv, d, causal, heads_inner, dtype, scale):
     q, k, v = _inputs(b, hq, hkv, sq, skv, d, dtype, heads_inner=heads_inner)
@@ -91,10 +96,25 @@ def test_hopper_forward_relaunches_over_other_tensors():
         _check(q, k, v, True, 0.1)
         for t in (q, k, v):
             t.mul_(-1)
-    launch = next(p.hopper.launch for p in attn._fwd_plans.values() if p.hopper is not None and p.hopper.args[2] == 384)
+    launch = next(p.hopper.launch for p in attn._fwd_plans.values() if p.hopper is not None and p.hopper.args[3] == 384)
     compiled = next(iter(launch.compiled.values()))
     if launch_mod.TRITON_RELEASE == (3, 6):  # the release whose launcher the cached-descriptor path was read from
         assert compiled.tensor_maps is not None and all(len(m) >= 2 for m in compiled.tensor_maps[:3])
+
+
+def test_hopper_forward_grid_is_persistent_only_for_short_unmasked_rows(monkeypatch):
+    """One program per SM where every work tile reads the same few keys; one per tile under a causal
+    mask (unequal tiles) and for long rows, where the hardware's scheduler balances them."""
+    monkeypatch.setattr(sm90, "_multiprocessors", lambda device: 132)
+
+    def grid(b, h, s, d, causal):
+        q = torch.empty(b, h, s, d, device="meta")
+        return sm90.programs(q, q, causal)
+
+    assert grid(16, 16, 1024, 128, False) == 132
+    assert grid(2, 16, 8192, 64, False) == 132 and grid(2, 16, 8192, 128, False) == 2 * 16 * 64
+    assert grid(16, 16, 1024, 128, True) == 16 * 16 * 8
+    assert grid(1, 2, 300, 64, False) == 2 * 3  # fewer tiles than SMs: one program each
 
 
 def test_hopper_forward_declines_with_reasons():

@@ -2,11 +2,13 @@
 warp, warpgroup MMAs, and softmax overlapped with the tensor cores. The backward is at the end
 (``_bwd_kernel``: one pass over the queries per block of keys, dQ through TMA reduce-adds).
 
-One program takes ``BLOCK_M = 128`` query rows of one (batch, head), split between two consumer
-warpgroups of 64 rows that share every K/V tile. A one-warp loader streams the K/V tiles through
-``STAGES`` slots, each guarded by a ready and an empty mbarrier; the three run as partitions of
-``gl.warp_specialize``. Each consumer runs an iteration in this order, so that the exponentials of
-one tile overlap the tensor cores' work on the previous one::
+A work tile is ``BLOCK_M = 128`` query rows of one (batch, head), split between two consumer
+warpgroups of 64 rows that share every K/V tile. A one-warp loader loads the Q tiles and
+streams the K/V tiles through ``STAGES`` slots, each guarded by a ready and an empty mbarrier; the three run as
+partitions of ``gl.warp_specialize``. A program takes one work tile, or, on a persistent grid
+(:func:`programs` says where), one every ``num_programs``, its ring running on from one to the next.
+Each consumer runs an iteration in this order, so that the exponentials of one tile overlap the
+tensor cores' work on the previous one::
 
     (my turn) S_j = Q K_j^T; O += P_{j-1} V_{j-1}   (both issued, not waited) (their turn)
     wait S_j; P_j = exp2(S_j * scale - m_j) ...    (softmax while P_{j-1} V_{j-1} runs)
@@ -70,20 +72,26 @@ if gluon is not None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
     @gluon.jit
-    def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty, b, head, heads, lo, hi):
+    def _stream(a_desc, b_desc, a_smem, b_smem, ready, empty, b, head, heads, lo, hi, count):
         """Streams tiles ``[lo, hi)`` of ``a`` and ``b`` (rows of one sequence), head by head for ``heads``
-        heads from ``head``, through the ring: K/V for the forward, Q/dO for the backward."""
+        heads from ``head``, through the ring, whose ``count`` loads so far place them: K/V for the
+        forward, Q/dO for the backward. Returns the count after them."""
         STAGES: gl.constexpr = a_smem.shape[0]
         BLOCK: gl.constexpr = a_desc.block_type.shape[2]
         per_head = hi - lo
         for t in range(heads * per_head):
-            slot = t % STAGES
+            slot = (count + t) % STAGES
             # a fresh barrier counts as having completed the phase before its first: the first pass does not wait
-            mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)
+            mbarrier.wait(empty.index(slot), (((count + t) // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             coord = [b, head + t // per_head, (lo + t % per_head) * BLOCK, 0]
             _tma_load(a_desc, coord, ready.index(slot), a_smem.index(slot))
             _tma_load(b_desc, coord, ready.index(slot), b_smem.index(slot))
+        return count + heads * per_head
+
+    @gluon.jit
+    def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty, b, head, heads, lo, hi):
+        _stream(a_desc, b_desc, a_smem, b_smem, ready, empty, b, head, heads, lo, hi, 0)
 
     @gluon.jit
     def _tile(smem, i, BLOCK: gl.constexpr, D: gl.constexpr):
@@ -112,20 +120,21 @@ if gluon is not None:
         return p, m_new, l_i * alpha + gl.sum(p, axis=1), alpha
 
     @gluon.jit
-    def _consume(q_tile, k_smem, v_smem, ready, empty, turn, p, o, m_i, l_i, lo, hi, qk_scale, rows, SKV, diagonal,
-                 WARPGROUP: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr,
-                 s_layout: gl.constexpr, o_layout: gl.constexpr):
-        """Tiles [lo, hi): the previous tile's P V runs on the tensor cores while this tile's softmax runs."""
+    def _consume(q_tile, k_smem, v_smem, ready, empty, turn, p, o, m_i, l_i, lo, hi, count, qk_scale, rows, SKV,
+                 diagonal, WARPGROUP: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr,
+                 NEGATIVE_SCALE: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr):
+        """Tiles [lo, hi) of this work tile, which starts at ring position ``count``: the previous tile's
+        P V runs on the tensor cores while this tile's softmax runs."""
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[3]
         D: gl.constexpr = k_smem.shape[4]
         BM: gl.constexpr = q_tile.shape[0]
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         for j in range(lo, hi):
-            slot = j % STAGES
-            prev = (j - 1) % STAGES
-            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-            _my_turn(turn, j, WARPGROUP)
+            slot = (count + j) % STAGES
+            prev = (count + j - 1) % STAGES
+            mbarrier.wait(ready.index(slot), ((count + j) // STAGES) & 1)
+            _my_turn(turn, count + j, WARPGROUP)
             s = warpgroup_mma(q_tile, _tile(k_smem, slot, BLOCK_N, D).permute((1, 0)),
                               gl.zeros([BM, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
             o = warpgroup_mma(p, _tile(v_smem, prev, BLOCK_N, D), o, is_async=True)
@@ -152,24 +161,40 @@ if gluon is not None:
         mbarrier.arrive(turn.index(1 - WARPGROUP), count=1)
 
     @gluon.jit
-    def _attend(q_desc, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turn, lse_ptr, qk_scale, b, h, m0, SQ,
-                SKV, full, n_blocks, WARPGROUP: gl.constexpr, CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr):
-        """One consumer warpgroup: 64 query rows against every K/V tile, then its rows of O and lse."""
+    def _work(tile, n_m, H, SQ, SKV, BM: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+        """Work tile ``tile``: its (batch, head, first row) and how many K/V tiles it reads, ``[0, full)`` of
+        them visible to every row and in bounds, ``[full, n_blocks)`` needing a mask. Query blocks are the
+        fast axis, so that the tiles running together share a head's K/V in L2, and run from the last (under
+        a causal mask, the most keys) to the first, so that the light ones fill the tail."""
+        bh = tile // n_m
+        start_m = n_m - 1 - tile % n_m
+        m0 = start_m * BM
+        hi = SKV
+        full = SKV // BLOCK_N
+        if CAUSAL:
+            hi = gl.minimum(SKV, m0 + BM + SKV - SQ)
+            full = gl.minimum(full, gl.maximum(m0 + SKV - SQ + 1, 0) // BLOCK_N)
+        return bh // H, bh % H, m0, full, gl.cdiv(hi, BLOCK_N)
+
+    @gluon.jit
+    def _attend(q_tile, k_smem, v_smem, o_smem, o_desc, ready, empty, turn, lse_ptr, qk_scale, b, h, m0, SQ, SKV, full,
+                n_blocks, count, WARPGROUP: gl.constexpr, CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr):
+        """One consumer warpgroup on one work tile: 64 query rows against its K/V tiles, the first at ring
+        position ``count``, then those rows of O (through ``o_smem``) and lse."""
         BLOCK_N: gl.constexpr = k_smem.shape[3]
         D: gl.constexpr = k_smem.shape[4]
-        BM: gl.constexpr = q_smem.shape[3]
+        BM: gl.constexpr = q_tile.shape[0]
         s_layout: gl.constexpr = _mma_layout(BLOCK_N)
         o_layout: gl.constexpr = _mma_layout(D)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        q_tile = _tile(q_smem, WARPGROUP, BM, D)
-        m0 = m0 + WARPGROUP * BM
+        STAGES: gl.constexpr = k_smem.shape[0]
         rows = m0 + gl.arange(0, BM, gl.SliceLayout(1, s_layout))
         diagonal = SKV - SQ
-        mbarrier.wait(q_bar, 0)
         # Tile 0, alone: every row sees a key in it (the kernel takes no rows that see none), so m is finite after it.
-        mbarrier.wait(ready.index(0), 0)
-        _my_turn(turn, 0, WARPGROUP)
-        s = warpgroup_mma(q_tile, _tile(k_smem, 0, BLOCK_N, D).permute((1, 0)),
+        first = count % STAGES
+        mbarrier.wait(ready.index(first), (count // STAGES) & 1)
+        _my_turn(turn, count, WARPGROUP)
+        s = warpgroup_mma(q_tile, _tile(k_smem, first, BLOCK_N, D).permute((1, 0)),
                           gl.zeros([BM, BLOCK_N], gl.float32, s_layout), use_acc=False, is_async=True)
         _their_turn(turn, WARPGROUP)
         s = warpgroup_mma_wait(0, deps=(s,))
@@ -180,70 +205,111 @@ if gluon is not None:
         p = gl.convert_layout(p.to(q_tile.dtype), p_layout)
         o = gl.zeros([BM, D], gl.float32, o_layout)
         unmasked = gl.maximum(full, 1)
-        p, o, m_i, l_i = _consume(q_tile, k_smem, v_smem, ready, empty, turn, p, o, m_i, l_i, 1, unmasked, qk_scale,
-                                  rows, SKV, diagonal, WARPGROUP, False, CAUSAL, NEGATIVE_SCALE, s_layout, o_layout)
-        p, o, m_i, l_i = _consume(q_tile, k_smem, v_smem, ready, empty, turn, p, o, m_i, l_i, unmasked, n_blocks,
-                                  qk_scale, rows, SKV, diagonal, WARPGROUP, True, CAUSAL, NEGATIVE_SCALE, s_layout,
+        p, o, m_i, l_i = _consume(q_tile, k_smem, v_smem, ready, empty, turn, p, o, m_i, l_i, 1, unmasked, count,
+                                  qk_scale, rows, SKV, diagonal, WARPGROUP, False, CAUSAL, NEGATIVE_SCALE, s_layout,
                                   o_layout)
-        last = (n_blocks - 1) % k_smem.shape[0]
+        p, o, m_i, l_i = _consume(q_tile, k_smem, v_smem, ready, empty, turn, p, o, m_i, l_i, unmasked, n_blocks,
+                                  count, qk_scale, rows, SKV, diagonal, WARPGROUP, True, CAUSAL, NEGATIVE_SCALE,
+                                  s_layout, o_layout)
+        last = (count + n_blocks - 1) % STAGES
         o = warpgroup_mma(p, _tile(v_smem, last, BLOCK_N, D), o)
         mbarrier.arrive(empty.index(last), count=1)
         o = o / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
         lse = (m_i + gl.log2(l_i)) * _LN2
         gl.store(lse_ptr + rows, lse, mask=rows < SQ)
-        # this warpgroup's Q tile is free once its last S was computed: its rows of O go out through it
-        q_tile.store(o.to(q_tile.dtype))
+        tma.store_wait(0)  # the previous work tile's rows of O have left o_smem
+        o_smem.reshape([BM, D]).store(o.to(q_tile.dtype))
         fence_async_shared()
-        _tma_store(o_desc, [b, h, m0, 0], q_smem.index(WARPGROUP))
+        _tma_store(o_desc, [b, h, m0, 0], o_smem)
+
+    @gluon.jit
+    def _consumer(q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn, lse_ptr,
+                  qk_scale, n_m, BH, H, SQ, SKV, WARPGROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                  NEGATIVE_SCALE: gl.constexpr, O_THROUGH_Q: gl.constexpr):
+        """One consumer warpgroup's share of every work tile the program takes: its 64 rows of each. Its
+        rows of O go out through ``o_smem``, or, where shared memory has no room for that, through its Q
+        tile, which is then reloaded only once they have left."""
+        BM: gl.constexpr = q_smem.shape[3]
+        D: gl.constexpr = q_smem.shape[4]
+        BLOCK_N: gl.constexpr = k_smem.shape[3]
+        q_tile = _tile(q_smem, WARPGROUP, BM, D)
+        count = 0
+        i = 0
+        for tile in range(gl.program_id(0), n_m * BH, gl.num_programs(0)):
+            b, h, m0, full, n_blocks = _work(tile, n_m, H, SQ, SKV, 2 * BM, BLOCK_N, CAUSAL)
+            mbarrier.wait(q_ready.index(WARPGROUP), i & 1)
+            _attend(q_tile, k_smem, v_smem, o_smem.index(WARPGROUP), o_desc, ready, empty, turn,
+                    lse_ptr + (b * H + h).to(gl.int64) * SQ, qk_scale, b, h, m0 + WARPGROUP * BM, SQ, SKV, full,
+                    n_blocks, count, WARPGROUP, CAUSAL, NEGATIVE_SCALE)
+            if O_THROUGH_Q:
+                tma.store_wait(0)
+            mbarrier.arrive(q_empty.index(WARPGROUP), count=1)  # its last S has been computed: Q may be reloaded
+            count += n_blocks
+            i += 1
         tma.store_wait(0)
 
     @gluon.jit
-    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, H, GROUP, SQ, SKV, qk_scale,
+    def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, n_m, BH, H,
+                    GROUP, SQ, SKV, CAUSAL: gl.constexpr):
+        """Every work tile's Q (two 64-row halves, each reloaded once its warpgroup is done with the last)
+        and K/V tiles, in the consumers' order. The first tile's Q goes first; a later tile's, which waits
+        for the consumers to finish the tile before, after its first K/V tiles, so that the ring fills
+        for it meanwhile."""
+        STAGES: gl.constexpr = k_smem.shape[0]
+        BM: gl.constexpr = 2 * q_smem.shape[3]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        count = 0
+        i = 0
+        for tile in range(gl.program_id(0), n_m * BH, gl.num_programs(0)):
+            b, h, m0, full, n_blocks = _work(tile, n_m, H, SQ, SKV, BM, BLOCK_N, CAUSAL)
+            early = gl.minimum(n_blocks, STAGES) * (i > 0).to(gl.int32)
+            count = _stream(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, 1, 0, early, count)
+            for half in gl.static_range(2):
+                mbarrier.wait(q_empty.index(half), (i & 1) ^ 1)
+                mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
+                _tma_load(q_desc, [b, h, m0 + half * (BM // 2), 0], q_ready.index(half), q_smem.index(half))
+            count = _stream(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, 1, early, n_blocks, count)
+            i += 1
+
+    @gluon.jit
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, BH, H, GROUP, SQ, SKV, qk_scale,
                     CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, STAGES: gl.constexpr,
-                    num_warps: gl.constexpr):
-        BM: gl.constexpr = 2 * q_desc.block_type.shape[2]  # two consumer warpgroups' rows
+                    O_THROUGH_Q: gl.constexpr, num_warps: gl.constexpr):
+        """Each program takes work tiles (128 query rows of one batch and head) ``num_programs`` apart, its
+        barriers set up once and its K/V ring running on from one tile into the next: a persistent grid
+        where the host launches fewer programs than tiles (:func:`programs`), one tile a program else."""
+        BM: gl.constexpr = q_desc.block_type.shape[2]  # a consumer warpgroup's rows
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         D: gl.constexpr = q_desc.block_type.shape[3]
         dtype: gl.constexpr = q_desc.dtype
-        start_m = gl.program_id(0)
-        if CAUSAL:  # the last query blocks see the most keys: start them first, so the tail of the grid is light
-            start_m = gl.num_programs(0) - 1 - start_m
-        b = gl.program_id(1) // H
-        h = gl.program_id(1) % H
-        m0 = start_m * BM
-        # tiles [0, full) are visible to every row and in bounds; tiles [full, n_blocks) need a mask
-        hi = SKV
-        full = SKV // BLOCK_N
-        if CAUSAL:
-            hi = gl.minimum(SKV, m0 + BM + SKV - SQ)
-            full = gl.minimum(full, gl.maximum(m0 + SKV - SQ + 1, 0) // BLOCK_N)
-        n_blocks = gl.cdiv(hi, BLOCK_N)
-
-        q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BM // 2, D], q_desc.layout)
+        n_m = gl.cdiv(SQ, 2 * BM)
+        q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BM, D], q_desc.layout)
+        if O_THROUGH_Q:
+            o_smem = q_smem
+        else:
+            o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BM, D], o_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], v_desc.layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=1)
+            mbarrier.init(turn.index(i), count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # a slot is free once both consumer warpgroups are done with it
-        for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
-        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [b, h, m0, 0], q_bar, q_smem.index(0))
-        _tma_load(q_desc, [b, h, m0 + BM // 2, 0], q_bar, q_smem.index(1))
-        lse_ptr = lse_ptr + gl.program_id(1).to(gl.int64) * SQ
         gl.warp_specialize([
-            (_attend, (q_desc, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turn, lse_ptr, qk_scale, b, h, m0,
-                       SQ, SKV, full, n_blocks, 0, CAUSAL, NEGATIVE_SCALE)),
-            (_attend, (q_desc, o_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turn, lse_ptr, qk_scale, b, h, m0,
-                       SQ, SKV, full, n_blocks, 1, CAUSAL, NEGATIVE_SCALE)),
-            (_loader, (k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, 1, 0, n_blocks)),
+            (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn, lse_ptr,
+                         qk_scale, n_m, BH, H, SQ, SKV, 0, CAUSAL, NEGATIVE_SCALE, O_THROUGH_Q)),
+            (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn, lse_ptr,
+                         qk_scale, n_m, BH, H, SQ, SKV, 1, CAUSAL, NEGATIVE_SCALE, O_THROUGH_Q)),
+            (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, n_m, BH,
+                           H, GROUP, SQ, SKV, CAUSAL)),
         ], [4, 1], [240, 24])
-
 
     @gluon.jit
     def _dkdv(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ds_bar, ready, empty, dk_desc, dv_desc,
@@ -375,14 +441,16 @@ if gluon is not None:
         ], [4, 1], [240, 24])
 
 
-# (BLOCK_N, STAGES) per head dim; BLOCK_M is 128 (two consumer warpgroups of 64 rows).
-CONFIGS = {64: (128, 4), 128: (128, 3)}
+# (BLOCK_N, STAGES, O_THROUGH_Q) per head dim; BLOCK_M is 128 (two consumer warpgroups of 64 rows).
+CONFIGS = {64: (128, 4, False), 128: (128, 3, True)}
 # The backward: (Q/dO ring stages, dQ buffers a warpgroup writes in turn) per (head dim, causal), the
 # faster of those timed on the H100 (docs/backends/triton.md); 64-row tiles, 2 x 64 keys a
 # program. Each fits the 227 KB of shared memory an H100 block may have. Head dim 64 without a mask
 # keeps the tl.* backward (supports_backward).
 BWD_CONFIGS = {(64, True): (4, 2), (128, False): (3, 1), (128, True): (2, 2)}
 BWD_BLOCK = 64
+# The most keys x head dim a row reads where the forward runs on a persistent grid (programs)
+PERSISTENT_MAX_WORK = 4096 * 128
 # Three warpgroups (two consumers, the loader's) share the register file: capped at 168 a thread overall,
 # the loader keeps 24 and each consumer gets 240 (setmaxnreg).
 MAXNREG = 168
@@ -426,6 +494,29 @@ def supports(q, k, v, causal, out_stride, window=None, softcap=None) -> list[str
     for name, t in (("q", q), ("k", k), ("v", v)):
         reasons += _tma_reasons(name, t, t.stride())
     return reasons + _tma_reasons("out", q, out_stride, allocated=False)
+
+
+def programs(q, k, causal) -> int:
+    """The forward's grid. Persistent (one program per SM, which its shared memory fills) where tiles
+    are short and alike: there it saves each tile's set-up and keeps the K/V ring full from one tile
+    to the next (H100, 16k tokens: 3-10% faster at D 64 up to 8k keys and at D 128 up to 4k). One
+    program per tile where they are long (no gain) or unequal (a causal mask): there a static split
+    gives some programs up to twice the work of others (0.66x at 16k), where the hardware's
+    scheduler hands the next tile to whichever SM is free (``docs/performance.md``, "The persistent
+    forward")."""
+    tiles = triton.cdiv(q.shape[2], BLOCK_M) * q.shape[0] * q.shape[1]
+    if causal or k.shape[2] * q.shape[3] > PERSISTENT_MAX_WORK:
+        return tiles
+    return min(tiles, _multiprocessors(q.device))
+
+
+def _multiprocessors(device) -> int:
+    return _device_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.lru_cache(maxsize=None)
@@ -482,12 +573,13 @@ class Plan:
 
     def __init__(self, q, k, v, out_stride, causal, scale):
         b, h, sq, d = q.shape
-        block_n, stages = CONFIGS[d]
+        block_n, stages, o_through_q = CONFIGS[d]
         descriptors = (_template(q, q.stride(), BLOCK_M // 2), _template(k, k.stride(), block_n),
                        _template(v, v.stride(), block_n), _template(q, out_stride, BLOCK_M // 2))
-        self.launch = Launch(_fwd_kernel, (triton.cdiv(sq, BLOCK_M), b * h), 0, descriptors, CAUSAL=causal,
-                             NEGATIVE_SCALE=scale < 0, STAGES=stages, num_warps=4, maxnreg=MAXNREG)
-        self.args = (h, h // k.shape[1], sq, k.shape[2])
+        self.launch = Launch(_fwd_kernel, (programs(q, k, causal),), 0, descriptors, CAUSAL=causal,
+                             NEGATIVE_SCALE=scale < 0, STAGES=stages, O_THROUGH_Q=o_through_q, num_warps=4,
+                             maxnreg=MAXNREG)
+        self.args = (b * h, h, h // k.shape[1], sq, k.shape[2])
 
 
 def forward(plan, q, k, v, out, scale):

@@ -27,15 +27,19 @@ def _flops(b, h, s, d, causal, direction):
     return fwd if direction == "fwd" else 2.5 * fwd
 
 
-def _time(fn, q, k, v, direction):
-    """(ms with the device drained before each call, ms per call enqueued back to back)."""
+def _time(fn, q, k, v, direction, steady_only=False):
+    """(ms with the device drained before each call, ms per call enqueued back to back), or the latter
+    alone."""
     if direction == "fwd":
-        with torch.no_grad():
-            return median_ms(lambda: fn(q, k, v), iters=20), steady_ms(lambda: fn(q, k, v))
-    out = fn(q, k, v)
-    dout = torch.randn_like(out)
-    backward = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
-    return median_ms(backward, iters=20), steady_ms(backward)
+        call = lambda: fn(q, k, v)  # noqa: E731
+    else:
+        out = fn(q, k, v)
+        dout = torch.randn_like(out)
+        call = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+    with torch.no_grad() if direction == "fwd" else contextlib.nullcontext():
+        if steady_only:
+            return steady_ms(call)
+        return median_ms(call, iters=20), steady_ms(call)
 
 
 def _sdpa_variants(causal, gqa):
@@ -84,6 +88,7 @@ def run_attention(seqs=(1024, 2048, 4096, 8192, 16384, 32768), head_dims=(64, 12
                                 **{name: fn for name, fn in _sdpa_variants(causal, hkv != heads).items()
                                    if name in sdpa}}
                     for direction in ("fwd", "bwd"):
+                        timed = {}
                         for name, fn in variants.items():
                             row = {"bench": "attention", "variant": name, "dir": direction, "D": d, "S": s, "B": b,
                                    "Hkv": hkv, "causal": causal}
@@ -93,9 +98,17 @@ def run_attention(seqs=(1024, 2048, 4096, 8192, 16384, 32768), head_dims=(64, 12
                             except RuntimeError as exc:  # an SDPA backend that can't take this shape
                                 row["error"] = str(exc).splitlines()[0][:80]
                                 continue
+                            timed[name] = row
+                            row.update({"ms": ms, "steady ms": steady})
+                        # Steady again in the reverse order, the better of the two kept: on the H100 one kernel
+                        # timed first in a row ran up to 10% faster than timed last (docs/performance.md, "The
+                        # persistent forward"), so each variant gets an early turn and a late one.
+                        for name in reversed(timed):
+                            row = timed[name]
+                            row["steady ms"] = min(row["steady ms"], _time(variants[name], q, k, v, direction, True))
                             tflop = _flops(b, heads, s, d, causal, direction) / 1e12
-                            row.update({"ms": ms, "steady ms": steady, "TFLOP/s": tflop / (ms * 1e-3),
-                                        "steady TFLOP/s": tflop / (steady * 1e-3)})
+                            row.update({"TFLOP/s": tflop / (row["ms"] * 1e-3),
+                                        "steady TFLOP/s": tflop / (row["steady ms"] * 1e-3)})
                     del q, k, v
     return add_fraction_of_power_of_two(rows)
 
