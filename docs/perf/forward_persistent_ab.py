@@ -1,0 +1,105 @@
+"""The script behind docs/perf/forward_persistent_ab.txt (H100, 2026-11-24; the tree that became 6a87e4b).
+
+Kept as a record, not a tool: it compares the forward of attention_sm90.py with the module as it was
+before 6a87e4b, which it imported as backends/triton/_sm90_before.py (`git show
+de9fe7e:backends/triton/attention_sm90.py > backends/triton/_sm90_before.py` to run it again), and
+forces either grid by replacing attention_sm90.programs. Rows: the better of three interleaved
+rounds of 10 calls back to back (steady), as a ratio of cuDNN timed in the same row.
+"""
+import math, os, sys, time
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from portable_ops.backends.reference import attention as reference
+from portable_ops.backends.triton import attention_sm90 as new
+from portable_ops.backends.triton import _sm90_before as old
+from portable_ops.bench.common import steady_ms, table, device_info
+from portable_ops.layout import strides_like, empty_like
+
+def inputs(b, hq, hkv, sq, skv, d, inner, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    def make(h, s):
+        if inner:
+            return torch.randn(b, s, h, d, generator=g).to(torch.bfloat16).cuda().transpose(1, 2)
+        return torch.randn(b, h, s, d, generator=g).to(torch.bfloat16).cuda()
+    return make(hq, sq), make(hkv, skv), make(hkv, skv)
+
+def run(mod, q, k, v, causal, scale, grid=None):
+    saved = getattr(mod, "programs", None)
+    if grid is not None:
+        tiles = -(-q.shape[2] // 128) * q.shape[0] * q.shape[1]
+        mod.programs = lambda q, k, causal: tiles if grid == "tiles" else min(tiles, 132)
+    try:
+        plan = mod.Plan(q, k, v, strides_like(q), causal, scale)
+    finally:
+        if grid is not None:
+            mod.programs = saved
+    def call():
+        return mod.forward(plan, q, k, v, empty_like(q), scale)
+    return call
+
+CHECKS = [(2, 4, 4, 256, 256, 64, False, False, None), (1, 8, 2, 1000, 1000, 128, True, True, None),
+          (2, 4, 1, 300, 777, 128, True, True, None), (1, 2, 2, 100, 100, 64, True, False, None),
+          (3, 6, 3, 129, 200, 128, False, False, -0.3), (2, 8, 2, 333, 517, 64, False, True, None),
+          (1, 2, 1, 4096, 4096, 128, True, True, None), (5, 3, 3, 700, 1500, 64, True, True, None),
+          (200, 2, 2, 130, 130, 128, False, False, None)]
+
+def check():
+    rows = []
+    for b, hq, hkv, sq, skv, d, causal, inner, sc in CHECKS:
+        q, k, v = inputs(b, hq, hkv, sq, skv, d, inner)
+        scale = sc if sc is not None else 1 / math.sqrt(d)
+        reasons = new.supports(q, k, v, causal, strides_like(q))
+        assert not reasons, reasons
+        o_new, l_new = run(new, q, k, v, causal, scale)()
+        o_old, l_old = run(old, q, k, v, causal, scale)()
+        row = {"case": f"B{b} H{hq}/{hkv} S{sq}/{skv} D{d}{' causal' if causal else ''}", "same as before": torch.equal(o_new, o_old) and torch.equal(l_new, l_old)}
+        for grid in ("tiles", "sms"):
+            o2, lse2 = run(new, q, k, v, causal, scale, grid=grid)()
+            row[f"same {grid}"] = torch.equal(o2, o_new) and torch.equal(lse2, l_new)
+        if b * hq * sq * skv < 2e8:
+            q64, k64, v64 = (t.double().cpu() for t in (q, k, v))
+            ro, rl = reference.attention_fwd(q64, k64, v64, causal=causal, scale=scale)
+            row["out err/max"] = f"{((o_new.double().cpu() - ro).abs().max() / ro.abs().max()).item():.1e}"
+            row["lse err"] = f"{(l_new.double().cpu() - rl).abs().max().item():.1e}"
+        rows.append(row)
+    return rows
+
+def timed(seqs, dims):
+    rows = []
+    for d in dims:
+        for s in seqs:
+            for causal in (False, True):
+                for hkv in (16, 4):
+                    if hkv == 4 and s not in (2048, 8192):
+                        continue
+                    b, h = max(1, 16384 // s), 16
+                    q, k, v = inputs(b, h, hkv, s, s, d, True)
+                    scale = 1 / math.sqrt(d)
+                    tflop = 4 * b * h * s * s * d * (0.5 if causal else 1) / 1e12
+                    row = {"D": d, "S": s, "causal": causal, "Hkv": hkv}
+                    variants = [("before", run(old, q, k, v, causal, scale)), ("per tile", run(new, q, k, v, causal, scale, grid="tiles")),
+                                ("persistent", run(new, q, k, v, causal, scale, grid="sms")), ("before#2", run(old, q, k, v, causal, scale))]
+                    variants = variants[:3]
+                    best = {}
+                    for _ in range(3):  # interleaved rounds: the clocks drift under load
+                        for name, fn in variants:
+                            best[name] = min(best.get(name, 1e9), steady_ms(fn, iters=10))
+                    for name, _ in variants:
+                        row[name] = tflop / best[name] * 1e3
+                    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                        row["cudnn"] = tflop / min(steady_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hkv != h), iters=10) for _ in range(3)) * 1e3
+                    for name, _ in variants:
+                        row[name] = row[name] / row["cudnn"]
+                    rows.append(row)
+                    print(row, flush=True)
+    return rows
+
+if __name__ == "__main__":
+    t0 = time.time()
+    if os.environ.get("CHECK", "1") == "1": print(table(check(), ["case", "same as before", "same tiles", "same sms", "out err/max", "lse err"]), flush=True)
+    print("check s", time.time() - t0, flush=True)
+    rows = timed([1024, 2048, 4096, 8192, 16384, 32768], [128, 64])
+    print("ratios against cuDNN; cudnn column in TFLOP/s")
+    print(table(rows, ["D", "S", "causal", "Hkv", "cudnn", "before", "per tile", "persistent"]))
+    print(device_info())
