@@ -43,9 +43,15 @@ def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
 def as_layout_of(result: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """``result`` (shaped like ``t``) in ``t``'s output layout: itself when its strides already are, else a
     copy (strides are compared exactly, size-one dimensions included: a compiled graph checks them so).
-    Never a view: a kernel's result is a fresh tensor, as SDPA's is, so that an in-place op on one made
-    under ``no_grad`` stays legal; a result that is a view of a temporary is detached from it (no copy),
-    unless autograd tracks it (the reference differentiated twice)."""
+    Never a view (:func:`unviewed`)."""
     if result.stride() == strides_like(t):
-        return result.detach() if result._is_view() and not result.requires_grad else result
+        return unviewed(result)
     return empty_like(t, dtype=result.dtype).copy_(result)
+
+
+def unviewed(result: torch.Tensor) -> torch.Tensor:
+    """``result``, or, where it is a view (of a temporary, or of a kernel's buffer seen another way), the
+    same memory as a tensor of its own (no copy): an output must be one, as SDPA's is, or an in-place op
+    on one made under ``no_grad`` is refused once grad mode is back on. A view autograd tracks (the
+    reference differentiated twice) is kept."""
+    return result.detach() if result._is_view() and not result.requires_grad else result

@@ -750,3 +750,31 @@ def test_extreme_windows_and_caps_match_the_definition(backend, options):
         out = portable_ops.attention(q, k, v, **options)
     torch.testing.assert_close(out.cpu(), definition(*(t.double().cpu() for t in (q, k, v)), **options).float(),
                                atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- outputs are tensors of their own
+
+@pytest.mark.parametrize("backend", ["reference", *TAKING])
+def test_packed_and_paged_outputs_and_gradients_take_in_place_ops_like_dense_ones(backend):
+    """As SDPA's (and dense attention's, tests/test_attention.py): no output or gradient is a view, so an
+    in-place add of a tensor that requires grad is legal on one made under no_grad."""
+    device = default_device(backend)
+
+    def add_in_place(t):
+        want = t.detach().clone()
+        t.add_(torch.ones(t.shape, device=device, requires_grad=True))
+        assert torch.equal(t.detach(), want + 1)
+
+    q, k, v, cu_q, cu_k = (t.detach().to(device) for t in packed([3, 7], [5, 7], dtype=torch.float32))
+    with forced_strict(backend):
+        with torch.no_grad():
+            add_in_place(portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 7, 7, causal=True))
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        out = portable_ops.attention_varlen(*leaves, cu_q, cu_k, 7, 7, causal=True)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    for g in grads:
+        add_in_place(g)
+    k_cache, v_cache, table, seqlens = (t.to(device) for t in paged_cache([5, 9], 4, dtype=torch.float32))
+    with forced_strict(backend), torch.no_grad():
+        add_in_place(portable_ops.paged_attention(torch.randn(2, 1, 4, 8, device=device), k_cache, v_cache, table,
+                                                  seqlens))

@@ -936,7 +936,7 @@ def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
     offsets = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous())  # the kernels step them by one
     out, lse = _forward_call(*_as_batch(q, k, v), causal, scale, window, softcap, _as_batch_strides(q), seqs,
                              (*offsets, q, q))
-    return out[0].transpose(0, 1), lse[0]
+    return layout.unviewed(out[0].transpose(0, 1)), lse[0]
 
 
 def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, window=None, softcap=None):
@@ -947,7 +947,7 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, w
     seqs = Sequences("paged", b, sq, block_table.shape[1] * page, page, block_table.stride(0))
     out, _ = _forward_call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), True, scale, window,
                            softcap, (sq * h * d, d, h * d, 1), seqs, (q, q, cache_seqlens.contiguous(), block_table))
-    return out.transpose(1, 2)
+    return layout.unviewed(out.transpose(1, 2))
 
 
 def _as_batch(*packed):
@@ -1072,7 +1072,7 @@ def attention_varlen_bwd(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, ma
     strides = tuple(_as_batch_strides(t) for t in (q, k, v))
     grads = _backward_call(*_as_batch(q, k, v, out), lse[None], *_as_batch(dout), causal, scale, window, softcap,
                            strides, seqs, (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()))
-    return tuple(g[0].transpose(0, 1) for g in grads)
+    return tuple(layout.unviewed(g[0].transpose(0, 1)) for g in grads)
 
 
 def _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, seqs, extras):
