@@ -75,11 +75,15 @@ ON_SM90 = DEVICE.type == "cuda" and not sm90.supports(*_inputs(1, 1, 1, 128, 128
     (40, 8, 2, 520, 520, 64, False, True, torch.bfloat16, None),
     (24, 8, 8, 1000, 1000, 128, False, False, torch.float16, None),
     (300, 4, 4, 130, 130, 128, False, True, torch.bfloat16, None),
+    (30, 8, 4, 700, 700, 128, True, True, torch.bfloat16, None),  # causal: tiles of every weight, taken as freed
 ])
 def test_hopper_forward_against_float64(b, hq, hkv, sq, skv, d, causal, heads_inner, dtype, scale):
     q, k, v = _inputs(b, hq, hkv, sq, skv, d, dtype, heads_inner=heads_inner)
     assert not sm90.supports(q, k, v, causal, layout.strides_like(q))  # the case reaches the Gluon kernel
     _check(q, k, v, causal, 1 / math.sqrt(d) if scale is None else scale)
+    torch.cuda.synchronize()
+    # every launch's last program has set its stream's work-tile counter back for the next launch
+    assert all(not counter.any() for counter in sm90._TILE_COUNTERS.values())
     backward = next(p for key, p in attn._bwd_plans.items() if key[:2] == (q.shape, q.stride()))
     # and its backward too, but where the tl.* backward is declared faster (head dim 64 without a mask)
     assert (backward.hopper is not None) == (d != 64 or causal)
@@ -102,19 +106,35 @@ def test_hopper_forward_relaunches_over_other_tensors():
         assert compiled.tensor_maps is not None and all(len(m) >= 2 for m in compiled.tensor_maps[:3])
 
 
-def test_hopper_forward_grid_is_persistent_only_for_short_unmasked_rows(monkeypatch):
-    """One program per SM where every work tile reads the same few keys; one per tile under a causal
-    mask (unequal tiles) and for long rows, where the hardware's scheduler balances them."""
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU and a Triton with Gluon (the Hopper forward)")
+def test_hopper_forward_on_two_streams_at_once():
+    """Persistent launches running at the same time on two streams each count their own work tiles
+    (one counter per stream): each result is the one the same launch gives alone."""
+    cases = [_inputs(24, 8, 8, 600, 600, 64, torch.bfloat16, seed=seed) for seed in (1, 2)]
+    alone = [attn.attention_fwd(q, k, v, causal=True, scale=0.125)[0] for q, k, v in cases]
+    streams = [torch.cuda.Stream() for _ in cases]
+    torch.cuda.synchronize()
+    together = []
+    for _ in range(3):
+        for (q, k, v), stream in zip(cases, streams):
+            with torch.cuda.stream(stream):
+                together.append(attn.attention_fwd(q, k, v, causal=True, scale=0.125)[0])
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, alone[i % 2]) for i, out in enumerate(together))
+
+
+def test_hopper_forward_grid_is_persistent_only_for_short_rows(monkeypatch):
+    """One program per SM where rows read at most 8192 x 128 keys x head dim, one per tile past that."""
     monkeypatch.setattr(sm90, "_multiprocessors", lambda device: 132)
 
-    def grid(b, h, s, d, causal):
+    def grid(b, h, s, d):
         q = torch.empty(b, h, s, d, device="meta")
-        return sm90.programs(q, q, causal)
+        return sm90.programs(q, q)
 
-    assert grid(16, 16, 1024, 128, False) == 132
-    assert grid(2, 16, 8192, 64, False) == 132 and grid(2, 16, 8192, 128, False) == 2 * 16 * 64
-    assert grid(16, 16, 1024, 128, True) == 16 * 16 * 8
-    assert grid(1, 2, 300, 64, False) == 2 * 3  # fewer tiles than SMs: one program each
+    assert grid(16, 16, 1024, 128) == 132
+    assert grid(1, 16, 16384, 64) == 132 and grid(1, 16, 16384, 128) == 16 * 128
+    assert grid(1, 16, 16385, 64) == 16 * 129
+    assert grid(1, 2, 300, 64) == 2 * 3  # fewer tiles than SMs: one program each
 
 
 def test_hopper_forward_declines_with_reasons():

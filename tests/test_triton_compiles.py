@@ -107,8 +107,8 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                 block_n, stages, o_through_q = attention_sm90.CONFIGS[d]
                 rows = attention_sm90.BLOCK_M // 2
                 types_ = {"q_desc": descriptor(rows), "k_desc": descriptor(block_n), "v_desc": descriptor(block_n),
-                          "o_desc": descriptor(rows), "lse_ptr": "*fp32", "BH": "i32", "H": "i32", "GROUP": "i32",
-                          "SQ": "i32", "SKV": "i32", "qk_scale": "fp32"}
+                          "o_desc": descriptor(rows), "lse_ptr": "*fp32", "counter": "*i32", "BH": "i32", "H": "i32",
+                          "GROUP": "i32", "SQ": "i32", "SKV": "i32", "qk_scale": "fp32"}
                 consts = dict(CAUSAL=spec.get("causal", True), NEGATIVE_SCALE=False, STAGES=stages,
                               O_THROUGH_Q=o_through_q, num_warps=4)
                 row.update(run(attention_sm90._fwd_kernel, types_, consts, 4, 1, False, GluonASTSource,

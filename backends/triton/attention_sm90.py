@@ -6,7 +6,7 @@ A work tile is ``BLOCK_M = 128`` query rows of one (batch, head), split between 
 warpgroups of 64 rows that share every K/V tile. A one-warp loader loads the Q tiles and
 streams the K/V tiles through ``STAGES`` slots, each guarded by a ready and an empty mbarrier; the three run as
 partitions of ``gl.warp_specialize``. A program takes one work tile, or, on a persistent grid
-(:func:`programs` says where), one every ``num_programs``, its ring running on from one to the next.
+(:func:`programs` says where), the next one free after each, its ring running on from one to the next.
 Each consumer runs an iteration in this order, so that the exponentials of one tile overlap the
 tensor cores' work on the previous one::
 
@@ -223,9 +223,9 @@ if gluon is not None:
         _tma_store(o_desc, [b, h, m0, 0], o_smem)
 
     @gluon.jit
-    def _consumer(q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn, lse_ptr,
-                  qk_scale, n_m, BH, H, SQ, SKV, WARPGROUP: gl.constexpr, CAUSAL: gl.constexpr,
-                  NEGATIVE_SCALE: gl.constexpr, O_THROUGH_Q: gl.constexpr):
+    def _consumer(q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn, tiles,
+                  tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV, WARPGROUP: gl.constexpr,
+                  CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, O_THROUGH_Q: gl.constexpr):
         """One consumer warpgroup's share of every work tile the program takes: its 64 rows of each. Its
         rows of O go out through ``o_smem``, or, where shared memory has no room for that, through its Q
         tile, which is then reloaded only once they have left."""
@@ -235,7 +235,8 @@ if gluon is not None:
         q_tile = _tile(q_smem, WARPGROUP, BM, D)
         count = 0
         i = 0
-        for tile in range(gl.program_id(0), n_m * BH, gl.num_programs(0)):
+        tile = _next_tile(tiles, tile_ready, tile_empty, i, 4)
+        while tile < n_m * BH:
             b, h, m0, full, n_blocks = _work(tile, n_m, H, SQ, SKV, 2 * BM, BLOCK_N, CAUSAL)
             mbarrier.wait(q_ready.index(WARPGROUP), i & 1)
             _attend(q_tile, k_smem, v_smem, o_smem.index(WARPGROUP), o_desc, ready, empty, turn,
@@ -246,21 +247,44 @@ if gluon is not None:
             mbarrier.arrive(q_empty.index(WARPGROUP), count=1)  # its last S has been computed: Q may be reloaded
             count += n_blocks
             i += 1
+            tile = _next_tile(tiles, tile_ready, tile_empty, i, 4)
         tma.store_wait(0)
 
     @gluon.jit
-    def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, n_m, BH, H,
-                    GROUP, SQ, SKV, CAUSAL: gl.constexpr):
+    def _next_tile(tiles, tile_ready, tile_empty, i, WARPS: gl.constexpr):
+        """The ``i``-th work tile the loader handed this program (a number past the last: none left)."""
+        mbarrier.wait(tile_ready.index(i % 2), (i // 2) & 1)
+        tile = gl.max(tiles.index(i % 2).load(gl.BlockedLayout([1], [32], [WARPS], [0])), axis=0)
+        mbarrier.arrive(tile_empty.index(i % 2), count=1)
+        return tile
+
+    @gluon.jit
+    def _hand_out(tiles, tile_ready, tile_empty, i, tile):
+        """Gives the consumers their ``i``-th work tile through a two-slot ring."""
+        mbarrier.wait(tile_empty.index(i % 2), ((i // 2) & 1) ^ 1)
+        tiles.index(i % 2).store(gl.full([1], tile, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+        mbarrier.arrive(tile_ready.index(i % 2), count=1)
+
+    @gluon.jit
+    def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, tiles, tile_ready,
+                    tile_empty, counter, n_m, BH, H, GROUP, SQ, SKV, CAUSAL: gl.constexpr):
         """Every work tile's Q (two 64-row halves, each reloaded once its warpgroup is done with the last)
         and K/V tiles, in the consumers' order. The first tile's Q goes first; a later tile's, which waits
         for the consumers to finish the tile before, after its first K/V tiles, so that the ring fills
-        for it meanwhile."""
+        for it meanwhile.
+
+        Program ``p`` takes tile ``p`` first; after that each next tile is whichever is next in order
+        when it asks (``counter[0]``, an atomic add), so that programs that drew light tiles (a causal
+        mask's first query blocks) take more of them. The last program to finish sets the counter back
+        to zero for the next launch on its stream (:func:`_tile_counter`)."""
         STAGES: gl.constexpr = k_smem.shape[0]
         BM: gl.constexpr = 2 * q_smem.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         count = 0
         i = 0
-        for tile in range(gl.program_id(0), n_m * BH, gl.num_programs(0)):
+        tile = gl.program_id(0)
+        while tile < n_m * BH:
+            _hand_out(tiles, tile_ready, tile_empty, i, tile)
             b, h, m0, full, n_blocks = _work(tile, n_m, H, SQ, SKV, BM, BLOCK_N, CAUSAL)
             early = gl.minimum(n_blocks, STAGES) * (i > 0).to(gl.int32)
             count = _stream(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, 1, 0, early, count)
@@ -269,15 +293,22 @@ if gluon is not None:
                 mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
                 _tma_load(q_desc, [b, h, m0 + half * (BM // 2), 0], q_ready.index(half), q_smem.index(half))
             count = _stream(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, 1, early, n_blocks, count)
+            tile = gl.num_programs(0) + gl.atomic_add(counter, 1)
             i += 1
+        _hand_out(tiles, tile_ready, tile_empty, i, tile)
+        # every program asks once past the last tile, and only then counts itself done here
+        if gl.atomic_add(counter + 1, 1) == gl.num_programs(0) - 1:
+            gl.store(counter, 0)
+            gl.store(counter + 1, 0)
 
     @gluon.jit
-    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, BH, H, GROUP, SQ, SKV, qk_scale,
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, counter, BH, H, GROUP, SQ, SKV, qk_scale,
                     CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, STAGES: gl.constexpr,
                     O_THROUGH_Q: gl.constexpr, num_warps: gl.constexpr):
-        """Each program takes work tiles (128 query rows of one batch and head) ``num_programs`` apart, its
+        """Each program takes work tiles (128 query rows of one batch and head) until none is left, its
         barriers set up once and its K/V ring running on from one tile into the next: a persistent grid
-        where the host launches fewer programs than tiles (:func:`programs`), one tile a program else."""
+        where the host launches fewer programs than tiles (:func:`programs`), one tile a program else.
+        ``counter``: two int32 zeros (:func:`_tile_counter`), back at zero when the launch ends."""
         BM: gl.constexpr = q_desc.block_type.shape[2]  # a consumer warpgroup's rows
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         D: gl.constexpr = q_desc.block_type.shape[3]
@@ -295,20 +326,27 @@ if gluon is not None:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tiles = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
             mbarrier.init(turn.index(i), count=1)
+            mbarrier.init(tile_ready.index(i), count=1)
+            mbarrier.init(tile_empty.index(i), count=2)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # a slot is free once both consumer warpgroups are done with it
         gl.warp_specialize([
-            (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn, lse_ptr,
-                         qk_scale, n_m, BH, H, SQ, SKV, 0, CAUSAL, NEGATIVE_SCALE, O_THROUGH_Q)),
-            (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn, lse_ptr,
-                         qk_scale, n_m, BH, H, SQ, SKV, 1, CAUSAL, NEGATIVE_SCALE, O_THROUGH_Q)),
-            (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, n_m, BH,
-                           H, GROUP, SQ, SKV, CAUSAL)),
+            (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn, tiles,
+                         tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV, 0, CAUSAL, NEGATIVE_SCALE,
+                         O_THROUGH_Q)),
+            (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn, tiles,
+                         tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV, 1, CAUSAL, NEGATIVE_SCALE,
+                         O_THROUGH_Q)),
+            (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, tiles,
+                           tile_ready, tile_empty, counter, n_m, BH, H, GROUP, SQ, SKV, CAUSAL)),
         ], [4, 1], [240, 24])
 
     @gluon.jit
@@ -450,7 +488,7 @@ CONFIGS = {64: (128, 4, False), 128: (128, 3, True)}
 BWD_CONFIGS = {(64, True): (4, 2), (128, False): (3, 1), (128, True): (2, 2)}
 BWD_BLOCK = 64
 # The most keys x head dim a row reads where the forward runs on a persistent grid (programs)
-PERSISTENT_MAX_WORK = 4096 * 128
+PERSISTENT_MAX_WORK = 8192 * 128
 # Three warpgroups (two consumers, the loader's) share the register file: capped at 168 a thread overall,
 # the loader keeps 24 and each consumer gets 240 (setmaxnreg).
 MAXNREG = 168
@@ -496,16 +534,14 @@ def supports(q, k, v, causal, out_stride, window=None, softcap=None) -> list[str
     return reasons + _tma_reasons("out", q, out_stride, allocated=False)
 
 
-def programs(q, k, causal) -> int:
-    """The forward's grid. Persistent (one program per SM, which its shared memory fills) where tiles
-    are short and alike: there it saves each tile's set-up and keeps the K/V ring full from one tile
-    to the next (H100, 16k tokens: 3-10% faster at D 64 up to 8k keys and at D 128 up to 4k). One
-    program per tile where they are long (no gain) or unequal (a causal mask): there a static split
-    gives some programs up to twice the work of others (0.66x at 16k), where the hardware's
-    scheduler hands the next tile to whichever SM is free (``docs/performance.md``, "The persistent
-    forward")."""
+def programs(q, k) -> int:
+    """The forward's grid: persistent (one program per SM, which its shared memory fills, each taking
+    the next work tile as it frees up) where rows are short enough that a tile's set-up and the
+    ring's refill show, one program per tile past that. On the H100 at 16k tokens the persistent grid
+    was 2-12% faster up to 8192 x 128 keys x head dim a row, causal or not, and up to 7% slower past
+    it (``docs/performance.md``, "The persistent forward")."""
     tiles = triton.cdiv(q.shape[2], BLOCK_M) * q.shape[0] * q.shape[1]
-    if causal or k.shape[2] * q.shape[3] > PERSISTENT_MAX_WORK:
+    if k.shape[2] * q.shape[3] > PERSISTENT_MAX_WORK:
         return tiles
     return min(tiles, _multiprocessors(q.device))
 
@@ -576,7 +612,7 @@ class Plan:
         block_n, stages, o_through_q = CONFIGS[d]
         descriptors = (_template(q, q.stride(), BLOCK_M // 2), _template(k, k.stride(), block_n),
                        _template(v, v.stride(), block_n), _template(q, out_stride, BLOCK_M // 2))
-        self.launch = Launch(_fwd_kernel, (programs(q, k, causal),), 0, descriptors, CAUSAL=causal,
+        self.launch = Launch(_fwd_kernel, (programs(q, k),), 0, descriptors, CAUSAL=causal,
                              NEGATIVE_SCALE=scale < 0, STAGES=stages, O_THROUGH_Q=o_through_q, num_warps=4,
                              maxnreg=MAXNREG)
         self.args = (b * h, h, h // k.shape[1], sq, k.shape[2])
@@ -586,8 +622,22 @@ def forward(plan, q, k, v, out, scale):
     """(out, lse) for a call :func:`supports` took and ``plan`` was built for; ``out`` is written
     through its strides."""
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    plan.launch(q, k, v, out, lse, *plan.args, scale * LOG2E)
+    plan.launch(q, k, v, out, lse, _tile_counter(q.device), *plan.args, scale * LOG2E)
     return out, lse
+
+
+_TILE_COUNTERS: dict = {}
+
+
+def _tile_counter(device) -> torch.Tensor:
+    """The forward's work-tile counter for the current stream of ``device``: two int32 zeros, which each
+    launch counts up and its last program sets back. One per stream, so that launches running at once
+    on two streams never share one."""
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
 
 
 class BwdPlan:
