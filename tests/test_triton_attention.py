@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import portable_ops
 from portable_ops import dispatch, layout
 
 pytestmark = pytest.mark.skipif(dispatch.unavailable_reason("triton") is not None, reason="triton not installed")
@@ -121,6 +122,38 @@ def test_hopper_forward_on_two_streams_at_once():
                 together.append(attn.attention_fwd(q, k, v, causal=True, scale=0.125)[0])
     torch.cuda.synchronize()
     assert all(torch.equal(out, alone[i % 2]) for i, out in enumerate(together))
+
+
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU and a Triton with Gluon (the Hopper forward)")
+def test_hopper_forward_in_cuda_graphs_replayed_in_any_order():
+    """Each capture zero-fills a work-tile counter of its own: two graphs captured on one stream give
+    the eager results replayed in either order, the second before the first has ever run."""
+    cases = [_inputs(24, 8, 8, 600, 600, 64, torch.bfloat16, seed=seed) for seed in (3, 4)]
+    eager = [attn.attention_fwd(q, k, v, causal=True, scale=0.125)[0] for q, k, v in cases]
+    graphs, outs = [], []
+    for q, k, v in cases:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs.append(attn.attention_fwd(q, k, v, causal=True, scale=0.125)[0])
+        graphs.append(graph)
+    for order in ((1, 0), (0, 1, 1)):
+        for i in order:
+            outs[i].zero_()
+            graphs[i].replay()
+            torch.cuda.synchronize()
+            assert torch.equal(outs[i], eager[i])
+
+
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU and a Triton with Gluon (the Hopper forward)")
+def test_hopper_forward_under_compile_reduce_overhead():
+    """torch.compile's CUDA graphs (cudagraph trees, which check that their memory pool holds only
+    tensors they track) around a call that reaches the persistent forward."""
+    q, k, v = _inputs(24, 8, 8, 600, 600, 64, torch.bfloat16, seed=5)
+    compiled = torch.compile(lambda q, k, v: portable_ops.attention(q, k, v, causal=True) * 2, mode="reduce-overhead")
+    want = portable_ops.attention(q, k, v, causal=True) * 2
+    for _ in range(4):
+        got = compiled(q, k, v)
+        assert torch.equal(got, want)
 
 
 def test_hopper_forward_grid_is_persistent_only_for_short_rows(monkeypatch):

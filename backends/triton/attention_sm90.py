@@ -630,13 +630,23 @@ _TILE_COUNTERS: dict = {}
 
 
 def _tile_counter(device) -> torch.Tensor:
-    """The forward's work-tile counter for the current stream of ``device``: two int32 zeros, which each
-    launch counts up and its last program sets back. One per stream, so that launches running at once
-    on two streams never share one."""
+    """The forward's work-tile counter: two int32 zeros, which a launch counts up and its last program
+    sets back. Eagerly, one per stream, kept: launches running at once on two streams never share one.
+    While a CUDA graph is captured, a new one per call, its zero-fill captured with it: a kept one made
+    during a capture would never be filled outside that graph's replays, and one kept from before would
+    be shared by every graph captured on the stream, whichever stream each is replayed on."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
     counter = _TILE_COUNTERS.get(key)
     if counter is None:
-        counter = _TILE_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+        # made on a stream of its own: torch.compile's CUDA-graph warm-up routes the current stream's
+        # allocations to its graphs' memory pool, which must hold no tensor it doesn't track
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            counter = torch.zeros(2, dtype=torch.int32, device=device)
+        torch.cuda.current_stream(device).wait_stream(side)
+        _TILE_COUNTERS[key] = counter
     return counter
 
 
