@@ -17,16 +17,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from portable_ops.backends.reference import attention as reference
 from portable_ops.backends.triton import attention_sm90 as new
 from portable_ops.backends.triton import _sm90_before as old
+from portable_ops.bench.backward_ab import _inputs as inputs  # bf16 q/k/v on the GPU, [B, S, H, D]-transposed or not
 from portable_ops.bench.common import steady_ms, table, device_info
 from portable_ops.layout import strides_like, empty_like
-
-def inputs(b, hq, hkv, sq, skv, d, inner, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    def make(h, s):
-        if inner:
-            return torch.randn(b, s, h, d, generator=g).to(torch.bfloat16).cuda().transpose(1, 2)
-        return torch.randn(b, h, s, d, generator=g).to(torch.bfloat16).cuda()
-    return make(hq, sq), make(hkv, skv), make(hkv, skv)
 
 def run(mod, q, k, v, causal, scale, grid=None):
     saved = getattr(mod, "programs", None)
