@@ -27,6 +27,7 @@ key (causal with ``Sq > Skv``), strides TMA can't address.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 
 import torch
@@ -640,14 +641,21 @@ def _tile_counter(device) -> torch.Tensor:
     key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
     counter = _TILE_COUNTERS.get(key)
     if counter is None:
-        # made on a stream of its own: torch.compile's CUDA-graph warm-up routes the current stream's
-        # allocations to its graphs' memory pool, which must hold no tensor it doesn't track
-        side = torch.cuda.Stream(device)
-        with torch.cuda.stream(side):
-            counter = torch.zeros(2, dtype=torch.int32, device=device)
-        torch.cuda.current_stream(device).wait_stream(side)
-        _TILE_COUNTERS[key] = counter
+        counter = _TILE_COUNTERS[key] = _kept_zeros(device)
     return counter
+
+
+def _kept_zeros(device) -> torch.Tensor:
+    """Two int32 zeros, filled before this returns, from outside any CUDA-graph memory pool:
+    torch.compile's CUDA-graph warm-up sends every allocation of the current thread to its graphs'
+    pool, which must hold no tensor it doesn't track, so they are made on a thread of their own."""
+    def make():
+        zeros = torch.zeros(2, dtype=torch.int32, device=device)
+        torch.cuda.current_stream(device).synchronize()
+        return zeros
+
+    with concurrent.futures.ThreadPoolExecutor(1) as worker:
+        return worker.submit(make).result()
 
 
 class BwdPlan:
