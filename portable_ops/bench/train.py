@@ -11,7 +11,9 @@ each eagerly and under ``torch.compile`` (the model and its loss; the optimizer 
 on both sides), from the same initialisation on the same batches, in one process. Per run:
 tokens/s and ms per step over back-to-back steps, device-busy ms per step (kernel time under
 torch.profiler) and its split by kernel kind (attention forward and backward, optimizer, the
-rest), warm-up seconds, peak memory and the loss of every step; per stack, the host time of one
+rest), the host time of a step and its split by phase (each step queued behind a sleep kernel, so
+that the host never waits for the device: an eager run is host-bound where this passes the busy
+time), warm-up seconds, peak memory and the loss of every step; per stack, the host time of one
 attention call forward and backward. One more run per shape, torch's eager stack with SDPA held to
 its flash kernel, measures how far bf16 rounding alone sends two loss curves apart. A second process, started after the main runs so that
 every cache is warm, measures warm-up as a user's second run sees it.
@@ -98,17 +100,65 @@ class Run:
         self.data = batches(cfg, steps, device, seed)
         self.losses: list[torch.Tensor] = []
 
-    def step(self):
+    def step(self, mark=None):
+        """One training step; ``mark(phase)`` is called as each of PHASES ends."""
+        mark = mark or (lambda phase: None)
         tokens, targets = next(self.data)
         with torch.autocast(self.device.type, dtype=torch.bfloat16):
             loss = self.loss_fn(tokens, targets)
+        mark("forward")
         loss.backward()
+        mark("backward")
         if self.stack != "portable_ops":
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_GRAD_NORM, foreach=True)
+        mark("clip")
         self.opt.step()
+        mark("optimizer")
         self.schedule.step()
         self.opt.zero_grad(set_to_none=True)
         self.losses.append(loss.detach())
+        mark("rest")
+
+
+PHASES = ("forward", "backward", "clip", "optimizer", "rest")
+# Device work queued ahead of each step whose host time is measured (~0.25 s on an H100): far
+# longer than any step here, so no launch waits for a free slot or for the device.
+HOST_STEP_SLEEP_CYCLES = 500_000_000
+
+
+def step_host_ms(run: Run, steps: int) -> dict:
+    """Median host ms per step and per phase (PHASES) of ``steps`` steps: what a step costs the
+    host, which an eager loop hides only while it stays under the device's time per step. On CUDA
+    each step is enqueued behind a sleep kernel, so nothing in it waits for the device unless it
+    synchronises; such a step is reported as such (None) rather than as host time."""
+    times: dict[str, list[float]] = {phase: [] for phase in ("step", *PHASES)}
+    waited = False
+    for _ in range(steps):
+        if run.device.type == "cuda":
+            torch.cuda._sleep(HOST_STEP_SLEEP_CYCLES)
+        start = last = time.perf_counter()
+
+        def mark(phase):
+            nonlocal last
+            now = time.perf_counter()
+            times[phase].append((now - last) * 1e3)
+            last = now
+
+        run.step(mark)
+        times["step"].append((last - start) * 1e3)
+        if run.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+            waited |= done.query()  # the sleep is over: some phase waited for it
+        _sync(run.device)
+    if waited:
+        return {"host ms/step": None}
+    return {"host ms/step": _median(times.pop("step")),
+            **{f"host {phase} ms": _median(values) for phase, values in times.items()}}
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 KINDS = (*KERNEL_KINDS, "other")
@@ -139,8 +189,8 @@ def _device_time(run: Run, steps: int) -> dict:
 
 
 def measure(cfg: LlamaConfig, stack: str, mode: str, device: torch.device, timed_steps: int, profiled_steps: int,
-            progress=None) -> dict:
-    run = Run(cfg, stack, mode, device, WARMUP_STEPS + timed_steps + profiled_steps)
+            progress=None, host_steps: int = 0) -> dict:
+    run = Run(cfg, stack, mode, device, WARMUP_STEPS + timed_steps + profiled_steps + host_steps)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     _sync(device)
@@ -157,6 +207,7 @@ def measure(cfg: LlamaConfig, stack: str, mode: str, device: torch.device, timed
            "tokens/s": cfg.batch * cfg.seq / (ms / 1e3),
            "warm-up s": (warm - start) - WARMUP_STEPS * ms / 1e3,
            **_device_time(run, profiled_steps),
+           **(step_host_ms(run, host_steps) if host_steps else {}),
            "peak GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
            "losses": torch.stack(run.losses).float().cpu().tolist()}
     if progress:
@@ -240,16 +291,19 @@ def compare_losses(rows: list[dict]) -> list[dict]:
     return out
 
 
-def run_train(shapes=SHAPES, device=None, timed_steps=20, profiled_steps=3, second_run=True, progress=print) -> dict:
+def run_train(shapes=SHAPES, device=None, timed_steps=20, profiled_steps=3, host_steps=10, second_run=True,
+              progress=print) -> dict:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows, noise, host = [], [], []
     for name, cfg in shapes.items():
         progress(f"{name}: {asdict(cfg)}")
         for mode in MODES:
             for stack in STACKS:
-                rows.append({**measure(cfg, stack, mode, device, timed_steps, profiled_steps, progress), "shape": name})
+                rows.append({**measure(cfg, stack, mode, device, timed_steps, profiled_steps, progress, host_steps),
+                             "shape": name})
         try:  # as many steps as the runs it is compared with
-            noise.append({**measure(cfg, *NOISE_RUN, device, timed_steps, profiled_steps, progress), "shape": name})
+            noise.append({**measure(cfg, *NOISE_RUN, device, timed_steps, profiled_steps, progress, host_steps),
+                          "shape": name})
         except RuntimeError as error:  # no flash kernel for this GPU or shape: torch's eager/compiled spread only
             progress(f"{NOISE_RUN[0]} skipped: {str(error).splitlines()[0]}")
         for stack in STACKS:
@@ -264,6 +318,7 @@ def run_train(shapes=SHAPES, device=None, timed_steps=20, profiled_steps=3, seco
 
 RUN_COLUMNS = ["shape", "mode", "stack", "tokens/s", "vs torch", "ms/step", "busy ms/step", "warm-up s", "peak GiB"]
 KIND_COLUMNS = ["shape", "mode", "stack", "busy ms/step", *(f"{kind} ms" for kind in KINDS)]
+HOST_COLUMNS = ["shape", "mode", "stack", "busy ms/step", "host ms/step", *(f"host {phase} ms" for phase in PHASES)]
 
 
 def report(result: dict, info: dict, out_dir) -> str:
@@ -277,6 +332,7 @@ def report(result: dict, info: dict, out_dir) -> str:
         pass
     host = ["shape", "stack", "host us fwd", "host us bwd"]
     return "\n\n".join([table(result["runs"], RUN_COLUMNS), table(result["runs"], KIND_COLUMNS),
+                         table(result["runs"], HOST_COLUMNS),
                          table(result["attention host"], host),
                          table(result["losses"], ["shape", "mode", "max |loss diff|", "last-10 mean |diff|",
                                                   "torch's own spread", "agree"]),
