@@ -1,10 +1,13 @@
-"""The script behind docs/perf/forward_dynamic_ab.txt and forward_persistent_ab.txt (H100, 2026-11-24).
+"""The script behind docs/perf/forward_dynamic_ab.txt, forward_persistent_ab.txt and
+forward_release_ab.txt (H100, 2026-11-24): an A/B of the Hopper forward against an earlier form of it.
 
-Kept as a record, not a tool. It forces the forward's grid by replacing attention_sm90.programs: one
-program per tile ("per tile") or one per SM ("dynamic": since 2ec3157 a persistent program takes the
-next free tile). Its check compares against the module as it was before 6a87e4b, imported as
-backends/triton/_sm90_before.py (`git show de9fe7e:backends/triton/attention_sm90.py >
-backends/triton/_sm90_before.py` to run it again). forward_persistent_ab.txt came from its earlier
+The earlier form is imported as backends/triton/_sm90_before.py (`git show
+COMMIT:backends/triton/attention_sm90.py > backends/triton/_sm90_before.py`; de9fe7e for the grid
+records, 5119abd for the release record). AB=grids (the default) forces the current forward's grid by
+replacing attention_sm90.programs: one program per tile ("per tile") or one per SM ("dynamic": since
+2ec3157 a persistent program takes the next free tile). AB=before times the earlier form ("before")
+against the current one ("now"), each with its own grid. The check compares the current outputs with
+the earlier form's, bit for bit, and across both grids. forward_persistent_ab.txt came from its earlier
 form at 6a87e4b, whose variants were that old module, per tile, and the persistent grid with a static
 split (program p taking tiles p, p + 132, ...). Rows: the better of three interleaved rounds of 10
 calls back to back (steady), as a ratio of cuDNN timed in the same row. TIMED=0: the check alone;
@@ -25,7 +28,7 @@ def run(mod, q, k, v, causal, scale, grid=None):
     saved = getattr(mod, "programs", None)
     if grid is not None:
         tiles = -(-q.shape[2] // 128) * q.shape[0] * q.shape[1]
-        mod.programs = lambda q, k, causal: tiles if grid == "tiles" else min(tiles, 132)
+        mod.programs = lambda q, k: tiles if grid == "tiles" else min(tiles, 132)
     try:
         plan = mod.Plan(q, k, v, strides_like(q), causal, scale)
     finally:
@@ -66,6 +69,19 @@ def check():
         rows.append(row)
     return rows
 
+VARIANTS = {
+    "grids": lambda q, k, v, causal, scale: [("per tile", run(new, q, k, v, causal, scale, grid="tiles")),
+                                             ("dynamic", run(new, q, k, v, causal, scale, grid="sms"))],
+    "before": lambda q, k, v, causal, scale: [("before", run(old, q, k, v, causal, scale)),
+                                              ("now", run(new, q, k, v, causal, scale))] +
+                                             [(name, run(mod, q, k, v, causal, scale)) for name, mod in EXTRA],
+}
+# EXTRA=_sm90_x,_sm90_y: more forms of the module (backends/triton/_sm90_x.py, ...) timed with AB=before
+EXTRA = [(name, __import__(f"portable_ops.backends.triton.{name}", fromlist=["Plan"]))
+         for name in filter(None, os.environ.get("EXTRA", "").split(","))]
+AB = os.environ.get("AB", "grids")
+
+
 def timed(seqs, dims):
     rows = []
     for d in dims:
@@ -79,11 +95,10 @@ def timed(seqs, dims):
                     scale = 1 / math.sqrt(d)
                     tflop = 4 * b * h * s * s * d * (0.5 if causal else 1) / 1e12
                     row = {"D": d, "S": s, "causal": causal, "Hkv": hkv}
-                    variants = [("per tile", run(new, q, k, v, causal, scale, grid="tiles")),
-                                ("dynamic", run(new, q, k, v, causal, scale, grid="sms"))]
+                    variants = VARIANTS[AB](q, k, v, causal, scale)
                     best = {}
-                    for _ in range(3):  # interleaved rounds: the clocks drift under load
-                        for name, fn in variants:
+                    for r in range(max(3, len(variants))):  # interleaved rounds, each in another order: clocks drift
+                        for name, fn in variants[r % len(variants):] + variants[:r % len(variants)]:
                             best[name] = min(best.get(name, 1e9), steady_ms(fn, iters=10))
                     for name, _ in variants:
                         row[name] = tflop / best[name] * 1e3
@@ -103,5 +118,5 @@ if __name__ == "__main__":
         raise SystemExit(0)
     rows = timed([1024, 2048, 4096, 8192, 16384, 32768], [128, 64])
     print("ratios against cuDNN; cudnn column in TFLOP/s")
-    print(table(rows, ["D", "S", "causal", "Hkv", "cudnn", "per tile", "dynamic"]))
+    print(table(rows, ["D", "S", "causal", "Hkv", "cudnn", *list(rows[0])[4:-1]]))
     print(device_info())
