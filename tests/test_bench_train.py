@@ -14,7 +14,7 @@ def test_train_benchmark_protocol_on_a_toy_shape(tmp_path):
     runs = result["runs"]
     assert {(r["stack"], r["mode"]) for r in runs} == {(s, m) for s in train.STACKS for m in train.MODES}
     for r in runs:
-        assert r["tokens/s"] > 0 and len(r["losses"]) == train.WARMUP_STEPS + 2 + 3
+        assert r["tokens/s"] > 0 and len(r["losses"]) == train.WARMUP_STEPS + 2  # not the host-timed steps
         phases = [r[f"host {phase} ms"] for phase in train.PHASES]
         assert all(ms >= 0 for ms in phases) and r["host forward ms"] > 0 and r["host backward ms"] > 0
         # medians of each phase: their sum is near the median step, not equal to it

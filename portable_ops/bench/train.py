@@ -209,7 +209,8 @@ def measure(cfg: LlamaConfig, stack: str, mode: str, device: torch.device, timed
            **_device_time(run, profiled_steps),
            **(step_host_ms(run, host_steps) if host_steps else {}),
            "peak GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-           "losses": torch.stack(run.losses).float().cpu().tolist()}
+           # the host-timed steps train on, but past the steps every run is compared over
+           "losses": torch.stack(run.losses[:WARMUP_STEPS + timed_steps + profiled_steps]).float().cpu().tolist()}
     if progress:
         progress(f"{stack:<12} {mode:<8} {ms:8.2f} ms/step  warm-up {row['warm-up s']:.1f} s")
     return row
@@ -302,8 +303,7 @@ def run_train(shapes=SHAPES, device=None, timed_steps=20, profiled_steps=3, host
                 rows.append({**measure(cfg, stack, mode, device, timed_steps, profiled_steps, progress, host_steps),
                              "shape": name})
         try:  # as many steps as the runs it is compared with
-            noise.append({**measure(cfg, *NOISE_RUN, device, timed_steps, profiled_steps, progress, host_steps),
-                          "shape": name})
+            noise.append({**measure(cfg, *NOISE_RUN, device, timed_steps, profiled_steps, progress), "shape": name})
         except RuntimeError as error:  # no flash kernel for this GPU or shape: torch's eager/compiled spread only
             progress(f"{NOISE_RUN[0]} skipped: {str(error).splitlines()[0]}")
         for stack in STACKS:
