@@ -638,21 +638,30 @@ def _tile_counter(device) -> torch.Tensor:
     be shared by every graph captured on the stream, whichever stream each is replayed on."""
     if torch.cuda.is_current_stream_capturing():
         return torch.zeros(2, dtype=torch.int32, device=device)
-    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
     counter = _TILE_COUNTERS.get(key)
     if counter is None:
-        counter = _TILE_COUNTERS[key] = _kept_zeros(device)
+        counter, filled = _kept_zeros(index)
+        torch.cuda.current_stream(index).wait_event(filled)
+        # two threads on one stream may both get here: all use the first one kept
+        counter = _TILE_COUNTERS.setdefault(key, counter)
     return counter
 
 
-def _kept_zeros(device) -> torch.Tensor:
-    """Two int32 zeros, filled before this returns, from outside any CUDA-graph memory pool:
+def _kept_zeros(index: int):
+    """Two int32 zeros outside any CUDA-graph memory pool, and the event their fill records:
     torch.compile's CUDA-graph warm-up sends every allocation of the current thread to its graphs'
-    pool, which must hold no tensor it doesn't track, so they are made on a thread of their own."""
+    pool, which must hold no tensor it doesn't track, so they are made on a thread of their own,
+    on a stream of its own (no wait on the default stream, nothing the host waits for)."""
     def make():
-        zeros = torch.zeros(2, dtype=torch.int32, device=device)
-        torch.cuda.current_stream(device).synchronize()
-        return zeros
+        with torch.cuda.device(index):
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                zeros = torch.zeros(2, dtype=torch.int32, device="cuda")
+                filled = torch.cuda.Event()
+                filled.record(stream)
+        return zeros, filled
 
     with concurrent.futures.ThreadPoolExecutor(1) as worker:
         return worker.submit(make).result()

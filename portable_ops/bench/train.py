@@ -121,8 +121,8 @@ class Run:
 
 
 PHASES = ("forward", "backward", "clip", "optimizer", "rest")
-# Device work queued ahead of each step whose host time is measured (~0.25 s on an H100): far
-# longer than any step here, so no launch waits for a free slot or for the device.
+# Device work queued ahead of each step whose host time is measured (~0.25 s on an H100): longer
+# than any step here, so that a step whose host never waits ends before the sleep does.
 HOST_STEP_SLEEP_CYCLES = 500_000_000
 
 
@@ -130,12 +130,15 @@ def step_host_ms(run: Run, steps: int) -> dict:
     """Median host ms per step and per phase (PHASES) of ``steps`` steps: what a step costs the
     host, which an eager loop hides only while it stays under the device's time per step. On CUDA
     each step is enqueued behind a sleep kernel, so nothing in it waits for the device unless it
-    synchronises; such a step is reported as such (None) rather than as host time."""
+    synchronises or fills the launch queue; a run where any step outlasted its sleep (it may have
+    waited) reports "waited" instead of host times."""
     times: dict[str, list[float]] = {phase: [] for phase in ("step", *PHASES)}
     waited = False
     for _ in range(steps):
         if run.device.type == "cuda":
             torch.cuda._sleep(HOST_STEP_SLEEP_CYCLES)
+            slept = torch.cuda.Event()
+            slept.record()
         start = last = time.perf_counter()
 
         def mark(phase):
@@ -147,12 +150,10 @@ def step_host_ms(run: Run, steps: int) -> dict:
         run.step(mark)
         times["step"].append((last - start) * 1e3)
         if run.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-            waited |= done.query()  # the sleep is over: some phase waited for it
+            waited |= slept.query()
         _sync(run.device)
     if waited:
-        return {"host ms/step": None}
+        return {"host ms/step": "waited"}
     return {"host ms/step": _median(times.pop("step")),
             **{f"host {phase} ms": _median(values) for phase, values in times.items()}}
 
@@ -206,11 +207,11 @@ def measure(cfg: LlamaConfig, stack: str, mode: str, device: torch.device, timed
     row = {"shape": None, "stack": stack, "mode": mode, "ms/step": ms,
            "tokens/s": cfg.batch * cfg.seq / (ms / 1e3),
            "warm-up s": (warm - start) - WARMUP_STEPS * ms / 1e3,
-           **_device_time(run, profiled_steps),
-           **(step_host_ms(run, host_steps) if host_steps else {}),
-           "peak GiB": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-           # the host-timed steps train on, but past the steps every run is compared over
-           "losses": torch.stack(run.losses[:WARMUP_STEPS + timed_steps + profiled_steps]).float().cpu().tolist()}
+           **_device_time(run, profiled_steps)}
+    compared = len(run.losses)  # the host-timed steps train on, past the steps every run is compared over
+    row.update(step_host_ms(run, host_steps) if host_steps else {})
+    row["peak GiB"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    row["losses"] = torch.stack(run.losses[:compared]).float().cpu().tolist()
     if progress:
         progress(f"{stack:<12} {mode:<8} {ms:8.2f} ms/step  warm-up {row['warm-up s']:.1f} s")
     return row
