@@ -4,7 +4,7 @@ training bench's shape 1 eagerly with torch's stack and ours, alternately, three
 process. It prints ms per step over 25 back-to-back steps, and the median and largest interval
 between step() returns, to catch a one-off stall (a compile, a sync)."""
 import time, torch
-from portable_ops.bench.train import Run, SHAPES, measure
+from portable_ops.bench.train import Run, SHAPES
 cfg = SHAPES["d1024 hd64 s2048"]
 dev = torch.device("cuda")
 rows = []

@@ -9,7 +9,7 @@ replacing attention_sm90.programs: one program per tile ("per tile") or one per 
 against the current one ("now"), each with its own grid. The check compares the current outputs with
 the earlier form's, bit for bit, and across both grids. forward_persistent_ab.txt came from its earlier
 form at 6a87e4b, whose variants were that old module, per tile, and the persistent grid with a static
-split (program p taking tiles p, p + 132, ...). Rows: the better of three interleaved rounds of 10
+split (program p taking tiles p, p + 132, ...). Rows: the best of max(3, variants) interleaved rounds of 10
 calls back to back (steady), as a ratio of cuDNN timed in the same row. TIMED=0: the check alone;
 CHECK=0: the timing alone.
 """
