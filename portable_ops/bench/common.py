@@ -12,6 +12,11 @@ import subprocess
 import torch
 
 
+def median(values: list[float]) -> float:
+    """The middle value (the upper one of an even count)."""
+    return sorted(values)[len(values) // 2]
+
+
 def median_ms(fn, warmup: int = 5, iters: int = 30) -> float:
     """Median wall time of ``fn()`` on the current CUDA stream, from CUDA events, in milliseconds."""
     for _ in range(warmup):
@@ -25,7 +30,7 @@ def median_ms(fn, warmup: int = 5, iters: int = 30) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return median(times)
 
 
 def steady_ms(fn, warmup: int = 3, iters: int = 20) -> float:
@@ -68,7 +73,7 @@ def host_ms(fn, iters: int = 20) -> float:
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     torch.cuda.synchronize()
-    return sorted(times)[len(times) // 2]
+    return median(times)
 
 
 def copy_bandwidth(gib: float = 2.0) -> float:

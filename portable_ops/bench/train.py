@@ -34,7 +34,7 @@ import torch
 
 import portable_ops
 
-from .common import host_ms
+from .common import host_ms, median
 from .llama import Llama, LlamaConfig, batches
 
 # The two shapes, then a long-sequence one (head dim 128, 8k tokens per sequence).
@@ -154,12 +154,8 @@ def step_host_ms(run: Run, steps: int) -> dict:
         _sync(run.device)
     if waited:
         return {"host ms/step": "waited"}
-    return {"host ms/step": _median(times.pop("step")),
-            **{f"host {phase} ms": _median(values) for phase, values in times.items()}}
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
+    return {"host ms/step": median(times.pop("step")),
+            **{f"host {phase} ms": median(values) for phase, values in times.items()}}
 
 
 KINDS = (*KERNEL_KINDS, "other")
@@ -241,7 +237,7 @@ def _cpu_host_ms(fn, iters: int = 5) -> float:
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return median(times)
 
 
 def warm_second_run(shape: str, device: torch.device) -> list[dict]:
