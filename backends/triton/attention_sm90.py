@@ -516,7 +516,7 @@ def supports(q, k, v, causal, out_stride, window=None, softcap=None) -> list[str
                        "blocks outside it)")
     if softcap is not None:
         reasons.append("a softcap: the Hopper kernels have no tanh in their softmax yet (the tl.* kernels have)")
-    if not (q.is_cuda and _is_sm90(q.device.index if q.device.index is not None else torch.cuda.current_device())):
+    if not (q.is_cuda and _is_sm90(_index(q.device))):
         reasons.append("not an sm_90 GPU")
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
         reasons.append("only float16/bfloat16 q, k, v of one dtype")
@@ -547,8 +547,13 @@ def programs(q, k) -> int:
     return min(tiles, _multiprocessors(q.device))
 
 
+def _index(device) -> int:
+    """A CUDA device's index, the current device's where it names none (``torch.device("cuda")``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _multiprocessors(device) -> int:
-    return _device_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return _device_multiprocessors(_index(device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -638,7 +643,7 @@ def _tile_counter(device) -> torch.Tensor:
     be shared by every graph captured on the stream, whichever stream each is replayed on."""
     if torch.cuda.is_current_stream_capturing():
         return torch.zeros(2, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     counter = _TILE_COUNTERS.get(key)
     if counter is None:
