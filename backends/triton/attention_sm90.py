@@ -351,14 +351,10 @@ if gluon is not None:
         ], [4, 1], [240, 24])
 
     @gluon.jit
-    def _dkdv(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ds_bar, ready, empty, dk_desc, dv_desc,
-              dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi,
-              WARPGROUP: gl.constexpr, CAUSAL: gl.constexpr):
-        """One consumer warpgroup of the backward: its 64 keys against every query tile of the group's
-        heads that sees them. dK and dV stay in registers. Each tile's dS^T goes to shared memory, and
-        once both warpgroups' are there, each computes dS K over all 128 keys for half of dQ's columns
-        and adds it to the float32 dQ through a TMA reduce-add: one add per tile and 128 keys, in
-        whole lines (per-element atomics from registers, twice as many, took 1.7 ms of a 5.4 ms step)."""
+    def _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc, lse_ptr,
+                   delta_ptr, dk, dv, t, b, head, m0, keys, qk_scale, scale, H, SQ, SKV, WARPGROUP: gl.constexpr,
+                   MASK: gl.constexpr, CAUSAL: gl.constexpr):
+        """Query tile ``m0`` of ``head``, the ``t``-th this warpgroup takes: its share of dK and dV, and of dQ."""
         BM: gl.constexpr = q_smem.shape[3]
         D: gl.constexpr = q_smem.shape[4]
         BN: gl.constexpr = k_smem.shape[3]
@@ -367,58 +363,102 @@ if gluon is not None:
         DQ_BUFFERS: gl.constexpr = dq_smem.shape[0] // 2
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = _mma_layout(BM)
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(D), k_width=2)
+        slot = t % STAGES
+        bh = (b * H + head).to(gl.int64)
+        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
+        q_tile = _tile(q_smem, slot, BM, D)
+        do_tile = _tile(do_smem, slot, BM, D)
+        rows = m0 + gl.arange(0, BM, gl.SliceLayout(0, s_layout))
+        lse = gl.load(lse_ptr + bh * SQ + rows, mask=rows < SQ, other=0.0) * _LOG2E
+        delta = gl.load(delta_ptr + bh * SQ + rows, mask=rows < SQ, other=0.0)
+        # S^T and dP^T, keys x queries: P^T and dS^T then feed dV and dK from registers
+        st = warpgroup_mma(_tile(k_smem, WARPGROUP, BN, D), q_tile.permute((1, 0)),
+                           gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False)
+        dpt = warpgroup_mma(_tile(v_smem, WARPGROUP, BN, D), do_tile.permute((1, 0)),
+                            gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False)
+        if MASK:
+            visible = (rows[None, :] < SQ) & (keys[:, None] < SKV)
+            if CAUSAL:
+                visible = visible & (keys[:, None] <= rows[None, :] + (SKV - SQ))
+            pt = gl.where(visible, gl.exp2(st * qk_scale - lse[None, :]), 0.0)
+        else:
+            pt = gl.exp2(st * qk_scale - lse[None, :])
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv)
+        ds = (pt * (dpt - delta[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk)
+        # dS^T double-buffered: a warpgroup writes this buffer again two tiles on, by when the other
+        # has passed the next tile's barrier, so it is done reading this one
+        buf = t % 2
+        ds_smem.index(2 * buf + WARPGROUP).store(ds.permute((1, 0)))
+        fence_async_shared()
+        mbarrier.arrive(ds_bar.index(buf), count=1)
+        mbarrier.wait(ds_bar.index(buf), (t // 2) & 1)
+        dq = warpgroup_mma(ds_smem.index(2 * buf), _tile(k_smem, 0, BN, D).slice(WARPGROUP * HALF, HALF, 1),
+                           gl.zeros([BM, HALF], gl.float32, _mma_layout(HALF)), use_acc=False)
+        dq = warpgroup_mma(ds_smem.index(2 * buf + 1), _tile(k_smem, 1, BN, D).slice(WARPGROUP * HALF, HALF, 1),
+                           dq)
+        mbarrier.arrive(empty.index(slot), count=1)
+        dq_buf = dq_smem.index(2 * (t % DQ_BUFFERS) + WARPGROUP)
+        tma.store_wait(DQ_BUFFERS - 1)  # that buffer's last reduce-add has read it
+        dq_buf.reshape([BM, HALF]).store(dq * scale)
+        fence_async_shared()
+        _tma_add(dq_desc, [b, head, m0, WARPGROUP * HALF], dq_buf)
+        return dk, dv
+
+    @gluon.jit
+    def _dkdv(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ds_bar, ready, empty, dk_desc, dv_desc,
+              dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi,
+              WARPGROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_MASK: gl.constexpr):
+        """One consumer warpgroup of the backward: its 64 keys against every query tile of the group's
+        heads that sees them. dK and dV stay in registers. Each tile's dS^T goes to shared memory, and
+        once both warpgroups' are there, each computes dS K over all 128 keys for half of dQ's columns
+        and adds it to the float32 dQ through a TMA reduce-add: one add per tile and 128 keys, in
+        whole lines (per-element atomics from registers, twice as many, took 1.7 ms of a 5.4 ms step).
+
+        With ``SPLIT_MASK`` only the tiles that need it are masked (else all are; BWD_CONFIGS says where):
+        the causal diagonal's, and every tile of a block of keys that runs past Skv (its keys' zero rows
+        would still give P a value). Query rows past Sq need no mask: their Q and dO rows read as zeros, so
+        they add nothing to dK or dV (lse and delta load as 0, so P is 1 and dS 0 there)."""
+        BM: gl.constexpr = q_smem.shape[3]
+        D: gl.constexpr = q_smem.shape[4]
+        BN: gl.constexpr = k_smem.shape[3]
+        dtype: gl.constexpr = q_smem.dtype
         acc_layout: gl.constexpr = _mma_layout(D)
-        dq_layout: gl.constexpr = _mma_layout(HALF)
-        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         k_tile = _tile(k_smem, WARPGROUP, BN, D)
         v_tile = _tile(v_smem, WARPGROUP, BN, D)
         my_keys = n0 + WARPGROUP * BN
-        keys = my_keys + gl.arange(0, BN, gl.SliceLayout(1, s_layout))
-        diagonal = SKV - SQ
+        keys = my_keys + gl.arange(0, BN, gl.SliceLayout(1, _mma_layout(BM)))
         dk = gl.zeros([BN, D], gl.float32, acc_layout)
         dv = gl.zeros([BN, D], gl.float32, acc_layout)
+        # query tiles [lo, split) see only some of these keys; [split, hi) see all of them
+        split = lo
+        if CAUSAL:
+            split = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(n0 + 2 * BN - 1 - (SKV - SQ), 0), BM), lo), hi)
+        if n0 + 2 * BN > SKV:
+            split = hi
         mbarrier.wait(kv_bar, 0)
-        per_head = hi - lo
-        for t in range(GROUP * per_head):
-            slot = t % STAGES
-            head = hk * GROUP + t // per_head
-            bh = (b * H + head).to(gl.int64)
-            m0 = (lo + t % per_head) * BM
-            mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
-            q_tile = _tile(q_smem, slot, BM, D)
-            do_tile = _tile(do_smem, slot, BM, D)
-            rows = m0 + gl.arange(0, BM, gl.SliceLayout(0, s_layout))
-            lse = gl.load(lse_ptr + bh * SQ + rows, mask=rows < SQ, other=0.0) * _LOG2E
-            delta = gl.load(delta_ptr + bh * SQ + rows, mask=rows < SQ, other=0.0)
-            # S^T and dP^T, keys x queries: P^T and dS^T then feed dV and dK from registers
-            st = warpgroup_mma(k_tile, q_tile.permute((1, 0)), gl.zeros([BN, BM], gl.float32, s_layout),
-                               use_acc=False)
-            dpt = warpgroup_mma(v_tile, do_tile.permute((1, 0)), gl.zeros([BN, BM], gl.float32, s_layout),
-                                use_acc=False)
-            visible = (rows[None, :] < SQ) & (keys[:, None] < SKV)
-            if CAUSAL:
-                visible = visible & (keys[:, None] <= rows[None, :] + diagonal)
-            pt = gl.where(visible, gl.exp2(st * qk_scale - lse[None, :]), 0.0)
-            dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv)
-            ds = (pt * (dpt - delta[None, :])).to(dtype)
-            dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk)
-            # dS^T double-buffered: a warpgroup writes this buffer again two tiles on, by when the other
-            # has passed the next tile's barrier, so it is done reading this one
-            buf = t % 2
-            ds_smem.index(2 * buf + WARPGROUP).store(ds.permute((1, 0)))
-            fence_async_shared()
-            mbarrier.arrive(ds_bar.index(buf), count=1)
-            mbarrier.wait(ds_bar.index(buf), (t // 2) & 1)
-            dq = warpgroup_mma(ds_smem.index(2 * buf), _tile(k_smem, 0, BN, D).slice(WARPGROUP * HALF, HALF, 1),
-                               gl.zeros([BM, HALF], gl.float32, dq_layout), use_acc=False)
-            dq = warpgroup_mma(ds_smem.index(2 * buf + 1), _tile(k_smem, 1, BN, D).slice(WARPGROUP * HALF, HALF, 1),
-                               dq)
-            mbarrier.arrive(empty.index(slot), count=1)
-            dq_buf = dq_smem.index(2 * (t % DQ_BUFFERS) + WARPGROUP)
-            tma.store_wait(DQ_BUFFERS - 1)  # that buffer's last reduce-add has read it
-            dq_buf.reshape([BM, HALF]).store(dq * scale)
-            fence_async_shared()
-            _tma_add(dq_desc, [b, head, m0, WARPGROUP * HALF], dq_buf)
+        if SPLIT_MASK:
+            t = 0
+            for g in range(GROUP):
+                head = hk * GROUP + g
+                for m in range(lo, split):
+                    dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty,
+                                        dq_desc, lse_ptr, delta_ptr, dk, dv, t, b, head, m * BM, keys, qk_scale, scale,
+                                        H, SQ, SKV, WARPGROUP, True, CAUSAL)
+                    t += 1
+                for m in range(split, hi):
+                    dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty,
+                                        dq_desc, lse_ptr, delta_ptr, dk, dv, t, b, head, m * BM, keys, qk_scale, scale,
+                                        H, SQ, SKV, WARPGROUP, False, CAUSAL)
+                    t += 1
+        else:
+            per_head = hi - lo
+            for t in range(GROUP * per_head):
+                dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc,
+                                    lse_ptr, delta_ptr, dk, dv, t, b, hk * GROUP + t // per_head,
+                                    (lo + t % per_head) * BM, keys, qk_scale, scale, H, SQ, SKV, WARPGROUP, True,
+                                    CAUSAL)
         # the other warpgroup's last dQ MMA reads this one's K tile
         mbarrier.arrive(ds_bar.index(2), count=1)
         mbarrier.wait(ds_bar.index(2), 0)
@@ -433,7 +473,7 @@ if gluon is not None:
     @gluon.jit
     def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, H, GROUP, SQ, SKV,
                     qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    SPLIT_MASK: gl.constexpr, num_warps: gl.constexpr):
         """dK and dV of 2 x 64 keys of one (batch, KV head) over every query of its group's heads that sees
         them, and those queries' dS K added to a float32 dQ (cast afterwards)."""
         BM: gl.constexpr = q_desc.block_type.shape[2]
@@ -473,20 +513,22 @@ if gluon is not None:
             _tma_load(v_desc, [b, hk, n0 + i * BN, 0], kv_bar, v_smem.index(i))
         gl.warp_specialize([
             (_dkdv, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ds_bar, ready, empty, dk_desc, dv_desc,
-                     dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi, 0, CAUSAL)),
+                     dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi, 0, CAUSAL, SPLIT_MASK)),
             (_dkdv, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ds_bar, ready, empty, dk_desc, dv_desc,
-                     dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi, 1, CAUSAL)),
+                     dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi, 1, CAUSAL, SPLIT_MASK)),
             (_loader, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, hk * GROUP, GROUP, lo, hi)),
         ], [4, 1], [240, 24])
 
 
 # (BLOCK_N, STAGES, O_THROUGH_Q) per head dim; BLOCK_M is 128 (two consumer warpgroups of 64 rows).
 CONFIGS = {64: (128, 4, False), 128: (128, 3, True)}
-# The backward: (Q/dO ring stages, dQ buffers a warpgroup writes in turn) per (head dim, causal), the
-# faster of those timed on the H100 (docs/backends/triton.md); 64-row tiles, 2 x 64 keys a
-# program. Each fits the 227 KB of shared memory an H100 block may have. Head dim 64 without a mask
-# keeps the tl.* backward (supports_backward).
-BWD_CONFIGS = {(64, True): (4, 2), (128, False): (3, 1), (128, True): (2, 2)}
+# The backward: (Q/dO ring stages, dQ buffers a warpgroup writes in turn, masked tiles looped apart) per (head
+# dim, causal), the faster of those timed on the H100 (docs/backends/triton.md); 64-row tiles, 2 x 64 keys a
+# program. Each fits the 227 KB of shared memory an H100 block may have. Masking only the tiles that need it
+# saves 5-17% at D 64; at D 128 the consumers are at their 240 registers and the second copy of the tile's
+# code spills (a runtime branch does too), 3-13% slower, so every tile there is masked. Head dim 64 without
+# a mask keeps the tl.* backward (supports_backward).
+BWD_CONFIGS = {(64, True): (4, 2, True), (128, False): (3, 1, False), (128, True): (2, 2, False)}
 BWD_BLOCK = 64
 # The most keys x head dim a row reads where the forward runs on a persistent grid (programs)
 PERSISTENT_MAX_WORK = 8192 * 128
@@ -686,9 +728,10 @@ class BwdPlan:
                              (v, dv_stride)))
         dq_sum = torch.empty(q.shape, dtype=torch.float32, device="meta")
         descriptors += (_template(dq_sum, dq_sum.stride(), BWD_BLOCK, d // 2),)
-        stages, dq_buffers = BWD_CONFIGS[d, causal]
+        stages, dq_buffers, split_mask = BWD_CONFIGS[d, causal]
         self.launch = Launch(_bwd_kernel, (triton.cdiv(skv, 2 * BWD_BLOCK), b * hkv), 2, descriptors, CAUSAL=causal,
-                             STAGES=stages, DQ_BUFFERS=dq_buffers, num_warps=4, maxnreg=MAXNREG)
+                             STAGES=stages, DQ_BUFFERS=dq_buffers, SPLIT_MASK=split_mask, num_warps=4,
+                             maxnreg=MAXNREG)
         self.args = (h, h // hkv, sq, skv)
 
 

@@ -1,0 +1,134 @@
+"""An A/B of the Hopper backward's variants (H100): the committed form (backends/triton/_sm90_before.py,
+`git show COMMIT:backends/triton/attention_sm90.py > backends/triton/_sm90_before.py`) against the
+working tree's kernel under each constexpr set of VARIANTS, all through attention.attention_bwd (so
+each time includes the delta pass, dQ's zeroing and its cast), with cuDNN timed in the same row.
+
+The check compares each variant's gradients with float64 on the CHECKS cases (backward_ab's, with
+head dim 64 unmasked added). Rows: the best of max(3, variants) interleaved rounds of 10 calls back
+to back, each round in another order, as a ratio of cuDNN's time in the same row (above 1: faster).
+SEQS=4096,... chooses the sequence lengths (16k tokens: B = 16384 / S); TIMED=0: the check alone.
+"""
+import math, os, time
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from portable_ops.backends.reference import attention as reference
+from portable_ops.backends.triton import attention, attention_sm90 as new
+from portable_ops.backends.triton import _sm90_before as old
+from portable_ops.bench.backward_ab import _inputs as inputs
+from portable_ops.bench.common import steady_ms, table, device_info
+
+# name: (module, constexpr overrides; STAGES / DQ_BUFFERS replace the config's)
+VARIANTS = {"before": (old, {}), "now": (new, {}), "now split": (new, {"SPLIT_MASK": True}), "tl": None}
+VARIANTS.update({f"s{s} b{b}": (new, {"STAGES": s, "DQ_BUFFERS": b})
+                 for s, b in (tuple(map(int, x.split("/"))) for x in filter(None, os.environ.get("CONFIGS", "").split(",")))})
+for _mod in (old, new):  # head dim 64 unmasked takes the tl.* backward: the causal config here
+    _mod.BWD_CONFIGS.setdefault((64, False), _mod.BWD_CONFIGS[64, True])
+KERNELS = {mod: (mod.BwdPlan, mod.backward, mod.supports_backward) for mod in (old, new)}  # before bwd() patches new's
+ONLY = [v for v in os.environ.get("ONLY", "").split(",") if v]
+if ONLY:
+    VARIANTS = {k: VARIANTS[k] for k in ONLY}
+
+
+def bwd(variant, q, k, v, out, lse, dout, causal, scale):
+    """attention_bwd through ``variant``'s Hopper kernel (head dim 64 unmasked included), or, for "tl",
+    through the tl.* backward: each variant with its own plan cache, swapped in for its calls."""
+    plans = {}
+    if variant == "tl":
+        kernels, supports = (new.BwdPlan, new.backward), (lambda *a, **kw: ["timed as tl.*"])
+    else:
+        mod, consts = VARIANTS[variant]
+
+        def plan(*args):
+            p = KERNELS[mod][0](*args)
+            p.launch.options = {**p.launch.options, **consts}
+            return p
+        kernels = (plan, KERNELS[mod][1])
+        supports = lambda *a, **kw: [r for r in KERNELS[new][2](*a, **kw) if "head dim 64 without" not in r]
+
+    def call():
+        saved = attention._bwd_plans, new.BwdPlan, new.backward, new.supports_backward
+        attention._bwd_plans, (new.BwdPlan, new.backward), new.supports_backward = plans, kernels, supports
+        try:
+            return attention.attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale)
+        finally:
+            attention._bwd_plans, new.BwdPlan, new.backward, new.supports_backward = saved
+    call()
+    assert (next(iter(plans.values())).hopper is None) == (variant == "tl")
+    return call
+
+
+CHECKS = [(2, 4, 4, 256, 256, 64, False, False), (1, 8, 2, 1000, 1000, 128, True, True),
+          (2, 4, 1, 300, 777, 128, True, True), (1, 2, 2, 100, 100, 64, True, False),
+          (3, 6, 3, 129, 200, 128, False, False), (2, 8, 2, 333, 517, 128, False, True),
+          (1, 4, 4, 65, 65, 64, False, False), (2, 4, 2, 300, 777, 64, True, True), (1, 4, 1, 1500, 1500, 64, False, True),
+          (1, 4, 2, 200, 256, 128, False, False), (1, 4, 4, 1000, 1024, 64, True, True),
+          (2, 4, 2, 300, 777, 64, True, True, 12.0), (1, 4, 4, 200, 200, 64, False, False, 12.0)]  # last: q * 12
+
+
+def check():
+    rows = []
+    for b, hq, hkv, sq, skv, d, causal, inner, *magnitude in CHECKS:
+        q, k, v = inputs(b, hq, hkv, sq, skv, d, inner)
+        q = q * magnitude[0] if magnitude else q  # scores in the hundreds: lse far from 0
+        scale = 1 / math.sqrt(d)
+        out, lse = attention.attention_fwd(q, k, v, causal=causal, scale=scale)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(q.dtype).cuda()
+        q64, k64, v64 = (t.double().cpu() for t in (q, k, v))
+        ref_out, ref_lse = reference.attention_fwd(q64, k64, v64, causal=causal, scale=scale)
+        ref = reference.attention_bwd(q64, k64, v64, ref_out, ref_lse, dout.double().cpu(), causal=causal, scale=scale)
+        row = {"case": f"B{b} H{hq}/{hkv} S{sq}/{skv} D{d}{' causal' if causal else ''}{' q*%g' % magnitude[0] if magnitude else ''}"}
+        for name in VARIANTS:
+            try:
+                grads = [g.clone() for g in bwd(name, q, k, v, out, lse, dout, causal, scale)()]
+            except Exception as e:  # a config past shared memory's limit
+                row[name] = f"{type(e).__name__}: {e}"[:40]
+                continue
+            err = max(((g.double().cpu() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(grads, ref))
+            row[name] = f"{err:.1e}" if all(g.isfinite().all() for g in grads) else "non-finite"
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def timed(seqs):
+    rows = []
+    for d, causal, hkv in [(128, False, 16), (128, True, 16), (128, True, 4), (64, True, 16), (64, False, 16)]:
+        for s in seqs:
+            b, h = max(1, 16384 // s), 16
+            q, k, v = inputs(b, h, hkv, s, s, d, True)
+            scale = 1 / math.sqrt(d)
+            out, lse = attention.attention_fwd(q, k, v, causal=causal, scale=scale)
+            dout = torch.randn_like(out)
+            variants = []
+            for name in VARIANTS:
+                try:  # a config past shared memory's limit fails to compile
+                    variants.append((name, bwd(name, q, k, v, out, lse, dout, causal, scale)))
+                except Exception as e:
+                    print(name, type(e).__name__, str(e)[:200], flush=True)
+            best = {}
+            for r in range(max(3, len(variants))):  # interleaved rounds, each in another order: clocks drift
+                for name, fn in variants[r % len(variants):] + variants[:r % len(variants)]:
+                    best[name] = min(best.get(name, 1e9), steady_ms(fn, iters=10))
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                o = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=hkv != h)
+                cudnn = min(steady_ms(lambda: torch.autograd.grad(o, leaves, dout, retain_graph=True), iters=10)
+                            for _ in range(3))
+            tflop = 2.5 * 4 * b * h * s * s * d * (0.5 if causal else 1) / 1e12
+            row = {"D": d, "S": s, "causal": causal, "Hkv": hkv, "cudnn TFLOP/s": round(tflop / cudnn * 1e3),
+                   **{name: round(cudnn / best[name], 3) if name in best else None for name in VARIANTS}}
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    t0 = time.time()
+    print(table(check(), ["case", *VARIANTS]), flush=True)
+    print("check s", round(time.time() - t0), flush=True)
+    if os.environ.get("TIMED", "1") == "1":
+        rows = timed([int(s) for s in os.environ.get("SEQS", "4096").split(",")])
+        print("backward time as a ratio of cuDNN's (above 1: faster)")
+        print(table(rows, list(rows[0])))
+    print(device_info())
