@@ -6,7 +6,8 @@ each time includes the delta pass, dQ's zeroing and its cast), with cuDNN timed 
 The check compares each variant's gradients with float64 on the CHECKS cases (backward_ab's, with
 head dim 64 unmasked added). Rows: the best of max(3, variants) interleaved rounds of 10 calls back
 to back, each round in another order, as a ratio of cuDNN's time in the same row (above 1: faster).
-SEQS=4096,... chooses the sequence lengths (16k tokens: B = 16384 / S); TIMED=0: the check alone.
+SEQS=4096,... chooses the sequence lengths (16k tokens: B = 16384 / S), DIMS=64,128 the head dims, ONLY=a,b
+the variants ("tl": the tl.* backward); TIMED=0: the check alone.
 """
 import math, os, time
 import torch
@@ -93,7 +94,8 @@ def check():
 
 def timed(seqs):
     rows = []
-    for d, causal, hkv in [(128, False, 16), (128, True, 16), (128, True, 4), (64, True, 16), (64, False, 16)]:
+    cases = [(128, False, 16), (128, True, 16), (128, True, 4), (64, True, 16), (64, False, 16)]
+    for d, causal, hkv in [c for c in cases if str(c[0]) in os.environ.get("DIMS", "64,128").split(",")]:
         for s in seqs:
             b, h = max(1, 16384 // s), 16
             q, k, v = inputs(b, h, hkv, s, s, d, True)
