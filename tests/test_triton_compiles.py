@@ -62,13 +62,15 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                  if signature[name].startswith("*") or (aligned and name.startswith("s") and "_" in name)}
         source = source_type(kernel, signature, consts, attrs)
         binary = triton.compile(source, target=sm90, options={"num_warps": warps, "num_stages": stages, **options})
-        # registers and local memory (spills) as the driver would report them, read from the cubin
+        # registers, and the stack frame a thread needs, read from the cubin: ptxas puts spilled registers
+        # there (our kernels call nothing and keep no local arrays). Not the LOCAL field, which stays 0 when
+        # a kernel spills (the D 128 Hopper backward: STACK 64 and 28 spill stores, LOCAL 0).
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(binary.asm["cubin"])
             f.flush()
             usage = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "-res-usage", f.name], capture_output=True,
                                    text=True, check=True).stdout
-        regs, local = (int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("REG", "LOCAL"))
+        regs, local = (int(re.search(rf"{field}:(\d+)", usage).group(1)) for field in ("REG", "STACK"))
         # 2-byte global loads: what a row whose alignment the compiler can't see costs every load
         # maxima that must keep a NaN compile to PTX max.NaN; the plain max returns the other operand
         return {"regs": regs, "spills": local, "shared": binary.metadata.shared,
@@ -126,8 +128,9 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                                                                           "dk_desc", "dv_desc")},
                           "dq_desc": descriptor(d // 2, "float32"), "lse_ptr": "*fp32", "delta_ptr": "*fp32",
                           "H": "i32", "GROUP": "i32", "SQ": "i32", "SKV": "i32", "qk_scale": "fp32", "scale": "fp32"}
-                stages, dq_buffers = attention_sm90.BWD_CONFIGS[d, spec["causal"]]
-                consts = dict(CAUSAL=spec["causal"], STAGES=stages, DQ_BUFFERS=dq_buffers, num_warps=4)
+                stages, dq_buffers, split_mask = attention_sm90.BWD_CONFIGS[d, spec["causal"]]
+                consts = dict(CAUSAL=spec["causal"], STAGES=stages, DQ_BUFFERS=dq_buffers, SPLIT_MASK=split_mask,
+                              num_warps=4)
                 row.update(run(attention_sm90._bwd_kernel, types_, consts, 4, 1, False, GluonASTSource,
                                maxnreg=attention_sm90.MAXNREG))
             elif kind in ("fwd", "decode", "paged"):
@@ -231,7 +234,16 @@ else:
 
     triton = pytest.importorskip("triton")
 
-    def test_attention_and_adam_kernels_compile_for_sm90_without_spills():
+    # Stack bytes that kernels already spill, compiled with Triton 3.9 (docs/backends/triton.md,
+    # "Spills"): the tl.* dK/dV kernel at every width, and at D 128 the tl.* dQ kernel and the Hopper
+    # backward. Recorded so that they can't grow unnoticed; every other kernel must spill nothing.
+    SPILLS_KNOWN = {("dkdv", 40): 344, ("dkdv", 80): 520, ("dkdv", 128): 1016, ("dkdv", 192): 1120,
+                    ("dq", 128): 16, ("bwd_sm90", 128): 112}
+
+    def _spills_within_known(row) -> bool:
+        return row["spills"] <= SPILLS_KNOWN.get((row["kernel"], row.get("d")), 0)
+
+    def test_attention_and_adam_kernels_compile_for_sm90_spilling_no_more_than_known():
         from portable_ops.backends.triton.attention import CONFIGS, _DECODE_CONFIG, head_split
 
         specs = [{"kernel": "adam", "dtype": d, "state": s} for d, s in (("bf16", "bf16"), ("bf16", "fp32"),
@@ -252,7 +264,7 @@ else:
         errors = [r for r in rows if "error" in r]
         assert not errors, errors
         # the first (untimed) candidate of each list must fit an H100 as it is
-        assert all(r["spills"] == 0 and r["shared"] <= SHARED_LIMIT for r in rows), rows
+        assert all(_spills_within_known(r) and r["shared"] <= SHARED_LIMIT for r in rows), rows
         # strides passed divided by UNIT (8 here: any head dim that is a multiple of 8, contiguous or
         # not) still give 16-byte loads: D = 40's rows (80 bytes apart) loaded 2 bytes at a time without it
         assert all(r["scalar_loads"] == 0 for r in rows if r["kernel"] in ("fwd", "dkdv", "dq", "decode")), rows
@@ -275,9 +287,9 @@ else:
             assert r["mma"] > 0 and r["tma"] > 0, r
 
     def test_hopper_attention_backward_compiles_for_sm90():
-        """The Gluon backward at every head dim and mask it takes: as the forward, within shared
-        memory with its Q/dO ring, two K/V tiles, four dS tiles and the dQ buffers; dQ goes out
-        through TMA reduce-adds, not atomics from registers."""
+        """The Gluon backward at every head dim and mask it takes: as the forward (but D 128 spills a
+        little: SPILLS_KNOWN), within shared memory with its Q/dO ring, two K/V tiles, four dS tiles
+        and the dQ buffers; dQ goes out through TMA reduce-adds, not atomics from registers."""
         from portable_ops.backends.triton.attention_sm90 import BWD_CONFIGS
 
         specs = [{"kernel": "bwd_sm90", "d": d, "causal": causal} for d, causal in BWD_CONFIGS]
@@ -285,7 +297,7 @@ else:
         errors = [r for r in rows if "error" in r]
         assert not errors, errors
         for r in rows:
-            assert r["spills"] == 0 and r["shared"] <= SHARED_LIMIT and r["setmaxnreg"], r
+            assert _spills_within_known(r) and r["shared"] <= SHARED_LIMIT and r["setmaxnreg"], r
             assert r["mma"] > 0 and r["tma"] > 0 and r["tma_reduce"] > 0 and r["atomics"] == 0, r
 
     def test_norm_and_amsgrad_maxima_keep_nan_on_the_gpu():
