@@ -354,7 +354,8 @@ if gluon is not None:
     def _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc, lse_ptr,
                    delta_ptr, dk, dv, t, b, head, m0, keys, qk_scale, scale, H, SQ, SKV, WARPGROUP: gl.constexpr,
                    MASK: gl.constexpr, CAUSAL: gl.constexpr):
-        """Query tile ``m0`` of ``head``, the ``t``-th this warpgroup takes: its share of dK and dV, and of dQ."""
+        """The query tile of ``head`` from row ``m0``, the ``t``-th this warpgroup takes: its share of dK and
+        dV, and of dQ; with ``MASK`` its causal and bounds mask applied, else none."""
         BM: gl.constexpr = q_smem.shape[3]
         D: gl.constexpr = q_smem.shape[4]
         BN: gl.constexpr = k_smem.shape[3]
