@@ -408,6 +408,19 @@ if gluon is not None:
         return dk, dv
 
     @gluon.jit
+    def _dkdv_tiles(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc, lse_ptr,
+                    delta_ptr, dk, dv, t, b, head, m_lo, m_hi, keys, qk_scale, scale, H, SQ, SKV,
+                    WARPGROUP: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+        """Query tiles [m_lo, m_hi) of ``head``, the first the ``t``-th this warpgroup takes: (dk, dv, t) after them."""
+        BM: gl.constexpr = q_smem.shape[3]
+        for m in range(m_lo, m_hi):
+            dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc,
+                                lse_ptr, delta_ptr, dk, dv, t, b, head, m * BM, keys, qk_scale, scale, H, SQ, SKV,
+                                WARPGROUP, MASK, CAUSAL)
+            t += 1
+        return dk, dv, t
+
+    @gluon.jit
     def _dkdv(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ds_bar, ready, empty, dk_desc, dv_desc,
               dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi,
               WARPGROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_MASK: gl.constexpr):
@@ -442,18 +455,13 @@ if gluon is not None:
         if SPLIT_MASK:
             t = 0
             for g in range(GROUP):
-                head = hk * GROUP + g
-                for m in range(lo, split):
-                    dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty,
-                                        dq_desc, lse_ptr, delta_ptr, dk, dv, t, b, head, m * BM, keys, qk_scale, scale,
-                                        H, SQ, SKV, WARPGROUP, True, CAUSAL)
-                    t += 1
-                for m in range(split, hi):
-                    dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty,
-                                        dq_desc, lse_ptr, delta_ptr, dk, dv, t, b, head, m * BM, keys, qk_scale, scale,
-                                        H, SQ, SKV, WARPGROUP, False, CAUSAL)
-                    t += 1
-        else:
+                dk, dv, t = _dkdv_tiles(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty,
+                                        dq_desc, lse_ptr, delta_ptr, dk, dv, t, b, hk * GROUP + g, lo, split, keys,
+                                        qk_scale, scale, H, SQ, SKV, WARPGROUP, True, CAUSAL)
+                dk, dv, t = _dkdv_tiles(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty,
+                                        dq_desc, lse_ptr, delta_ptr, dk, dv, t, b, hk * GROUP + g, split, hi, keys,
+                                        qk_scale, scale, H, SQ, SKV, WARPGROUP, False, CAUSAL)
+        else:  # one flat loop over every head's tiles: nested ones spill more at D 128 (80 / 208 stack bytes, Triton 3.6)
             per_head = hi - lo
             for t in range(GROUP * per_head):
                 dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc,
@@ -514,9 +522,11 @@ if gluon is not None:
             _tma_load(v_desc, [b, hk, n0 + i * BN, 0], kv_bar, v_smem.index(i))
         gl.warp_specialize([
             (_dkdv, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ds_bar, ready, empty, dk_desc, dv_desc,
-                     dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi, 0, CAUSAL, SPLIT_MASK)),
+                     dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi, 0, CAUSAL,
+                     SPLIT_MASK)),
             (_dkdv, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ds_bar, ready, empty, dk_desc, dv_desc,
-                     dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi, 1, CAUSAL, SPLIT_MASK)),
+                     dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi, 1, CAUSAL,
+                     SPLIT_MASK)),
             (_loader, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, hk * GROUP, GROUP, lo, hi)),
         ], [4, 1], [240, 24])
 
@@ -526,9 +536,9 @@ CONFIGS = {64: (128, 4, False), 128: (128, 3, True)}
 # The backward: (Q/dO ring stages, dQ buffers a warpgroup writes in turn, masked tiles looped apart) per (head
 # dim, causal), the faster of those timed on the H100 (docs/backends/triton.md); 64-row tiles, 2 x 64 keys a
 # program. Each fits the 227 KB of shared memory an H100 block may have. Masking only the tiles that need it
-# saves 5-17% at D 64; at D 128 the consumers are at their 240 registers and the second copy of the tile's
-# code spills (a runtime branch does too), 3-13% slower, so every tile there is masked. Head dim 64 without
-# a mask keeps the tl.* backward (supports_backward).
+# was 13-24% faster at D 64 causal; at D 128 the consumers are at their 240 registers and the second copy
+# of the tile's code spills (a runtime branch does too), up to 13% slower, so every tile there is masked.
+# Head dim 64 without a mask keeps the tl.* backward (supports_backward).
 BWD_CONFIGS = {(64, True): (4, 2, True), (128, False): (3, 1, False), (128, True): (2, 2, False)}
 BWD_BLOCK = 64
 # The most keys x head dim a row reads where the forward runs on a persistent grid (programs)
