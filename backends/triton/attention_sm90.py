@@ -461,7 +461,7 @@ if gluon is not None:
                 dk, dv, t = _dkdv_tiles(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty,
                                         dq_desc, lse_ptr, delta_ptr, dk, dv, t, b, hk * GROUP + g, split, hi, keys,
                                         qk_scale, scale, H, SQ, SKV, WARPGROUP, False, CAUSAL)
-        else:  # one flat loop over every head's tiles: nested ones spill more at D 128 (80 / 208 stack bytes, Triton 3.6)
+        else:  # one flat loop over all heads' tiles: nested loops spill more at D 128 (80 / 208 bytes, Triton 3.6)
             per_head = hi - lo
             for t in range(GROUP * per_head):
                 dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc,
