@@ -31,21 +31,27 @@ def test_decode_splits_keys_across_programs_and_merges_exactly():
 
 
 def test_decode_split_policy_on_an_h100_sized_gpu(monkeypatch):
-    """The split counts the H100 sweeps chose (docs/performance.md, "Decode"), with the SM count of
-    an H100 (132) standing in for the device's: few programs split down to two key blocks a range,
-    a batch that fills the GPU splits only long caches, never more than MAX_SPLITS ranges (the merge
-    holds [splits, D] float32 per row in registers), an empty batch not at all."""
+    """The split counts and tiles the H100 sweep chose (docs/performance.md, "Decode"), with the SM
+    count of an H100 (132) standing in for the device's: programs x ranges fill one wave, ranges of
+    at least two key blocks, never more than MAX_SPLITS (the merge holds [splits, D] float32 per
+    row in registers), an empty batch not split at all; 128-key tiles only on sm_90 and only where
+    the programs alone fill the SMs, and only for a head of one column chunk up to 128."""
     attention = importlib.import_module("portable_ops.backends.triton.attention")
     monkeypatch.setattr(attention, "INTERPRETED", False)
     monkeypatch.setattr(attention, "_multiprocessors", lambda index: 132)
     cpu = torch.device("cpu", 0)
     splits = lambda b, h, skv: attention._splits(b, h, 1, skv, 16, 64, cpu)  # noqa: E731
     assert splits(1, 8, 512) == 4  # 8 programs: ranges of two 64-key blocks
-    assert splits(1, 8, 131072) == 33  # two programs per SM
-    assert splits(16, 8, 2048) == 3 and splits(16, 8, 512) == 1  # 128 programs: ranges of eight blocks
-    assert splits(64, 8, 8192) == 1 and splits(64, 8, 32768) == 2  # the GPU is full: only long caches split
+    assert splits(1, 8, 131072) == 16 and splits(4, 8, 131072) == 4  # one wave: 128 of 132 SMs
+    assert splits(16, 8, 131072) == 1 and splits(64, 8, 131072) == 1  # the programs fill the GPU by themselves
     assert splits(1, 1, 10 ** 6) == attention.MAX_SPLITS
     assert splits(0, 8, 4096) == 1
+    for sm90 in (False, True):
+        monkeypatch.setattr(attention.attention_sm90, "_is_sm90", lambda index, sm90=sm90: sm90)
+        tiles = lambda d, programs: attention._decode_config(d, programs, cpu)[:2]  # noqa: E731
+        assert tiles(128, 131) == (16, 64) and tiles(256, 512) == (16, 32)
+        assert tiles(80, 512) == (16, 64)  # two column chunks: the wide tile would spill
+        assert tiles(128, 132) == tiles(64, 512) == ((16, 128) if sm90 else (16, 64))
 
 
 def test_multi_tensor_tables_are_reused_while_the_tensors_are():

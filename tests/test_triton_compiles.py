@@ -244,7 +244,7 @@ else:
         return row["spills"] <= SPILLS_KNOWN.get((row["kernel"], row.get("d")), 0)
 
     def test_attention_and_adam_kernels_compile_for_sm90_spilling_no_more_than_known():
-        from portable_ops.backends.triton.attention import CONFIGS, _DECODE_CONFIG, head_split
+        from portable_ops.backends.triton.attention import CONFIGS, _DECODE_CONFIG, _DECODE_CONFIG_WIDE, head_split
 
         specs = [{"kernel": "adam", "dtype": d, "state": s} for d, s in (("bf16", "bf16"), ("bf16", "fp32"),
                                                                             ("fp16", "fp32"))]
@@ -254,6 +254,8 @@ else:
                       for kernel in ("fwd", "dkdv", "dq")]
             specs += [{"kernel": "decode", "d": d, "config": list(_DECODE_CONFIG[width > 128])},
                       {"kernel": "delta", "d": d}, {"kernel": "combine", "d": d}]
+            if width <= 128 and head_split(d)[1] == 0:  # sm_90's wide-tile decode
+                specs.append({"kernel": "decode", "d": d, "config": list(_DECODE_CONFIG_WIDE)})
         # issue 12's features at D 128: a sliding window with a softcap, packed sequences, a paged cache
         for kernel in ("fwd", "dkdv", "dq"):
             specs += [{"kernel": kernel, "d": 128, "config": list(CONFIGS[kernel][128][0]), "window": True,

@@ -636,6 +636,9 @@ CONFIGS = {
 }
 _INTERPRETER_CONFIG = (32, 32, 4, 1)  # one small tile: every tile costs real time there
 _DECODE_CONFIG = {False: (16, 64, 4, 3), True: (16, 32, 4, 3)}  # by width > 128: a tall query tile would be padding
+# Decode on sm_90 whose programs fill the SMs: each streams its whole cache, in wider key tiles
+# (136 KiB of shared memory at D 128: more than sm_86/89 have; measured on sm_90 only).
+_DECODE_CONFIG_WIDE = (16, 128, 4, 3)
 _KERNELS = (_load, _load2, _dot2, _store, _store2, _visible, _key_ranges, _query_ranges, _tanh, _logits, _probs,
             _kv_rows, _sequence, _fwd_tiles, _fwd_kernel, _combine_kernel, _delta_kernel, _dkdv_tiles,
             _bwd_dkdv_kernel, _dq_tiles, _bwd_dq_kernel, to_dtype)
@@ -649,9 +652,23 @@ def _config(kernel: str, q, sq, skv, hkv, causal, precision, launch) -> tuple:
     b, h, _, d = q.shape
     width = sum(head_split(d))
     if kernel == "fwd" and sq <= 16:
-        return _DECODE_CONFIG[width > 128]
+        return _decode_config(d, b * hkv, q.device)
     key = (kernel, d, q.dtype, precision, causal, bucket(sq), bucket(skv), bucket(b * h), h // max(hkv, 1))
     return _tuner.pick(key, CONFIGS[kernel][width], launch)
+
+
+def _decode_config(d: int, programs: int, device) -> tuple:
+    """The split-key forward's tiles for ``programs`` (batch x KV heads) at head dim ``d``. H100
+    sweep (docs/performance.md, "Decode"): at batch 64 x 8 KV heads, D 128, 128-key tiles took
+    one-token decode from 0.92-0.96x cuDNN to 0.97-1.03x; with fewer programs than SMs, 64-key
+    tiles split across more programs were as fast or faster. Only heads of one column chunk: at
+    D 80 (64 + 16) the wide tile spills."""
+    width, second = sum(head_split(d)), head_split(d)[1]
+    if width <= 128 and second == 0:
+        index = attention_sm90._index(device)
+        if programs >= _multiprocessors(index) and attention_sm90._is_sm90(index):
+            return _DECODE_CONFIG_WIDE
+    return _DECODE_CONFIG[width > 128]
 
 
 def _upcast(dtype) -> bool:
@@ -730,22 +747,18 @@ MAX_SPLITS = 64
 
 def _splits(b, h, sq, skv, block_m, block_n, device=None) -> int:
     """How many key ranges to split a forward into: decode (one query block) over a long cache
-    leaves most of the GPU idle unless the keys are shared out too. Chosen from H100 sweeps of
-    one-token decode under graph replay (docs/performance.md, "Decode"): a few programs get ranges
-    down to two key blocks; a batch that fills the GPU splits only long caches, in two, so that its
-    last wave of programs is short."""
+    leaves most of the GPU idle unless the keys are shared out too. One wave: as many ranges as
+    keep programs x ranges within the SM count, each of at least two key blocks. From H100 sweeps
+    of one-token decode under graph replay (docs/performance.md, "Decode"): a second wave of
+    ranges (the earlier policy: two programs an SM, and two ranges for a full GPU's long caches)
+    was 1-8% slower."""
     if sq > block_m or b * h == 0:  # prefill, or no programs at all
         return 1
-    programs = b * h
     # the interpreter, as if on four SMs: small test shapes still take the split path
-    sms = 4 if INTERPRETED else _multiprocessors(device.index if device is not None and device.index is not None
+    sms = 4 if INTERPRETED else _multiprocessors(attention_sm90._index(device) if device is not None
                                                  else torch.cuda.current_device())
-    if programs >= sms:
-        want, min_blocks = (2 if skv >= 16384 and programs < 4 * sms else 1), 8
-    else:
-        want, min_blocks = triton.cdiv(2 * sms, programs), (2 if 4 * programs <= sms else 8)
     # at most MAX_SPLITS: the merge holds a [splits, D] float32 tile per row in registers
-    return max(1, min(skv // (min_blocks * block_n), want, MAX_SPLITS))
+    return max(1, min(sms // (b * h), skv // (2 * block_n), MAX_SPLITS))
 
 
 # ----------------------------------------------------------------------------- host path
