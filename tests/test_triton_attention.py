@@ -326,6 +326,32 @@ def test_split_key_decode_writes_through_the_output_strides():
     assert out.stride() == layout.strides_like(q)
 
 
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA: the batch must fill the GPU's multiprocessors")
+@pytest.mark.parametrize("sq", [1, 3])
+def test_decode_over_a_batch_that_fills_the_gpu(sq):
+    """Batch x KV heads past the SM count: no split, and sm_90's 128-key tiles (_decode_config),
+    dense against float64 and paged (16-token pages, shuffled) against the dense call."""
+    hkv = 8
+    b = -(-attn._multiprocessors(torch.cuda.current_device()) // hkv)
+    q, k, v = _inputs(b, 32, hkv, sq, 333, 128, torch.bfloat16, seed=11)
+    out, _ = attn.attention_fwd(q, k, v, causal=True, scale=128 ** -0.5)
+    q64, k64, v64 = (t.double().cpu() for t in (q, k, v))
+    want = ref_attn.attention_fwd(q64, k64, v64, causal=True, scale=128 ** -0.5)[0]
+    torch.testing.assert_close(out.double().cpu(), want, atol=TOL[q.dtype], rtol=TOL[q.dtype])
+    pages = -(-333 // 16)
+    order = torch.randperm(b * pages, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    table = order.view(b, pages).to(torch.int32)
+    caches = []
+    for t in (k, v):
+        cache = t.new_zeros(b * pages, 16, hkv, 128)
+        padded = torch.nn.functional.pad(t.transpose(1, 2), (0, 0, 0, 0, 0, pages * 16 - 333))
+        cache[order] = padded.reshape(b * pages, 16, hkv, 128)
+        caches.append(cache)
+    lens = torch.full((b,), 333, dtype=torch.int32, device=DEVICE)
+    paged = portable_ops.paged_attention(q.transpose(1, 2), *caches, table, lens)
+    torch.testing.assert_close(paged, out.transpose(1, 2), atol=TOL[q.dtype], rtol=TOL[q.dtype])
+
+
 # ----------------------------------------------------------------------------- scale
 
 def test_zero_scale_is_the_uniform_average_of_the_visible_values():
