@@ -73,26 +73,50 @@ if gluon is not None:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
     @gluon.jit
+    def _fill(a_desc, b_desc, a_smem, b_smem, ready, empty, i, coord):
+        """The ring's ``i``-th load: once its slot is free, ``a`` and ``b`` at ``coord`` into it. Returns the slot."""
+        STAGES: gl.constexpr = a_smem.shape[0]
+        slot = i % STAGES
+        # a fresh barrier counts as having completed the phase before its first: the first pass does not wait
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        _tma_load(a_desc, coord, ready.index(slot), a_smem.index(slot))
+        _tma_load(b_desc, coord, ready.index(slot), b_smem.index(slot))
+        return slot
+
+    @gluon.jit
     def _stream(a_desc, b_desc, a_smem, b_smem, ready, empty, b, head, heads, lo, hi, count):
         """Streams tiles ``[lo, hi)`` of ``a`` and ``b`` (rows of one sequence), head by head for ``heads``
-        heads from ``head``, through the ring, whose ``count`` loads so far place them: K/V for the
-        forward, Q/dO for the backward. Returns the count after them."""
-        STAGES: gl.constexpr = a_smem.shape[0]
+        heads from ``head``, through the ring, whose ``count`` loads so far place them (the forward's K/V).
+        Returns the count after them."""
         BLOCK: gl.constexpr = a_desc.block_type.shape[2]
         per_head = hi - lo
         for t in range(heads * per_head):
-            slot = (count + t) % STAGES
-            # a fresh barrier counts as having completed the phase before its first: the first pass does not wait
-            mbarrier.wait(empty.index(slot), (((count + t) // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            coord = [b, head + t // per_head, (lo + t % per_head) * BLOCK, 0]
-            _tma_load(a_desc, coord, ready.index(slot), a_smem.index(slot))
-            _tma_load(b_desc, coord, ready.index(slot), b_smem.index(slot))
+            _fill(a_desc, b_desc, a_smem, b_smem, ready, empty, count + t,
+                  [b, head + t // per_head, (lo + t % per_head) * BLOCK, 0])
         return count + heads * per_head
 
     @gluon.jit
-    def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty, b, head, heads, lo, hi):
-        _stream(a_desc, b_desc, a_smem, b_smem, ready, empty, b, head, heads, lo, hi, 0)
+    def _bwd_loader(q_desc, do_desc, q_smem, do_smem, stats_smem, ready, empty, lse_ptr, delta_ptr, b, head, heads,
+                    lo, hi, H, SQ):
+        """The backward's Q/dO tiles ``[lo, hi)`` of ``heads`` heads from ``head``, through the ring; each
+        slot also gets its rows' lse (times log2 e) and delta in shared memory, which the consumers read
+        when they use them. Loaded by them from global memory instead, the two stayed live in registers
+        across the MMAs, and the wait for them was exposed: 4-13% slower on the H100
+        (docs/perf/backward_variants_ab.txt, run 6). A slot is ready on its TMA bytes and this warp's arrive
+        (mbarrier arrives release the stores before them to the waiting warps)."""
+        BM: gl.constexpr = q_desc.block_type.shape[2]
+        row_layout: gl.constexpr = gl.BlockedLayout([BM // 32], [32], [1], [0])
+        per_head = hi - lo
+        for t in range(heads * per_head):
+            h = head + t // per_head
+            m0 = (lo + t % per_head) * BM
+            slot = _fill(q_desc, do_desc, q_smem, do_smem, ready, empty, t, [b, h, m0, 0])
+            rows = m0 + gl.arange(0, BM, row_layout)
+            at = (b * H + h).to(gl.int64) * SQ + rows
+            stats_smem.index(2 * slot).store(gl.load(lse_ptr + at, mask=rows < SQ, other=0.0) * _LOG2E)
+            stats_smem.index(2 * slot + 1).store(gl.load(delta_ptr + at, mask=rows < SQ, other=0.0))
+            mbarrier.arrive(ready.index(slot), count=1)
 
     @gluon.jit
     def _tile(smem, i, BLOCK: gl.constexpr, D: gl.constexpr):
@@ -351,8 +375,8 @@ if gluon is not None:
         ], [4, 1], [240, 24])
 
     @gluon.jit
-    def _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc, lse_ptr,
-                   delta_ptr, dk, dv, t, b, head, m0, keys, qk_scale, scale, H, SQ, SKV, WARPGROUP: gl.constexpr,
+    def _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc, stats_smem,
+                   dk, dv, t, b, head, m0, keys, qk_scale, scale, SQ, SKV, WARPGROUP: gl.constexpr,
                    MASK: gl.constexpr, CAUSAL: gl.constexpr):
         """The query tile of ``head`` from row ``m0``, the ``t``-th this warpgroup takes: its share of dK and
         dV, and of dQ; with ``MASK`` its causal and bounds mask applied, else none."""
@@ -366,18 +390,16 @@ if gluon is not None:
         s_layout: gl.constexpr = _mma_layout(BM)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=_mma_layout(D), k_width=2)
         slot = t % STAGES
-        bh = (b * H + head).to(gl.int64)
         mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
         q_tile = _tile(q_smem, slot, BM, D)
         do_tile = _tile(do_smem, slot, BM, D)
         rows = m0 + gl.arange(0, BM, gl.SliceLayout(0, s_layout))
-        lse = gl.load(lse_ptr + bh * SQ + rows, mask=rows < SQ, other=0.0) * _LOG2E
-        delta = gl.load(delta_ptr + bh * SQ + rows, mask=rows < SQ, other=0.0)
         # S^T and dP^T, keys x queries: P^T and dS^T then feed dV and dK from registers
         st = warpgroup_mma(_tile(k_smem, WARPGROUP, BN, D), q_tile.permute((1, 0)),
                            gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False)
         dpt = warpgroup_mma(_tile(v_smem, WARPGROUP, BN, D), do_tile.permute((1, 0)),
                             gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False)
+        lse = stats_smem.index(2 * slot).load(gl.SliceLayout(0, s_layout))
         if MASK:
             visible = (rows[None, :] < SQ) & (keys[:, None] < SKV)
             if CAUSAL:
@@ -386,6 +408,7 @@ if gluon is not None:
         else:
             pt = gl.exp2(st * qk_scale - lse[None, :])
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_tile, dv)
+        delta = stats_smem.index(2 * slot + 1).load(gl.SliceLayout(0, s_layout))
         ds = (pt * (dpt - delta[None, :])).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(ds, a_layout), q_tile, dk)
         # dS^T double-buffered: a warpgroup writes this buffer again two tiles on, by when the other
@@ -408,21 +431,21 @@ if gluon is not None:
         return dk, dv
 
     @gluon.jit
-    def _dkdv_tiles(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc, lse_ptr,
-                    delta_ptr, dk, dv, t, b, head, m_lo, m_hi, keys, qk_scale, scale, H, SQ, SKV,
+    def _dkdv_tiles(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc, stats_smem,
+                    dk, dv, t, b, head, m_lo, m_hi, keys, qk_scale, scale, SQ, SKV,
                     WARPGROUP: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
         """Query tiles [m_lo, m_hi) of ``head``, the first the ``t``-th this warpgroup takes: (dk, dv, t) after them."""
         BM: gl.constexpr = q_smem.shape[3]
         for m in range(m_lo, m_hi):
             dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc,
-                                lse_ptr, delta_ptr, dk, dv, t, b, head, m * BM, keys, qk_scale, scale, H, SQ, SKV,
+                                stats_smem, dk, dv, t, b, head, m * BM, keys, qk_scale, scale, SQ, SKV,
                                 WARPGROUP, MASK, CAUSAL)
             t += 1
         return dk, dv, t
 
     @gluon.jit
     def _dkdv(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ds_bar, ready, empty, dk_desc, dv_desc,
-              dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi,
+              dq_desc, stats_smem, qk_scale, scale, b, hk, GROUP, SQ, SKV, n0, lo, hi,
               WARPGROUP: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_MASK: gl.constexpr):
         """One consumer warpgroup of the backward: its 64 keys against every query tile of the group's
         heads that sees them. dK and dV stay in registers. Each tile's dS^T goes to shared memory, and
@@ -433,7 +456,7 @@ if gluon is not None:
         With ``SPLIT_MASK`` only the tiles that need it are masked (else all are; BWD_CONFIGS says where):
         the causal diagonal's, and every tile of a block of keys that runs past Skv (its keys' zero rows
         would still give P a value). Query rows past Sq need no mask: their Q and dO rows read as zeros, so
-        they add nothing to dK or dV (lse and delta load as 0, so P is 1 and dS 0 there)."""
+        they add nothing to dK or dV (the loader gives them lse and delta 0, so P is 1 and dS 0 there)."""
         BM: gl.constexpr = q_smem.shape[3]
         D: gl.constexpr = q_smem.shape[4]
         BN: gl.constexpr = k_smem.shape[3]
@@ -456,17 +479,17 @@ if gluon is not None:
             t = 0
             for g in range(GROUP):
                 dk, dv, t = _dkdv_tiles(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty,
-                                        dq_desc, lse_ptr, delta_ptr, dk, dv, t, b, hk * GROUP + g, lo, split, keys,
-                                        qk_scale, scale, H, SQ, SKV, WARPGROUP, True, CAUSAL)
+                                        dq_desc, stats_smem, dk, dv, t, b, hk * GROUP + g, lo, split, keys,
+                                        qk_scale, scale, SQ, SKV, WARPGROUP, True, CAUSAL)
                 dk, dv, t = _dkdv_tiles(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty,
-                                        dq_desc, lse_ptr, delta_ptr, dk, dv, t, b, hk * GROUP + g, split, hi, keys,
-                                        qk_scale, scale, H, SQ, SKV, WARPGROUP, False, CAUSAL)
+                                        dq_desc, stats_smem, dk, dv, t, b, hk * GROUP + g, split, hi, keys,
+                                        qk_scale, scale, SQ, SKV, WARPGROUP, False, CAUSAL)
         else:  # one flat loop over all heads' tiles: nested loops spill more at D 128 (80 / 208 bytes, Triton 3.6)
             per_head = hi - lo
             for t in range(GROUP * per_head):
                 dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc,
-                                    lse_ptr, delta_ptr, dk, dv, t, b, hk * GROUP + t // per_head,
-                                    (lo + t % per_head) * BM, keys, qk_scale, scale, H, SQ, SKV, WARPGROUP, True,
+                                    stats_smem, dk, dv, t, b, hk * GROUP + t // per_head,
+                                    (lo + t % per_head) * BM, keys, qk_scale, scale, SQ, SKV, WARPGROUP, True,
                                     CAUSAL)
         # the other warpgroup's last dQ MMA reads this one's K tile
         mbarrier.arrive(ds_bar.index(2), count=1)
@@ -506,6 +529,10 @@ if gluon is not None:
         v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BN, D], v_desc.layout)
         ds_smem = gl.allocate_shared_memory(dtype, [4, BM, BN], gl.NVMMASharedLayout.get_default_for([BM, BN], dtype))
         dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFFERS, 1, 1, BM, D // 2], dq_desc.layout)
+        # each slot's lse and delta rows (a shape of powers of two: room for up to 4 stages)
+        gl.static_assert(STAGES <= 4)
+        stats_smem = gl.allocate_shared_memory(gl.float32, [8, BM],
+                                               gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
         kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         ds_bar = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # two dS buffers, the end
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -514,7 +541,7 @@ if gluon is not None:
         for i in gl.static_range(3):
             mbarrier.init(ds_bar.index(i), count=2)
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(ready.index(i), count=2)  # the TMA bytes' arrive and the lse/delta stores'
             mbarrier.init(empty.index(i), count=2)  # a slot is free once both consumer warpgroups are done with it
         mbarrier.expect(kv_bar, 2 * (k_desc.block_type.nbytes + v_desc.block_type.nbytes))
         for i in gl.static_range(2):
@@ -522,24 +549,26 @@ if gluon is not None:
             _tma_load(v_desc, [b, hk, n0 + i * BN, 0], kv_bar, v_smem.index(i))
         gl.warp_specialize([
             (_dkdv, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ds_bar, ready, empty, dk_desc, dv_desc,
-                     dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi, 0, CAUSAL,
+                     dq_desc, stats_smem, qk_scale, scale, b, hk, GROUP, SQ, SKV, n0, lo, hi, 0, CAUSAL,
                      SPLIT_MASK)),
             (_dkdv, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, kv_bar, ds_bar, ready, empty, dk_desc, dv_desc,
-                     dq_desc, lse_ptr, delta_ptr, qk_scale, scale, b, hk, H, GROUP, SQ, SKV, n0, lo, hi, 1, CAUSAL,
+                     dq_desc, stats_smem, qk_scale, scale, b, hk, GROUP, SQ, SKV, n0, lo, hi, 1, CAUSAL,
                      SPLIT_MASK)),
-            (_loader, (q_desc, do_desc, q_smem, do_smem, ready, empty, b, hk * GROUP, GROUP, lo, hi)),
+            (_bwd_loader, (q_desc, do_desc, q_smem, do_smem, stats_smem, ready, empty, lse_ptr, delta_ptr, b, hk * GROUP,
+                           GROUP, lo, hi, H, SQ)),
         ], [4, 1], [240, 24])
 
 
 # (BLOCK_N, STAGES, O_THROUGH_Q) per head dim; BLOCK_M is 128 (two consumer warpgroups of 64 rows).
 CONFIGS = {64: (128, 4, False), 128: (128, 3, True)}
 # The backward: (Q/dO ring stages, dQ buffers a warpgroup writes in turn, masked tiles looped apart) per (head
-# dim, causal), the faster of those timed on the H100 (docs/backends/triton.md); 64-row tiles, 2 x 64 keys a
-# program. Each fits the 227 KB of shared memory an H100 block may have. Masking only the tiles that need it
-# was 13-24% faster at D 64 causal; at D 128 the consumers are at their 240 registers and the second copy
-# of the tile's code spills (a runtime branch does too), up to 13% slower, so every tile there is masked.
-# Head dim 64 without a mask keeps the tl.* backward (supports_backward).
-BWD_CONFIGS = {(64, True): (4, 2, True), (128, False): (3, 1, False), (128, True): (2, 2, False)}
+# dim, causal), the faster of those timed on the H100 (docs/backends/triton.md, docs/perf/backward_variants_ab.txt);
+# 64-row tiles, 2 x 64 keys a program. Each fits the 227 KB of shared memory an H100 block may have. Masking
+# only the tiles that need it was 13-24% faster at D 64 causal; at D 128 the consumers are at their 240
+# registers and the second copy of the tile's code spills (a runtime branch does too), up to 13% slower, so
+# every tile there is masked. D 128 unmasked: 2 stages and one dQ buffer were 3-6% faster than 3 and one.
+BWD_CONFIGS = {(64, False): (4, 2, True), (64, True): (4, 2, True), (128, False): (2, 1, False),
+               (128, True): (2, 2, False)}
 BWD_BLOCK = 64
 # The most keys x head dim a row reads where the forward runs on a persistent grid (programs)
 PERSISTENT_MAX_WORK = 8192 * 128
@@ -757,9 +786,6 @@ def backward(plan, q, k, v, dout, lse, delta, dq, dk, dv, scale):
 def supports_backward(q, k, v, dout, causal, strides, window=None, softcap=None):
     """Why the Hopper backward can't take this call (empty: it can); ``strides``: dq's, dk's, dv's."""
     reasons = supports(q, k, v, causal, strides[0], window, softcap)
-    if q.shape[-1] == 64 and not causal:
-        reasons.append("head dim 64 without a causal mask: the tl.* backward is faster there (H100: 1.88 against "
-                       "2.06 ms at B 4, H 16, S 4096; docs/backends/triton.md)")
     if torch.are_deterministic_algorithms_enabled():
         reasons.append("torch.use_deterministic_algorithms is on: dQ is summed with float32 reduce-adds in no fixed "
                        "order (the tl.* backward's dQ pass is deterministic)")
