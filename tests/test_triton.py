@@ -30,35 +30,11 @@ def test_decode_splits_keys_across_programs_and_merges_exactly():
         torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
 
 
-def test_split_decode_is_one_launch_that_leaves_its_counters_at_zero(monkeypatch):
-    """The last key range of each query block merges the ranges in the kernel: no second launch
-    (an eager decode step's host time is mostly launches), and the counters it counted with are
-    back at zero for the next launch."""
-    attention = importlib.import_module("portable_ops.backends.triton.attention")
-    counters = importlib.import_module("portable_ops.backends.triton.counters")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    g = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 4, 1, 64, generator=g).to(device)
-    k, v = (torch.randn(1, 1, 3000, 64, generator=g).to(device) for _ in range(2))
-    kept = counters.zeroed(device)
-    launches = []
-    launch = attention.Launch.__call__
-    monkeypatch.setattr(attention.Launch, "__call__", lambda self, *args: launches.append(args) or launch(self, *args))
-    out, lse = attention.attention_fwd(q, k, v, causal=True, scale=0.125)
-    plan = next(p for key, p in attention._fwd_plans.items() if key[:3] == (q.shape, q.stride(), k.shape))
-    assert plan.splits > 1 and len(launches) == 1
-    if device.type == "cuda":  # on the CPU each launch gets zeros of its own
-        assert launches[0][6] is kept and not kept.any()
-    with portable_ops.use_backend("reference"):
-        ref = portable_ops.attention(q, k, v, causal=True, scale=0.125)
-    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
-
-
 def test_decode_split_policy_on_an_h100_sized_gpu(monkeypatch):
     """The split counts and tiles the H100 sweep chose (docs/performance.md, "Decode"), with the SM
     count of an H100 (132) standing in for the device's: programs x ranges fill one wave, ranges of
-    at least two key blocks, never more than MAX_SPLITS (the last range reads every range's rows
-    one after another), an empty batch not split at all; 128-key tiles only on sm_90 and only where
+    at least two key blocks, never more than MAX_SPLITS (the merge holds [splits, D] float32 per
+    row in registers), an empty batch not split at all; 128-key tiles only on sm_90 and only where
     the programs alone fill the SMs, and only for a head of one column chunk up to 128."""
     attention = importlib.import_module("portable_ops.backends.triton.attention")
     monkeypatch.setattr(attention, "INTERPRETED", False)

@@ -135,15 +135,14 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                                maxnreg=attention_sm90.MAXNREG))
             elif kind in ("fwd", "decode", "paged"):
                 block_m, block_n, warps, stages = spec["config"]
-                names = ["sq_b", "sq_h", "sq_m", "sk_b", "sk_h", "sk_n", "sv_b", "sv_h", "sv_n", "so_b", "so_h",
-                         "so_m", "slse_b", "slse_h", "stable_b", "H", "GROUP", "SQ", "SKV", "ROWS", "LEFT", "RIGHT",
-                         "KEYS_PER_SPLIT"]
-                types_ = attention_types(("Q", "K", "V", "O", "LSE"), names,
-                                         {"PARTS": "*fp32", "COUNTERS": "*i32", **floats, **offsets,
-                                          "CACHE_LENS": "*i32", "TABLE": "*i32"})
+                names = ["sq_b", "sq_h", "sq_m", "sk_b", "sk_h", "sk_n", "sv_b", "sv_h", "sv_n", "so_split", "so_b",
+                         "so_h", "so_m", "slse_split", "slse_b", "slse_h", "stable_b", "H", "GROUP", "SQ", "SKV",
+                         "LEFT", "RIGHT", "KEYS_PER_SPLIT"]
+                types_ = attention_types(("Q", "K", "V", "O", "LSE"), names, {**floats, **offsets, "CACHE_LENS": "*i32",
+                                                                             "TABLE": "*i32"})
                 consts = dict(head, **features, PAGED=kind == "paged", PAGE=16 if kind == "paged" else 0,
                               BLOCK_M=block_m, BLOCK_N=block_n, PACK_GROUP=kind in ("decode", "paged"),
-                              NEGATIVE_SCALE=False, UNIT=spec.get("unit", 8), SPLIT=spec.get("split", False))
+                              NEGATIVE_SCALE=False, UNIT=spec.get("unit", 8))
                 row.update(run(attention._fwd_kernel, types_, consts, warps, stages, False))
             elif kind == "dkdv":
                 block_m, block_n, warps, stages = spec["config"]
@@ -167,6 +166,11 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                 types_ = {"O": "*bf16", "DO": "*bf16", "DELTA": "*fp32", **strides("o", "do"), "H": "i32", "SQ": "i32"}
                 consts = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK=64 if d <= 128 else 32)
                 row.update(run(attention._delta_kernel, types_, consts, 4, 3, d % 16 == 0))
+            elif kind == "combine":
+                types_ = {"O_PART": "*fp32", "LSE_PART": "*fp32", "O": "*bf16", "LSE": "*fp32", "SPLITS": "i32",
+                          "H": "i32", "SQ": "i32", **strides("o")}
+                consts = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=16)
+                row.update(run(attention._combine_kernel, types_, consts, 4, 3, d % 16 == 0))
             elif kind == "norm_partials":
                 types_ = {"addresses": "*i64", "chunk_tensor": "*i32", "chunk_start": "*i64", "numels": "*i64",
                           "partials": "*fp32", "offset": "i32"}
@@ -232,11 +236,9 @@ else:
 
     # Stack bytes that kernels already spill, compiled with Triton 3.9 (docs/backends/triton.md,
     # "Spills"): the tl.* dK/dV kernel at every width, and at D 128 the tl.* dQ kernel and the Hopper
-    # backward; the tl.* forward at D 128 with a window, a softcap and packed sequences (96 since its
-    # arguments changed with the split decode's merge, 0 with Triton 3.6, which the H100 runs).
-    # Recorded so that they can't grow unnoticed; every other kernel must spill nothing.
+    # backward. Recorded so that they can't grow unnoticed; every other kernel must spill nothing.
     SPILLS_KNOWN = {("dkdv", 40): 344, ("dkdv", 80): 520, ("dkdv", 128): 1016, ("dkdv", 192): 1120,
-                    ("dq", 128): 16, ("bwd_sm90", 128): 24, ("fwd", 128): 96}
+                    ("dq", 128): 16, ("bwd_sm90", 128): 24}
 
     def _spills_within_known(row) -> bool:
         return row["spills"] <= SPILLS_KNOWN.get((row["kernel"], row.get("d")), 0)
@@ -250,17 +252,15 @@ else:
             width = sum(head_split(d))
             specs += [{"kernel": kernel, "d": d, "config": list(CONFIGS[kernel][width][0])}
                       for kernel in ("fwd", "dkdv", "dq")]
-            # decode over split key ranges (their merge in the kernel), and sm_90's wide tiles, unsplit
-            specs += [{"kernel": "decode", "d": d, "config": list(_DECODE_CONFIG[width > 128]), "split": True},
-                      {"kernel": "delta", "d": d}]
+            specs += [{"kernel": "decode", "d": d, "config": list(_DECODE_CONFIG[width > 128])},
+                      {"kernel": "delta", "d": d}, {"kernel": "combine", "d": d}]
             if width <= 128 and head_split(d)[1] == 0:  # sm_90's wide-tile decode
                 specs.append({"kernel": "decode", "d": d, "config": list(_DECODE_CONFIG_WIDE)})
         # issue 12's features at D 128: a sliding window with a softcap, packed sequences, a paged cache
         for kernel in ("fwd", "dkdv", "dq"):
             specs += [{"kernel": kernel, "d": 128, "config": list(CONFIGS[kernel][128][0]), "window": True,
                        "softcap": True, "varlen": True}]
-        specs.append({"kernel": "paged", "d": 128, "config": list(_DECODE_CONFIG[False]), "window": True,
-                      "split": True})
+        specs.append({"kernel": "paged", "d": 128, "config": list(_DECODE_CONFIG[False]), "window": True})
         rows = _run(specs)
         assert len(rows) == len(specs)
         errors = [r for r in rows if "error" in r]
@@ -273,9 +273,6 @@ else:
         # bf16 tiles multiply on the tensor cores with input_precision="ieee" (only float32 operands
         # need "tf32" for that): a dot lowered to FMAs would be many times slower
         assert all(r["mma"] > 0 for r in rows if r["kernel"] in ("fwd", "dkdv", "dq", "decode")), rows
-        # split decode counts its finished key ranges with an atomic add (the last one merges them)
-        assert all((r["atomics"] > 0) == r.get("split", False) for r in rows
-                   if r["kernel"] in ("decode", "paged")), rows
 
     def test_hopper_attention_forward_compiles_for_sm90():
         """The Gluon forward, at every head dim it takes, causal or not: TMA loads, warpgroup MMAs,

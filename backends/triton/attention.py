@@ -32,7 +32,7 @@ import triton.language as tl
 
 from portable_ops import layout
 
-from . import attention_sm90, counters
+from . import attention_sm90
 from .autotune import Tuner, bucket
 from .interpreter import INTERPRETED, to_dtype
 from .launch import Launch
@@ -282,57 +282,18 @@ def _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, table, sk_page, sk_
 
 
 @triton.jit
-def _part(PARTS, offs, valid, START: tl.constexpr, WIDTH: tl.constexpr, D: tl.constexpr):
-    """Columns [START, START + WIDTH) of partial rows; ``.cg``: other SMs wrote them, read past L1."""
-    cols = START + tl.arange(0, WIDTH)
-    return tl.load(PARTS + offs[:, None] + cols[None, :], mask=valid[:, None] & (cols[None, :] < D), other=0.0,
-                   cache_modifier=".cg")
-
-
-@triton.jit
-def _merged(PARTS, row, valid, ranges, ROWS, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr):
-    """(out0, out1, lse) of ``row`` from every key range's partial result: the ranges' outputs weighted
-    by exp(lse_i - lse), one range at a time with a running maximum."""
-    m = tl.full(row.shape, float("-inf"), tl.float32)
-    total = tl.zeros(row.shape, tl.float32)
-    acc0 = tl.zeros([row.shape[0], D0], tl.float32)
-    acc1 = acc0
-    if D1 > 0:
-        acc1 = tl.zeros([row.shape[0], D1], tl.float32)
-    for i in range(ranges):
-        lse_i = tl.load(PARTS + ROWS * ranges * D + row * ranges + i, mask=valid, other=float("-inf"),
-                        cache_modifier=".cg")
-        m_new = tl.maximum(m, lse_i)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no range has seen a key yet: weights 0, not nan
-        alpha, w = tl.exp(m - m_safe), tl.exp(lse_i - m_safe)
-        offs = (row * ranges + i) * D
-        acc0 = acc0 * alpha[:, None] + w[:, None] * _part(PARTS, offs, valid, 0, D0, D)
-        if D1 > 0:
-            acc1 = acc1 * alpha[:, None] + w[:, None] * _part(PARTS, offs, valid, D0, D1, D)
-        total = total * alpha + w
-        m = m_new
-    seen = total > 0
-    norm = 1.0 / tl.where(seen, total, 1.0)
-    return acc0 * norm[:, None], acc1 * norm[:, None], tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)),
-                                                                 float("-inf"))
-
-
-@triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, PARTS, COUNTERS, CU_Q, CU_K, CACHE_LENS, TABLE,
-                sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m,
-                slse_b, slse_h, stable_b, H, GROUP, SQ, SKV, ROWS, LEFT, RIGHT,
+def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, CACHE_LENS, TABLE,
+                sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_split, so_b, so_h, so_m,
+                slse_split, slse_b, slse_h, stable_b, H, GROUP, SQ, SKV, LEFT, RIGHT,
                 scale_log2, squash, cap_log2, KEYS_PER_SPLIT,
                 BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
                 PAGED: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PACK_GROUP: tl.constexpr,
-                NEGATIVE_SCALE: tl.constexpr, UNIT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr):
-    """Under SPLIT, each program takes one range of keys (the grid's third axis) and the last range of a
-    query block to finish merges them all: partial rows go to PARTS ([ROWS, ranges, D] float32, then
-    lse [ROWS, ranges]; ROWS = B x H x SQ) and COUNTERS counts the ranges done (counters.py)."""
+                NEGATIVE_SCALE: tl.constexpr, UNIT: tl.constexpr, PRECISION: tl.constexpr):
     # Strides arrive divided by UNIT (see _stride_unit): multiplied back, the compiler knows rows start aligned.
     sq_b, sq_h, sq_m, sk_b, sk_h, sk_n = sq_b * UNIT, sq_h * UNIT, sq_m * UNIT, sk_b * UNIT, sk_h * UNIT, sk_n * UNIT
     sv_b, sv_h, sv_n = sv_b * UNIT, sv_h * UNIT, sv_n * UNIT
-    so_b, so_h, so_m = so_b * UNIT, so_h * UNIT, so_m * UNIT
+    so_split, so_b, so_h, so_m = so_split * UNIT, so_b * UNIT, so_h * UNIT, so_m * UNIT
     start_m = tl.program_id(0)
     if BOUND_RIGHT:  # the last query blocks see the most keys: start them first, so the tail of the grid is light
         start_m = tl.num_programs(0) - 1 - start_m
@@ -350,8 +311,8 @@ def _fwd_kernel(Q, K, V, O, LSE, PARTS, COUNTERS, CU_Q, CU_K, CACHE_LENS, TABLE,
     q_base = Q + b.to(tl.int64) * sq_b
     k_base = K + b.to(tl.int64) * sk_b + hk * sk_h
     v_base = V + b.to(tl.int64) * sv_b + hk * sv_h
-    o_base = O + b.to(tl.int64) * so_b
-    lse_base = LSE + b.to(tl.int64) * slse_b
+    o_base = O + split.to(tl.int64) * so_split + b.to(tl.int64) * so_b
+    lse_base = LSE + split.to(tl.int64) * slse_split + b.to(tl.int64) * slse_b
     if VARLEN:
         q_start, SQ, k_start, SKV = _sequence(CU_Q, CU_K, b)
         if start_m * BLOCK_M >= SQ:
@@ -403,24 +364,30 @@ def _fwd_kernel(Q, K, V, O, LSE, PARTS, COUNTERS, CU_Q, CU_K, CACHE_LENS, TABLE,
     seen = l_i > 0
     norm = 1.0 / tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    if SPLIT:
-        ranges = tl.num_programs(2)
-        row = (b * H + h).to(tl.int64) * SQ + pos
-        _store2(PARTS, (row * ranges + split) * D, valid, acc0 * norm[:, None], acc1 * norm[:, None], D, D1)
-        tl.store(PARTS + ROWS * ranges * D + row * ranges + split, lse, mask=valid)
-        tl.debug_barrier()  # every thread's stores made before the add below releases them
-        counter = COUNTERS + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        done = tl.atomic_add(counter, 1, sem="acq_rel")  # ranges done before this one
-        last = done == ranges - 1
-        # as a vector: the interpreter can't mask with `last`
-        valid = valid & (tl.broadcast_to(done, valid.shape) == ranges - 1)
-        norm = tl.full(norm.shape, 1.0, tl.float32)
-        if last:
-            acc0, acc1, lse = _merged(PARTS, row, valid, ranges, ROWS, D, D0, D1)
-            tl.store(counter, 0)  # back to zero for the stream's next launch
     _store2(o_base, h * so_h + pos * so_m, valid, acc0 * norm[:, None], acc1 * norm[:, None], D, D1)
     tl.store(lse_base + h.to(tl.int64) * slse_h + pos, lse, mask=valid)
 
+
+@triton.jit
+def _combine_kernel(O_PART, LSE_PART, O, LSE, SPLITS, H, SQ, so_b, so_h, so_m,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merge split-key partial results of one query row: weights exp(lse_i - lse_total).
+    Partials are [splits, B * H * SQ, D] float32; the output is written through its strides."""
+    row = tl.program_id(0).to(tl.int64)
+    rows = tl.num_programs(0)
+    splits = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lse = tl.load(LSE_PART + splits * rows + row, mask=splits < SPLITS, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)
+    total = tl.sum(w, axis=0)
+    parts = tl.load(O_PART + (splits[:, None] * rows + row) * D + offs_d[None, :],
+                    mask=(splits[:, None] < SPLITS) & (offs_d[None, :] < D), other=0.0)
+    out = tl.sum(parts * (w / tl.where(total > 0, total, 1.0))[:, None], axis=0)
+    b, h, pos = row // (H * SQ), row // SQ % H, row % SQ
+    tl.store(O + b * so_b + h * so_h + pos * so_m + offs_d, to_dtype(out, O.dtype.element_ty), mask=offs_d < D)
+    tl.store(LSE + row, tl.where(total > 0, m_safe + tl.log(total), float("-inf")))
 
 # ----------------------------------------------------------------------------- backward
 
@@ -673,7 +640,7 @@ _DECODE_CONFIG = {False: (16, 64, 4, 3), True: (16, 32, 4, 3)}  # by width > 128
 # (136 KiB of shared memory at D 128: more than sm_86/89 have; measured on sm_90 only).
 _DECODE_CONFIG_WIDE = (16, 128, 4, 3)
 _KERNELS = (_load, _load2, _dot2, _store, _store2, _visible, _key_ranges, _query_ranges, _tanh, _logits, _probs,
-            _kv_rows, _sequence, _fwd_tiles, _part, _merged, _fwd_kernel, _delta_kernel, _dkdv_tiles,
+            _kv_rows, _sequence, _fwd_tiles, _fwd_kernel, _combine_kernel, _delta_kernel, _dkdv_tiles,
             _bwd_dkdv_kernel, _dq_tiles, _bwd_dq_kernel, to_dtype)
 _tuner = Tuner(name="attention", sources=_KERNELS)
 
@@ -784,14 +751,13 @@ def _splits(b, h, sq, skv, block_m, block_n, device=None) -> int:
     keep programs x ranges within the SM count, each of at least two key blocks. From H100 sweeps
     of one-token decode under graph replay (docs/performance.md, "Decode"): a second wave of
     ranges (the earlier policy: two programs an SM, and two ranges for a full GPU's long caches)
-    was 1-8% slower. The ranges merge in the same launch (``_fwd_kernel``, SPLIT): a split costs
-    no second kernel."""
+    was 1-8% slower."""
     if sq > block_m or b * h == 0:  # prefill, or no programs at all
         return 1
     # the interpreter, as if on four SMs: small test shapes still take the split path
     sms = 4 if INTERPRETED else _multiprocessors(attention_sm90._index(device) if device is not None
                                                  else torch.cuda.current_device())
-    # at most MAX_SPLITS: the last range to finish reads every range's rows, one after another
+    # at most MAX_SPLITS: the merge holds a [splits, D] float32 tile per row in registers
     return max(1, min(sms // (b * h), skv // (2 * block_n), MAX_SPLITS))
 
 
@@ -893,7 +859,7 @@ def _cap(scale, softcap) -> tuple:
 
 
 class _FwdPlan:
-    __slots__ = ("out_stride", "hopper", "splits", "parts", "args", "keys_per_split", "fwd")
+    __slots__ = ("out_stride", "hopper", "splits", "args", "keys_per_split", "fwd", "combine")
 
 
 def _fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_stride, seqs, extras):
@@ -918,22 +884,25 @@ def _fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_strid
         pack = seqs.kind != "varlen" and group > 1 and group * sq <= block_m
         heads, rows = (hkv, group * sq) if pack else (h, sq)
         splits = 1 if seqs.kind == "varlen" else _splits(b, heads, rows, skv, block_m, block_n, q.device)
-        if triton.cdiv(rows, block_m) * b * heads > counters.COUNTERS:  # a counter a query block (never, unforced)
-            splits = 1
         plan.keys_per_split = max(triton.cdiv(triton.cdiv(skv, splits), block_n), 1) * block_n
         plan.splits = max(triton.cdiv(skv, plan.keys_per_split), 1)  # no keys: one range, seeing none
-        plan.parts = b * h * sq * plan.splits * (d + 1)  # the split ranges' float32 rows and lse
+        if plan.splits == 1:  # out, through its own strides
+            so, slse = (0, *_strides(q.shape, out_stride)), (0, *seqs.lse_strides(h))
+        else:  # contiguous float32 partials [splits, B, H, SQ, D] and [splits, B, H, SQ]
+            so = (b * h * sq * d, *_strides(q.shape, (h * sq * d, sq * d, d)))
+            slse = (b * h * sq, h * sq, sq)
         strides = (*_strides(q.shape, q.stride()), *_strides(k.shape, k.stride()), *_strides(v.shape, v.stride()),
-                   *_strides(q.shape, out_stride))
+                   *so)
         unit = _stride_unit(strides)
-        plan.args = (*_divided(strides, unit), *seqs.lse_strides(h), seqs.table_stride, h, group, sq, skv, b * h * sq,
-                     left, right)
-        plan.fwd = Launch(_fwd_kernel, (triton.cdiv(rows, block_m), b * heads, plan.splits), 11,
+        plan.args = (*_divided(strides, unit), *slse, seqs.table_stride, h, group, sq, skv, left, right)
+        plan.fwd = Launch(_fwd_kernel, (triton.cdiv(rows, block_m), b * heads, plan.splits), 9,
                           BOUND_LEFT=bound_left, BOUND_RIGHT=bound_right, SOFTCAP=softcap is not None,
                           VARLEN=seqs.kind == "varlen", PAGED=seqs.kind == "paged", PAGE=seqs.page, D=d, D0=d0,
                           D1=d1, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q.dtype), PACK_GROUP=pack,
-                          NEGATIVE_SCALE=scale < 0, UNIT=unit, PRECISION=precision, SPLIT=plan.splits > 1,
-                          num_warps=warps, num_stages=stages)
+                          NEGATIVE_SCALE=scale < 0, UNIT=unit, PRECISION=precision, num_warps=warps,
+                          num_stages=stages)
+        plan.combine = Launch(_combine_kernel, (b * h * sq,), 4, D=d, BLOCK_D=triton.next_power_of_2(d),
+                              BLOCK_S=triton.next_power_of_2(plan.splits), num_warps=4)
         return plan
 
     config = _config("fwd", q, sq, skv, hkv, bound_right, precision,
@@ -1024,13 +993,17 @@ def _forward(plan, q, k, v, scale, softcap, extras):
     out = torch.empty_strided(q.shape, plan.out_stride, dtype=q.dtype, device=q.device)
     if plan.hopper is not None:
         return attention_sm90.forward(plan.hopper, q, k, v, out, scale)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    floats = (scale * LOG2E.value, *_cap(scale, softcap))
     if plan.splits == 1:
-        split = (q, q)  # unused
-    else:  # partial results stay in float32 until the last range merges them
-        split = (torch.empty(plan.parts, dtype=torch.float32, device=q.device), counters.zeroed(q.device))
-    plan.fwd(q, k, v, out, lse, *split, *extras, *plan.args, scale * LOG2E.value, *_cap(scale, softcap),
-             plan.keys_per_split)
+        lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+        plan.fwd(q, k, v, out, lse, *extras, *plan.args, *floats, plan.keys_per_split)
+        return out, lse
+    # Split partial results stay in float32 until they are merged.
+    parts = torch.empty((plan.splits, b, h, sq, d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((plan.splits, b, h, sq), dtype=torch.float32, device=q.device)
+    plan.fwd(q, k, v, parts, part_lse, *extras, *plan.args, *floats, plan.keys_per_split)
+    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+    plan.combine(parts, part_lse, out, lse, plan.splits, h, sq, *plan.out_stride[:3])
     return out, lse
 
 

@@ -27,12 +27,12 @@ key (causal with ``Sq > Skv``), strides TMA can't address.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 
 import torch
 import triton
 
-from . import counters
 from .launch import TRITON_RELEASE, Launch
 
 try:
@@ -301,7 +301,7 @@ if gluon is not None:
         Program ``p`` takes tile ``p`` first; after that each next tile is whichever is next in order
         when it asks (``counter[0]``, an atomic add), so that programs that drew light tiles (a causal
         mask's first query blocks) take more of them. The last program to finish sets the counter back
-        to zero for the next launch on its stream (``counters.py``)."""
+        to zero for the next launch on its stream (:func:`_tile_counter`)."""
         STAGES: gl.constexpr = k_smem.shape[0]
         BM: gl.constexpr = 2 * q_smem.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -333,7 +333,7 @@ if gluon is not None:
         """Each program takes work tiles (128 query rows of one batch and head) until none is left, its
         barriers set up once and its K/V ring running on from one tile into the next: a persistent grid
         where the host launches fewer programs than tiles (:func:`programs`), one tile a program else.
-        ``counter``: int32 zeros (``counters.py``), back at zero when the launch ends."""
+        ``counter``: two int32 zeros (:func:`_tile_counter`), back at zero when the launch ends."""
         BM: gl.constexpr = q_desc.block_type.shape[2]  # a consumer warpgroup's rows
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         D: gl.constexpr = q_desc.block_type.shape[3]
@@ -710,8 +710,48 @@ def forward(plan, q, k, v, out, scale):
     """(out, lse) for a call :func:`supports` took and ``plan`` was built for; ``out`` is written
     through its strides."""
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    plan.launch(q, k, v, out, lse, counters.zeroed(q.device), *plan.args, scale * LOG2E)
+    plan.launch(q, k, v, out, lse, _tile_counter(q.device), *plan.args, scale * LOG2E)
     return out, lse
+
+
+_TILE_COUNTERS: dict = {}
+
+
+def _tile_counter(device) -> torch.Tensor:
+    """The forward's work-tile counter: two int32 zeros, which a launch counts up and its last program
+    sets back. Eagerly, one per stream, kept: launches running at once on two streams never share one.
+    While a CUDA graph is captured, a new one per call, its zero-fill captured with it: a kept one made
+    during a capture would never be filled outside that graph's replays, and one kept from before would
+    be shared by every graph captured on the stream, whichever stream each is replayed on."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(2, dtype=torch.int32, device=device)
+    index = _index(device)
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter, filled = _kept_zeros(index)
+        torch.cuda.current_stream(index).wait_event(filled)
+        # two threads on one stream may both get here: all use the first one kept
+        counter = _TILE_COUNTERS.setdefault(key, counter)
+    return counter
+
+
+def _kept_zeros(index: int):
+    """Two int32 zeros outside any CUDA-graph memory pool, and the event their fill records:
+    torch.compile's CUDA-graph warm-up sends every allocation of the current thread to its graphs'
+    pool, which must hold no tensor it doesn't track, so they are made on a thread of their own,
+    on a stream of its own (no wait on the default stream, nothing the host waits for)."""
+    def make():
+        with torch.cuda.device(index):
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                zeros = torch.zeros(2, dtype=torch.int32, device="cuda")
+                filled = torch.cuda.Event()
+                filled.record(stream)
+        return zeros, filled
+
+    with concurrent.futures.ThreadPoolExecutor(1) as worker:
+        return worker.submit(make).result()
 
 
 class BwdPlan:

@@ -197,7 +197,8 @@ class _NoLaunch:
 def no_launches(module):
     """Every attention kernel of ``module`` (backends/triton/attention.py) and of its Hopper forward
     (attention_sm90.py, where Gluon is there) replaced by a no-op."""
-    kernels = [(module, name) for name in ("_fwd_kernel", "_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel")]
+    kernels = [(module, name) for name in ("_fwd_kernel", "_combine_kernel", "_delta_kernel", "_bwd_dkdv_kernel",
+                                           "_bwd_dq_kernel")]
     if hasattr(module.attention_sm90, "_fwd_kernel"):
         kernels.append((module.attention_sm90, "_fwd_kernel"))
     saved = [(owner, name, getattr(owner, name)) for owner, name in kernels]
