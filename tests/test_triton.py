@@ -35,7 +35,7 @@ def test_decode_split_policy_on_an_h100_sized_gpu(monkeypatch):
     count of an H100 (132) standing in for the device's: programs x ranges fill one wave, ranges of
     at least two key blocks, never more than MAX_SPLITS (the merge holds [splits, D] float32 per
     row in registers), an empty batch not split at all; 128-key tiles only on sm_90 and only where
-    the programs alone fill the SMs, and only for a head of one column chunk up to 128."""
+    the programs alone fill the SMs, and only for 2-byte heads of one column chunk, 97 to 128 wide."""
     attention = importlib.import_module("portable_ops.backends.triton.attention")
     monkeypatch.setattr(attention, "INTERPRETED", False)
     monkeypatch.setattr(attention, "_multiprocessors", lambda index: 132)
@@ -46,12 +46,40 @@ def test_decode_split_policy_on_an_h100_sized_gpu(monkeypatch):
     assert splits(16, 8, 131072) == 1 and splits(64, 8, 131072) == 1  # the programs fill the GPU by themselves
     assert splits(1, 1, 10 ** 6) == attention.MAX_SPLITS
     assert splits(0, 8, 4096) == 1
+    monkeypatch.setattr(attention.attention_sm90, "_index", lambda device: 0)
     for sm90 in (False, True):
         monkeypatch.setattr(attention.attention_sm90, "_is_sm90", lambda index, sm90=sm90: sm90)
-        tiles = lambda d, programs: attention._decode_config(d, programs, cpu)[:2]  # noqa: E731
+
+        def tiles(d, programs, dtype=torch.bfloat16):
+            return attention._decode_config(torch.empty(1, 1, 1, d, dtype=dtype), programs)[:2]
+
         assert tiles(128, 131) == (16, 64) and tiles(256, 512) == (16, 32)
-        assert tiles(80, 512) == (16, 64)  # two column chunks: the wide tile would spill
-        assert tiles(128, 132) == tiles(64, 512) == ((16, 128) if sm90 else (16, 64))
+        assert tiles(80, 512) == tiles(64, 512) == (16, 64)  # the wide tile would spill
+        assert tiles(128, 512, torch.float32) == (16, 64)  # nor would it fit in shared memory
+        assert tiles(128, 132) == tiles(112, 512, torch.float16) == ((16, 128) if sm90 else (16, 64))
+
+
+def test_decode_tiles_are_chosen_for_the_programs_the_grid_has(monkeypatch):
+    """A program takes a KV head's whole group of query rows when they fit one tile, else one query
+    head: the tile policy counts the programs the grid really has (run with the H100 policy, the
+    kernels in the interpreter)."""
+    attention = importlib.import_module("portable_ops.backends.triton.attention")
+    monkeypatch.setattr(attention, "INTERPRETED", False)
+    monkeypatch.setattr(attention, "_multiprocessors", lambda index: 132)
+    monkeypatch.setattr(attention.attention_sm90, "_index", lambda device: 0)
+    monkeypatch.setattr(attention.attention_sm90, "_is_sm90", lambda index: True)
+    seen = []
+    policy = attention._decode_config
+    monkeypatch.setattr(attention, "_decode_config", lambda q, programs: seen.append(programs) or policy(q, programs))
+    g = torch.Generator().manual_seed(2)
+    for sq, programs in ((1, 5 * 2), (5, 5 * 8)):  # 4 heads x 1 row in one tile; 4 x 5 rows do not fit 16
+        q = torch.randn(5, 8, sq, 128, generator=g).half()
+        k, v = (torch.randn(5, 2, 40, 128, generator=g).half() for _ in range(2))
+        out, _ = attention.attention_fwd(q, k, v, causal=True, scale=0.1)
+        assert seen.pop() == programs
+        with portable_ops.use_backend("reference"):
+            torch.testing.assert_close(out, portable_ops.attention(q, k, v, causal=True, scale=0.1), atol=2e-3,
+                                       rtol=2e-3)
 
 
 def test_multi_tensor_tables_are_reused_while_the_tensors_are():

@@ -335,6 +335,9 @@ def test_decode_over_a_batch_that_fills_the_gpu(sq):
     b = -(-attn._multiprocessors(torch.cuda.current_device()) // hkv)
     q, k, v = _inputs(b, 32, hkv, sq, 333, 128, torch.bfloat16, seed=11)
     out, _ = attn.attention_fwd(q, k, v, causal=True, scale=128 ** -0.5)
+    plan = next(p for key, p in attn._fwd_plans.items() if key[:3] == (q.shape, q.stride(), k.shape))
+    assert plan.splits == 1
+    assert plan.fwd.options["BLOCK_N"] == (128 if sm90._is_sm90(torch.cuda.current_device()) else 64)
     q64, k64, v64 = (t.double().cpu() for t in (q, k, v))
     want = ref_attn.attention_fwd(q64, k64, v64, causal=True, scale=128 ** -0.5)[0]
     torch.testing.assert_close(out.double().cpu(), want, atol=TOL[q.dtype], rtol=TOL[q.dtype])

@@ -645,27 +645,30 @@ _KERNELS = (_load, _load2, _dot2, _store, _store2, _visible, _key_ranges, _query
 _tuner = Tuner(name="attention", sources=_KERNELS)
 
 
-def _config(kernel: str, q, sq, skv, hkv, causal, precision, launch) -> tuple:
-    """``q``: the [B, H, S, D] view; ``sq``, ``skv``: each sequence's (longest) query and key lengths."""
+def _config(kernel: str, q, sq, skv, hkv, causal, precision, launch, programs=0) -> tuple:
+    """``q``: the [B, H, S, D] view; ``sq``, ``skv``: each sequence's (longest) query and key lengths;
+    ``programs``: a decode's (sequences x heads a program takes)."""
     if INTERPRETED:
         return _INTERPRETER_CONFIG
     b, h, _, d = q.shape
     width = sum(head_split(d))
     if kernel == "fwd" and sq <= 16:
-        return _decode_config(d, b * hkv, q.device)
+        return _decode_config(q, programs)
     key = (kernel, d, q.dtype, precision, causal, bucket(sq), bucket(skv), bucket(b * h), h // max(hkv, 1))
     return _tuner.pick(key, CONFIGS[kernel][width], launch)
 
 
-def _decode_config(d: int, programs: int, device) -> tuple:
-    """The split-key forward's tiles for ``programs`` (batch x KV heads) at head dim ``d``. H100
-    sweep (docs/performance.md, "Decode"): at batch 64 x 8 KV heads, D 128, 128-key tiles took
-    one-token decode from 0.92-0.96x cuDNN to 0.97-1.03x; with fewer programs than SMs, 64-key
-    tiles split across more programs were as fast or faster. Only heads of one column chunk: at
-    D 80 (64 + 16) the wide tile spills."""
+def _decode_config(q, programs: int) -> tuple:
+    """The split-key forward's tiles for ``programs`` (sequences x the heads a program takes) over
+    ``q``'s head dim. H100 sweep (docs/performance.md, "Decode"): at batch 64 x 8 KV heads, D 128,
+    bf16, 128-key tiles took one-token decode from 0.92-0.96x cuDNN to 0.97-1.03x; with fewer
+    programs than SMs, 64-key tiles split across more programs were as fast or faster. Only where
+    that was measured and fits: heads 97-128 wide in one chunk (D 64 spills 8 bytes in them, D 80
+    152) of a 2-byte dtype (float32 tiles would need 272 KiB of shared memory)."""
+    d = q.shape[-1]
     width, second = sum(head_split(d)), head_split(d)[1]
-    if width <= 128 and second == 0:
-        index = attention_sm90._index(device)
+    if width == 128 and second == 0 and d > 96 and q.element_size() == 2:
+        index = attention_sm90._index(q.device)
         if programs >= _multiprocessors(index) and attention_sm90._is_sm90(index):
             return _DECODE_CONFIG_WIDE
     return _DECODE_CONFIG[width > 128]
@@ -879,7 +882,6 @@ def _fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_strid
 
     def configure(config):
         block_m, block_n, warps, stages = config
-        group = h // max(hkv, 1)  # no heads at all: no programs either
         # decode under GQA: the group's heads share one program
         pack = seqs.kind != "varlen" and group > 1 and group * sq <= block_m
         heads, rows = (hkv, group * sq) if pack else (h, sq)
@@ -905,8 +907,11 @@ def _fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_strid
                               BLOCK_S=triton.next_power_of_2(plan.splits), num_warps=4)
         return plan
 
+    group = h // max(hkv, 1)  # no heads at all: no programs either
+    decode_block_m = _DECODE_CONFIG[False][0]  # every decode tile's
+    decode_programs = b * (hkv if seqs.kind != "varlen" and group * sq <= decode_block_m else h)
     config = _config("fwd", q, sq, skv, hkv, bound_right, precision,
-                     lambda c: _forward(configure(c), q, k, v, scale, softcap, extras))
+                     lambda c: _forward(configure(c), q, k, v, scale, softcap, extras), decode_programs)
     return _remember(_fwd_plans, key, configure(config))
 
 
