@@ -329,10 +329,10 @@ def test_split_key_decode_writes_through_the_output_strides():
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA: the batch must fill the GPU's multiprocessors")
 @pytest.mark.parametrize("sq", [1, 3])
 def test_decode_over_a_batch_that_fills_the_gpu(sq):
-    """Batch x KV heads past the SM count: no split, and sm_90's 128-key tiles (_decode_config),
+    """Batch x KV heads past three an SM: no split, and sm_90's 128-key tiles (_decode_config),
     dense against float64 and paged (16-token pages, shuffled) against the dense call."""
     hkv = 8
-    b = -(-attn._multiprocessors(torch.cuda.current_device()) // hkv)
+    b = attn._DECODE_NARROW_PER_SM * attn._multiprocessors(torch.cuda.current_device()) // hkv + 1
     q, k, v = _inputs(b, 32, hkv, sq, 333, 128, torch.bfloat16, seed=11)
     out, _ = attn.attention_fwd(q, k, v, causal=True, scale=128 ** -0.5)
     plan = next(p for key, p in attn._fwd_plans.items() if key[:3] == (q.shape, q.stride(), k.shape))

@@ -636,9 +636,11 @@ CONFIGS = {
 }
 _INTERPRETER_CONFIG = (32, 32, 4, 1)  # one small tile: every tile costs real time there
 _DECODE_CONFIG = {False: (16, 64, 4, 3), True: (16, 32, 4, 3)}  # by width > 128: a tall query tile would be padding
-# Decode on sm_90 whose programs fill the SMs: each streams its whole cache, in wider key tiles
-# (136 KiB of shared memory at D 128: more than sm_86/89 have; measured on sm_90 only).
+# Decode on sm_90 whose programs would take the narrow tiles more than one wave: each streams its whole
+# cache, in wider key tiles (136 KiB of shared memory at D 128, one program an SM, where the narrow
+# tiles' 70 KiB fit three; more than sm_86/89 have; measured on sm_90 only).
 _DECODE_CONFIG_WIDE = (16, 128, 4, 3)
+_DECODE_NARROW_PER_SM = 3
 _KERNELS = (_load, _load2, _dot2, _store, _store2, _visible, _key_ranges, _query_ranges, _tanh, _logits, _probs,
             _kv_rows, _sequence, _fwd_tiles, _fwd_kernel, _combine_kernel, _delta_kernel, _dkdv_tiles,
             _bwd_dkdv_kernel, _dq_tiles, _bwd_dq_kernel, to_dtype)
@@ -660,16 +662,18 @@ def _config(kernel: str, q, sq, skv, hkv, causal, precision, launch, programs=0)
 
 def _decode_config(q, programs: int) -> tuple:
     """The split-key forward's tiles for ``programs`` (sequences x the heads a program takes) over
-    ``q``'s head dim. H100 sweep (docs/performance.md, "Decode"): at batch 64 x 8 KV heads, D 128,
-    bf16, 128-key tiles took one-token decode from 0.92-0.96x cuDNN to 0.97-1.03x; with fewer
-    programs than SMs, 64-key tiles split across more programs were as fast or faster. Only where
-    that was measured and fits: heads 97-128 wide in one chunk (D 64 spills 8 bytes in them, D 80
-    152) of a 2-byte dtype (float32 tiles would need 272 KiB of shared memory)."""
+    ``q``'s head dim. H100 sweeps (docs/performance.md, "Decode"), D 128, bf16, 8 KV heads: 128-key
+    tiles were 1-6% faster than 64-key ones at batch 56 and 64 (448 and 512 programs), as fast at
+    40 and 48, and up to 20% slower at 17-33 (136-264 programs: one program an SM where the narrow
+    tiles run three, so a second, part-empty wave); with fewer programs than SMs, 64-key tiles split
+    across more programs were as fast or faster. So: wide only past three programs an SM, and only
+    where that was measured and fits: heads 97-128 wide in one chunk (D 64 spills 8 bytes in them,
+    D 80 152) of a 2-byte dtype (float32 tiles would need 272 KiB of shared memory)."""
     d = q.shape[-1]
     width, second = sum(head_split(d)), head_split(d)[1]
     if width == 128 and second == 0 and d > 96 and q.element_size() == 2:
         index = attention_sm90._index(q.device)
-        if programs >= _multiprocessors(index) and attention_sm90._is_sm90(index):
+        if programs > _DECODE_NARROW_PER_SM * _multiprocessors(index) and attention_sm90._is_sm90(index):
             return _DECODE_CONFIG_WIDE
     return _DECODE_CONFIG[width > 128]
 
