@@ -64,25 +64,43 @@ def test_decode_split_policy_on_an_h100_sized_gpu(monkeypatch):
                     reason="runs the H100 policy's tiles in the interpreter, on CPU tensors")
 def test_decode_tiles_are_chosen_for_the_programs_the_grid_has(monkeypatch):
     """A program takes a KV head's whole group of query rows when they fit one tile, else one query
-    head: the tile policy counts the programs the grid really has (run with the H100 policy, the
-    kernels in the interpreter)."""
+    head, and a packed batch has a program per sequence and head: the tile policy counts the
+    programs the grid really has. Run with the H100 policy on a one-SM GPU (so every count here
+    takes sm_90's 128-key tiles), the kernels in the interpreter, against the reference."""
     attention = importlib.import_module("portable_ops.backends.triton.attention")
+    monkeypatch.setattr(attention, "_fwd_plans", {})  # plans of this policy stay here, and none is reused
     monkeypatch.setattr(attention, "INTERPRETED", False)
-    monkeypatch.setattr(attention, "_multiprocessors", lambda index: 132)
+    monkeypatch.setattr(attention, "_multiprocessors", lambda index: 1)
     monkeypatch.setattr(attention.attention_sm90, "_index", lambda device: 0)
     monkeypatch.setattr(attention.attention_sm90, "_is_sm90", lambda index: True)
     seen = []
     policy = attention._decode_config
     monkeypatch.setattr(attention, "_decode_config", lambda q, programs: seen.append(programs) or policy(q, programs))
     g = torch.Generator().manual_seed(2)
+
+    def grid_programs():
+        (plan,) = attention._fwd_plans.values()
+        attention._fwd_plans.clear()
+        assert plan.fwd.options["BLOCK_N"] == 128
+        return plan.fwd.grid[0] * plan.fwd.grid[1]
+
     for sq, programs in ((1, 5 * 2), (5, 5 * 8)):  # 4 heads x 1 row in one tile; 4 x 5 rows do not fit 16
         q = torch.randn(5, 8, sq, 128, generator=g).half()
         k, v = (torch.randn(5, 2, 40, 128, generator=g).half() for _ in range(2))
         out, _ = attention.attention_fwd(q, k, v, causal=True, scale=0.1)
-        assert seen.pop() == programs
+        assert seen.pop() == grid_programs() == programs
         with portable_ops.use_backend("reference"):
             torch.testing.assert_close(out, portable_ops.attention(q, k, v, causal=True, scale=0.1), atol=2e-3,
                                        rtol=2e-3)
+    cu = torch.tensor([0, 2, 3, 6], dtype=torch.int32)  # three packed sequences of 2, 1 and 3 rows
+    q = torch.randn(6, 8, 128, generator=g).half()
+    k, v = (torch.randn(6, 2, 128, generator=g).half() for _ in range(2))
+    out, _ = attention.attention_varlen_fwd(q, k, v, cu, cu, 3, 3, causal=True, scale=0.1)
+    assert seen.pop() == grid_programs() == 3 * 8
+    with portable_ops.use_backend("reference"):
+        want = torch.cat([portable_ops.attention(*(t[a:e].transpose(0, 1)[None] for t in (q, k, v)), causal=True,
+                                                 scale=0.1)[0].transpose(0, 1) for a, e in ((0, 2), (2, 3), (3, 6))])
+    torch.testing.assert_close(out, want, atol=2e-3, rtol=2e-3)
 
 
 def test_multi_tensor_tables_are_reused_while_the_tensors_are():

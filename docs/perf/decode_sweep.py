@@ -77,8 +77,17 @@ def main():
         parser.error("needs a CUDA GPU: it times CUDA graphs against cuDNN")
     before = {}
     if args.before:
-        with open(args.before) as f:
-            before = {(c["B"], c["cache"]): (tuple(c["shipped config"]), c["shipped splits"]) for c in json.load(f)}
+        try:
+            with open(args.before) as f:
+                before = {(c["B"], c["cache"]): (tuple(c["shipped config"]), c["shipped splits"])
+                          for c in json.load(f)}
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            parser.error(f"--before {args.before}: not a --json file of this sweep ({type(exc).__name__}: {exc})")
+    if args.json:
+        try:
+            open(args.json, "a").close()
+        except OSError as exc:
+            parser.error(f"--json {args.json}: can't write it ({exc})")
     heads, kv_heads, d = 32, 8, 128
     rows, wrong = [], 0
     for b in args.batches:
@@ -113,7 +122,7 @@ def main():
                         continue
                     finally:
                         undo()
-                    if err > 2e-2:
+                    if not err <= 2e-2:  # NaN included
                         wrong += 1
                         print(f"WRONG B {b} cache {s} {name}: max abs diff {err:.3g} of the largest output",
                               flush=True)
