@@ -666,14 +666,16 @@ def _decode_config(q, programs: int) -> tuple:
     128-key tiles took 15-24% longer than 64-key ones at batch 17 (136 programs: one program an SM
     where the narrow tiles run three, so a second, part-empty wave), from 4% less to 9% more at
     24-48 (more at 512 keys), and 4-9% less at 56 and 64 (448 and 512 programs) from 2k keys; with
-    fewer programs than SMs, 64-key tiles split across more programs were as fast or faster. So: wide only past three programs an SM, and only where that was measured and fits:
-    heads 97-128 wide, one column chunk of 128 (D 64 spills 8 bytes in them, D 80 152), of a 2-byte
-    dtype (float32 tiles would need 272 KiB of shared memory)."""
-    if head_split(q.shape[-1]) == (128, 0) and q.element_size() == 2:
+    fewer programs than SMs, 64-key tiles split across more programs were as fast or faster. So: wide
+    only past three programs an SM, and only where that was measured and fits: heads 97-128 wide,
+    one column chunk of 128 (D 64 spills 8 bytes in them, D 80 152), of a 2-byte dtype (float32
+    tiles would need 272 KiB of shared memory)."""
+    split = head_split(q.shape[-1])
+    if split == (128, 0) and q.element_size() == 2:
         index = attention_sm90._index(q.device)
         if programs > _DECODE_NARROW_PER_SM * _multiprocessors(index) and attention_sm90._is_sm90(index):
             return _DECODE_CONFIG_WIDE
-    return _DECODE_CONFIG[width > 128]
+    return _DECODE_CONFIG[sum(split) > 128]
 
 
 def _upcast(dtype) -> bool:
