@@ -71,6 +71,7 @@ ON_SM90 = DEVICE.type == "cuda" and not sm90.supports(*_inputs(1, 1, 1, 128, 128
     (3, 6, 3, 129, 200, 128, False, False, torch.bfloat16, 0.0),  # a ragged key tail; uniform weights
     (1, 2, 2, 65, 4097, 64, False, True, torch.float16, None),  # Sq just over decode's, 33 key tiles
     (2, 8, 2, 333, 517, 128, False, True, torch.bfloat16, None),  # the unmasked D 128 backward: GQA, ragged
+    (3, 4, 2, 200, 333, 64, False, True, torch.bfloat16, None),  # D 64 unmasked: 192-row tiles, the second ragged
     # persistent grids, each program taking many work tiles: separate O buffers (D 64) and O through Q (D 128);
     # fewer key tiles than ring slots, so a tile's ring positions start mid-ring
     (40, 8, 2, 520, 520, 64, False, True, torch.bfloat16, None),
@@ -157,17 +158,18 @@ def test_hopper_forward_under_compile_reduce_overhead():
 
 
 def test_hopper_forward_grid_is_persistent_only_for_short_rows(monkeypatch):
-    """One program per SM where rows read at most 8192 x 128 keys x head dim, one per tile past that."""
+    """One program per SM where rows read at most 8192 x 128 keys x head dim, one per tile past that;
+    a tile is 64 rows for each consumer warpgroup (three at D 64 unmasked, else two)."""
     monkeypatch.setattr(sm90, "_multiprocessors", lambda device: 132)
 
-    def grid(b, h, s, d):
+    def grid(b, h, s, d, causal=True):
         q = torch.empty(b, h, s, d, device="meta")
-        return sm90.programs(q, q)
+        return sm90.programs(q, q, causal)
 
     assert grid(16, 16, 1024, 128) == 132
     assert grid(1, 16, 16384, 64) == 132 and grid(1, 16, 16384, 128) == 16 * 128
-    assert grid(1, 16, 16385, 64) == 16 * 129
-    assert grid(1, 2, 300, 64) == 2 * 3  # fewer tiles than SMs: one program each
+    assert grid(1, 16, 16385, 64) == 16 * 129 and grid(1, 16, 16385, 64, False) == 16 * 86
+    assert grid(1, 2, 300, 64) == 2 * 3 and grid(1, 2, 300, 64, False) == 2 * 2  # fewer tiles than SMs
 
 
 def test_hopper_forward_declines_with_reasons():

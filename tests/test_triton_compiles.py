@@ -106,15 +106,16 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                     shape, layout = attention_sm90.tile(rows, d, gl.bfloat16)
                     return f"tensordesc<bf16[{','.join(map(str, shape))}],{layout!r}>"
 
-                block_n, stages, o_through_q = attention_sm90.CONFIGS[d]
-                rows = attention_sm90.BLOCK_M // 2
+                block_n, stages, o_through_q, consumers = (spec.get("config")
+                                                           or attention_sm90.CONFIGS[d, spec.get("causal", True)])
+                rows = attention_sm90.WARPGROUP_ROWS
                 types_ = {"q_desc": descriptor(rows), "k_desc": descriptor(block_n), "v_desc": descriptor(block_n),
                           "o_desc": descriptor(rows), "lse_ptr": "*fp32", "counter": "*i32", "BH": "i32", "H": "i32",
                           "GROUP": "i32", "SQ": "i32", "SKV": "i32", "qk_scale": "fp32"}
                 consts = dict(CAUSAL=spec.get("causal", True), NEGATIVE_SCALE=False, STAGES=stages,
-                              O_THROUGH_Q=o_through_q, num_warps=4)
+                              O_THROUGH_Q=o_through_q, CONSUMERS=consumers, num_warps=4)
                 row.update(run(attention_sm90._fwd_kernel, types_, consts, 4, 1, False, GluonASTSource,
-                               maxnreg=attention_sm90.MAXNREG))
+                               maxnreg=attention_sm90.FWD_MAXNREG[consumers]))
             elif kind == "bwd_sm90":
                 from triton.experimental.gluon import language as gl
                 from triton.experimental.gluon._runtime import GluonASTSource
@@ -236,9 +237,11 @@ else:
 
     # Stack bytes that kernels already spill, compiled with Triton 3.9 (docs/backends/triton.md,
     # "Spills"): the tl.* dK/dV kernel at every width, and at D 128 the tl.* dQ kernel and the Hopper
-    # backward. Recorded so that they can't grow unnoticed; every other kernel must spill nothing.
+    # backward; the Hopper forward at D 64, whose three consumer warpgroups unmasked have 160 registers
+    # each (96 bytes; 8 with Triton 3.6, which the H100 runs). Recorded so that they can't grow
+    # unnoticed; every other kernel must spill nothing.
     SPILLS_KNOWN = {("dkdv", 40): 344, ("dkdv", 80): 520, ("dkdv", 128): 1016, ("dkdv", 192): 1120,
-                    ("dq", 128): 16, ("bwd_sm90", 128): 24}
+                    ("dq", 128): 16, ("bwd_sm90", 128): 24, ("fwd_sm90", 64): 96}
 
     def _spills_within_known(row) -> bool:
         return row["spills"] <= SPILLS_KNOWN.get((row["kernel"], row.get("d")), 0)
@@ -276,8 +279,8 @@ else:
 
     def test_hopper_attention_forward_compiles_for_sm90():
         """The Gluon forward, at every head dim it takes, causal or not: TMA loads, warpgroup MMAs,
-        registers split between the loader and the consumers (setmaxnreg), nothing spilled, within an
-        H100's shared memory."""
+        registers split between the loader and the consumers (setmaxnreg), nothing spilled but what
+        SPILLS_KNOWN records, within an H100's shared memory."""
         from portable_ops.backends.triton.attention_sm90 import HEAD_DIMS
 
         specs = [{"kernel": "fwd_sm90", "d": d, "causal": causal} for d in HEAD_DIMS for causal in (False, True)]
@@ -285,7 +288,7 @@ else:
         errors = [r for r in rows if "error" in r]
         assert not errors, errors
         for r in rows:
-            assert r["spills"] == 0 and r["shared"] <= SHARED_LIMIT and r["setmaxnreg"], r
+            assert _spills_within_known(r) and r["shared"] <= SHARED_LIMIT and r["setmaxnreg"], r
             assert r["mma"] > 0 and r["tma"] > 0, r
 
     def test_hopper_attention_backward_compiles_for_sm90():

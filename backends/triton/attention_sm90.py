@@ -2,9 +2,9 @@
 warp, warpgroup MMAs, and softmax overlapped with the tensor cores. The backward is at the end
 (``_bwd_kernel``: one pass over the queries per block of keys, dQ through TMA reduce-adds).
 
-A work tile is ``BLOCK_M = 128`` query rows of one (batch, head), split between two consumer
-warpgroups of 64 rows that share every K/V tile. A one-warp loader loads the Q tiles and
-streams the K/V tiles through ``STAGES`` slots, each guarded by a ready and an empty mbarrier; the three run as
+A work tile is 64 query rows of one (batch, head) for each of two or three consumer warpgroups
+(``CONFIGS``), which share every K/V tile. A one-warp loader loads the Q tiles and streams the K/V
+tiles through ``STAGES`` slots, each guarded by a ready and an empty mbarrier; they run as
 partitions of ``gl.warp_specialize``. A program takes one work tile, or, on a persistent grid
 (:func:`programs` says where), the next one free after each, its ring running on from one to the next.
 Each consumer runs an iteration in this order, so that the exponentials of one tile overlap the
@@ -14,8 +14,8 @@ tensor cores' work on the previous one::
     wait S_j; P_j = exp2(S_j * scale - m_j) ...    (softmax while P_{j-1} V_{j-1} runs)
     wait O; O *= alpha_j; free slot j - 1
 
-and the two consumers take turns issuing their MMAs (FlashAttention-3's ping-pong), so that one's
-softmax also runs under the other's MMAs.
+and the consumers take turns issuing their MMAs (FlashAttention-3's ping-pong), so that one's
+softmax also runs under the others' MMAs.
 
 Every tensor is addressed through a rank-4 TMA descriptor over its own ``[B, H, S, D]`` strides, so
 q/k/v transposed out of ``[B, S, H, D]`` need no copy, and tiles past a sequence's end read zeros
@@ -45,7 +45,7 @@ except ImportError:  # a Triton without Gluon: the tl.* kernels take every call
     gluon = None
 
 HEAD_DIMS = (64, 128)
-BLOCK_M = 128
+WARPGROUP_ROWS = 64  # query rows a consumer warpgroup of the forward takes
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -176,14 +176,20 @@ if gluon is not None:
 
     @gluon.jit
     def _my_turn(turn, j, WARPGROUP: gl.constexpr):
-        """Wait until the other warpgroup has issued its MMAs of the tile before: the two take turns on
-        the tensor cores, so that one's softmax runs under the other's MMAs (FlashAttention-3's ping-pong).
-        A fresh barrier passes a wait on parity 1: warpgroup 0 goes first."""
-        mbarrier.wait(turn.index(WARPGROUP), (j & 1) ^ (1 - WARPGROUP))
+        """Wait until the warpgroup before this one has issued its MMAs of tile ``j`` (warpgroup 0: the
+        last one, of tile ``j - 1``): the consumers take turns on the tensor cores, so that one's softmax
+        runs under the others' MMAs (FlashAttention-3's ping-pong). ``turn[w]`` completes a phase each
+        time warpgroup ``w - 1`` hands over; a fresh barrier passes a wait on parity 1, so warpgroup 0
+        goes first."""
+        if WARPGROUP == 0:
+            mbarrier.wait(turn.index(0), (j & 1) ^ 1)
+        else:
+            mbarrier.wait(turn.index(WARPGROUP), j & 1)
 
     @gluon.jit
     def _their_turn(turn, WARPGROUP: gl.constexpr):
-        mbarrier.arrive(turn.index(1 - WARPGROUP), count=1)
+        NEXT: gl.constexpr = (WARPGROUP + 1) % turn.shape[0]
+        mbarrier.arrive(turn.index(NEXT), count=1)
 
     @gluon.jit
     def _work(tile, n_m, H, SQ, SKV, BM: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
@@ -254,6 +260,7 @@ if gluon is not None:
         """One consumer warpgroup's share of every work tile the program takes: its 64 rows of each. Its
         rows of O go out through ``o_smem``, or, where shared memory has no room for that, through its Q
         tile, which is then reloaded only once they have left."""
+        CONSUMERS: gl.constexpr = q_smem.shape[0]
         BM: gl.constexpr = q_smem.shape[3]
         D: gl.constexpr = q_smem.shape[4]
         BLOCK_N: gl.constexpr = k_smem.shape[3]
@@ -262,7 +269,7 @@ if gluon is not None:
         i = 0
         tile = _next_tile(tiles, tile_ready, tile_empty, i, 4)
         while tile < n_m * BH:
-            b, h, m0, full, n_blocks = _work(tile, n_m, H, SQ, SKV, 2 * BM, BLOCK_N, CAUSAL)
+            b, h, m0, full, n_blocks = _work(tile, n_m, H, SQ, SKV, CONSUMERS * BM, BLOCK_N, CAUSAL)
             mbarrier.wait(q_ready.index(WARPGROUP), i & 1)
             _attend(q_tile, k_smem, v_smem, o_smem.index(WARPGROUP), o_desc, ready, empty, turn,
                     lse_ptr + (b * H + h).to(gl.int64) * SQ, qk_scale, b, h, m0 + WARPGROUP * BM, SQ, SKV, full,
@@ -293,7 +300,7 @@ if gluon is not None:
     @gluon.jit
     def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, tiles, tile_ready,
                     tile_empty, counter, n_m, BH, H, GROUP, SQ, SKV, CAUSAL: gl.constexpr):
-        """Every work tile's Q (two 64-row halves, each reloaded once its warpgroup is done with the last)
+        """Every work tile's Q (a 64-row part a consumer, each reloaded once its warpgroup is done with the last)
         and K/V tiles, in the consumers' order. The first tile's Q goes first; a later tile's, which waits
         for the consumers to finish the tile before, after its first K/V tiles, so that the ring fills
         for it meanwhile.
@@ -303,7 +310,8 @@ if gluon is not None:
         mask's first query blocks) take more of them. The last program to finish sets the counter back
         to zero for the next launch on its stream (:func:`_tile_counter`)."""
         STAGES: gl.constexpr = k_smem.shape[0]
-        BM: gl.constexpr = 2 * q_smem.shape[3]
+        CONSUMERS: gl.constexpr = q_smem.shape[0]
+        BM: gl.constexpr = CONSUMERS * q_smem.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         count = 0
         i = 0
@@ -313,10 +321,10 @@ if gluon is not None:
             b, h, m0, full, n_blocks = _work(tile, n_m, H, SQ, SKV, BM, BLOCK_N, CAUSAL)
             early = gl.minimum(n_blocks, STAGES) * (i > 0).to(gl.int32)
             count = _stream(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, 1, 0, early, count)
-            for half in gl.static_range(2):
-                mbarrier.wait(q_empty.index(half), (i & 1) ^ 1)
-                mbarrier.expect(q_ready.index(half), q_desc.block_type.nbytes)
-                _tma_load(q_desc, [b, h, m0 + half * (BM // 2), 0], q_ready.index(half), q_smem.index(half))
+            for part in gl.static_range(CONSUMERS):
+                mbarrier.wait(q_empty.index(part), (i & 1) ^ 1)
+                mbarrier.expect(q_ready.index(part), q_desc.block_type.nbytes)
+                _tma_load(q_desc, [b, h, m0 + part * q_smem.shape[3], 0], q_ready.index(part), q_smem.index(part))
             count = _stream(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, 1, early, n_blocks, count)
             tile = gl.num_programs(0) + gl.atomic_add(counter, 1)
             i += 1
@@ -329,50 +337,69 @@ if gluon is not None:
     @gluon.jit
     def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, counter, BH, H, GROUP, SQ, SKV, qk_scale,
                     CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, STAGES: gl.constexpr,
-                    O_THROUGH_Q: gl.constexpr, num_warps: gl.constexpr):
-        """Each program takes work tiles (128 query rows of one batch and head) until none is left, its
-        barriers set up once and its K/V ring running on from one tile into the next: a persistent grid
-        where the host launches fewer programs than tiles (:func:`programs`), one tile a program else.
+                    O_THROUGH_Q: gl.constexpr, CONSUMERS: gl.constexpr, num_warps: gl.constexpr):
+        """Each program takes work tiles (64 query rows a consumer warpgroup, of one batch and head) until
+        none is left, its barriers set up once and its K/V ring running on from one tile into the next: a
+        persistent grid where the host launches fewer programs than tiles (:func:`programs`), one tile a
+        program else. The partitions: CONSUMERS consumer warpgroups (the first is the default partition)
+        and the loader warp.
         ``counter``: two int32 zeros (:func:`_tile_counter`), back at zero when the launch ends."""
         BM: gl.constexpr = q_desc.block_type.shape[2]  # a consumer warpgroup's rows
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         D: gl.constexpr = q_desc.block_type.shape[3]
         dtype: gl.constexpr = q_desc.dtype
-        n_m = gl.cdiv(SQ, 2 * BM)
-        q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BM, D], q_desc.layout)
+        n_m = gl.cdiv(SQ, CONSUMERS * BM)
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BM, D], q_desc.layout)
         if O_THROUGH_Q:
             o_smem = q_smem
         else:
-            o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, BM, D], o_desc.layout)
+            o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BM, D], o_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, D], v_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
         tiles = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
+        for i in gl.static_range(CONSUMERS):
             mbarrier.init(q_ready.index(i), count=1)
             mbarrier.init(q_empty.index(i), count=1)
             mbarrier.init(turn.index(i), count=1)
+        for i in gl.static_range(2):
             mbarrier.init(tile_ready.index(i), count=1)
-            mbarrier.init(tile_empty.index(i), count=2)
+            mbarrier.init(tile_empty.index(i), count=CONSUMERS)
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # a slot is free once both consumer warpgroups are done with it
-        gl.warp_specialize([
-            (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn, tiles,
-                         tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV, 0, CAUSAL, NEGATIVE_SCALE,
-                         O_THROUGH_Q)),
-            (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn, tiles,
-                         tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV, 1, CAUSAL, NEGATIVE_SCALE,
-                         O_THROUGH_Q)),
-            (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, tiles,
-                           tile_ready, tile_empty, counter, n_m, BH, H, GROUP, SQ, SKV, CAUSAL)),
-        ], [4, 1], [240, 24])
+            mbarrier.init(empty.index(i), count=CONSUMERS)  # a slot is free once every consumer is done with it
+        # the consumers' and the loader's registers (setmaxnreg) within the register file: MAXNREG
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn,
+                             tiles, tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV, 0, CAUSAL,
+                             NEGATIVE_SCALE, O_THROUGH_Q)),
+                (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn,
+                             tiles, tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV, 1, CAUSAL,
+                             NEGATIVE_SCALE, O_THROUGH_Q)),
+                (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty,
+                               tiles, tile_ready, tile_empty, counter, n_m, BH, H, GROUP, SQ, SKV, CAUSAL)),
+            ], [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn,
+                             tiles, tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV, 0, CAUSAL,
+                             NEGATIVE_SCALE, O_THROUGH_Q)),
+                (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn,
+                             tiles, tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV, 1, CAUSAL,
+                             NEGATIVE_SCALE, O_THROUGH_Q)),
+                (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn,
+                             tiles, tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV, 2, CAUSAL,
+                             NEGATIVE_SCALE, O_THROUGH_Q)),
+                (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty,
+                               tiles, tile_ready, tile_empty, counter, n_m, BH, H, GROUP, SQ, SKV, CAUSAL)),
+            ], [4, 4, 1], [160, 160, 32])
 
     @gluon.jit
     def _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc, stats_smem,
@@ -559,8 +586,13 @@ if gluon is not None:
         ], [4, 1], [240, 24])
 
 
-# (BLOCK_N, STAGES, O_THROUGH_Q) per head dim; BLOCK_M is 128 (two consumer warpgroups of 64 rows).
-CONFIGS = {64: (128, 4, False), 128: (128, 3, True)}
+# (BLOCK_N, STAGES, O_THROUGH_Q, CONSUMERS) per (head dim, causal): a work tile is 64 query rows a consumer
+# warpgroup. At D 64 unmasked, three consumers on 192-row tiles were 10-12% faster than two from 2k on the
+# H100 (docs/perf/forward_config_sweep_d64.txt): each K/V tile feeds 50% more rows (FlashAttention-3's
+# D 64 tile). Under a causal mask they were 2.4x slower at 1k and level only from 8k: a 192-row tile's
+# first warpgroup runs through every key its last one sees, and fewer tiles share the diagonal's work.
+CONFIGS = {(64, False): (128, 4, False, 3), (64, True): (128, 4, False, 2), (128, False): (128, 3, True, 2),
+           (128, True): (128, 3, True, 2)}
 # The backward: (Q/dO ring stages, dQ buffers a warpgroup writes in turn, masked tiles looped apart) per (head
 # dim, causal), the faster of those timed on the H100 (docs/backends/triton.md, docs/perf/backward_variants_ab.txt);
 # 64-row tiles, 2 x 64 keys a program. Each fits the 227 KB of shared memory an H100 block may have. Masking
@@ -573,8 +605,10 @@ BWD_BLOCK = 64
 # The most keys x head dim a row reads where the forward runs on a persistent grid (programs)
 PERSISTENT_MAX_WORK = 8192 * 128
 # Three warpgroups (two consumers, the loader's) share the register file: capped at 168 a thread overall,
-# the loader keeps 24 and each consumer gets 240 (setmaxnreg).
+# the loader keeps 24 and each consumer gets 240 (setmaxnreg). With three consumers (the forward's
+# CONSUMERS): four warpgroups, 128 overall, 160 a consumer.
 MAXNREG = 168
+FWD_MAXNREG = {2: MAXNREG, 3: 128}
 
 
 # Gluon is experimental and its API moves between releases: the kernel was written against these two.
@@ -617,13 +651,13 @@ def supports(q, k, v, causal, out_stride, window=None, softcap=None) -> list[str
     return reasons + _tma_reasons("out", q, out_stride, allocated=False)
 
 
-def programs(q, k) -> int:
+def programs(q, k, causal) -> int:
     """The forward's grid: persistent (one program per SM, which its shared memory fills, each taking
     the next work tile as it frees up) where rows are short enough that a tile's set-up and the
     ring's refill show, one program per tile past that. On the H100 at 16k tokens the persistent grid
     was 2-12% faster up to 8192 x 128 keys x head dim a row, causal or not, and up to 7% slower past
     it (``docs/performance.md``, "The persistent forward")."""
-    tiles = triton.cdiv(q.shape[2], BLOCK_M) * q.shape[0] * q.shape[1]
+    tiles = triton.cdiv(q.shape[2], WARPGROUP_ROWS * CONFIGS[q.shape[3], causal][3]) * q.shape[0] * q.shape[1]
     if k.shape[2] * q.shape[3] > PERSISTENT_MAX_WORK:
         return tiles
     return min(tiles, _multiprocessors(q.device))
@@ -697,12 +731,12 @@ class Plan:
 
     def __init__(self, q, k, v, out_stride, causal, scale):
         b, h, sq, d = q.shape
-        block_n, stages, o_through_q = CONFIGS[d]
-        descriptors = (_template(q, q.stride(), BLOCK_M // 2), _template(k, k.stride(), block_n),
-                       _template(v, v.stride(), block_n), _template(q, out_stride, BLOCK_M // 2))
-        self.launch = Launch(_fwd_kernel, (programs(q, k),), 0, descriptors, CAUSAL=causal,
-                             NEGATIVE_SCALE=scale < 0, STAGES=stages, O_THROUGH_Q=o_through_q, num_warps=4,
-                             maxnreg=MAXNREG)
+        block_n, stages, o_through_q, consumers = CONFIGS[d, causal]
+        descriptors = (_template(q, q.stride(), WARPGROUP_ROWS), _template(k, k.stride(), block_n),
+                       _template(v, v.stride(), block_n), _template(q, out_stride, WARPGROUP_ROWS))
+        self.launch = Launch(_fwd_kernel, (programs(q, k, causal),), 0, descriptors, CAUSAL=causal,
+                             NEGATIVE_SCALE=scale < 0, STAGES=stages, O_THROUGH_Q=o_through_q, CONSUMERS=consumers,
+                             num_warps=4, maxnreg=FWD_MAXNREG[consumers])
         self.args = (b * h, h, h // k.shape[1], sq, k.shape[2])
 
 
