@@ -8,7 +8,7 @@ CONSUMERS 2 when left out). Each output is checked against cuDNN's to 2% of its 
 unmasked ones bit for bit against the first variant of the same BLOCK_N (another key tile width sums
 in another order; under a causal mask, another tile height masks other key tiles, which rounds
 differently). bf16, 16 query and 16 KV heads,
-16k tokens a batch (B = 16384 / S), q/k/v transposed out of [B, S, H, D]. Each row: the best of three
+16k tokens a batch (B = 16384 / S, at least 1), q/k/v transposed out of [B, S, H, D]. Each row: the best of three
 interleaved rounds of 20 calls back to back (steady), as a ratio of cuDNN's time in the same row
 (above 1: faster than cuDNN); cuDNN's column in TFLOP/s.
 """
@@ -45,7 +45,7 @@ def main():
     names = ["x".join(map(str, v)) for v in VARIANTS]
     for s in SEQS:
         for causal in (False, True):
-            q, k, v = _inputs(16384 // s, 16, 16, s, s, D, heads_inner=True)
+            q, k, v = _inputs(max(1, 16384 // s), 16, 16, s, s, D, heads_inner=True)
             scale = D ** -0.5
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION), torch.no_grad():
                 cudnn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)  # noqa: E731
