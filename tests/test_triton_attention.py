@@ -72,6 +72,8 @@ ON_SM90 = DEVICE.type == "cuda" and not sm90.supports(*_inputs(1, 1, 1, 128, 128
     (1, 2, 2, 65, 4097, 64, False, True, torch.float16, None),  # Sq just over decode's, 33 key tiles
     (2, 8, 2, 333, 517, 128, False, True, torch.bfloat16, None),  # the unmasked D 128 backward: GQA, ragged
     (3, 4, 2, 200, 333, 64, False, True, torch.bfloat16, None),  # D 64 unmasked: 192-row tiles, the second ragged
+    # persistent, and two of the second tile's three consumers wholly past Sq; a negative scale
+    (40, 8, 2, 200, 200, 64, False, True, torch.bfloat16, -0.3),
     # persistent grids, each program taking many work tiles: separate O buffers (D 64) and O through Q (D 128);
     # fewer key tiles than ring slots, so a tile's ring positions start mid-ring
     (40, 8, 2, 520, 520, 64, False, True, torch.bfloat16, None),
@@ -168,8 +170,13 @@ def test_hopper_forward_grid_is_persistent_only_for_short_rows(monkeypatch):
 
     assert grid(16, 16, 1024, 128) == 132
     assert grid(1, 16, 16384, 64) == 132 and grid(1, 16, 16384, 128) == 16 * 128
-    assert grid(1, 16, 16385, 64) == 16 * 129 and grid(1, 16, 16385, 64, False) == 16 * 86
-    assert grid(1, 2, 300, 64) == 2 * 3 and grid(1, 2, 300, 64, False) == 2 * 2  # fewer tiles than SMs
+    assert grid(1, 16, 16385, 64) == 16 * 129
+    assert grid(1, 2, 300, 64) == 2 * 3  # fewer tiles than SMs: one program each
+    for release, consumers in (((3, 6), 3), ((3, 9), 2)):  # three consumers only where they were timed
+        monkeypatch.setattr(sm90, "TRITON_RELEASE", release)
+        assert sm90.config(64, False)[3] == consumers and sm90.config(64, True)[3] == 2
+        assert grid(1, 16, 16385, 64, False) == 16 * -(-16385 // (64 * consumers))
+        assert grid(1, 2, 300, 64, False) == 2 * -(-300 // (64 * consumers))
 
 
 def test_hopper_forward_declines_with_reasons():

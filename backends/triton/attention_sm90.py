@@ -374,7 +374,8 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=CONSUMERS)  # a slot is free once every consumer is done with it
-        # the consumers' and the loader's registers (setmaxnreg) within the register file: MAXNREG
+        # the consumers' and the loader's registers (setmaxnreg) within the register file: FWD_MAXNREG
+        gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
         if CONSUMERS == 2:
             gl.warp_specialize([
                 (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn,
@@ -651,13 +652,21 @@ def supports(q, k, v, causal, out_stride, window=None, softcap=None) -> list[str
     return reasons + _tma_reasons("out", q, out_stride, allocated=False)
 
 
+def config(d: int, causal: bool) -> tuple:
+    """``CONFIGS[d, causal]`` for the Triton this runs on: three consumers were timed with Triton 3.6
+    (the H100's); compiled by 3.9 they spill 96 bytes inside the main loop (8 with 3.6), untimed, so
+    3.9 keeps two."""
+    block_n, stages, o_through_q, consumers = CONFIGS[d, causal]
+    return block_n, stages, o_through_q, consumers if TRITON_RELEASE == (3, 6) else 2
+
+
 def programs(q, k, causal) -> int:
     """The forward's grid: persistent (one program per SM, which its shared memory fills, each taking
     the next work tile as it frees up) where rows are short enough that a tile's set-up and the
     ring's refill show, one program per tile past that. On the H100 at 16k tokens the persistent grid
     was 2-12% faster up to 8192 x 128 keys x head dim a row, causal or not, and up to 7% slower past
     it (``docs/performance.md``, "The persistent forward")."""
-    tiles = triton.cdiv(q.shape[2], WARPGROUP_ROWS * CONFIGS[q.shape[3], causal][3]) * q.shape[0] * q.shape[1]
+    tiles = triton.cdiv(q.shape[2], WARPGROUP_ROWS * config(q.shape[3], causal)[3]) * q.shape[0] * q.shape[1]
     if k.shape[2] * q.shape[3] > PERSISTENT_MAX_WORK:
         return tiles
     return min(tiles, _multiprocessors(q.device))
@@ -731,7 +740,7 @@ class Plan:
 
     def __init__(self, q, k, v, out_stride, causal, scale):
         b, h, sq, d = q.shape
-        block_n, stages, o_through_q, consumers = CONFIGS[d, causal]
+        block_n, stages, o_through_q, consumers = config(d, causal)
         descriptors = (_template(q, q.stride(), WARPGROUP_ROWS), _template(k, k.stride(), block_n),
                        _template(v, v.stride(), block_n), _template(q, out_stride, WARPGROUP_ROWS))
         self.launch = Launch(_fwd_kernel, (programs(q, k, causal),), 0, descriptors, CAUSAL=causal,

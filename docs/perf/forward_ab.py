@@ -27,8 +27,8 @@ from portable_ops.layout import strides_like, empty_like
 def run(mod, q, k, v, causal, scale, grid=None):
     saved = getattr(mod, "programs", None)
     if grid is not None:
-        tiles = -(-q.shape[2] // 128) * q.shape[0] * q.shape[1]
-        mod.programs = lambda q, k: tiles if grid == "tiles" else min(tiles, 132)
+        tiles = -(-q.shape[2] // (64 * mod.config(q.shape[3], causal)[3])) * q.shape[0] * q.shape[1]
+        mod.programs = lambda q, k, causal: tiles if grid == "tiles" else min(tiles, 132)
     try:
         plan = mod.Plan(q, k, v, strides_like(q), causal, scale)
     finally:
