@@ -254,12 +254,14 @@ if gluon is not None:
         _tma_store(o_desc, [b, h, m0, 0], o_smem)
 
     @gluon.jit
-    def _consumer(q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn, tiles,
-                  tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV, WARPGROUP: gl.constexpr,
-                  CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr, O_THROUGH_Q: gl.constexpr):
+    def _consumer(shared, WARPGROUP: gl.constexpr, CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr,
+                  O_THROUGH_Q: gl.constexpr):
         """One consumer warpgroup's share of every work tile the program takes: its 64 rows of each. Its
         rows of O go out through ``o_smem``, or, where shared memory has no room for that, through its Q
-        tile, which is then reloaded only once they have left."""
+        tile, which is then reloaded only once they have left. ``shared``: what every consumer takes
+        (``_fwd_kernel``)."""
+        (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn, tiles, tile_ready,
+         tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV) = shared
         CONSUMERS: gl.constexpr = q_smem.shape[0]
         BM: gl.constexpr = q_smem.shape[3]
         D: gl.constexpr = q_smem.shape[4]
@@ -374,33 +376,22 @@ if gluon is not None:
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=CONSUMERS)  # a slot is free once every consumer is done with it
+        # what every consumer takes (a tuple keeps no constexpr: those go apart)
+        shared = (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn, tiles,
+                  tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV)
+        loader = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, tiles, tile_ready,
+                  tile_empty, counter, n_m, BH, H, GROUP, SQ, SKV, CAUSAL)
         # the consumers' and the loader's registers (setmaxnreg) within the register file: FWD_MAXNREG
         gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
         if CONSUMERS == 2:
-            gl.warp_specialize([
-                (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn,
-                             tiles, tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV, 0, CAUSAL,
-                             NEGATIVE_SCALE, O_THROUGH_Q)),
-                (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn,
-                             tiles, tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV, 1, CAUSAL,
-                             NEGATIVE_SCALE, O_THROUGH_Q)),
-                (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty,
-                               tiles, tile_ready, tile_empty, counter, n_m, BH, H, GROUP, SQ, SKV, CAUSAL)),
-            ], [4, 1], [240, 24])
+            gl.warp_specialize([(_consumer, (shared, 0, CAUSAL, NEGATIVE_SCALE, O_THROUGH_Q)),
+                                (_consumer, (shared, 1, CAUSAL, NEGATIVE_SCALE, O_THROUGH_Q)),
+                                (_fwd_loader, loader)], [4, 1], [240, 24])
         else:
-            gl.warp_specialize([
-                (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn,
-                             tiles, tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV, 0, CAUSAL,
-                             NEGATIVE_SCALE, O_THROUGH_Q)),
-                (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn,
-                             tiles, tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV, 1, CAUSAL,
-                             NEGATIVE_SCALE, O_THROUGH_Q)),
-                (_consumer, (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn,
-                             tiles, tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV, 2, CAUSAL,
-                             NEGATIVE_SCALE, O_THROUGH_Q)),
-                (_fwd_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty,
-                               tiles, tile_ready, tile_empty, counter, n_m, BH, H, GROUP, SQ, SKV, CAUSAL)),
-            ], [4, 4, 1], [160, 160, 32])
+            gl.warp_specialize([(_consumer, (shared, 0, CAUSAL, NEGATIVE_SCALE, O_THROUGH_Q)),
+                                (_consumer, (shared, 1, CAUSAL, NEGATIVE_SCALE, O_THROUGH_Q)),
+                                (_consumer, (shared, 2, CAUSAL, NEGATIVE_SCALE, O_THROUGH_Q)),
+                                (_fwd_loader, loader)], [4, 4, 1], [160, 160, 32])
 
     @gluon.jit
     def _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc, stats_smem,
