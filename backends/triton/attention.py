@@ -883,12 +883,17 @@ def _fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_strid
         plan.hopper = attention_sm90.Plan(q, k, v, out_stride, causal, scale)
         return _remember(_fwd_plans, key, plan)
     bound_left, bound_right, left, right = _mask(causal, window, seqs)
+    group = h // max(hkv, 1)  # no heads at all: no programs either
+
+    def packed(block_m) -> tuple:
+        """(pack, heads, rows): decode under GQA, the group's heads share one program where their rows
+        fit its tile; the grid has ``heads`` programs a sequence, of ``rows`` rows each."""
+        pack = seqs.kind != "varlen" and group > 1 and group * sq <= block_m
+        return (pack, hkv, group * sq) if pack else (pack, h, sq)
 
     def configure(config):
         block_m, block_n, warps, stages = config
-        # decode under GQA: the group's heads share one program
-        pack = seqs.kind != "varlen" and group > 1 and group * sq <= block_m
-        heads, rows = (hkv, group * sq) if pack else (h, sq)
+        pack, heads, rows = packed(block_m)
         splits = 1 if seqs.kind == "varlen" else _splits(b, heads, rows, skv, block_m, block_n, q.device)
         plan.keys_per_split = max(triton.cdiv(triton.cdiv(skv, splits), block_n), 1) * block_n
         plan.splits = max(triton.cdiv(skv, plan.keys_per_split), 1)  # no keys: one range, seeing none
@@ -911,9 +916,7 @@ def _fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_strid
                               BLOCK_S=triton.next_power_of_2(plan.splits), num_warps=4)
         return plan
 
-    group = h // max(hkv, 1)  # no heads at all: no programs either
-    decode_block_m = _DECODE_CONFIG[False][0]  # every decode tile's
-    decode_programs = b * (hkv if seqs.kind != "varlen" and group * sq <= decode_block_m else h)
+    decode_programs = b * packed(_DECODE_CONFIG[False][0])[1]  # every decode tile's BLOCK_M
     config = _config("fwd", q, sq, skv, hkv, bound_right, precision,
                      lambda c: _forward(configure(c), q, k, v, scale, softcap, extras), decode_programs)
     return _remember(_fwd_plans, key, configure(config))
