@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch.autograd import forward_ad
 
-from . import checks, layout
+from . import checks, dispatch, layout
 from .backends.reference import attention as reference
 from .dispatch import forced_backend, get_backend, select_by_layout
 
@@ -341,6 +341,69 @@ def degenerate(q, k, v):
     return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
 
 
+# ----------------------------------------------------------------------------- eager inference
+#
+# A call with nothing to differentiate (inference, decode) is memoised whole: its checks, its dispatch
+# and its backend's plan depend only on what the key below holds, so a call whose key was seen runs the
+# backend's prepared ``run`` at once. On the H100's host the layers it skips cost more than the kernel
+# launch itself (docs/performance.md, "Decode's eager host path").
+
+_PLAIN_NUMBER = (int, float, type(None))  # their == and hash stand for everything the checks read
+_OP = "attention_fwd"
+_prepared: dict = {}  # key -> (backend, its op, run): each held, so no id in a key is reused while it lives
+_PREPARED_SIZE = 4096  # as the plans': a decode loop meets a new cache length every token
+
+
+def _plain_window(window) -> bool:
+    return window is None or (window.__class__ is tuple and len(window) == 2
+                              and window[0].__class__ in _PLAIN_NUMBER and window[1].__class__ in _PLAIN_NUMBER)
+
+
+def _inference_key(q, k, v, causal, scale, window, softcap):
+    """The memo key of an eager call that needs no autograd, no autocast and no transform, with plain
+    tensors and plain Python options; None for any other call."""
+    if (torch.compiler.is_compiling() or type(q) is not torch.Tensor or type(k) is not torch.Tensor
+            or type(v) is not torch.Tensor or causal.__class__ is not bool or scale.__class__ not in _PLAIN_NUMBER
+            or softcap.__class__ not in _PLAIN_NUMBER or not _plain_window(window) or transformed()
+            or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            or torch._C._is_any_autocast_enabled()):
+        return None
+    try:
+        return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+                k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, causal, scale, window,
+                softcap, dispatch.state())
+    except RuntimeError:  # no strides or no storage (sparse, ...): the checks name what is wrong
+        return None
+
+
+def _prepared_run(key):
+    """The memoised ``run`` of ``key``, unless its backend's op was replaced since (tests stand ones in)."""
+    entry = _prepared.get(key)
+    if entry is None:
+        return None
+    backend, impl, run = entry
+    return run if backend.ops.get(_OP) is impl else None
+
+
+def _prepare(key, q, k, v, causal, scale, window, softcap):
+    """``run(q, k, v) -> (out, lse)`` for every call of this one's key, memoised; None where the call falls
+    back (a fallback is not memoised: each warns, or raises under strict mode)."""
+    call = dict(q=q, k=k, v=v, causal=causal, scale=scale, window=window, softcap=softcap)
+    choice = select_by_layout(_OP, _layout(q, k, v, causal, scale, window, softcap), lambda: call, q.device)
+    if choice.is_fallback:
+        return None
+    backend = get_backend(choice.backend)
+    impl = backend.ops[_OP]
+    if impl.prepare is not None:
+        run = impl.prepare(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
+    else:
+        run = lambda q, k, v: impl.run(q=q, k=k, v=v, causal=causal, scale=scale, window=window, softcap=softcap)  # noqa: E731
+    if len(_prepared) >= _PREPARED_SIZE:
+        _prepared.clear()
+    _prepared[key] = (backend, impl, run)
+    return run
+
+
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
     """Softmax attention of q ``[B, Hq, Sq, D]`` over k, v ``[B, Hkv, Skv, D]``, ``Hq % Hkv == 0``.
 
@@ -354,6 +417,10 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
     and v, twice with ``create_graph=True``; the output's memory layout follows q's
     (``portable_ops.layout``). ``docs/api.md``, "Attention features", has the details.
     """
+    key = _inference_key(q, k, v, causal, scale, window, softcap)
+    run = _prepared_run(key) if key is not None else None
+    if run is not None:
+        return run(q, k, v)[0]
     q, k, v, causal, scale, window, softcap = _checked(q, k, v, causal, scale, window, softcap)
     if q.numel() == 0 or k.numel() == 0:
         return degenerate(q, k, v)
@@ -364,5 +431,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # nothing to differentiate (inference, decode): autograd.Function.apply costs 20-50 us of host time
         # even then (H100 host, one-token decode), as much as the rest of the call
-        return forward(q, k, v, causal, scale, window, softcap)[0]
+        run = _prepare(key, q, k, v, causal, scale, window, softcap) if key is not None else None
+        if run is None:
+            return forward(q, k, v, causal, scale, window, softcap)[0]
+        return run(q, k, v)[0]
     return EagerAttention.apply(q, k, v, Options(DENSE, (causal, scale, window, softcap)))[0]

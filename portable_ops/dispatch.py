@@ -46,6 +46,10 @@ class OpImpl:
     run: Callable[..., Any]
     # Reasons this backend can't take a call; must not touch tensor data.
     supports: Callable[[Call], list[str]] = lambda call: []
+    # Optional, for ops whose host time is critical: ``prepare(**call)`` returns ``run`` for every call of
+    # ``call``'s layout (its tensors' shapes, strides, dtypes, device and 16-byte alignment, and its other
+    # arguments), taking the tensors positionally; what ``run`` would look up per call is looked up once.
+    prepare: Callable[..., Callable[..., Any]] | None = None
 
 
 @dataclass
@@ -87,7 +91,11 @@ class Choice:
 
 _backends: dict[str, Backend] = {}
 _import_errors: dict[str, str] = {}
-_forced = threading.local()
+class _Forced(threading.local):
+    name: str | None = None  # every thread starts with none forced (a class default: no AttributeError to catch)
+
+
+_forced = _Forced()
 _warned: set[tuple[str, str, str]] = set()
 _memo: dict[tuple, Choice] = {}
 _MEMO_SIZE = 4096  # a decode loop meets a new cache length every token: bounded, cleared when full
@@ -118,7 +126,7 @@ def unavailable_reason(name: str) -> str | None:
 def use_backend(name: str) -> Iterator[None]:
     """Force every op inside the block onto backend ``name`` (overrides ``PORTABLE_OPS_BACKEND``)."""
     get_backend(name)  # validates the name early
-    previous = getattr(_forced, "name", None)
+    previous = _forced.name
     _forced.name = name
     try:
         yield
@@ -127,11 +135,16 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def forced_backend() -> str | None:
-    return getattr(_forced, "name", None) or env.choice("PORTABLE_OPS_BACKEND", BACKEND_NAMES)
+    return _forced.name or env.choice("PORTABLE_OPS_BACKEND", BACKEND_NAMES)
 
 
 def strict() -> bool:
     return env.flag("PORTABLE_OPS_STRICT", False)
+
+
+def state() -> tuple:
+    """What a choice depends on besides the call: the forced backend, strict mode and the backends loaded."""
+    return forced_backend(), strict(), tuple(map(id, _backends.values()))
 
 
 def preference(device: torch.device | None, prefer: str | None = None) -> list[str]:
@@ -210,7 +223,7 @@ def select_by_layout(op: str, layout: tuple, make_call: Callable[[], Call], devi
     flags), memoised: eager attention pays this on every call, and ``make_call`` (meta stand-ins)
     and the backends' checks cost tens of microseconds. Fallbacks are not memoised, so each one
     still warns once or, under strict mode, raises."""
-    key = (op, layout, device, prefer, forced_backend(), strict(), tuple(map(id, _backends.values())))
+    key = (op, layout, device, prefer, state())
     choice = _memo.get(key)
     if choice is None:
         choice = select(op, make_call(), device, prefer)

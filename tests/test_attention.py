@@ -5,6 +5,7 @@ Each backend is forced in strict mode (a fallback fails the test) and compared w
 unlike SDPA's fused CPU kernels, supports every derivative torch.func asks for.
 """
 
+import importlib
 import math
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import portable_ops
+from portable_ops import dispatch
 from portable_ops.conformance import usable_backends
 from portable_ops.conformance.runner import default_device, forced_strict
 
@@ -260,3 +262,79 @@ def test_mixed_dtypes_outside_autocast_are_an_error():
     q, k, v = (t.detach() for t in qkv(dtype=torch.float32))
     with pytest.raises(TypeError, match="v has dtype torch.bfloat16 but q has torch.float32"):
         portable_ops.attention(q, k, v.bfloat16())
+
+
+# ----------------------------------------------------------------------------- the eager inference memo
+
+api = importlib.import_module("portable_ops.attention")
+
+
+class _Unmemoised(Exception):
+    """Raised by the checks once a test has made every call it expects the memo to answer."""
+
+
+def _refuse(*args, **kwargs):
+    raise _Unmemoised
+
+
+def _misaligned(t):
+    """``t``'s values at an address 4 bytes past a 16-byte boundary."""
+    moved = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:].view(t.shape)
+    return moved.copy_(t)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_inference_call_seen_before_skips_its_checks(backend, monkeypatch):
+    """An eager call with nothing to differentiate runs the memoised result of its checks, dispatch and plan;
+    a call that differs in anything those read (options, shapes, strides, dtypes, alignment, grad mode,
+    autocast, the forced backend, a non-plain argument) is checked again."""
+    monkeypatch.setattr(api, "_prepared", {})  # none of another test's calls
+    device = default_device(backend)
+    q, k, v = (t.detach() for t in qkv(dtype=torch.float32, d=32, device=device))
+    with forced_strict(backend), torch.no_grad():
+        want = portable_ops.attention(q, k, v, causal=True, scale=0.25)
+        monkeypatch.setattr(api, "_checked", _refuse)
+        assert torch.equal(portable_ops.attention(q, k, v, causal=True, scale=0.25), want)
+        again = [t.clone() for t in (q, k, v)]  # other tensors of the same layout
+        assert torch.equal(portable_ops.attention(*again, causal=True, scale=0.25), want)
+        np = pytest.importorskip("numpy")
+        changed = [dict(causal=False), dict(scale=0.5), dict(scale=None), dict(window=(2, None)), dict(softcap=5.0),
+                   dict(causal=np.bool_(True)), dict(scale=np.float64(0.25)), dict(q=q[:, :, :5]),
+                   dict(q=q.transpose(2, 3).contiguous().transpose(2, 3)), dict(k=_misaligned(k)),
+                   dict(q=q.double(), k=k.double(), v=v.double())]
+        for change in changed:
+            with pytest.raises(_Unmemoised):
+                portable_ops.attention(**{**dict(q=q, k=k, v=v, causal=True, scale=0.25), **change})
+    with pytest.raises(_Unmemoised):  # not forced, and so not strict either
+        portable_ops.attention(q, k, v, causal=True, scale=0.25)
+    with forced_strict(backend), pytest.raises(_Unmemoised):  # grad mode on, and an input needs grad
+        portable_ops.attention(q.requires_grad_(), k, v, causal=True, scale=0.25)
+    q.requires_grad_(False)
+    with forced_strict(backend), torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16), \
+            pytest.raises(_Unmemoised):
+        portable_ops.attention(q, k, v, causal=True, scale=0.25)
+
+
+def test_an_inference_call_runs_the_backend_op_installed_now(fake_backend):
+    """A backend's op replaced after a call was memoised (as tests stand one in) runs from then on."""
+    stand_in = fake_backend("triton")
+    q, k, v = (t.detach() for t in qkv(dtype=torch.float32))
+    with portable_ops.use_backend("triton"), torch.no_grad():
+        want = portable_ops.attention(q, k, v)
+        calls = []
+        stand_in.ops["attention_fwd"] = dispatch.OpImpl(run=lambda **call: calls.append(call) or (want + 1, None))
+        assert torch.equal(portable_ops.attention(q, k, v), want + 1) and len(calls) == 1
+
+
+def test_an_inference_call_that_fell_back_is_not_memoised(fake_backend, monkeypatch):
+    """Each fallback still goes through dispatch: it warns (once), or raises under strict mode."""
+    fake_backend("triton", reasons=["the stand-in declines"])
+    q, k, v = (t.detach() for t in qkv(dtype=torch.float32))
+    with portable_ops.use_backend("triton"), torch.no_grad():
+        with pytest.warns(portable_ops.FallbackWarning, match="the stand-in declines"):
+            want = portable_ops.attention(q, k, v)
+        monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
+        with pytest.raises(portable_ops.BackendUnavailableError, match="the stand-in declines"):
+            portable_ops.attention(q, k, v)
+        monkeypatch.delenv("PORTABLE_OPS_STRICT")
+        assert torch.equal(portable_ops.attention(q, k, v), want)

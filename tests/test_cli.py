@@ -80,7 +80,9 @@ def test_a_declared_decline_is_a_fallback_that_fails_only_under_strict(fake_back
 # ----------------------------------------------------------------------------- usage errors: exit 2, before any work
 
 import importlib  # noqa: E402
+import os  # noqa: E402
 import pathlib  # noqa: E402
+import threading  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -224,6 +226,27 @@ def test_every_boolean_variable_is_read_by_the_one_parser(monkeypatch):
     assert compat._load_sdk()[3] != "PORTABLE_OPS_NKI_EMULATOR is set"
     monkeypatch.setenv("PORTABLE_OPS_NKI_EMULATOR", "yes")
     assert compat._load_sdk()[3] == "PORTABLE_OPS_NKI_EMULATOR is set"
+
+
+def test_a_variable_reads_as_os_environ_has_it(monkeypatch):
+    """env.get reads os.environ's own dict: it sees every change made through os.environ."""
+    monkeypatch.delenv("PORTABLE_OPS_TEST_VARIABLE", raising=False)
+    assert env.get("PORTABLE_OPS_TEST_VARIABLE") is None
+    for value in ("1", "", " Déjà vu "):
+        monkeypatch.setenv("PORTABLE_OPS_TEST_VARIABLE", value)
+        assert env.get("PORTABLE_OPS_TEST_VARIABLE") == value == os.environ.get("PORTABLE_OPS_TEST_VARIABLE")
+    monkeypatch.delenv("PORTABLE_OPS_TEST_VARIABLE")
+    assert env.get("PORTABLE_OPS_TEST_VARIABLE") is None
+
+
+def test_a_backend_forced_in_one_thread_is_not_forced_in_another():
+    seen = []
+    with portable_ops.use_backend("reference"):
+        thread = threading.Thread(target=lambda: seen.append(dispatch.forced_backend()))
+        thread.start()
+        thread.join()
+        assert dispatch.forced_backend() == "reference"
+    assert seen == [None] and dispatch.forced_backend() is None
 
 
 @pytest.mark.parametrize("value, expected", [("triton", "triton"), (" Reference ", "reference"), ("", None)])

@@ -986,18 +986,35 @@ def _as_batch_strides(t) -> tuple:
     return (tokens * h * d, d, h * d, 1)
 
 
+def prepare_attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
+    """``attention_fwd`` for every call of this one's layout and options (``OpImpl.prepare``):
+    ``run(q, k, v)``, its plan found here, once."""
+    # not one launch of q, k, v as they are; or float32, whose products follow torch's TF32 switch per call
+    if _batch_slices(q) is not None or any(t.stride(-1) != 1 for t in (q, k, v)) or q.dtype == torch.float32:
+        return lambda q, k, v: attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
+    plan, scale, softcap = _plan_of_forward(q, k, v, causal, scale, window, softcap, layout.strides_like(q), None,
+                                            (q, q, q, q))
+    return lambda q, k, v: _forward(plan, q, k, v, scale, softcap, (q, q, q, q))
+
+
 def _forward_call(q, k, v, causal, scale, window, softcap, out_stride, seqs, extras):
     """``seqs``: None for a dense batch; ``extras``: the kernel's CU_Q, CU_K, CACHE_LENS, TABLE (q where unused)."""
+    q, k, v = _row_major(q), _row_major(k), _row_major(v)
+    plan, scale, softcap = _plan_of_forward(q, k, v, causal, scale, window, softcap, out_stride, seqs, extras)
+    return _forward(plan, q, k, v, scale, softcap, extras)
+
+
+def _plan_of_forward(q, k, v, causal, scale, window, softcap, out_stride, seqs, extras) -> tuple:
+    """(plan, scale, softcap): the plan of row-major q, k, v's layout, and the floats its launches take."""
     scale = float(scale)  # a plan's launches take floats: an int would be specialised on its value
     softcap = _softcap(softcap)
     precision = _dot_precision(q.dtype)
-    rq, rk, rv = _row_major(q), _row_major(k), _row_major(v)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device, causal,
-           window, softcap is None, scale < 0, precision, seqs, _aligned(rq, rk, rv))
+           window, softcap is None, scale < 0, precision, seqs, _aligned(q, k, v))
     plan = _fwd_plans.get(key)
     if plan is None:
-        plan = _fwd_plan(key, rq, rk, rv, causal, scale, window, softcap, precision, out_stride, seqs, extras)
-    return _forward(plan, rq, rk, rv, scale, softcap, extras)
+        plan = _fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_stride, seqs, extras)
+    return plan, scale, softcap
 
 
 def _forward(plan, q, k, v, scale, softcap, extras):

@@ -68,7 +68,11 @@ class Launch:
             return
         device = driver.active.get_current_device()
         n = len(self.descriptors)
-        key = (device, *[t.data_ptr() % 16 == 0 for t in args[n:n + self.tensors]])
+        # Addresses, not tensors, go to the launcher: for a tensor it calls data_ptr and then asks the
+        # driver whether the address is the device's (cuPointerGetAttribute), ~0.2 us a tensor; the
+        # dispatch sent only CUDA tensors here, and the address is needed for the key anyway.
+        pointers = [t.data_ptr() for t in args[n:n + self.tensors]]
+        key = (device, *[p % 16 == 0 for p in pointers])
         compiled = self.compiled.get(key)
         if compiled is None:
             self.compiled[key] = _Compiled(in_compile_env(self.kernel[self.grid], *self._described(args),
@@ -78,13 +82,14 @@ class Launch:
                 self.tail = tuple(self.options.get(p.name, p.default) for p in parameters)
             return
         stream = driver.active.get_current_stream(device)
-        if compiled.tensor_maps is None:
+        if compiled.entry is None:
             compiled.kernel.run(*self.grid, stream, compiled.kernel.function, compiled.kernel.packed_metadata, None,
-                                None, None, *self._described(args), *self.tail)
+                                None, None, *self._described(args[:n]), *pointers, *args[n + self.tensors:],
+                                *self.tail)
         else:
-            compiled.raw_launch(*self.grid, stream, compiled.kernel.function, *compiled.launch_flags,
-                                compiled.kernel.packed_metadata, None, None, None,
-                                *compiled.expand(self.descriptors, args[:n]), *args[n:], *self.tail)
+            compiled.entry(*self.grid, stream, compiled.kernel.function, *compiled.flags,
+                           *compiled.expand(self.descriptors, args[:n]), *pointers, *args[n + self.tensors:],
+                           *self.tail)
 
     def _described(self, args):
         if not self.descriptors:
@@ -103,43 +108,49 @@ def _rebased(template, base):
 
 class _Compiled:
     """A compiled kernel and, where its launcher's layout is the one read in (Triton 3.6's CUDA
-    launcher), what launching it with cached TMA descriptors needs.
+    launcher), the launcher's C entry point, called without the Python around it.
 
-    Triton's launcher encodes every descriptor argument again on every launch (a driver call,
-    ``cuTensorMapEncodeTiled``, and the Python around it). A descriptor depends only on the
-    template, fixed per plan, and the base address, which a training loop's caching allocator hands
-    back step after step; so the encoded descriptors are kept per template and base address, a
-    bounded number of them, and passed to the launcher's C entry point directly.
+    That Python allocates the kernel's scratch memory, where it has any (then it is kept), and, for
+    descriptor arguments, encodes every one again on every launch (a driver call,
+    ``cuTensorMapEncodeTiled``, and the Python around it). A descriptor depends only on the template,
+    fixed per plan, and the base address, which a training loop's caching allocator hands back step
+    after step; so the encoded descriptors are kept per template and base address, a bounded number
+    of them.
     """
 
-    __slots__ = ("kernel", "tensor_maps", "raw_launch", "launch_flags", "metadata")
+    __slots__ = ("kernel", "entry", "flags", "tensor_maps", "metadata")
 
     # per template: every layer of a model (activation checkpointing: twice) brings its own tensors; 128 bytes each
     MAX_ADDRESSES = 1024
 
     def __init__(self, kernel, descriptors):
-        self.kernel, self.tensor_maps = kernel, None
-        if not descriptors:
-            return
+        self.kernel, self.entry, self.tensor_maps, self.metadata = kernel, None, (), ()
         launcher = kernel.run
-        wrapper = getattr(launcher, "launch", None)
-        free = dict(zip(getattr(getattr(wrapper, "__code__", None), "co_freevars", ()),
-                        getattr(wrapper, "__closure__", None) or ()))
-        metadata = free["tensordesc_meta"].cell_contents if "tensordesc_meta" in free else None
-        if (TRITON_RELEASE != (3, 6) or set(free) != {"launcher", "tensordesc_indices", "tensordesc_meta"}
-                or free["tensordesc_indices"].cell_contents != set(range(len(descriptors)))  # they lead the arguments
-                or not metadata or None in metadata or len(metadata) != len(descriptors)
-                or any(m["fp4_padded"] for m in metadata)
-                or launcher.global_scratch_size or launcher.profile_scratch_size):
-            return  # descriptors go through Triton's launcher, encoded on every launch
-        from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+        entry = getattr(launcher, "launch", None)
+        if TRITON_RELEASE != (3, 6) or launcher.global_scratch_size or launcher.profile_scratch_size:
+            return
+        if descriptors:
+            free = dict(zip(getattr(getattr(entry, "__code__", None), "co_freevars", ()),
+                            getattr(entry, "__closure__", None) or ()))
+            metadata = free["tensordesc_meta"].cell_contents if "tensordesc_meta" in free else None
+            if (set(free) != {"launcher", "tensordesc_indices", "tensordesc_meta"}
+                    or free["tensordesc_indices"].cell_contents != set(range(len(descriptors)))  # they lead the arguments
+                    or not metadata or None in metadata or len(metadata) != len(descriptors)
+                    or any(m["fp4_padded"] for m in metadata)):
+                return  # descriptors go through Triton's launcher, encoded on every launch
+            from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
 
-        self.raw_launch = free["launcher"].cell_contents
-        # cooperative grid, programmatic dependent launch, and no global or profile scratch
-        self.launch_flags = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None)
-        self.metadata = [(m["swizzle"], m["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]], m["block_size"])
-                         for m in metadata]
-        self.tensor_maps = [{} for _ in descriptors]
+            entry = free["launcher"].cell_contents
+            self.metadata = [(m["swizzle"], m["elem_size"], TMA_DTYPE_DEVICE_TO_HOST[m["elem_type"]],
+                              m["block_size"]) for m in metadata]
+            self.tensor_maps = [{} for _ in descriptors]
+        if not callable(entry) or hasattr(entry, "__code__"):
+            return  # not the compiled C function read in
+        self.entry = entry
+        # cooperative grid, programmatic dependent launch, no global or profile scratch, the kernel's
+        # metadata, and no launch metadata or hooks (a launch with hooks goes through Triton)
+        self.flags = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, kernel.packed_metadata, None,
+                      None, None)
 
     def expand(self, templates, tensors):
         """Each descriptor as the launcher's C entry point takes it: encoded map, shape, strides."""
