@@ -341,17 +341,17 @@ def degenerate(q, k, v):
     return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
 
 
-# ----------------------------------------------------------------------------- eager inference
+# ----------------------------------------------------------------------------- eager calls, memoised
 #
-# A call with nothing to differentiate (inference, decode) is memoised whole: its checks, its dispatch
-# and its backend's plan depend only on what the key below holds, so a call whose key was seen runs the
-# backend's prepared ``run`` at once. On the H100's host the layers it skips cost more than the kernel
-# launch itself (docs/performance.md, "Decode's eager host path").
+# An eager call is memoised whole: its checks, its dispatch and its backend's plan depend only on what
+# the key below holds, so a call whose key was seen casts (under autocast) and runs the backend's
+# prepared ``run`` at once, through EagerAttention where it needs autograd. On the H100's host the
+# layers it skips cost more than a kernel launch (docs/performance.md, "The eager call's host path").
 
 _PLAIN_NUMBER = (int, float, type(None))  # their == and hash stand for everything the checks read
 _OP = "attention_fwd"
-_prepared: dict = {}  # key -> (backend, its op, run): each held, so no id in a key is reused while it lives
-_PREPARED_SIZE = 4096  # as the plans': a decode loop meets a new cache length every token
+_memo: dict = {}  # key -> (backend, its op, call): each held, so no id in a key is reused while it lives
+_MEMO_SIZE = 4096  # as the plans': a decode loop meets a new cache length every token
 
 
 def _plain_window(window) -> bool:
@@ -359,37 +359,39 @@ def _plain_window(window) -> bool:
                               and window[0].__class__ in _PLAIN_NUMBER and window[1].__class__ in _PLAIN_NUMBER)
 
 
-def _inference_key(q, k, v, causal, scale, window, softcap):
-    """The memo key of an eager call that needs no autograd, no autocast and no transform, with plain
-    tensors and plain Python options; None for any other call."""
+def _memo_key(q, k, v, causal, scale, window, softcap):
+    """The memo key of an eager call outside torch.func transforms with plain tensors and plain Python
+    options; None for any other call."""
     if (torch.compiler.is_compiling() or type(q) is not torch.Tensor or type(k) is not torch.Tensor
             or type(v) is not torch.Tensor or causal.__class__ is not bool or scale.__class__ not in _PLAIN_NUMBER
-            or softcap.__class__ not in _PLAIN_NUMBER or not _plain_window(window) or transformed()
-            or torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            or torch._C._is_any_autocast_enabled()):
+            or softcap.__class__ not in _PLAIN_NUMBER or not _plain_window(window) or transformed()):
         return None
     try:
-        return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+        device = q.device
+        return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, device,
                 k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, causal, scale, window,
-                softcap, dispatch.state())
+                softcap, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+                torch._C._is_any_autocast_enabled() and _autocasting(device.type)
+                and torch.get_autocast_dtype(device.type), dispatch.state())
     except RuntimeError:  # no strides or no storage (sparse, ...): the checks name what is wrong
         return None
 
 
-def _prepared_run(key):
-    """The memoised ``run`` of ``key``, unless its backend's op was replaced since (tests stand ones in)."""
-    entry = _prepared.get(key)
+def _memoised(key):
+    """The memoised call of ``key``, unless its backend's op was replaced since (tests stand ones in)."""
+    entry = _memo.get(key)
     if entry is None:
         return None
-    backend, impl, run = entry
-    return run if backend.ops.get(_OP) is impl else None
+    backend, impl, call = entry
+    return call if backend.ops.get(_OP) is impl else None
 
 
-def _prepare(key, q, k, v, causal, scale, window, softcap):
-    """``run(q, k, v) -> (out, lse)`` for every call of this one's key, memoised; None where the call falls
-    back (a fallback is not memoised: each warns, or raises under strict mode)."""
-    call = dict(q=q, k=k, v=v, causal=causal, scale=scale, window=window, softcap=softcap)
-    choice = select_by_layout(_OP, _layout(q, k, v, causal, scale, window, softcap), lambda: call, q.device)
+def _memoise(key, q, k, v, causal, scale, window, softcap):
+    """``call(q, k, v) -> out`` for every call of this one's key (q, k, v: checked, as autocast casts
+    them), memoised; None where the call falls back (a fallback is not memoised: each warns, or raises
+    under strict mode)."""
+    arguments = dict(q=q, k=k, v=v, causal=causal, scale=scale, window=window, softcap=softcap)
+    choice = select_by_layout(_OP, _layout(q, k, v, causal, scale, window, softcap), lambda: arguments, q.device)
     if choice.is_fallback:
         return None
     backend = get_backend(choice.backend)
@@ -398,10 +400,25 @@ def _prepare(key, q, k, v, causal, scale, window, softcap):
         run = impl.prepare(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
     else:
         run = lambda q, k, v: impl.run(q=q, k=k, v=v, causal=causal, scale=scale, window=window, softcap=softcap)  # noqa: E731
-    if len(_prepared) >= _PREPARED_SIZE:
-        _prepared.clear()
-    _prepared[key] = (backend, impl, run)
-    return run
+    device_type = q.device.type
+    autocast = _autocasting(device_type)
+    if autocast:
+        def compute(q, k, v):  # as run_op does: the inputs cast before, the backend run with autocast off
+            with autocast_off(device_type):
+                return run(q, k, v)
+    else:
+        compute = run
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        options = Options(Variant(lambda q, k, v, *_: compute(q, k, v), backward, _definition),
+                          (causal, scale, window, softcap))
+        finish = lambda q, k, v: EagerAttention.apply(q, k, v, options)[0]  # noqa: E731
+    else:  # autograd.Function.apply costs 20-50 us of host time even with nothing to differentiate
+        finish = lambda q, k, v: compute(q, k, v)[0]  # noqa: E731
+    call = (lambda q, k, v: finish(*autocast_inputs(q, k, v))) if autocast else finish
+    if len(_memo) >= _MEMO_SIZE:
+        _memo.clear()
+    _memo[key] = (backend, impl, call)
+    return call
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
@@ -417,10 +434,10 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
     and v, twice with ``create_graph=True``; the output's memory layout follows q's
     (``portable_ops.layout``). ``docs/api.md``, "Attention features", has the details.
     """
-    key = _inference_key(q, k, v, causal, scale, window, softcap)
-    run = _prepared_run(key) if key is not None else None
-    if run is not None:
-        return run(q, k, v)[0]
+    key = _memo_key(q, k, v, causal, scale, window, softcap)
+    call = _memoised(key) if key is not None else None
+    if call is not None:
+        return call(q, k, v)
     q, k, v, causal, scale, window, softcap = _checked(q, k, v, causal, scale, window, softcap)
     if q.numel() == 0 or k.numel() == 0:
         return degenerate(q, k, v)
@@ -428,11 +445,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
         return _attention_fwd_op(q, k, v, causal, scale, *window_args(window), softcap)[0]
     if transformed():
         return _FuncAttention.apply(q, k, v, causal, scale, window, softcap)[0]
+    call = _memoise(key, q, k, v, causal, scale, window, softcap) if key is not None else None
+    if call is not None:
+        return call(q, k, v)
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
-        # nothing to differentiate (inference, decode): autograd.Function.apply costs 20-50 us of host time
-        # even then (H100 host, one-token decode), as much as the rest of the call
-        run = _prepare(key, q, k, v, causal, scale, window, softcap) if key is not None else None
-        if run is None:
-            return forward(q, k, v, causal, scale, window, softcap)[0]
-        return run(q, k, v)[0]
+        return forward(q, k, v, causal, scale, window, softcap)[0]
     return EagerAttention.apply(q, k, v, Options(DENSE, (causal, scale, window, softcap)))[0]

@@ -143,8 +143,9 @@ def strict() -> bool:
 
 
 def state() -> tuple:
-    """What a choice depends on besides the call: the forced backend, strict mode and the backends loaded."""
-    return forced_backend(), strict(), tuple(map(id, _backends.values()))
+    """What a choice that is not a fallback depends on besides the call: the forced backend and the backends
+    loaded (strict mode changes only what a fallback does)."""
+    return forced_backend(), tuple(map(id, _backends.values()))
 
 
 def preference(device: torch.device | None, prefer: str | None = None) -> list[str]:

@@ -288,7 +288,7 @@ def test_an_inference_call_seen_before_skips_its_checks(backend, monkeypatch):
     """An eager call with nothing to differentiate runs the memoised result of its checks, dispatch and plan;
     a call that differs in anything those read (options, shapes, strides, dtypes, alignment, grad mode,
     autocast, the forced backend, a non-plain argument) is checked again."""
-    monkeypatch.setattr(api, "_prepared", {})  # none of another test's calls
+    monkeypatch.setattr(api, "_memo", {})  # none of another test's calls
     device = default_device(backend)
     q, k, v = (t.detach() for t in qkv(dtype=torch.float32, d=32, device=device))
     with forced_strict(backend), torch.no_grad():
@@ -313,6 +313,29 @@ def test_an_inference_call_seen_before_skips_its_checks(backend, monkeypatch):
     with forced_strict(backend), torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16), \
             pytest.raises(_Unmemoised):
         portable_ops.attention(q, k, v, causal=True, scale=0.25)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_call_seen_before_under_autograd_or_autocast_skips_its_checks(backend, monkeypatch):
+    """Memoised calls that need autograd differentiate as checked ones do; under autocast they cast first."""
+    monkeypatch.setattr(api, "_memo", {})
+    device = default_device(backend)
+    q, k, v = (t.detach().requires_grad_() for t in qkv(dtype=torch.float32, d=32, device=device))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def calls():
+        out = portable_ops.attention(q, k, v, causal=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            cast = portable_ops.attention(q, k, v, causal=True)
+        return [out, *torch.autograd.grad(out, (q, k, v), dout), cast, *torch.autograd.grad(cast, (q, k, v), dout)]
+
+    with forced_strict(backend):
+        want = calls()
+        monkeypatch.setattr(api, "_checked", _refuse)
+        got = calls()
+    assert want[4].dtype == torch.bfloat16 and want[5].dtype == torch.float32
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 def test_an_inference_call_runs_the_backend_op_installed_now(fake_backend):

@@ -460,6 +460,21 @@ def test_float32_tiles_multiply_as_torch_float32_matmuls_do(restore_fp32_precisi
         assert tf32_error > 10 * ieee_error
 
 
+def test_float32_inference_reads_the_precision_switch_on_every_call(restore_fp32_precision):
+    """portable_ops.attention memoises an inference call's plan, but never a float32 one: each call
+    multiplies as the switch says when it runs."""
+    q, k, v = _inputs(1, 2, 2, 64, 64, 32, torch.float32)
+    with torch.no_grad(), portable_ops.use_backend("triton"):
+        got = {}
+        for precision in ("ieee", "tf32", "ieee"):
+            torch.backends.cuda.matmul.fp32_precision = precision
+            out = portable_ops.attention(q, k, v, causal=True, scale=3.0)
+            assert torch.equal(out, attn.attention_fwd(q, k, v, causal=True, scale=3.0)[0])
+            got.setdefault(precision, out)
+    if DEVICE.type == "cuda":
+        assert not torch.equal(got["ieee"], got["tf32"])
+
+
 # ----------------------------------------------------------------------------- bf16 rounding
 
 interpreter = importlib.import_module("portable_ops.backends.triton.interpreter")

@@ -19,6 +19,7 @@ globals a kernel read have not changed.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import threading
@@ -40,13 +41,22 @@ _KNOWN_PROTOCOL = TRITON_RELEASE in PROTOCOL_READ_IN
 
 def _through_triton(kernel) -> bool:
     """Whether Triton must launch: something it does per launch is asked for, or the user said so."""
-    from portable_ops import env  # here: the kernel modules load without the package (tests/test_triton_compiles.py)
-
     runtime = knobs.runtime
-    hooked = any(hook is not None and bool(getattr(hook, "calls", True))  # a HookChain (3.6, 3.9) or a function
-                 for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
-    return (hooked or kernel.pre_run_hooks or runtime.debug or not _KNOWN_PROTOCOL
-            or not env.flag("PORTABLE_OPS_DIRECT_LAUNCH", True))
+    return (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook) or kernel.pre_run_hooks
+            or runtime.debug or not _KNOWN_PROTOCOL or not _env().flag("PORTABLE_OPS_DIRECT_LAUNCH", True))
+
+
+def _hooked(hook) -> bool:
+    return hook is not None and bool(getattr(hook, "calls", True))  # a HookChain (3.6, 3.9) or a function
+
+
+@functools.cache
+def _env():
+    """portable_ops.env, imported on first use: the kernel modules load without the package
+    (tests/test_triton_compiles.py); an import statement per launch costs as much as the checks around it."""
+    from portable_ops import env
+
+    return env
 
 
 class Launch:
@@ -127,8 +137,9 @@ class _Compiled:
         self.kernel, self.entry, self.tensor_maps, self.metadata = kernel, None, (), ()
         launcher = kernel.run
         entry = getattr(launcher, "launch", None)
-        if TRITON_RELEASE != (3, 6) or launcher.global_scratch_size or launcher.profile_scratch_size:
-            return
+        if (TRITON_RELEASE != (3, 6) or entry is None or getattr(launcher, "global_scratch_size", 1)
+                or getattr(launcher, "profile_scratch_size", 1)):
+            return  # not the launcher read in, or one that allocates scratch memory per launch
         if descriptors:
             free = dict(zip(getattr(getattr(entry, "__code__", None), "co_freevars", ()),
                             getattr(entry, "__closure__", None) or ()))

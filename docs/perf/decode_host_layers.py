@@ -90,6 +90,7 @@ def layers(b, cache) -> list[str]:
     d, heads, scale = q.shape[-1], q.shape[1], q.shape[-1] ** -0.5
     with torch.no_grad():
         backend._fwd_plans.clear()
+        api._memo.clear()
         portable_ops.attention(q, k, v, causal=True)
         (plan,) = backend._fwd_plans.values()
         split = plan.splits > 1
