@@ -348,7 +348,10 @@ def degenerate(q, k, v):
 # prepared ``run`` at once, through EagerAttention where it needs autograd. On the H100's host the
 # layers it skips cost more than a kernel launch (docs/performance.md, "The eager call's host path").
 
-_PLAIN_NUMBER = (int, float, type(None))  # their == and hash stand for everything the checks read
+# Classes whose == and hash stand for everything the checks read of an option: a float window side is an
+# error, and 2.0 == 2, so a window's sides must be ints
+_PLAIN_NUMBER = (int, float, type(None))
+_PLAIN_INT = (int, type(None))
 _OP = "attention_fwd"
 _memo: dict = {}  # key -> (backend, its op, call): each held, so no id in a key is reused while it lives
 _MEMO_SIZE = 4096  # as the plans': a decode loop meets a new cache length every token
@@ -356,7 +359,7 @@ _MEMO_SIZE = 4096  # as the plans': a decode loop meets a new cache length every
 
 def _plain_window(window) -> bool:
     return window is None or (window.__class__ is tuple and len(window) == 2
-                              and window[0].__class__ in _PLAIN_NUMBER and window[1].__class__ in _PLAIN_NUMBER)
+                              and window[0].__class__ in _PLAIN_INT and window[1].__class__ in _PLAIN_INT)
 
 
 def _memo_key(q, k, v, causal, scale, window, softcap):

@@ -293,18 +293,26 @@ def test_an_inference_call_seen_before_skips_its_checks(backend, monkeypatch):
     q, k, v = (t.detach() for t in qkv(dtype=torch.float32, d=32, device=device))
     with forced_strict(backend), torch.no_grad():
         want = portable_ops.attention(q, k, v, causal=True, scale=0.25)
+        checked = api._checked
         monkeypatch.setattr(api, "_checked", _refuse)
         assert torch.equal(portable_ops.attention(q, k, v, causal=True, scale=0.25), want)
         again = [t.clone() for t in (q, k, v)]  # other tensors of the same layout
         assert torch.equal(portable_ops.attention(*again, causal=True, scale=0.25), want)
         np = pytest.importorskip("numpy")
         changed = [dict(causal=False), dict(scale=0.5), dict(scale=None), dict(window=(2, None)), dict(softcap=5.0),
+                   dict(window=[2, None]), dict(scale=True), dict(softcap=torch.tensor(5.0)),
                    dict(causal=np.bool_(True)), dict(scale=np.float64(0.25)), dict(q=q[:, :, :5]),
                    dict(q=q.transpose(2, 3).contiguous().transpose(2, 3)), dict(k=_misaligned(k)),
                    dict(q=q.double(), k=k.double(), v=v.double())]
         for change in changed:
             with pytest.raises(_Unmemoised):
                 portable_ops.attention(**{**dict(q=q, k=k, v=v, causal=True, scale=0.25), **change})
+    monkeypatch.setattr(api, "_checked", checked)  # back: a window of floats equals one of ints, and is refused
+    with forced_strict(backend), torch.no_grad():
+        portable_ops.attention(q, k, v, causal=True, scale=0.25, window=(2, None))
+        with pytest.raises(TypeError, match="window.0. must be a non-negative int"):
+            portable_ops.attention(q, k, v, causal=True, scale=0.25, window=(2.0, None))
+    monkeypatch.setattr(api, "_checked", _refuse)
     with pytest.raises(_Unmemoised):  # not forced, and so not strict either
         portable_ops.attention(q, k, v, causal=True, scale=0.25)
     with forced_strict(backend), pytest.raises(_Unmemoised):  # grad mode on, and an input needs grad
