@@ -23,6 +23,7 @@ Three thin autograd wrappers run the same two functions, :func:`forward` and :fu
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable
 
 import torch
@@ -362,9 +363,15 @@ def _plain_window(window) -> bool:
                               and window[0].__class__ in _PLAIN_INT and window[1].__class__ in _PLAIN_INT)
 
 
+def _signed(x):
+    """``x``, told apart from its negative zero (0.0 == -0.0, with one hash; the sign reaches the gradients)."""
+    return x if x or x is None else (x, math.copysign(1.0, x))
+
+
 def _memo_key(q, k, v, causal, scale, window, softcap):
     """The memo key of an eager call outside torch.func transforms with plain tensors and plain Python
-    options; None for any other call."""
+    options; None for any other call, and for one whose forced backend is not a backend's name (the
+    checked path says what is wrong, where the call gets that far)."""
     if (torch.compiler.is_compiling() or type(q) is not torch.Tensor or type(k) is not torch.Tensor
             or type(v) is not torch.Tensor or causal.__class__ is not bool or scale.__class__ not in _PLAIN_NUMBER
             or softcap.__class__ not in _PLAIN_NUMBER or not _plain_window(window) or transformed()):
@@ -372,11 +379,12 @@ def _memo_key(q, k, v, causal, scale, window, softcap):
     try:
         device = q.device
         return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, device,
-                k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, causal, scale, window,
-                softcap, torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+                k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, causal,
+                _signed(scale), window, softcap,
+                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
                 torch._C._is_any_autocast_enabled() and _autocasting(device.type)
                 and torch.get_autocast_dtype(device.type), dispatch.state())
-    except RuntimeError:  # no strides or no storage (sparse, ...): the checks name what is wrong
+    except (RuntimeError, ValueError):  # no strides or storage (sparse, ...), or PORTABLE_OPS_BACKEND unknown
         return None
 
 

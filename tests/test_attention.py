@@ -369,3 +369,30 @@ def test_an_inference_call_that_fell_back_is_not_memoised(fake_backend, monkeypa
             portable_ops.attention(q, k, v)
         monkeypatch.delenv("PORTABLE_OPS_STRICT")
         assert torch.equal(portable_ops.attention(q, k, v), want)
+
+
+def test_a_negative_zero_scale_is_not_memoised_as_a_positive_one(monkeypatch):
+    """0.0 == -0.0 with one hash; the sign reaches the gradients' zeros."""
+    monkeypatch.setattr(api, "_memo", {})
+    q, k, v = qkv(dtype=torch.float32)
+
+    def dq(scale):
+        out = portable_ops.attention(q, k, v, scale=scale)
+        return torch.autograd.grad(out, q, torch.ones_like(out))[0]
+
+    dq(0.0)
+    memoised = dq(-0.0)
+    api._memo.clear()
+    assert torch.equal(torch.signbit(memoised), torch.signbit(dq(-0.0)))
+
+
+def test_an_unknown_forced_backend_fails_only_where_dispatch_runs(monkeypatch):
+    """The memo's key reads the forced backend; a bad PORTABLE_OPS_BACKEND still leaves the checks' errors
+    and the empty inputs' answer (which never reach dispatch) as they were."""
+    monkeypatch.setenv("PORTABLE_OPS_BACKEND", "cuda")
+    assert portable_ops.attention(torch.randn(1, 2, 0, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)).shape == \
+        (1, 2, 0, 8)
+    with pytest.raises(ValueError, match="head_dim"):
+        portable_ops.attention(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
+    with pytest.raises(ValueError, match="PORTABLE_OPS_BACKEND='cuda'"):
+        portable_ops.attention(*(torch.randn(1, 2, 3, 8) for _ in range(3)))

@@ -15,6 +15,7 @@ checked against cuDNN's (bf16 both; over 2e-2 is reported as wrong and the exit 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -24,6 +25,8 @@ import portable_ops
 import portable_ops.backends.triton.attention as attention
 from portable_ops.bench.attention import _sdpa_variants
 from portable_ops.bench.common import graphed, median, median_ms
+
+api = importlib.import_module("portable_ops.attention")
 
 
 def _positive(text):
@@ -54,12 +57,18 @@ def _forced(config, splits):
         attention._decode_config = lambda *args: config
     if splits is not None:
         attention._splits = lambda *args, **kwargs: splits
-    attention._fwd_plans.clear()
+    _forget_plans()
 
     def undo():
         attention._decode_config, attention._splits = shipped
-        attention._fwd_plans.clear()
+        _forget_plans()
     return undo
+
+
+def _forget_plans():
+    """Every forward plan, and portable_ops.attention's memo, which holds the plans of the calls it saw."""
+    attention._fwd_plans.clear()
+    api._memo.clear()
 
 
 def main():

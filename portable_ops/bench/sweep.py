@@ -123,10 +123,12 @@ DQ = [(128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 1
 
 
 def _reset_attention():
-    """Forget every attention launch plan and tuned choice, so the next call builds its plan from CONFIGS."""
+    """Forget every attention launch plan and tuned choice, so the next call builds its plan from CONFIGS
+    (portable_ops.attention's memo holds the plans of the calls it saw: it is emptied too)."""
     attn_mod._fwd_plans.clear()
     attn_mod._bwd_plans.clear()
     attn_mod._tuner.chosen.clear()
+    importlib.import_module("portable_ops.attention")._memo.clear()
 
 
 def _each_tile(kernel, d, configs):
