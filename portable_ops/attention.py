@@ -363,6 +363,10 @@ def _plain_window(window) -> bool:
                               and window[0].__class__ in _PLAIN_INT and window[1].__class__ in _PLAIN_INT)
 
 
+def _needs_grad(q, k, v) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def _signed(x):
     """``x``, told apart from its negative zero (0.0 == -0.0, with one hash; the sign reaches the gradients)."""
     return x if x or x is None else (x, math.copysign(1.0, x))
@@ -381,7 +385,7 @@ def _memo_key(q, k, v, causal, scale, window, softcap):
         return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, device,
                 k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, causal,
                 _signed(scale), window, softcap,
-                torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+                _needs_grad(q, k, v),
                 torch._C._is_any_autocast_enabled() and _autocasting(device.type)
                 and torch.get_autocast_dtype(device.type), dispatch.state())
     except (RuntimeError, ValueError):  # no strides or storage (sparse, ...), or PORTABLE_OPS_BACKEND unknown
@@ -419,7 +423,7 @@ def _memoise(key, q, k, v, causal, scale, window, softcap):
                 return run(q, k, v)
     else:
         compute = run
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if _needs_grad(q, k, v):
         options = Options(Variant(lambda q, k, v, *_: compute(q, k, v), backward, _definition),
                           (causal, scale, window, softcap))
         finish = lambda q, k, v: EagerAttention.apply(q, k, v, options)[0]  # noqa: E731
@@ -459,6 +463,6 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
     call = _memoise(key, q, k, v, causal, scale, window, softcap) if key is not None else None
     if call is not None:
         return call(q, k, v)
-    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    if not _needs_grad(q, k, v):
         return forward(q, k, v, causal, scale, window, softcap)[0]
     return EagerAttention.apply(q, k, v, Options(DENSE, (causal, scale, window, softcap)))[0]

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import portable_ops
-from portable_ops.bench.common import device_info
+from portable_ops.bench.common import device_info, steady_ms
 
 ROUNDS, CALLS, STEADY_CALLS = 7, 200, 50
 CELLS = ((1, 512), (1, 4096), (1, 16384), (4, 4096), (16, 4096), (64, 4096))
@@ -40,13 +40,7 @@ def _host_us(fn) -> float:
 
 
 def _steady_us(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(STEADY_CALLS):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / STEADY_CALLS * 1e3
+    return steady_ms(fn, warmup=0, iters=STEADY_CALLS) * 1e3
 
 
 def interleaved(rows: dict, measures=(_host_us,)) -> dict:
