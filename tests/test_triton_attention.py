@@ -179,6 +179,34 @@ def test_hopper_forward_grid_is_persistent_only_for_short_rows(monkeypatch):
         assert grid(1, 2, 300, 64, False) == 2 * -(-300 // (64 * consumers))
 
 
+def test_hopper_backward_bands_start_heavy_programs_first_and_divide_the_pairs():
+    """Unmasked: one (batch, KV head) pair a band (every program has the same work). Causal: the fewest
+    pairs that divide them and hold half a wave of programs, all of them where that is more."""
+    assert sm90.band(32, 64, False, 132) == 1
+    assert sm90.band(32, 64, True, 132) == 4  # 66 programs' worth: 3 pairs, 4 the first divisor
+    assert sm90.band(32, 24, True, 132) == 3
+    assert sm90.band(32, 7, True, 132) == 7  # a prime: one band
+    assert sm90.band(8, 64, True, 132) == 16  # short rows: more pairs to fill half a wave
+    assert sm90.band(512, 16, True, 132) == 1 and sm90.band(2, 3, True, 132) == 3
+    assert sm90.band(32, 64, True, 132, waves=2) == 16
+    for blocks, pairs in ((1, 1), (5, 12), (64, 100), (3, 1000)):
+        c = sm90.band(blocks, pairs, True, 132)
+        assert pairs % c == 0 and (c * blocks >= 66 or c == pairs)
+
+
+@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU and a Triton with Gluon (the Hopper backward)")
+@pytest.mark.parametrize("band", [1, 3, 5, 100])
+def test_hopper_backward_in_bands_that_do_not_divide_the_pairs(band, monkeypatch):
+    """The kernel takes any band: the last one short (3 or 5 of 8 pairs), or one wider than every pair."""
+    monkeypatch.setattr(sm90, "band", lambda *args, **kwargs: band)
+    attn._bwd_plans.clear()
+    q, k, v = _inputs(2, 8, 4, 300, 700, 128, torch.bfloat16, heads_inner=True)
+    _check(q, k, v, True, 1 / math.sqrt(128))
+    plan = next(p for key, p in attn._bwd_plans.items() if key[:2] == (q.shape, q.stride()))
+    assert plan.hopper is not None and plan.hopper.args[-1] == band
+    attn._bwd_plans.clear()
+
+
 def test_hopper_forward_declines_with_reasons():
     q, k, v = _inputs(1, 2, 2, 128, 128, 64, torch.bfloat16)
     stride = layout.strides_like(q)

@@ -129,7 +129,8 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                 types_ = {**{name: descriptor(d, "bfloat16") for name in ("q_desc", "k_desc", "v_desc", "do_desc",
                                                                           "dk_desc", "dv_desc")},
                           "dq_desc": descriptor(d // 2, "float32"), "lse_ptr": "*fp32", "delta_ptr": "*fp32",
-                          "H": "i32", "GROUP": "i32", "SQ": "i32", "SKV": "i32", "qk_scale": "fp32", "scale": "fp32"}
+                          "H": "i32", "GROUP": "i32", "SQ": "i32", "SKV": "i32", "BAND": "i32", "qk_scale": "fp32",
+                          "scale": "fp32"}
                 stages, dq_buffers, split_mask = spec.get("config") or attention_sm90.BWD_CONFIGS[d, spec["causal"]]
                 consts = dict(CAUSAL=spec["causal"], STAGES=stages, DQ_BUFFERS=dq_buffers, SPLIT_MASK=split_mask,
                               num_warps=4)

@@ -523,21 +523,30 @@ if gluon is not None:
 
     @gluon.jit
     def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, H, GROUP, SQ, SKV,
-                    qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr,
+                    BAND, qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                     SPLIT_MASK: gl.constexpr, num_warps: gl.constexpr):
         """dK and dV of 2 x 64 keys of one (batch, KV head) over every query of its group's heads that sees
-        them, and those queries' dS K added to a float32 dQ (cast afterwards)."""
+        them, and those queries' dS K added to a float32 dQ (cast afterwards).
+
+        Programs start in the order of their id, which runs over bands of ``BAND`` (batch, KV head) pairs,
+        and within a band over key blocks, each block for every pair of the band: a band's programs run
+        together and share its Q/dO tiles and dQ in L2, and under a causal mask the heaviest (the first key
+        blocks, which the most queries see) start first, so that no heavy program starts last (:func:`band`)."""
         BM: gl.constexpr = q_desc.block_type.shape[2]
         BN: gl.constexpr = k_desc.block_type.shape[2]
         D: gl.constexpr = q_desc.block_type.shape[3]
         dtype: gl.constexpr = q_desc.dtype
         hkv = H // GROUP
-        # key blocks along the grid's fast axis: a head's programs run together and share its Q/dO tiles in
-        # L2 (with heads on the fast axis, heaviest-first under a causal mask, every case but GQA 16/4 was
-        # 7-22% slower on the H100)
-        b = gl.program_id(1) // hkv
-        hk = gl.program_id(1) % hkv
-        n0 = gl.program_id(0) * 2 * BN
+        blocks = gl.num_programs(0)
+        pairs = gl.num_programs(1)
+        pid = gl.program_id(1) * blocks + gl.program_id(0)
+        first = pid // (BAND * blocks) * BAND
+        width = gl.minimum(BAND, pairs - first)
+        within = pid - first * blocks
+        pair = first + within % width
+        b = pair // hkv
+        hk = pair % hkv
+        n0 = within // width * 2 * BN
         lo = 0
         if CAUSAL:  # query tiles before the first that sees key n0 see none of these keys
             lo = gl.maximum(n0 - (SKV - SQ), 0) // BM
@@ -594,6 +603,11 @@ CONFIGS = {(64, False): (128, 4, False, 3), (64, True): (128, 4, False, 2), (128
 BWD_CONFIGS = {(64, False): (4, 2, True), (64, True): (4, 2, True), (128, False): (2, 1, False),
                (128, True): (2, 2, False)}
 BWD_BLOCK = 64
+# Waves of programs (one an SM) a causal backward's band holds (band()): on the H100 half a wave was the
+# fastest of 1/4, 1/2, 3/4, 1 and 2, and 4-26% ahead of one pair a band (the order before) with 4 KV heads at
+# 1k-8k, 2-4% with 16 (docs/perf/backward_bands_ab.txt); smaller bands leave heavy programs to the last
+# wave, larger ones share less of L2 (one band of every pair was up to 47% behind).
+BAND_WAVES = 0.5
 # The most keys x head dim a row reads where the forward runs on a persistent grid (programs)
 PERSISTENT_MAX_WORK = 8192 * 128
 # Three warpgroups (two consumers, the loader's) share the register file: capped at 168 a thread overall,
@@ -803,10 +817,23 @@ class BwdPlan:
         dq_sum = torch.empty(q.shape, dtype=torch.float32, device="meta")
         descriptors += (_template(dq_sum, dq_sum.stride(), BWD_BLOCK, d // 2),)
         stages, dq_buffers, split_mask = BWD_CONFIGS[d, causal]
-        self.launch = Launch(_bwd_kernel, (triton.cdiv(skv, 2 * BWD_BLOCK), b * hkv), 2, descriptors, CAUSAL=causal,
+        blocks = triton.cdiv(skv, 2 * BWD_BLOCK)
+        self.launch = Launch(_bwd_kernel, (blocks, b * hkv), 2, descriptors, CAUSAL=causal,
                              STAGES=stages, DQ_BUFFERS=dq_buffers, SPLIT_MASK=split_mask, num_warps=4,
                              maxnreg=MAXNREG)
-        self.args = (h, h // hkv, sq, skv)
+        self.args = (h, h // hkv, sq, skv, band(blocks, b * hkv, causal, _multiprocessors(q.device)))
+
+
+def band(blocks: int, pairs: int, causal: bool, multiprocessors: int, waves: float = None) -> int:
+    """How many (batch, KV head) pairs the backward's programs start together (``_bwd_kernel``): one
+    without a mask (every program has the same work). Under a causal mask, the fewest that divide
+    ``pairs`` and hold ``waves`` (default ``BAND_WAVES``) of programs: each band's heavy programs then
+    start before its light ones, and no band is cut short (a short last band starts its heavy
+    programs last)."""
+    if not causal:
+        return 1
+    least = -(-(BAND_WAVES if waves is None else waves) * multiprocessors // blocks)
+    return next(c for c in range(1, pairs + 1) if pairs % c == 0 and c >= min(least, pairs))
 
 
 def backward(plan, q, k, v, dout, lse, delta, dq, dk, dv, scale):
