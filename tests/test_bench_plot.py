@@ -23,3 +23,13 @@ def test_attention_plot_draws_one_head_dims_steady_curves(tmp_path, dims, drawn)
     assert len(ax.lines) == 4  # two variants, two directions
     assert all(list(line.get_ydata()) == [2048.0, 4096.0] for line in ax.lines)  # steady TFLOP/s
     assert f"D={drawn}, non-causal, 16 KV heads" in ax.get_xlabel()
+
+
+def test_attention_plot_takes_the_kv_heads_of_its_head_dim(tmp_path):
+    rows = [r for r in _rows(128) if r["Hkv"] == 4] + _rows(64)
+    plot("attention", rows, tmp_path / "attention.png")
+    ax = plt.gcf().axes[0]
+    plt.close("all")
+    assert len(ax.lines) == 4 and "D=128, non-causal, 4 KV heads" in ax.get_xlabel()
+    with pytest.raises(ValueError, match="no attention rows"):
+        plot("attention", [], tmp_path / "empty.png")

@@ -179,19 +179,21 @@ def test_hopper_forward_grid_is_persistent_only_for_short_rows(monkeypatch):
         assert grid(1, 2, 300, 64, False) == 2 * -(-300 // (64 * consumers))
 
 
-def test_hopper_backward_bands_start_heavy_programs_first_and_divide_the_pairs():
-    """Unmasked: one (batch, KV head) pair a band (every program has the same work). Causal: the fewest
-    pairs that divide them and hold half a wave of programs, all of them where that is more."""
+def test_hopper_backward_bands_fill_the_gpu_about_once_and_divide_the_pairs():
+    """Unmasked: one (batch, KV head) pair a band (every program has the same work). Causal: the divisor
+    of the pairs whose programs come nearest one wave, within half to twice it, else one pair."""
     assert sm90.band(32, 64, False, 132) == 1
-    assert sm90.band(32, 64, True, 132) == 4  # 66 programs' worth: 3 pairs, 4 the first divisor
-    assert sm90.band(32, 24, True, 132) == 3
-    assert sm90.band(32, 7, True, 132) == 7  # a prime: one band
-    assert sm90.band(8, 64, True, 132) == 16  # short rows: more pairs to fill half a wave
-    assert sm90.band(512, 16, True, 132) == 1 and sm90.band(2, 3, True, 132) == 3
-    assert sm90.band(32, 64, True, 132, waves=2) == 16
-    for blocks, pairs in ((1, 1), (5, 12), (64, 100), (3, 1000)):
+    # 16k-token batches (the timed ones): 16, 8, 4, 2, 1, 1 pairs at 1k-32k keys, 16 or 64 pairs in all
+    for pairs in (16, 64):
+        assert [sm90.band(s // 128, pairs, True, 132) for s in (1024, 2048, 4096, 8192, 16384, 32768)] == \
+            [16, 8, 4, 2, 1, 1]
+    assert sm90.band(16, 11, True, 132) == 11  # 1.3 waves: the nearest divisor within twice one
+    assert sm90.band(8, 61, True, 132) == 1  # 61 pairs (3.7 waves) or 1: neither within, the old order
+    assert sm90.band(32, 36, True, 132) == 4 and sm90.band(32, 13, True, 132) == 1
+    assert sm90.band(4, 2, True, 132) == 2 and sm90.band(1, 1, True, 132) == 1  # under half a wave: one band
+    for blocks, pairs in ((1, 1), (5, 12), (64, 100), (3, 1000), (512, 7)):
         c = sm90.band(blocks, pairs, True, 132)
-        assert pairs % c == 0 and (c * blocks >= 66 or c == pairs)
+        assert pairs % c == 0 and (c == 1 or c * blocks <= 2 * 132)
 
 
 @pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU and a Triton with Gluon (the Hopper backward)")
@@ -199,12 +201,11 @@ def test_hopper_backward_bands_start_heavy_programs_first_and_divide_the_pairs()
 def test_hopper_backward_in_bands_that_do_not_divide_the_pairs(band, monkeypatch):
     """The kernel takes any band: the last one short (3 or 5 of 8 pairs), or one wider than every pair."""
     monkeypatch.setattr(sm90, "band", lambda *args, **kwargs: band)
-    attn._bwd_plans.clear()
+    monkeypatch.setattr(attn, "_bwd_plans", {})  # plans with this band stay in the test
     q, k, v = _inputs(2, 8, 4, 300, 700, 128, torch.bfloat16, heads_inner=True)
     _check(q, k, v, True, 1 / math.sqrt(128))
     plan = next(p for key, p in attn._bwd_plans.items() if key[:2] == (q.shape, q.stride()))
     assert plan.hopper is not None and plan.hopper.args[-1] == band
-    attn._bwd_plans.clear()
 
 
 def test_hopper_forward_declines_with_reasons():

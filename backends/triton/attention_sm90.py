@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import math
 
 import torch
 import triton
@@ -423,7 +424,7 @@ if gluon is not None:
         if MASK:
             if CAUSAL and not SPLIT_MASK:
                 # every tile masked: rows past Sq need no mask (_dkdv), and with Sq <= Skv no other row sees a
-                # key past Skv, so the causal term alone (3-6% faster at D 128; 3-5% slower at D 64 with 4 KV
+                # key past Skv, so the causal term alone (2-8% faster at D 128; 3-5% slower at D 64 with 4 KV
                 # heads, where only the diagonal's tiles are masked: docs/perf/backward_mask_ab.txt)
                 visible = keys[:, None] <= rows[None, :] + (SKV - SQ)
             else:  # unmasked, the same without the rows' term was 1-2% slower at D 128
@@ -528,7 +529,9 @@ if gluon is not None:
         _tma_store(dv_desc, [b, hk, my_keys, 0], v_smem.index(WARPGROUP))
         tma.store_wait(0)
 
-    @gluon.jit
+    # one build for every band: Triton would otherwise compile BAND = 1 (every unmasked call) and multiples of
+    # 16 apart, builds whose registers tests/test_triton_compiles.py does not see
+    @gluon.jit(do_not_specialize=["BAND"])
     def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, H, GROUP, SQ, SKV,
                     BAND, qk_scale, scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ_BUFFERS: gl.constexpr,
                     SPLIT_MASK: gl.constexpr, num_warps: gl.constexpr):
@@ -610,11 +613,6 @@ CONFIGS = {(64, False): (128, 4, False, 3), (64, True): (128, 4, False, 2), (128
 BWD_CONFIGS = {(64, False): (4, 2, True), (64, True): (4, 2, True), (128, False): (2, 1, False),
                (128, True): (2, 2, False)}
 BWD_BLOCK = 64
-# Waves of programs (one an SM) a causal backward's band holds (band()): on the H100 half a wave was the
-# fastest of 1/4, 1/2, 3/4, 1 and 2, and 4-26% ahead of one pair a band (the order before) with 4 KV heads at
-# 1k-8k, 2-4% with 16 (docs/perf/backward_bands_ab.txt); smaller bands leave heavy programs to the last
-# wave, larger ones share less of L2 (one band of every pair was up to 47% behind).
-BAND_WAVES = 0.5
 # The most keys x head dim a row reads where the forward runs on a persistent grid (programs)
 PERSISTENT_MAX_WORK = 8192 * 128
 # Three warpgroups (two consumers, the loader's) share the register file: capped at 168 a thread overall,
@@ -831,16 +829,22 @@ class BwdPlan:
         self.args = (h, h // hkv, sq, skv, band(blocks, b * hkv, causal, _multiprocessors(q.device)))
 
 
-def band(blocks: int, pairs: int, causal: bool, multiprocessors: int, waves: float = None) -> int:
+# On the H100 (docs/perf/backward_bands_ab.txt, bands of 16k-token batches: pairs a power of two) the bands
+# that fill the GPU about once were the fastest timed, 12-25% ahead of one pair a band with 4 KV heads at
+# 1k-8k and 3-5% with 16; bands of two waves were up to 9% behind them, and one band of all pairs took
+# up to 1.68x their time (L2 no longer holds the heads that run together).
+def band(blocks: int, pairs: int, causal: bool, multiprocessors: int) -> int:
     """How many (batch, KV head) pairs the backward's programs start together (``_bwd_kernel``): one
-    without a mask (every program has the same work). Under a causal mask, the fewest that divide
-    ``pairs`` and hold ``waves`` (default ``BAND_WAVES``) of programs: each band's heavy programs then
-    start before its light ones, and no band is cut short (a short last band starts its heavy
-    programs last)."""
+    without a mask (every program has the same work). Under a causal mask, the divisor of ``pairs``
+    whose programs come nearest to filling the GPU once (no band is cut short: a short last band's heavy
+    programs start last), within half to twice that; where none is, one (the order before bands: a band
+    larger or smaller was not timed, and one of all pairs lost L2's sharing)."""
     if not causal:
         return 1
-    least = -(-(BAND_WAVES if waves is None else waves) * multiprocessors // blocks)
-    return next(c for c in range(1, pairs + 1) if pairs % c == 0 and c >= min(least, pairs))
+    wave = multiprocessors / blocks  # pairs whose programs fill the GPU once
+    fits = [c for c in range(1, pairs + 1)
+            if pairs % c == 0 and c <= 2 * wave and (c >= wave / 2 or c == pairs)]
+    return min(fits, key=lambda c: abs(math.log(c / wave)), default=1)
 
 
 def backward(plan, q, k, v, dout, lse, delta, dq, dk, dv, scale):

@@ -8,8 +8,9 @@ head dim 64 unmasked added). Rows: the best of max(3, variants) interleaved roun
 to back, each round in another order, as a ratio of cuDNN's time in the same row (above 1: faster).
 SEQS=4096,... chooses the sequence lengths (16k tokens: B = 16384 / S), DIMS=64,128 the head dims (of the
 check and the timing), CONFIGS=2/1,3/1 more variants of the working tree's kernel with those ring stages /
-dQ buffers (named s2b1, ...), BANDS=1,w2 more with the causal backward's programs started in bands of one
-(batch, KV head) pair or of as many as band() picks for 2 waves (named band1, w2; BANDS=all: one band), MASKS=causal or unmasked the timed cases, ONLY=a,b the variants ("tl": the tl.* backward); TIMED=0: the check alone.
+dQ buffers (named s2b1, ...), BANDS=1,4,all more with a causal call's programs started in bands of that
+many (batch, KV head) pairs or of all (named band1, band4, bandall), MASKS=causal or unmasked the timed
+cases (unset: both), ONLY=a,b the variants ("tl": the tl.* backward); TIMED=0: the check alone.
 """
 import math, os, time
 import torch
@@ -26,15 +27,14 @@ from portable_ops.bench.common import steady_ms, table, device_info
 VARIANTS = {"before": (old, {}), "now": (new, {}), "now split": (new, {"SPLIT_MASK": True}), "tl": None}
 VARIANTS.update({f"s{s}b{b}": (new, {"STAGES": s, "DQ_BUFFERS": b})
                  for s, b in (tuple(map(int, x.split("/"))) for x in filter(None, os.environ.get("CONFIGS", "").split(",")))})
-# BANDS=1,w0.5,...: the working tree's kernel with its programs started in bands of that many (batch, KV head)
-# pairs, or of as many as new.band() picks for that many waves (named band1, w0.5, ...)
+# BANDS=1,4,all: the working tree's kernel with a causal call's programs started in bands of that many
+# (batch, KV head) pairs, or of all of them (named band1, band4, bandall); unmasked calls keep band()'s one
 BANDS = {}
-SMS = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
-for _b in filter(None, os.environ.get("BANDS", "").split(",")):
-    _name = _b if _b.startswith("w") else f"band{_b}"
-    VARIANTS[_name] = (new, {})
-    BANDS[_name] = ((lambda waves: lambda blocks, pairs: new.band(blocks, pairs, True, SMS, waves))(float(_b[1:]))
-                    if _b.startswith("w") else (lambda c: lambda blocks, pairs: pairs if c == "all" else min(int(c), pairs))(_b))
+for _b in filter(None, (b.strip() for b in os.environ.get("BANDS", "").split(","))):
+    if not (_b == "all" or _b.isdigit() and int(_b) >= 1):
+        raise SystemExit(f"BANDS: {_b!r} is not a whole number of pairs >= 1 or 'all'")
+    VARIANTS[f"band{_b}"] = (new, {})
+    BANDS[f"band{_b}"] = (lambda b: lambda pairs: pairs if b == "all" else min(int(b), pairs))(_b)
 for _mod in (old, new):  # head dim 64 unmasked takes the tl.* backward: the causal config here
     _mod.BWD_CONFIGS.setdefault((64, False), _mod.BWD_CONFIGS[64, True])
 KERNELS = {mod: (mod.BwdPlan, mod.backward, mod.supports_backward) for mod in (old, new)}  # before bwd() patches new's
@@ -43,6 +43,9 @@ if set(ONLY) - set(VARIANTS):
     raise SystemExit(f"ONLY: unknown {sorted(set(ONLY) - set(VARIANTS))}; known: {sorted(VARIANTS)}")
 if ONLY:
     VARIANTS = {k: VARIANTS[k] for k in ONLY}
+MASKS = {"causal": (True,), "unmasked": (False,), "": (False, True)}.get(os.environ.get("MASKS", ""))
+if MASKS is None:
+    raise SystemExit(f"MASKS: {os.environ['MASKS']!r}; choose causal or unmasked (unset: both)")
 DIMS = {int(d) for d in os.environ.get("DIMS", "64,128").split(",") if d.strip()}
 if not DIMS <= {64, 128}:
     raise SystemExit(f"DIMS: {sorted(DIMS)}; the Hopper backward takes 64 and 128")
@@ -60,8 +63,8 @@ def bwd(variant, q, k, v, out, lse, dout, causal, scale):
         def plan(*args):
             p = KERNELS[mod][0](*args)
             p.launch.options = {**p.launch.options, **consts}
-            if variant in BANDS:
-                p.args = (*p.args[:-1], BANDS[variant](*p.launch.grid[:2]))
+            if variant in BANDS and causal:
+                p.args = (*p.args[:-1], BANDS[variant](p.launch.grid[1]))
             return p
         kernels = (plan, KERNELS[mod][1])
         supports = lambda *a, **kw: [r for r in KERNELS[new][2](*a, **kw) if "head dim 64 without" not in r]
@@ -114,8 +117,7 @@ def check():
 def timed(seqs):
     rows = []
     cases = [(128, False, 16), (128, True, 16), (128, True, 4), (64, True, 16), (64, True, 4), (64, False, 16)]
-    masks = {"causal": (True,), "unmasked": (False,)}.get(os.environ.get("MASKS"), (False, True))
-    for d, causal, hkv in [c for c in cases if c[0] in DIMS and c[1] in masks]:
+    for d, causal, hkv in [c for c in cases if c[0] in DIMS and c[1] in MASKS]:
         for s in seqs:
             b, h = max(1, 16384 // s), 16
             q, k, v = inputs(b, h, hkv, s, s, d, True)

@@ -58,8 +58,10 @@ def plot(name, rows, path):
     elif name == "attention":
         # one curve per variant and direction: one head dim (128 where the run has it) and KV-head count
         dims = {r["D"] for r in rows}
+        if not dims:
+            raise ValueError("no attention rows to plot")
         d = 128 if 128 in dims else min(dims)
-        hkv = max(r["Hkv"] for r in rows)
+        hkv = max(r["Hkv"] for r in rows if r["D"] == d)
         _curves(ax, [r for r in rows if r["D"] == d and not r["causal"] and r["Hkv"] == hkv],
                 x="S", y="steady TFLOP/s", series=("variant", "dir"), label="{} {}")
         ax.set_xscale("log", base=2)
