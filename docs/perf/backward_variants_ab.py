@@ -34,7 +34,7 @@ for _b in filter(None, (b.strip() for b in os.environ.get("BANDS", "").split(","
     if not (_b == "all" or _b.isdigit() and int(_b) >= 1):
         raise SystemExit(f"BANDS: {_b!r} is not a whole number of pairs >= 1 or 'all'")
     VARIANTS[f"band{_b}"] = (new, {})
-    BANDS[f"band{_b}"] = (lambda b: lambda pairs: pairs if b == "all" else min(int(b), pairs))(_b)
+    BANDS[f"band{_b}"] = _b
 for _mod in (old, new):  # head dim 64 unmasked takes the tl.* backward: the causal config here
     _mod.BWD_CONFIGS.setdefault((64, False), _mod.BWD_CONFIGS[64, True])
 KERNELS = {mod: (mod.BwdPlan, mod.backward, mod.supports_backward) for mod in (old, new)}  # before bwd() patches new's
@@ -64,7 +64,8 @@ def bwd(variant, q, k, v, out, lse, dout, causal, scale):
             p = KERNELS[mod][0](*args)
             p.launch.options = {**p.launch.options, **consts}
             if variant in BANDS and causal:
-                p.args = (*p.args[:-1], BANDS[variant](p.launch.grid[1]))
+                pairs = p.launch.grid[1]
+                p.args = (*p.args[:-1], pairs if BANDS[variant] == "all" else min(int(BANDS[variant]), pairs))
             return p
         kernels = (plan, KERNELS[mod][1])
         supports = lambda *a, **kw: [r for r in KERNELS[new][2](*a, **kw) if "head dim 64 without" not in r]
