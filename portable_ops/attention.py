@@ -346,7 +346,8 @@ def degenerate(q, k, v):
 #
 # An eager call is memoised whole: its checks, its dispatch and its backend's plan depend only on what
 # the key below holds, so a call whose key was seen casts (under autocast) and runs the backend's
-# prepared ``run`` at once, through EagerAttention where it needs autograd. On the H100's host the
+# prepared ``run`` at once, through EagerAttention where it needs autograd, whose backward was
+# dispatched with the forward (_prepared_backward). On the H100's host the
 # layers it skips cost more than a kernel launch (docs/performance.md, "The eager call's host path").
 
 # Classes whose == and hash stand for everything the checks read of an option: a float window side is an
@@ -354,6 +355,7 @@ def degenerate(q, k, v):
 _PLAIN_NUMBER = (int, float, type(None))
 _PLAIN_INT = (int, type(None))
 _OP = "attention_fwd"
+_BWD_OP = "attention_bwd"
 _memo: dict = {}  # key -> (backend, its op, call): each held, so no id in a key is reused while it lives
 _MEMO_SIZE = 4096  # as the plans': a decode loop meets a new cache length every token
 
@@ -401,6 +403,39 @@ def _memoised(key):
     return call if backend.ops.get(_OP) is impl else None
 
 
+def _prepared_backward(q, k, v, causal, scale, window, softcap):
+    """The backward of every call of a memoised key: :func:`backward` with its dispatch done here, once
+    (the choice depends on what the key holds, the forced backend included), through the backend's
+    prepared ``run`` where it has one; :func:`backward` itself where the choice is a fallback (which
+    warns, or raises under strict mode, when the backward runs), where a backend is forced by the time
+    the backward runs and none was when the forward ran, or where the backend's op was replaced since."""
+    device = q.device
+    arguments = dict(q=q, k=k, v=v, out=q, lse=None, dout=q, causal=causal, scale=scale, window=window,
+                     softcap=softcap)  # out and dout: stand-ins with their layout; no backend's check reads lse
+    choice = dispatch.choose(_BWD_OP, arguments, device, forced_backend())
+    if choice.is_fallback:
+        return backward
+    backend = get_backend(choice.backend)
+    impl = backend.ops[_BWD_OP]
+    if impl.prepare is not None:
+        run = impl.prepare(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
+    else:
+        def run(q, k, v, out, lse, dout):
+            return impl.run(q=q, k=k, v=v, out=out, lse=lse, dout=dout, causal=causal, scale=scale, window=window,
+                            softcap=softcap)
+    device_type = device.type
+
+    def prepared(q, k, v, out, lse, dout, *options, prefer=None):
+        if backend.ops.get(_BWD_OP) is not impl or (prefer is None and forced_backend() is not None):
+            return backward(q, k, v, out, lse, dout, *options, prefer=prefer)
+        if torch._C._is_any_autocast_enabled():  # loss.backward() inside an autocast block
+            with autocast_off(device_type):
+                return run(q, k, v, out, lse, dout)
+        return run(q, k, v, out, lse, dout)
+
+    return prepared
+
+
 def _memoise(key, q, k, v, causal, scale, window, softcap):
     """``call(q, k, v) -> out`` for every call of this one's key (q, k, v: checked, as autocast casts
     them), memoised; None where the call falls back (a fallback is not memoised: each warns, or raises
@@ -424,7 +459,8 @@ def _memoise(key, q, k, v, causal, scale, window, softcap):
     else:
         compute = run
     if _needs_grad(q, k, v):
-        options = Options(Variant(lambda q, k, v, *_: compute(q, k, v), backward, _definition),
+        options = Options(Variant(lambda q, k, v, *_: compute(q, k, v),
+                                  _prepared_backward(q, k, v, causal, scale, window, softcap), _definition),
                           (causal, scale, window, softcap))
         finish = lambda q, k, v: EagerAttention.apply(q, k, v, options)[0]  # noqa: E731
     else:  # autograd.Function.apply costs 20-50 us of host time even with nothing to differentiate

@@ -346,6 +346,60 @@ def test_a_call_seen_before_under_autograd_or_autocast_skips_its_checks(backend,
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_memoised_calls_backward_is_dispatched_with_its_forward(backend, monkeypatch):
+    """A call seen before dispatches neither its forward nor its backward again, and its gradients are those
+    of the checked path, with dout in another layout too."""
+    monkeypatch.setattr(api, "_memo", {})
+    device = default_device(backend)
+    q, k, v = (t.detach().requires_grad_() for t in qkv(dtype=torch.float32, d=32, device=device))
+    douts = [torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device)]
+    douts.append(douts[0].transpose(1, 2).contiguous().transpose(1, 2))  # heads inner, as from [B, S, H, D]
+
+    def grads(dout):
+        out = portable_ops.attention(q, k, v, causal=True)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    with forced_strict(backend):
+        want = [grads(dout) for dout in douts]  # the first call memoises
+        chosen = []
+        for module, name in ((dispatch, "choose"), (dispatch, "select"), (dispatch, "select_by_layout"),
+                             (api, "select_by_layout")):
+            monkeypatch.setattr(module, name, lambda *a, _name=name, **kw: chosen.append(_name))
+        got = [grads(dout) for dout in douts]
+    assert chosen == []
+    for a, b in zip(got, want):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+def test_a_backward_forced_after_an_unforced_forward_runs_where_it_is_forced(fake_backend, monkeypatch):
+    """With nothing forced when the forward ran, the backward goes where a backend is forced when it runs,
+    memoised call or not; and a backward op replaced after the call was memoised runs from then on."""
+    monkeypatch.setattr(api, "_memo", {})
+    stand_in = fake_backend("triton")
+    calls = []
+    run = stand_in.ops["attention_bwd"].run
+    stand_in.ops["attention_bwd"] = dispatch.OpImpl(run=lambda **call: calls.append(call) or run(**call))
+    q, k, v = (t.detach().requires_grad_() for t in qkv(dtype=torch.float32))
+    for _ in range(2):  # the second call is memoised
+        out = portable_ops.attention(q, k, v)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        assert calls == []  # CPU tensors: the reference backend
+        out = portable_ops.attention(q, k, v)
+        with portable_ops.use_backend("triton"):
+            torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        assert len(calls) == 1
+        calls.clear()
+    reference = dispatch.get_backend("reference")
+    replaced = []
+    monkeypatch.setitem(reference.ops, "attention_bwd",
+                        dispatch.OpImpl(run=lambda **call: replaced.append(call) or run(**call)))
+    out = portable_ops.attention(q, k, v)
+    torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert len(replaced) == 1
+
+
 def test_an_inference_call_runs_the_backend_op_installed_now(fake_backend):
     """A backend's op replaced after a call was memoised (as tests stand one in) runs from then on."""
     stand_in = fake_backend("triton")

@@ -31,7 +31,8 @@ else:
     from .adam import adam, adam_supports
     from .attention import (attention_bwd, attention_fwd, attention_supports, attention_varlen_bwd,
                             attention_varlen_fwd, attention_varlen_supports, paged_attention, paged_attention_supports,
-                            paged_kv_append, paged_kv_append_supports, prepare_attention_fwd)
+                            paged_kv_append, paged_kv_append_supports, prepare_attention_bwd,
+                            prepare_attention_fwd)
     from .grad_norm import grad_norm, grad_norm_supports
     from .launch import hash_triton_in_background
 
@@ -56,7 +57,7 @@ else:
             "adam": OpImpl(run=adam, supports=adam_supports),
             "grad_norm": OpImpl(run=grad_norm, supports=grad_norm_supports),
             "attention_fwd": OpImpl(run=attention_fwd, supports=attention_supports, prepare=prepare_attention_fwd),
-            "attention_bwd": OpImpl(run=attention_bwd, supports=attention_supports),
+            "attention_bwd": OpImpl(run=attention_bwd, supports=attention_supports, prepare=prepare_attention_bwd),
             "attention_varlen_fwd": OpImpl(run=attention_varlen_fwd, supports=attention_varlen_supports),
             "attention_varlen_bwd": OpImpl(run=attention_varlen_bwd, supports=attention_varlen_supports),
             "paged_attention": OpImpl(run=paged_attention, supports=paged_attention_supports),

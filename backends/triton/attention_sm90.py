@@ -847,12 +847,10 @@ def band(blocks: int, pairs: int, causal: bool, multiprocessors: int) -> int:
     return min(fits, key=lambda c: abs(math.log(c / wave)), default=1)
 
 
-def backward(plan, q, k, v, dout, lse, delta, dq, dk, dv, scale):
-    """dq, dk, dv (written through their strides) for a call :func:`supports_backward` took."""
-    dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+def backward(plan, q, k, v, dout, lse, delta, dq_sum, dk, dv, scale):
+    """For a call :func:`supports_backward` took: dk and dv written through their strides, and dQ added
+    into ``dq_sum`` (float32 [B, H, Sq, D], contiguous, zeros before), for the caller to cast."""
     plan.launch(q, k, v, dout, dk, dv, dq_sum, lse, delta, *plan.args, scale * LOG2E, scale)
-    dq.copy_(dq_sum)
-    return dq, dk, dv
 
 
 def supports_backward(q, k, v, dout, causal, strides, window=None, softcap=None):
