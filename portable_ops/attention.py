@@ -383,15 +383,17 @@ def _memo_key(q, k, v, causal, scale, window, softcap):
             or softcap.__class__ not in _PLAIN_NUMBER or not _plain_window(window) or transformed()):
         return None
     try:
-        device = q.device
-        return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, device,
-                k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, causal,
-                _signed(scale), window, softcap,
-                _needs_grad(q, k, v),
-                torch._C._is_any_autocast_enabled() and _autocasting(device.type)
-                and torch.get_autocast_dtype(device.type), dispatch.state())
+        return (_tensors_key(q, k, v), causal, _signed(scale), window, softcap, _needs_grad(q, k, v),
+                torch._C._is_any_autocast_enabled() and _autocasting(q.device.type)
+                and torch.get_autocast_dtype(q.device.type), dispatch.state())
     except (RuntimeError, ValueError):  # no strides or storage (sparse, ...), or PORTABLE_OPS_BACKEND unknown
         return None
+
+
+def _tensors_key(q, k, v) -> tuple:
+    """What the memo's key holds of q, k and v: shapes, strides, dtypes, devices and 16-byte alignment."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.device,
+            k.device, v.device, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
 
 
 def _memoised(key):
@@ -403,37 +405,46 @@ def _memoised(key):
     return call if backend.ops.get(_OP) is impl else None
 
 
-def _prepared_backward(q, k, v, causal, scale, window, softcap):
-    """The backward of every call of a memoised key: :func:`backward` with its dispatch done here, once
-    (the choice depends on what the key holds, the forced backend included), through the backend's
-    prepared ``run`` where it has one; :func:`backward` itself where the choice is a fallback (which
-    warns, or raises under strict mode, when the backward runs), where a backend is forced by the time
-    the backward runs and none was when the forward ran, or where the backend's op was replaced since."""
-    device = q.device
-    arguments = dict(q=q, k=k, v=v, out=q, lse=None, dout=q, causal=causal, scale=scale, window=window,
-                     softcap=softcap)  # out and dout: stand-ins with their layout; no backend's check reads lse
-    choice = dispatch.choose(_BWD_OP, arguments, device, forced_backend())
-    if choice.is_fallback:
-        return backward
-    backend = get_backend(choice.backend)
-    impl = backend.ops[_BWD_OP]
+def _prepare(impl, q, k, v, causal, scale, window, softcap, tensors: tuple):
+    """``impl``'s run for every call whose q, k and v have these ones' layout, with these options, taking the
+    tensors that ``tensors`` names positionally: what its ``prepare`` returns, where it has one."""
     if impl.prepare is not None:
-        run = impl.prepare(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
-    else:
-        def run(q, k, v, out, lse, dout):
-            return impl.run(q=q, k=k, v=v, out=out, lse=lse, dout=dout, causal=causal, scale=scale, window=window,
-                            softcap=softcap)
-    device_type = device.type
+        return impl.prepare(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
+    options = dict(causal=causal, scale=scale, window=window, softcap=softcap)
+    return lambda *given: impl.run(**dict(zip(tensors, given)), **options)
 
-    def prepared(q, k, v, out, lse, dout, *options, prefer=None):
-        if backend.ops.get(_BWD_OP) is not impl or (prefer is None and forced_backend() is not None):
+
+def _prepared_backward(q, k, v, causal, scale, window, softcap):
+    """The backward of every call of a memoised key (q, k, v: as the forward took them, cast): :func:`backward`
+    with its dispatch memoised per forced backend and its backend's run prepared, both at its first call
+    (a fallback is neither: it warns, or raises under strict mode, each time as before). A call whose q, k
+    or v no longer has its forward's layout (a ``.data`` swapped since) runs :func:`backward` itself."""
+    tensors = _tensors_key(q, k, v)
+    layout = _layout(q, k, v, causal, scale, window, softcap)
+    device = q.device
+    runs: dict = {}  # (prefer, dispatch.state()) -> (backend, its op, run)
+
+    def run_backward(q, k, v, out, lse, dout, *options, prefer=None):
+        if _tensors_key(q, k, v) != tensors:
             return backward(q, k, v, out, lse, dout, *options, prefer=prefer)
+        state = (prefer, dispatch.state())
+        found = runs.get(state)
+        if found is None or found[0].ops.get(_BWD_OP) is not found[1]:
+            call = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, causal=causal, scale=scale, window=window,
+                        softcap=softcap)
+            choice = select_by_layout(_BWD_OP, layout, lambda: call, device, prefer)
+            if choice.is_fallback:
+                return backward(q, k, v, out, lse, dout, *options, prefer=prefer)
+            backend = get_backend(choice.backend)
+            impl = backend.ops[_BWD_OP]
+            found = runs[state] = (backend, impl, _prepare(impl, q, k, v, causal, scale, window, softcap,
+                                                           ("q", "k", "v", "out", "lse", "dout")))
         if torch._C._is_any_autocast_enabled():  # loss.backward() inside an autocast block
-            with autocast_off(device_type):
-                return run(q, k, v, out, lse, dout)
-        return run(q, k, v, out, lse, dout)
+            with autocast_off(device.type):
+                return found[2](q, k, v, out, lse, dout)
+        return found[2](q, k, v, out, lse, dout)
 
-    return prepared
+    return run_backward
 
 
 def _memoise(key, q, k, v, causal, scale, window, softcap):
@@ -446,10 +457,7 @@ def _memoise(key, q, k, v, causal, scale, window, softcap):
         return None
     backend = get_backend(choice.backend)
     impl = backend.ops[_OP]
-    if impl.prepare is not None:
-        run = impl.prepare(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
-    else:
-        run = lambda q, k, v: impl.run(q=q, k=k, v=v, causal=causal, scale=scale, window=window, softcap=softcap)  # noqa: E731
+    run = _prepare(impl, q, k, v, causal, scale, window, softcap, ("q", "k", "v"))
     device_type = q.device.type
     autocast = _autocasting(device_type)
     if autocast:

@@ -46,9 +46,10 @@ class OpImpl:
     run: Callable[..., Any]
     # Reasons this backend can't take a call; must not touch tensor data.
     supports: Callable[[Call], list[str]] = lambda call: []
-    # Optional, for ops whose host time is critical: ``prepare(**call)`` returns ``run`` for every call of
-    # ``call``'s layout (its tensors' shapes, strides, dtypes, device and 16-byte alignment, and its other
-    # arguments), taking the tensors positionally; what ``run`` would look up per call is looked up once.
+    # Optional, for ops whose host time is critical: ``prepare(q, k, v, **options)`` returns ``run`` for every
+    # call whose q, k and v have these ones' layout (shapes, strides, dtypes, device and 16-byte alignment)
+    # and whose options are these, taking the op's tensors positionally (attention_bwd's: q, k, v, out, lse,
+    # dout, the last three of any layout); what ``run`` would look up per call is looked up once.
     prepare: Callable[..., Callable[..., Any]] | None = None
 
 

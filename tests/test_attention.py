@@ -7,6 +7,7 @@ unlike SDPA's fused CPU kernels, supports every derivative torch.func asks for.
 
 import importlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -356,12 +357,15 @@ def test_a_memoised_calls_backward_is_dispatched_with_its_forward(backend, monke
     douts = [torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(device)]
     douts.append(douts[0].transpose(1, 2).contiguous().transpose(1, 2))  # heads inner, as from [B, S, H, D]
 
-    def grads(dout):
-        out = portable_ops.attention(q, k, v, causal=True)
+    def grads(dout, causal=True):
+        out = portable_ops.attention(q, k, v, causal=causal)
         return torch.autograd.grad(out, (q, k, v), dout)
 
+    np = pytest.importorskip("numpy")
     with forced_strict(backend):
-        want = [grads(dout) for dout in douts]  # the first call memoises
+        want = [grads(dout, np.bool_(True)) for dout in douts]  # not a plain option: checked, dispatched per call
+        for dout in douts:  # the first memoises, each prepares its backward's plan
+            grads(dout)
         chosen = []
         for module, name in ((dispatch, "choose"), (dispatch, "select"), (dispatch, "select_by_layout"),
                              (api, "select_by_layout")):
@@ -371,6 +375,44 @@ def test_a_memoised_calls_backward_is_dispatched_with_its_forward(backend, monke
     for a, b in zip(got, want):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_data_swap_between_forward_and_backward_is_dispatched_afresh(backend, monkeypatch):
+    """Model surgery between a memoised call's forward and its backward: q, k, v's ``.data`` swapped for another
+    layout or dtype. The backward runs as the per-call path runs it: gradients in the new layout, a dtype the
+    backend can't take falls back (warning once) or, under strict mode, raises."""
+    np = pytest.importorskip("numpy")
+    device = default_device(backend)
+
+    def swapped(causal, swap):
+        q, k, v = (t.detach().requires_grad_() for t in qkv(dtype=torch.float32, d=32, device=device))
+        with portable_ops.use_backend(backend):
+            out = portable_ops.attention(q, k, v, causal=causal)
+        for t in (q, k, v):
+            t.data = swap(t.data)
+        out.backward(torch.ones_like(out))  # autograd.grad finds no path to a leaf whose dtype changed
+        return q.grad, k.grad, v.grad
+
+    heads_inner = lambda t: t.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731
+    for swap in (heads_inner, lambda t: t.double()):
+        monkeypatch.setattr(api, "_memo", {})
+        monkeypatch.setattr(dispatch, "_warned", set())
+        with warnings.catch_warnings(record=True) as per_call:
+            warnings.simplefilter("always")
+            want = swapped(np.bool_(True), swap)
+        for _ in range(2):  # the second call is memoised
+            monkeypatch.setattr(dispatch, "_warned", set())
+            with warnings.catch_warnings(record=True) as memoised:
+                warnings.simplefilter("always")
+                got = swapped(True, swap)
+            assert [str(w.message) for w in memoised] == [str(w.message) for w in per_call]
+            for a, b in zip(got, want):
+                assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b)
+    if backend != "reference":  # float64 falls back from triton and nki: refused under strict mode
+        monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
+        with pytest.raises(portable_ops.BackendUnavailableError):
+            swapped(True, lambda t: t.double())
 
 
 def test_a_backward_forced_after_an_unforced_forward_runs_where_it_is_forced(fake_backend, monkeypatch):

@@ -54,6 +54,21 @@ def _check(q, k, v, causal, scale, dout=None, grad_factor=8):
     return out, lse, grads
 
 
+
+def test_inputs_whose_row_major_copies_agree_keep_their_own_output_layouts(monkeypatch):
+    """q, k, v with a strided last dim, heads inner or not: the kernels read the same row-major copies, but
+    out and the gradients follow each input's own layout (the plans' keys hold the outputs' strides)."""
+    monkeypatch.setattr(attn, "_fwd_plans", {})
+    monkeypatch.setattr(attn, "_bwd_plans", {})
+    g = torch.Generator().manual_seed(0)
+    plain = [torch.randn(1, 2, 16, 32, generator=g)[..., ::2].to(DEVICE) for _ in range(3)]
+    inner = [torch.randn(1, 16, 2, 32, generator=g)[..., ::2].to(DEVICE).transpose(1, 2) for _ in range(3)]
+    for _ in range(2):
+        for q, k, v in (plain, inner):
+            out, lse, grads = _check(q, k, v, causal=False, scale=0.25)
+            assert out.stride() == layout.strides_like(q)
+            assert [t.stride() for t in grads] == [layout.strides_like(t) for t in (q, k, v)]
+
 # ----------------------------------------------------------------------------- the Hopper forward
 
 sm90 = importlib.import_module("portable_ops.backends.triton.attention_sm90")
@@ -481,7 +496,7 @@ def test_float32_tiles_multiply_as_torch_float32_matmuls_do(restore_fp32_precisi
     assert attn._dot_precision(torch.float32) == "tf32"
     tf32, _ = attn.attention_fwd(q, k, v, causal=True, scale=3.0)
     built = {plan.fwd.options["PRECISION"] for key, plan in attn._fwd_plans.items()
-             if key[0] == q.shape and key[5] == torch.float32}
+             if key[0] == q.shape and key[6] == torch.float32}
     assert built >= {"ieee", "tf32"}
     ieee_error, tf32_error = ((out.double() - exact).abs().max().item() for out in (ieee, tf32))
     assert ieee_error < 1e-4

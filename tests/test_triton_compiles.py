@@ -168,8 +168,9 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
             elif kind == "delta":
                 types_ = {"O": "*bf16", "DO": "*bf16", "DELTA": "*fp32", "DQ_SUM": "*fp32", **strides("o", "do"),
                           "H": "i32", "SQ": "i32"}
-                # the Hopper backward's form (ZERO_DQ), the other's code and more
-                consts = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK=64 if d <= 128 else 32, ZERO_DQ=True)
+                # zeroing dQ's float32 sum where the Hopper backward takes the head dim, as it runs
+                consts = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK=64 if d <= 128 else 32,
+                              ZERO_DQ=d in attention_sm90.HEAD_DIMS)
                 row.update(run(attention._delta_kernel, types_, consts, 4, 3, d % 16 == 0))
             elif kind == "combine":
                 types_ = {"O_PART": "*fp32", "LSE_PART": "*fp32", "O": "*bf16", "LSE": "*fp32", "SPLITS": "i32",

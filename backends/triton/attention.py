@@ -1014,8 +1014,8 @@ def _plan_of_forward(q, k, v, causal, scale, window, softcap, out_stride, seqs, 
     scale = float(scale)  # a plan's launches take floats: an int would be specialised on its value
     softcap = _softcap(softcap)
     precision = _dot_precision(q.dtype)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, k.dtype, v.dtype, q.device, causal,
-           window, softcap is None, scale < 0, precision, seqs, _aligned(q, k, v))
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out_stride, q.dtype, k.dtype, v.dtype, q.device,
+           causal, window, softcap is None, scale < 0, precision, seqs, _aligned(q, k, v))
     plan = _fwd_plans.get(key)
     if plan is None:
         plan = _fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_stride, seqs, extras)
@@ -1124,31 +1124,56 @@ def attention_varlen_bwd(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, ma
 
 
 def prepare_attention_bwd(q, k, v, *, causal, scale, window=None, softcap=None):
-    """``attention_bwd`` for every call of this one's q, k, v layout and options (``OpImpl.prepare``):
-    ``run(q, k, v, out, lse, dout)``, with what depends on q, k and v's layout alone found here, once.
-    Each call still looks up its plan by every tensor's layout: out, lse and dout come to the backward
-    unseen, and a ``.data`` swapped since the forward may have changed q, k or v's."""
-    if _batch_slices(q) is not None:
+    """``attention_bwd`` for every call whose q, k and v have this one's layout (shapes, strides, dtypes,
+    device, 16-byte alignment; the caller sees to that) and these options (``OpImpl.prepare``):
+    ``run(q, k, v, out, lse, dout)``, which finds its plan by out, lse and dout's layouts alone."""
+    # not one launch of q, k, v as they are; or float32, whose products follow torch's TF32 switch per call
+    if _batch_slices(q) is not None or any(t.stride(-1) != 1 for t in (q, k, v)) or q.dtype == torch.float32:
         return lambda q, k, v, out, lse, dout: attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale,
                                                              window=window, softcap=softcap)
     strides = (layout.strides_like(q), layout.strides_like(k), layout.strides_like(v))
-    return lambda q, k, v, out, lse, dout: _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap,
-                                                          strides, None, (q, q))
+    plans: dict = {}  # a model hands its backward dout in one layout; bounded all the same
+
+    def run(q, k, v, out, lse, dout):
+        key = (out.stride(), out.dtype, lse.stride(), lse.dtype, dout.stride(), dout.dtype, dout.data_ptr() % 16 == 0,
+               torch.are_deterministic_algorithms_enabled())
+        found = plans.get(key)
+        if found is None:
+            if out.stride(-1) != 1 or dout.stride(-1) != 1 or not lse.is_contiguous():
+                return _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, None, (q, q))
+            if len(plans) >= 16:
+                plans.clear()
+            found = plans[key] = _plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, strides,
+                                                   None, (q, q))
+        return _backward(*found, q, k, v, out, lse, dout, (q, q))
+
+    return run
 
 
 def _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, seqs, extras):
+    q, k, v, out, dout = _row_major(q), _row_major(k), _row_major(v), _row_major(out), _row_major(dout)
+    lse = lse.contiguous()  # ours: already contiguous, so no copy
+    plan = _plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, seqs, extras)
+    return _backward(*plan, q, k, v, out, lse, dout, extras)
+
+
+def _plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, seqs, extras) -> tuple:
+    """(plan, scale, softcap): the plan of row-major q, k, v, out, dout and contiguous lse whose gradients
+    take ``strides``, and the floats its launches take."""
     scale = float(scale)
     softcap = _softcap(softcap)
     precision = _dot_precision(q.dtype)
-    q, k, v, out, dout = _row_major(q), _row_major(k), _row_major(v), _row_major(out), _row_major(dout)
-    lse = lse.contiguous()  # ours: already contiguous, so no copy
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), q.dtype, k.dtype,
-           v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, causal, window, softcap is None, precision,
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), strides, q.dtype,
+           k.dtype, v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, causal, window, softcap is None, precision,
            torch.are_deterministic_algorithms_enabled(), seqs, _aligned(q, k, v, dout))
     plan = _bwd_plans.get(key)
     if plan is None:
         plan = _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, precision, strides, seqs,
                          extras)
+    return plan, scale, softcap
+
+
+def _backward(plan, scale, softcap, q, k, v, out, lse, dout, extras):
     delta, dq, dk, dv = _bwd_buffers(plan, q, k, v)
     if plan.hopper is not None:
         dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # zeroed by the delta kernel

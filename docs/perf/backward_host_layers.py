@@ -7,7 +7,9 @@ device is busy (a sleep kernel queued ahead of each row's calls), as in a traini
 keeps ahead of its device: ROUNDS rounds of CALLS calls, the rows' rounds interleaved. A layer's row
 includes the rows below it that it calls. Rows marked "1 thread" run the autograd engine on the
 calling thread (``set_multithreading_enabled(False)``); otherwise a CUDA backward runs on the
-engine's device thread, as ``loss.backward()`` does, and each call pays the hand-over.
+engine's device thread, as ``loss.backward()`` does, and each call pays the hand-over. A call the
+memo does not take (a numpy bool ``causal``) dispatches its backward per call: against the memoised
+call's row, in the same process, it prices what the memo saves.
 
 A tree without ``prepare_attention_bwd`` (before the backward was memoised with the forward) gets the
 whole-call rows only, so that two trees can be compared in alternate processes.
@@ -19,6 +21,7 @@ import importlib
 import statistics
 import time
 
+import numpy
 import torch
 import torch.nn.functional as F
 
@@ -65,14 +68,18 @@ def main():
     scale = d ** -0.5
     for _ in range(2):  # the second call is memoised, as every call of a training loop after its first
         out = portable_ops.attention(q, k, v, causal=True)
+    # a numpy bool is not a plain option: the call is checked and dispatched, and so is its backward
+    unmemoised = portable_ops.attention(q, k, v, causal=numpy.bool_(True))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     ours = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
     sdpa = lambda: torch.autograd.grad(ref, (q, k, v), dout, retain_graph=True)  # noqa: E731
     rows = {
         "torch.autograd.grad through portable_ops.attention": ours,
         "  the same, 1 thread": one_thread(ours),
+        "  the same, 1 thread, through a call the memo does not take": one_thread(
+            lambda: torch.autograd.grad(unmemoised, (q, k, v), dout, retain_graph=True)),
         "torch.autograd.grad through SDPA": sdpa,
-        "  the same, 1 thread": one_thread(sdpa),
+        "  the same, 1 thread ": one_thread(sdpa),
         "portable_ops.attention forward": lambda: portable_ops.attention(q, k, v, causal=True),
         "SDPA forward": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
     }
