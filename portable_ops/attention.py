@@ -88,7 +88,11 @@ def call_layout(call) -> tuple:
 
 def run_op(op, call, layout, device, prefer):
     """Run ``op(**call)`` on the backend chosen for it, autocast off (the inputs are cast already)."""
-    choice = select_by_layout(op, layout, lambda: call, device, prefer)
+    return run_choice(op, select_by_layout(op, layout, lambda: call, device, prefer), call, device)
+
+
+def run_choice(op, choice, call, device):
+    """Run ``op(**call)`` on ``choice``'s backend, autocast off."""
     with autocast_off(device.type):
         return get_backend(choice.backend).ops[op].run(**call)
 
@@ -346,8 +350,8 @@ def degenerate(q, k, v):
 #
 # An eager call is memoised whole: its checks, its dispatch and its backend's plan depend only on what
 # the key below holds, so a call whose key was seen casts (under autocast) and runs the backend's
-# prepared ``run`` at once, through EagerAttention where it needs autograd, whose backward was
-# dispatched with the forward (_prepared_backward). On the H100's host the
+# prepared ``run`` at once, through EagerAttention where it needs autograd, whose backward is
+# dispatched and prepared once, at its first call (_prepared_backward). On the H100's host the
 # layers it skips cost more than a kernel launch (docs/performance.md, "The eager call's host path").
 
 # Classes whose == and hash stand for everything the checks read of an option: a float window side is an
@@ -433,8 +437,8 @@ def _prepared_backward(q, k, v, causal, scale, window, softcap):
             call = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, causal=causal, scale=scale, window=window,
                         softcap=softcap)
             choice = select_by_layout(_BWD_OP, layout, lambda: call, device, prefer)
-            if choice.is_fallback:
-                return backward(q, k, v, out, lse, dout, *options, prefer=prefer)
+            if choice.is_fallback:  # warned, or raised under strict mode, by the dispatch just now
+                return run_choice(_BWD_OP, choice, call, device)
             backend = get_backend(choice.backend)
             impl = backend.ops[_BWD_OP]
             found = runs[state] = (backend, impl, _prepare(impl, q, k, v, causal, scale, window, softcap,

@@ -54,7 +54,6 @@ def _check(q, k, v, causal, scale, dout=None, grad_factor=8):
     return out, lse, grads
 
 
-
 def test_inputs_whose_row_major_copies_agree_keep_their_own_output_layouts(monkeypatch):
     """q, k, v with a strided last dim, heads inner or not: the kernels read the same row-major copies, but
     out and the gradients follow each input's own layout (the plans' keys hold the outputs' strides)."""
@@ -68,6 +67,7 @@ def test_inputs_whose_row_major_copies_agree_keep_their_own_output_layouts(monke
             out, lse, grads = _check(q, k, v, causal=False, scale=0.25)
             assert out.stride() == layout.strides_like(q)
             assert [t.stride() for t in grads] == [layout.strides_like(t) for t in (q, k, v)]
+
 
 # ----------------------------------------------------------------------------- the Hopper forward
 
