@@ -121,17 +121,20 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                 from triton.experimental.gluon import language as gl
                 from triton.experimental.gluon._runtime import GluonASTSource
 
-                def descriptor(cols, dtype):  # as above
-                    shape, layout = attention_sm90.tile(attention_sm90.BWD_BLOCK, cols, getattr(gl, dtype))
+                block_m, stages, dq_buffers, split_mask = (spec.get("config")
+                                                           or attention_sm90.BWD_CONFIGS[d, spec["causal"]])
+
+                def descriptor(rows, cols, dtype):  # as above
+                    shape, layout = attention_sm90.tile(rows, cols, getattr(gl, dtype))
                     name = "fp32" if dtype == "float32" else "bf16"
                     return f"tensordesc<{name}[{','.join(map(str, shape))}],{layout!r}>"
 
-                types_ = {**{name: descriptor(d, "bfloat16") for name in ("q_desc", "k_desc", "v_desc", "do_desc",
-                                                                          "dk_desc", "dv_desc")},
-                          "dq_desc": descriptor(d // 2, "float32"), "lse_ptr": "*fp32", "delta_ptr": "*fp32",
+                keys = attention_sm90.BWD_BLOCK_N
+                types_ = {**{name: descriptor(block_m if name in ("q_desc", "do_desc") else keys, d, "bfloat16")
+                             for name in ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc")},
+                          "dq_desc": descriptor(block_m, d // 2, "float32"), "lse_ptr": "*fp32", "delta_ptr": "*fp32",
                           "H": "i32", "GROUP": "i32", "SQ": "i32", "SKV": "i32", "BAND": "i32", "qk_scale": "fp32",
                           "scale": "fp32"}
-                stages, dq_buffers, split_mask = spec.get("config") or attention_sm90.BWD_CONFIGS[d, spec["causal"]]
                 consts = dict(CAUSAL=spec["causal"], STAGES=stages, DQ_BUFFERS=dq_buffers, SPLIT_MASK=split_mask,
                               num_warps=4)
                 row.update(run(attention_sm90._bwd_kernel, types_, consts, 4, 1, False, GluonASTSource,
@@ -240,15 +243,23 @@ else:
 
     triton = pytest.importorskip("triton")
 
-    # Stack bytes that kernels already spill, compiled with Triton 3.9 (docs/backends/triton.md,
-    # "Spills"): the tl.* dK/dV kernel at every width, and at D 128 the tl.* dQ kernel and the Hopper
-    # backward; the Hopper forward with three consumer warpgroups at D 64, 160 registers each (96 bytes;
-    # 8 with Triton 3.6, which the H100 runs and which alone ships it). Recorded so that they can't grow
-    # unnoticed; every other kernel must spill nothing.
-    SPILLS_KNOWN = {("dkdv", 40): 344, ("dkdv", 80): 520, ("dkdv", 128): 1016, ("dkdv", 192): 1120,
-                    ("dq", 128): 16, ("bwd_sm90", 128): 24, ("fwd_sm90", 64, 3): 96}
+    # Stack bytes that kernels already spill, per Triton release (docs/backends/triton.md, "Spills"): 3.9,
+    # CI's, and 3.6, the H100's, which alone times them. The tl.* dK/dV kernel at every width (at D 128 with
+    # issue 12's features on 3.6) and at D 128 the tl.* dQ kernel; the Hopper backward at D 128 on 3.9 and,
+    # on 128-row tiles, at D 64 (unmasked / causal: 96 / 168 bytes on 3.9, 48 / 80 on 3.6); the Hopper
+    # forward with three consumer warpgroups at D 64, 160 registers each (which 3.6 alone ships). Recorded
+    # so that they can't grow unnoticed; every other kernel must spill nothing. Another release's spills
+    # are not checked.
+    SPILLS_KNOWN = {
+        (3, 9): {("dkdv", 40): 344, ("dkdv", 80): 520, ("dkdv", 128): 1016, ("dkdv", 192): 1120, ("dq", 128): 16,
+                 ("bwd_sm90", 128): 24, ("bwd_sm90", 64): 168, ("fwd_sm90", 64, 3): 96},
+        (3, 6): {("dkdv", 40): 504, ("dkdv", 80): 1088, ("dkdv", 128): 1520, ("dkdv", 192): 912, ("dq", 128): 8,
+                 ("bwd_sm90", 64): 80, ("fwd_sm90", 64, 3): 8},
+    }.get(tuple(int(part) for part in triton.__version__.split(".")[:2]))
 
     def _spills_within_known(row) -> bool:
+        if SPILLS_KNOWN is None:
+            return True
         known = SPILLS_KNOWN.get((row["kernel"], row.get("d")), 0)
         return row["spills"] <= SPILLS_KNOWN.get((row["kernel"], row.get("d"), row.get("consumers")), known)
 

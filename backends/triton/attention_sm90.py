@@ -397,10 +397,9 @@ if gluon is not None:
     @gluon.jit
     def _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc, stats_smem,
                    dk, dv, t, b, head, m0, keys, qk_scale, scale, SQ, SKV, WARPGROUP: gl.constexpr,
-                   MASK: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_MASK: gl.constexpr):
+                   MASK: gl.constexpr, CAUSAL: gl.constexpr):
         """The query tile of ``head`` from row ``m0``, the ``t``-th this warpgroup takes: its share of dK and
-        dV, and of dQ; with ``MASK`` its causal and bounds mask applied, else none (``SPLIT_MASK``: as
-        ``_dkdv``'s)."""
+        dV, and of dQ; with ``MASK`` its causal or bounds mask applied, else none."""
         BM: gl.constexpr = q_smem.shape[3]
         D: gl.constexpr = q_smem.shape[4]
         BN: gl.constexpr = k_smem.shape[3]
@@ -422,15 +421,14 @@ if gluon is not None:
                             gl.zeros([BN, BM], gl.float32, s_layout), use_acc=False)
         lse = stats_smem.index(2 * slot).load(gl.SliceLayout(0, s_layout))
         if MASK:
-            if CAUSAL and not SPLIT_MASK:
-                # every tile masked: rows past Sq need no mask (_dkdv), and with Sq <= Skv no other row sees a
-                # key past Skv, so the causal term alone (2-8% faster at D 128; 3-5% slower at D 64 with 4 KV
-                # heads, where only the diagonal's tiles are masked: docs/perf/backward_mask_ab.txt)
+            # rows past Sq need no mask (_dkdv); under a causal mask with Sq <= Skv no other row sees a key
+            # past Skv, so the causal term alone (2-8% faster at D 128, 0-4% at D 64: docs/perf/backward_mask_ab.txt)
+            if CAUSAL:
                 visible = keys[:, None] <= rows[None, :] + (SKV - SQ)
-            else:  # unmasked, the same without the rows' term was 1-2% slower at D 128
+            elif D == 128:  # the rows' term, redundant, was 1-2% faster at D 128 (and 1-3% slower at D 64)
                 visible = (rows[None, :] < SQ) & (keys[:, None] < SKV)
-                if CAUSAL:
-                    visible = visible & (keys[:, None] <= rows[None, :] + (SKV - SQ))
+            else:
+                visible = keys[:, None] < SKV
             pt = gl.where(visible, gl.exp2(st * qk_scale - lse[None, :]), 0.0)
         else:
             pt = gl.exp2(st * qk_scale - lse[None, :])
@@ -460,13 +458,13 @@ if gluon is not None:
     @gluon.jit
     def _dkdv_tiles(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc, stats_smem,
                     dk, dv, t, b, head, m_lo, m_hi, keys, qk_scale, scale, SQ, SKV,
-                    WARPGROUP: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr, SPLIT_MASK: gl.constexpr):
+                    WARPGROUP: gl.constexpr, MASK: gl.constexpr, CAUSAL: gl.constexpr):
         """Query tiles [m_lo, m_hi) of ``head``, the first the ``t``-th this warpgroup takes: (dk, dv, t) after them."""
         BM: gl.constexpr = q_smem.shape[3]
         for m in range(m_lo, m_hi):
             dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc,
                                 stats_smem, dk, dv, t, b, head, m * BM, keys, qk_scale, scale, SQ, SKV,
-                                WARPGROUP, MASK, CAUSAL, SPLIT_MASK)
+                                WARPGROUP, MASK, CAUSAL)
             t += 1
         return dk, dv, t
 
@@ -481,9 +479,10 @@ if gluon is not None:
         whole lines (per-element atomics from registers, twice as many, took 1.7 ms of a 5.4 ms step).
 
         With ``SPLIT_MASK`` only the tiles that need it are masked (else all are; BWD_CONFIGS says where):
-        the causal diagonal's, and every tile of a block of keys that runs past Skv (its keys' zero rows
-        would still give P a value). Query rows past Sq need no mask: their Q and dO rows read as zeros, so
-        they add nothing to dK or dV (the loader gives them lse and delta 0, so P is 1 and dS 0 there)."""
+        the causal diagonal's, and every tile of a block of keys that runs past Skv (its keys' zero rows give
+        P the value e^-lse, which overflows where a row's scores are all far below zero: inf times K's zero
+        rows is NaN in dQ). Query rows past Sq need no mask: their Q and dO rows read as zeros, so they add
+        nothing to dK or dV (the loader gives them lse and delta 0, so P is 1 and dS 0 there)."""
         BM: gl.constexpr = q_smem.shape[3]
         D: gl.constexpr = q_smem.shape[4]
         BN: gl.constexpr = k_smem.shape[3]
@@ -507,17 +506,17 @@ if gluon is not None:
             for g in range(GROUP):
                 dk, dv, t = _dkdv_tiles(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty,
                                         dq_desc, stats_smem, dk, dv, t, b, hk * GROUP + g, lo, split, keys,
-                                        qk_scale, scale, SQ, SKV, WARPGROUP, True, CAUSAL, True)
+                                        qk_scale, scale, SQ, SKV, WARPGROUP, True, CAUSAL)
                 dk, dv, t = _dkdv_tiles(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty,
                                         dq_desc, stats_smem, dk, dv, t, b, hk * GROUP + g, split, hi, keys,
-                                        qk_scale, scale, SQ, SKV, WARPGROUP, False, CAUSAL, True)
+                                        qk_scale, scale, SQ, SKV, WARPGROUP, False, CAUSAL)
         else:  # one flat loop over all heads' tiles: nested loops spill more at D 128 (80 / 208 bytes, Triton 3.6)
             per_head = hi - lo
             for t in range(GROUP * per_head):
                 dk, dv = _dkdv_tile(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, ds_bar, ready, empty, dq_desc,
                                     stats_smem, dk, dv, t, b, hk * GROUP + t // per_head,
                                     (lo + t % per_head) * BM, keys, qk_scale, scale, SQ, SKV, WARPGROUP, True,
-                                    CAUSAL, False)
+                                    CAUSAL)
         # the other warpgroup's last dQ MMA reads this one's K tile
         mbarrier.arrive(ds_bar.index(2), count=1)
         mbarrier.wait(ds_bar.index(2), 0)
@@ -604,15 +603,19 @@ if gluon is not None:
 # first warpgroup runs through every key its last one sees, and fewer tiles share the diagonal's work.
 CONFIGS = {(64, False): (128, 4, False, 3), (64, True): (128, 4, False, 2), (128, False): (128, 3, True, 2),
            (128, True): (128, 3, True, 2)}
-# The backward: (Q/dO ring stages, dQ buffers a warpgroup writes in turn, masked tiles looped apart) per (head
-# dim, causal), the faster of those timed on the H100 (docs/backends/triton.md, docs/perf/backward_variants_ab.txt);
-# 64-row tiles, 2 x 64 keys a program. Each fits the 227 KB of shared memory an H100 block may have. Masking
-# only the tiles that need it was 13-24% faster at D 64 causal; at D 128 the consumers are at their 240
-# registers and the second copy of the tile's code spills (a runtime branch does too), up to 13% slower, so
-# every tile there is masked. D 128 unmasked: 2 stages and one dQ buffer were 3-6% faster than 3 and one.
-BWD_CONFIGS = {(64, False): (4, 2, True), (64, True): (4, 2, True), (128, False): (2, 1, False),
-               (128, True): (2, 2, False)}
-BWD_BLOCK = 64
+# The backward: (query rows a tile, Q/dO ring stages, dQ buffers a warpgroup writes in turn, masked tiles looped
+# apart) per (head dim, causal), the faster of those timed on the H100 (docs/backends/triton.md,
+# docs/perf/backward_variants_ab.txt); 2 x 64 keys (BWD_BLOCK_N) a program. Each fits the 227 KB of shared memory
+# an H100 block may have. D 64 takes 128-row tiles (FlashAttention-3's): its MMAs are small, so a tile's
+# barriers, dS hand-over and dQ add weigh less over twice the rows; 3-5% faster than 64 rows, with room for
+# two stages and one dQ buffer. D 128 keeps 64: S^T and dP^T of 128 rows would not fit the registers beside
+# dK and dV. Masking only the tiles that need it was faster at D 64 causal (2-3% with 16 KV heads at 128
+# rows); at D 128 the consumers are at their 240 registers and the second copy of the tile's code spills (a
+# runtime branch does too), up to 13% slower, so every tile there is masked, as at D 64 unmasked (where the
+# only mask is Skv's, 1-3% faster so). D 128 unmasked: 2 stages and one dQ buffer were 3-6% faster than 3 and one.
+BWD_CONFIGS = {(64, False): (128, 2, 1, False), (64, True): (128, 2, 1, True), (128, False): (64, 2, 1, False),
+               (128, True): (64, 2, 2, False)}
+BWD_BLOCK_N = 64
 # The most keys x head dim a row reads where the forward runs on a persistent grid (programs)
 PERSISTENT_MAX_WORK = 8192 * 128
 # Three warpgroups (two consumers, the loader's) share the register file: capped at 168 a thread overall,
@@ -816,13 +819,13 @@ class BwdPlan:
     def __init__(self, q, k, v, dout, dk_stride, dv_stride, causal):
         b, h, sq, d = q.shape
         hkv, skv = k.shape[1], k.shape[2]
-        descriptors = tuple(_template(t, stride, BWD_BLOCK) for t, stride in
-                            ((q, q.stride()), (k, k.stride()), (v, v.stride()), (dout, dout.stride()), (k, dk_stride),
-                             (v, dv_stride)))
+        block_m, stages, dq_buffers, split_mask = BWD_CONFIGS[d, causal]
         dq_sum = torch.empty(q.shape, dtype=torch.float32, device="meta")
-        descriptors += (_template(dq_sum, dq_sum.stride(), BWD_BLOCK, d // 2),)
-        stages, dq_buffers, split_mask = BWD_CONFIGS[d, causal]
-        blocks = triton.cdiv(skv, 2 * BWD_BLOCK)
+        descriptors = tuple(_template(t, stride, rows) for t, stride, rows in
+                            ((q, q.stride(), block_m), (k, k.stride(), BWD_BLOCK_N), (v, v.stride(), BWD_BLOCK_N),
+                             (dout, dout.stride(), block_m), (k, dk_stride, BWD_BLOCK_N), (v, dv_stride, BWD_BLOCK_N)))
+        descriptors += (_template(dq_sum, dq_sum.stride(), block_m, d // 2),)
+        blocks = triton.cdiv(skv, 2 * BWD_BLOCK_N)
         self.launch = Launch(_bwd_kernel, (blocks, b * hkv), 2, descriptors, CAUSAL=causal,
                              STAGES=stages, DQ_BUFFERS=dq_buffers, SPLIT_MASK=split_mask, num_warps=4,
                              maxnreg=MAXNREG)

@@ -7,8 +7,10 @@ The check compares each variant's gradients with float64 on the CHECKS cases (ba
 head dim 64 unmasked added). Rows: the best of max(3, variants) interleaved rounds of 10 calls back
 to back, each round in another order, as a ratio of cuDNN's time in the same row (above 1: faster).
 SEQS=4096,... chooses the sequence lengths (16k tokens: B = 16384 / S), DIMS=64,128 the head dims (of the
-check and the timing), CONFIGS=2/1,3/1 more variants of the working tree's kernel with those ring stages /
-dQ buffers (named s2b1, ...), BANDS=1,4,all more with a causal call's programs started in bands of that
+check and the timing), CONFIGS=2/1,128/2/1,128/2/1/0 more variants of the working tree's kernel: ring stages /
+dQ buffers, after a tile's query rows where three or four numbers are given, and then 1 to mask only the
+tiles that need it or 0 to mask every tile (named s2b1, m128s2b1, m128s2b1-all; the fields not given as
+BWD_CONFIGS has them), BANDS=1,4,all more with a causal call's programs started in bands of that
 many (batch, KV head) pairs or of all (named band1, band4, bandall), MASKS=causal or unmasked the timed
 cases (unset: both), ONLY=a,b the variants ("tl": the tl.* backward); TIMED=0: the check alone.
 """
@@ -23,10 +25,17 @@ from portable_ops.backends.triton import _sm90_before as old
 from portable_ops.bench.backward_ab import _inputs as inputs
 from portable_ops.bench.common import steady_ms, table, device_info
 
-# name: (module, constexpr overrides; STAGES / DQ_BUFFERS replace the config's)
+# name: (module, overrides of BWD_CONFIGS' fields: BLOCK_M, STAGES, DQ_BUFFERS, SPLIT_MASK)
 VARIANTS = {"before": (old, {}), "now": (new, {}), "now split": (new, {"SPLIT_MASK": True}), "tl": None}
-VARIANTS.update({f"s{s}b{b}": (new, {"STAGES": s, "DQ_BUFFERS": b})
-                 for s, b in (tuple(map(int, x.split("/"))) for x in filter(None, os.environ.get("CONFIGS", "").split(",")))})
+for _c in filter(None, os.environ.get("CONFIGS", "").split(",")):
+    _n = tuple(map(int, _c.split("/")))
+    if len(_n) == 2:  # stages / buffers
+        _n = (None, *_n)
+    if len(_n) not in (3, 4) or len(_n) == 4 and _n[3] not in (0, 1):
+        raise SystemExit(f"CONFIGS: {_c!r} is not stages/buffers or rows/stages/buffers[/split 0 or 1]")
+    _fields = {k: v for k, v in zip(("BLOCK_M", "STAGES", "DQ_BUFFERS", "SPLIT_MASK"), _n) if v is not None}
+    _name = (f"m{_n[0]}" if _n[0] else "") + f"s{_n[1]}b{_n[2]}" + ("" if len(_n) == 3 else ("-all", "-split")[_n[3]])
+    VARIANTS[_name] = (new, {k: bool(v) if k == "SPLIT_MASK" else v for k, v in _fields.items()})
 # BANDS=1,4,all: the working tree's kernel with a causal call's programs started in bands of that many
 # (batch, KV head) pairs, or of all of them (named band1, band4, bandall); unmasked calls keep band()'s one
 BANDS = {}
@@ -35,8 +44,6 @@ for _b in filter(None, (b.strip() for b in os.environ.get("BANDS", "").split(","
         raise SystemExit(f"BANDS: {_b!r} is not a whole number of pairs >= 1 or 'all'")
     VARIANTS[f"band{_b}"] = (new, {})
     BANDS[f"band{_b}"] = _b
-for _mod in (old, new):  # head dim 64 unmasked takes the tl.* backward: the causal config here
-    _mod.BWD_CONFIGS.setdefault((64, False), _mod.BWD_CONFIGS[64, True])
 KERNELS = {mod: (mod.BwdPlan, mod.backward, mod.supports_backward) for mod in (old, new)}  # before bwd() patches new's
 ONLY = [v.strip() for v in os.environ.get("ONLY", "").split(",") if v.strip()]
 if set(ONLY) - set(VARIANTS):
@@ -60,15 +67,21 @@ def bwd(variant, q, k, v, out, lse, dout, causal, scale):
     else:
         mod, consts = VARIANTS[variant]
 
-        def plan(*args):
-            p = KERNELS[mod][0](*args)
-            p.launch.options = {**p.launch.options, **consts}
+        def plan(q, *args):
+            key = (q.shape[-1], args[-1])
+            saved = mod.BWD_CONFIGS[key]
+            fields = dict(zip(("BLOCK_M", "STAGES", "DQ_BUFFERS", "SPLIT_MASK"), saved), **consts)
+            mod.BWD_CONFIGS[key] = tuple(fields.values())
+            try:
+                p = KERNELS[mod][0](q, *args)
+            finally:
+                mod.BWD_CONFIGS[key] = saved
             if variant in BANDS and causal:
                 pairs = p.launch.grid[1]
                 p.args = (*p.args[:-1], pairs if BANDS[variant] == "all" else min(int(BANDS[variant]), pairs))
             return p
         kernels = (plan, KERNELS[mod][1])
-        supports = lambda *a, **kw: [r for r in KERNELS[new][2](*a, **kw) if "head dim 64 without" not in r]
+        supports = KERNELS[new][2]
 
     def call():
         saved = attention._bwd_plans, new.BwdPlan, new.backward, new.supports_backward
