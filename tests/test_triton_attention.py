@@ -95,6 +95,10 @@ ON_SM90 = DEVICE.type == "cuda" and not sm90.supports(*_inputs(1, 1, 1, 128, 128
     (24, 8, 8, 1000, 1000, 128, False, False, torch.float16, None),
     (300, 4, 4, 130, 130, 128, False, True, torch.bfloat16, None),
     (30, 8, 4, 700, 700, 128, True, True, torch.bfloat16, None),  # causal: tiles of every weight, taken as freed
+    # D 256 (64-key tiles, O through Q; the backward is the tl.* one): ragged, GQA, bottom-right causal, persistent
+    (2, 4, 2, 300, 333, 256, True, True, torch.bfloat16, None),
+    (1, 2, 2, 200, 1000, 256, False, False, torch.float16, -0.3),
+    (40, 4, 4, 130, 130, 256, False, True, torch.bfloat16, None),
 ])
 def test_hopper_forward_against_float64(b, hq, hkv, sq, skv, d, causal, heads_inner, dtype, scale):
     q, k, v = _inputs(b, hq, hkv, sq, skv, d, dtype, heads_inner=heads_inner)
@@ -104,8 +108,8 @@ def test_hopper_forward_against_float64(b, hq, hkv, sq, skv, d, causal, heads_in
     # every launch's last program has set its stream's work-tile counter back for the next launch
     assert all(not counter.any() for counter in sm90._TILE_COUNTERS.values())
     backward = next(p for key, p in attn._bwd_plans.items() if key[:2] == (q.shape, q.stride()))
-    # and its backward too
-    assert backward.hopper is not None
+    # and its backward too, at the head dims the Hopper backward takes
+    assert (backward.hopper is not None) == (d in sm90.BWD_HEAD_DIMS)
 
 
 @pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU and a Triton with Gluon (the Hopper forward)")
@@ -236,13 +240,17 @@ def test_hopper_forward_declines_with_reasons():
     if sm90.gluon is None:
         assert reasons == "this Triton has no Gluon | " * 4 + "this Triton has no Gluon"
         return
-    for reason in ("only float16/bfloat16", "head_dim 16 is not one of (64, 128)", "k is broadcast",
+    for reason in ("only float16/bfloat16", "head_dim 16 is not one of (64, 128, 256)", "k is broadcast",
                    "causal with Sq > Skv", "q's strides or base are not 16-byte aligned"):
         assert reason in reasons, reasons
     if DEVICE.type == "cpu":
         assert "not an sm_90 GPU" in reasons
-    for causal in (False, True):  # every head dim and mask the forward takes, the backward takes too
+    for causal in (False, True):  # every mask the forward takes at D 64, the backward takes too
         assert not any("faster" in r for r in sm90.supports_backward(q, k, v, q, causal, (stride,) * 3))
+    wide = _inputs(1, 2, 2, 128, 128, 256, torch.bfloat16)  # the forward's alone
+    assert not any("head_dim" in r for r in sm90.supports(*wide, True, layout.strides_like(wide[0])))
+    assert any("head_dim 256: the Hopper backward takes (64, 128)" in r
+               for r in sm90.supports_backward(*wide, wide[0], True, (layout.strides_like(wide[0]),) * 3))
     backward = " | ".join(sm90.supports_backward(q, k, v, q.float(), True, (stride,) * 3) +
                           sm90.supports_backward(q, k, v, q[:, :1].expand(q.shape), True, (stride,) * 3))
     for reason in ("dout has dtype torch.float32", "dout is broadcast"):

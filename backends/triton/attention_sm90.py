@@ -45,7 +45,8 @@ try:
 except ImportError:  # a Triton without Gluon: the tl.* kernels take every call
     gluon = None
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)  # the forward's
+BWD_HEAD_DIMS = (64, 128)  # dK and dV of 64 keys at D 256 would take 256 float32 registers a thread
 WARPGROUP_ROWS = 64  # query rows a consumer warpgroup of the forward takes
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -601,8 +602,10 @@ if gluon is not None:
 # H100 (docs/perf/forward_config_sweep_d64.txt): each K/V tile feeds 50% more rows (FlashAttention-3's
 # D 64 tile). Under a causal mask they were 2.4x slower at 1k and level only from 8k: a 192-row tile's
 # first warpgroup runs through every key its last one sees, and fewer tiles share the diagonal's work.
+# D 256: 64-key tiles in two stages, O out through Q, the one config that fits (O alone is 128 float32
+# registers a consumer thread; 128-key tiles spill 408 bytes, three stages take 256 KB of shared memory).
 CONFIGS = {(64, False): (128, 4, False, 3), (64, True): (128, 4, False, 2), (128, False): (128, 3, True, 2),
-           (128, True): (128, 3, True, 2)}
+           (128, True): (128, 3, True, 2), (256, False): (64, 2, True, 2), (256, True): (64, 2, True, 2)}
 # The backward: (query rows a tile, Q/dO ring stages, dQ buffers a warpgroup writes in turn, masked tiles looped
 # apart) per (head dim, causal), the faster of those timed on the H100 (docs/backends/triton.md,
 # docs/perf/backward_variants_ab.txt); 2 x 64 keys (BWD_BLOCK_N) a program. Each fits the 227 KB of shared memory
@@ -859,6 +862,8 @@ def backward(plan, q, k, v, dout, lse, delta, dq_sum, dk, dv, scale):
 def supports_backward(q, k, v, dout, causal, strides, window=None, softcap=None):
     """Why the Hopper backward can't take this call (empty: it can); ``strides``: dq's, dk's, dv's."""
     reasons = supports(q, k, v, causal, strides[0], window, softcap)
+    if q.shape[-1] not in BWD_HEAD_DIMS:
+        reasons.append(f"head_dim {q.shape[-1]}: the Hopper backward takes {BWD_HEAD_DIMS} (the tl.* one the rest)")
     if torch.are_deterministic_algorithms_enabled():
         reasons.append("torch.use_deterministic_algorithms is on: dQ is summed with float32 reduce-adds in no fixed "
                        "order (the tl.* backward's dQ pass is deterministic)")
