@@ -423,7 +423,8 @@ if gluon is not None:
         lse = stats_smem.index(2 * slot).load(gl.SliceLayout(0, s_layout))
         if MASK:
             # rows past Sq need no mask (_dkdv); under a causal mask with Sq <= Skv no other row sees a key
-            # past Skv, so the causal term alone (2-8% faster at D 128, 0-4% at D 64: docs/perf/backward_mask_ab.txt)
+            # past Skv, so the causal term alone (2-8% faster at D 128, docs/perf/backward_mask_ab.txt; at D 64 the short
+            # masks were 0-4% faster: docs/perf/backward_tile_rows_ab.txt)
             if CAUSAL:
                 visible = keys[:, None] <= rows[None, :] + (SKV - SQ)
             elif D == 128:  # the rows' term, redundant, was 1-2% faster at D 128 (and 1-3% slower at D 64)
@@ -603,16 +604,17 @@ if gluon is not None:
 # D 64 tile). Under a causal mask they were 2.4x slower at 1k and level only from 8k: a 192-row tile's
 # first warpgroup runs through every key its last one sees, and fewer tiles share the diagonal's work.
 # D 256: 64-key tiles in two stages, O out through Q, the one config that fits (O alone is 128 float32
-# registers a consumer thread; 128-key tiles spill 408 bytes, three stages take 256 KB of shared memory).
+# registers a consumer thread; 128-key tiles fit one stage only and spill 408 bytes there, three stages of
+# 64 keys take 256 KB of shared memory).
 CONFIGS = {(64, False): (128, 4, False, 3), (64, True): (128, 4, False, 2), (128, False): (128, 3, True, 2),
            (128, True): (128, 3, True, 2), (256, False): (64, 2, True, 2), (256, True): (64, 2, True, 2)}
 # The backward: (query rows a tile, Q/dO ring stages, dQ buffers a warpgroup writes in turn, masked tiles looped
 # apart) per (head dim, causal), the faster of those timed on the H100 (docs/backends/triton.md,
 # docs/perf/backward_variants_ab.txt); 2 x 64 keys (BWD_BLOCK_N) a program. Each fits the 227 KB of shared memory
 # an H100 block may have. D 64 takes 128-row tiles (FlashAttention-3's): its MMAs are small, so a tile's
-# barriers, dS hand-over and dQ add weigh less over twice the rows; 3-5% faster than 64 rows, with room for
+# barriers, dS hand-over and dQ add weigh less over twice the rows; 3-10% faster than 64 rows, with room for
 # two stages and one dQ buffer. D 128 keeps 64: S^T and dP^T of 128 rows would not fit the registers beside
-# dK and dV. Masking only the tiles that need it was faster at D 64 causal (2-3% with 16 KV heads at 128
+# dK and dV. Masking only the tiles that need it was faster at D 64 causal (2-4% with 16 KV heads at 128
 # rows); at D 128 the consumers are at their 240 registers and the second copy of the tile's code spills (a
 # runtime branch does too), up to 13% slower, so every tile there is masked, as at D 64 unmasked (where the
 # only mask is Skv's, 1-3% faster so). D 128 unmasked: 2 stages and one dQ buffer were 3-6% faster than 3 and one.

@@ -28,11 +28,14 @@ from portable_ops.bench.common import steady_ms, table, device_info
 # name: (module, overrides of BWD_CONFIGS' fields: BLOCK_M, STAGES, DQ_BUFFERS, SPLIT_MASK)
 VARIANTS = {"before": (old, {}), "now": (new, {}), "now split": (new, {"SPLIT_MASK": True}), "tl": None}
 for _c in filter(None, os.environ.get("CONFIGS", "").split(",")):
-    _n = tuple(map(int, _c.split("/")))
+    _parts = _c.split("/")
+    _n = tuple(map(int, _parts)) if all(x.isdigit() for x in _parts) else ()
     if len(_n) == 2:  # stages / buffers
         _n = (None, *_n)
-    if len(_n) not in (3, 4) or len(_n) == 4 and _n[3] not in (0, 1):
-        raise SystemExit(f"CONFIGS: {_c!r} is not stages/buffers or rows/stages/buffers[/split 0 or 1]")
+    if (len(_n) not in (3, 4) or _n[0] not in (None, 64, 128) or 0 in _n[1:3]
+            or len(_n) == 4 and _n[3] not in (0, 1)):
+        raise SystemExit(f"CONFIGS: {_c!r} is not stages/buffers or rows (64 or 128)/stages/buffers[/split 0 or 1], "
+                         "whole numbers, stages and buffers >= 1")
     _fields = {k: v for k, v in zip(("BLOCK_M", "STAGES", "DQ_BUFFERS", "SPLIT_MASK"), _n) if v is not None}
     _name = (f"m{_n[0]}" if _n[0] else "") + f"s{_n[1]}b{_n[2]}" + ("" if len(_n) == 3 else ("-all", "-split")[_n[3]])
     VARIANTS[_name] = (new, {k: bool(v) if k == "SPLIT_MASK" else v for k, v in _fields.items()})
