@@ -242,6 +242,7 @@ else:
     import pytest
 
     triton = pytest.importorskip("triton")
+    from portable_ops.backends.triton.launch import TRITON_RELEASE
 
     # Stack bytes that kernels already spill, per Triton release (docs/backends/triton.md, "Spills"): 3.9,
     # CI's, and 3.6, the H100's, which alone times them. The tl.* dK/dV kernel at every width (at D 128 with
@@ -259,7 +260,7 @@ else:
         (3, 6): {("dkdv", 40): 504, ("dkdv", 80): 1088, ("dkdv", 128): 1520, ("dkdv", 192): 912, ("dq", 128): 8,
                  ("bwd_sm90", 64, "unmasked"): 48, ("bwd_sm90", 64, "causal"): 80, ("fwd_sm90", 64, 3): 8,
                  ("fwd_sm90", 256, "causal"): 16},
-    }.get(tuple(int(part) for part in triton.__version__.split(".")[:2]))
+    }.get(TRITON_RELEASE)
 
     def _spills_within_known(row) -> bool:
         """Within what SPILLS_KNOWN records for the row's kernel and head dim, or, where it records them

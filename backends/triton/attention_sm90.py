@@ -423,8 +423,8 @@ if gluon is not None:
         lse = stats_smem.index(2 * slot).load(gl.SliceLayout(0, s_layout))
         if MASK:
             # rows past Sq need no mask (_dkdv); under a causal mask with Sq <= Skv no other row sees a key
-            # past Skv, so the causal term alone (2-8% faster at D 128, docs/perf/backward_mask_ab.txt; at D 64 the short
-            # masks were 0-4% faster: docs/perf/backward_tile_rows_ab.txt)
+            # past Skv, so the causal term alone (2-8% faster at D 128, docs/perf/backward_mask_ab.txt; at D 64
+            # the short masks were 0-4% faster: docs/perf/backward_tile_rows_ab.txt)
             if CAUSAL:
                 visible = keys[:, None] <= rows[None, :] + (SKV - SQ)
             elif D == 128:  # the rows' term, redundant, was 1-2% faster at D 128 (and 1-3% slower at D 64)

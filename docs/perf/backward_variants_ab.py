@@ -25,7 +25,8 @@ from portable_ops.backends.triton import _sm90_before as old
 from portable_ops.bench.backward_ab import _inputs as inputs
 from portable_ops.bench.common import steady_ms, table, device_info
 
-# name: (module, overrides of BWD_CONFIGS' fields: BLOCK_M, STAGES, DQ_BUFFERS, SPLIT_MASK)
+# name: (module, overrides of BWD_CONFIGS' fields)
+FIELDS = ("BLOCK_M", "STAGES", "DQ_BUFFERS", "SPLIT_MASK")
 VARIANTS = {"before": (old, {}), "now": (new, {}), "now split": (new, {"SPLIT_MASK": True}), "tl": None}
 for _c in filter(None, os.environ.get("CONFIGS", "").split(",")):
     _parts = _c.split("/")
@@ -36,7 +37,7 @@ for _c in filter(None, os.environ.get("CONFIGS", "").split(",")):
             or len(_n) == 4 and _n[3] not in (0, 1)):
         raise SystemExit(f"CONFIGS: {_c!r} is not stages/buffers or rows (64 or 128)/stages/buffers[/split 0 or 1], "
                          "whole numbers, stages and buffers >= 1")
-    _fields = {k: v for k, v in zip(("BLOCK_M", "STAGES", "DQ_BUFFERS", "SPLIT_MASK"), _n) if v is not None}
+    _fields = {k: v for k, v in zip(FIELDS, _n) if v is not None}
     _name = (f"m{_n[0]}" if _n[0] else "") + f"s{_n[1]}b{_n[2]}" + ("" if len(_n) == 3 else ("-all", "-split")[_n[3]])
     VARIANTS[_name] = (new, {k: bool(v) if k == "SPLIT_MASK" else v for k, v in _fields.items()})
 # BANDS=1,4,all: the working tree's kernel with a causal call's programs started in bands of that many
@@ -73,7 +74,7 @@ def bwd(variant, q, k, v, out, lse, dout, causal, scale):
         def plan(q, *args):
             key = (q.shape[-1], args[-1])
             saved = mod.BWD_CONFIGS[key]
-            fields = dict(zip(("BLOCK_M", "STAGES", "DQ_BUFFERS", "SPLIT_MASK"), saved), **consts)
+            fields = dict(zip(FIELDS, saved), **consts)
             mod.BWD_CONFIGS[key] = tuple(fields.values())
             try:
                 p = KERNELS[mod][0](q, *args)
