@@ -78,6 +78,7 @@ def whole() -> list[str]:
 def layers(b, cache) -> list[str]:
     api = importlib.import_module("portable_ops.attention")
     backend = importlib.import_module("portable_ops.backends.triton.attention")
+    launch = importlib.import_module("portable_ops.backends.triton.launch")
     from triton.runtime import driver
 
     q, k, v = _inputs(b, cache)
@@ -93,15 +94,28 @@ def layers(b, cache) -> list[str]:
                           dtype=torch.float32 if split else q.dtype)
         lse = torch.empty((plan.splits, b, heads, 1) if split else (b, heads, 1), device="cuda", dtype=torch.float32)
         args = (q, k, v, out, lse, q, q, q, q, *plan.args, *floats, plan.keys_per_split)
+        key = api._memo_key(q, k, v, True, None, None, None)
+        memoised = api._memoised(key)
+        fwd, compiled = plan.fwd, next(iter(plan.fwd.compiled.values()))
+        pointers = [t.data_ptr() for t in args[:fwd.tensors]]
+        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        entry_args = (*fwd.grid, stream, compiled.kernel.function, *compiled.flags, *pointers, *args[fwd.tensors:],
+                      *fwd.tail)
         rows = {
             "portable_ops.attention": lambda: portable_ops.attention(q, k, v, causal=True),
+            "  the memo's key": lambda: api._memo_key(q, k, v, True, None, None, None),
+            "  the memoised call (after the key)": lambda: memoised(q, k, v),
             "  api.forward (checked, not memoised)": lambda: api.forward(q, k, v, True, scale),
             "    backend attention_fwd (after dispatch)": lambda: backend.attention_fwd(q, k, v, causal=True,
                                                                                        scale=scale),
             "      backend _forward (after the plan key)": lambda: backend._forward(plan, q, k, v, scale, None,
                                                                                    (q, q, q, q)),
             f"        fwd launch, {plan.splits} split(s)": lambda: plan.fwd(*args),
+            "          the launch's checks (_through_triton)": lambda: launch._through_triton(fwd.kernel),
+            "          the launcher's C entry point alone": lambda: compiled.entry(*entry_args),
             "        torch.empty": lambda: torch.empty((b, heads, 1), dtype=torch.float32, device=q.device),
+            "        torch.empty_strided": lambda: torch.empty_strided(q.shape, plan.out_stride, dtype=q.dtype,
+                                                                    device=q.device),
             "        get_current_device + get_current_stream": lambda: driver.active.get_current_stream(
                 driver.active.get_current_device()),
         }

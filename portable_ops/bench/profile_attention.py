@@ -1,8 +1,8 @@
 """Workloads to profile the attention kernels (GPU).
 
-``python -m portable_ops.bench.profile_attention ncu`` runs one forward + backward of
-portable_ops (triton) and of SDPA's cuDNN backend at D=128, S=4096, B=4, 16 heads, bf16, inside a
-cudaProfilerStart/Stop range, for Nsight Compute::
+``python -m portable_ops.bench.profile_attention ncu [D S [causal]]`` runs one forward + backward of
+portable_ops (triton) and of SDPA's cuDNN backend at head dim D, sequence S (defaults 128, 4096), 16k
+tokens per batch (B = 16384 / S), 16 heads, bf16, inside a cudaProfilerStart/Stop range, for Nsight Compute::
 
     PORTABLE_OPS_AUTOTUNE=0 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \\
         --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \\
@@ -46,15 +46,15 @@ def host_profile(calls: int = 500) -> str:
     return out.getvalue()
 
 
-def kernels_under_profiler(b=4, h=16, s=4096, d=128) -> None:
+def kernels_under_profiler(b=4, h=16, s=4096, d=128, causal=False) -> None:
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
 
     def cudnn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    variants = (lambda: portable_ops.attention(q, k, v), cudnn)
+    variants = (lambda: portable_ops.attention(q, k, v, causal=causal), cudnn)
     for fn in variants:  # compile outside the profiled range
         torch.autograd.grad(fn(), (q, k, v), dout)
     torch.cuda.synchronize()
@@ -68,7 +68,8 @@ def kernels_under_profiler(b=4, h=16, s=4096, d=128) -> None:
 if __name__ == "__main__":
     if sys.argv[1:] == ["host"]:
         print(host_profile())
-    elif sys.argv[1:] == ["ncu"]:
-        kernels_under_profiler()
+    elif sys.argv[1:2] == ["ncu"] and len(sys.argv) in (2, 4, 5) and sys.argv[4:] in ([], ["causal"]):
+        d, s = (int(a) for a in sys.argv[2:4]) if len(sys.argv) > 2 else (128, 4096)
+        kernels_under_profiler(b=max(16384 // s, 1), s=s, d=d, causal=sys.argv[4:] == ["causal"])
     else:
         sys.exit(__doc__)
