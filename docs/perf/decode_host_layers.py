@@ -99,8 +99,7 @@ def layers(b, cache) -> list[str]:
         fwd, compiled = plan.fwd, next(iter(plan.fwd.compiled.values()))
         pointers = [t.data_ptr() for t in args[:fwd.tensors]]
         stream = driver.active.get_current_stream(driver.active.get_current_device())
-        entry_args = (*fwd.grid, stream, compiled.kernel.function, *compiled.flags, *pointers, *args[fwd.tensors:],
-                      *fwd.tail)
+        entry_args = (*fwd.grid, stream, *compiled.head, *pointers, *args[fwd.tensors:], *fwd.tail)
         rows = {
             "portable_ops.attention": lambda: portable_ops.attention(q, k, v, causal=True),
             "  the memo's key": lambda: api._memo_key(q, k, v, True, None, None, None),
