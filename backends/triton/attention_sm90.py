@@ -210,10 +210,13 @@ if gluon is not None:
         return bh // H, bh % H, m0, full, gl.cdiv(hi, BLOCK_N)
 
     @gluon.jit
-    def _attend(q_tile, k_smem, v_smem, o_smem, o_desc, ready, empty, turn, lse_ptr, qk_scale, b, h, m0, SQ, SKV, full,
-                n_blocks, count, WARPGROUP: gl.constexpr, CAUSAL: gl.constexpr, NEGATIVE_SCALE: gl.constexpr):
+    def _attend(q_tile, k_smem, v_smem, o_smem, o_desc, ready, empty, turn, q_free, lse_ptr, qk_scale, b, h, m0, SQ,
+                SKV, full, n_blocks, count, WARPGROUP: gl.constexpr, CAUSAL: gl.constexpr,
+                NEGATIVE_SCALE: gl.constexpr, O_THROUGH_Q: gl.constexpr):
         """One consumer warpgroup on one work tile: 64 query rows against its K/V tiles, the first at ring
-        position ``count``, then those rows of O (through ``o_smem``) and lse."""
+        position ``count``, then those rows of O (through ``o_smem``) and lse. Unless O goes out through Q's
+        tile, ``q_free`` is arrived on once the last S is computed, so that the next work tile's Q loads
+        while this one's last P V and its epilogue run."""
         BLOCK_N: gl.constexpr = k_smem.shape[3]
         D: gl.constexpr = k_smem.shape[4]
         BM: gl.constexpr = q_tile.shape[0]
@@ -244,6 +247,8 @@ if gluon is not None:
         p, o, m_i, l_i = _consume(q_tile, k_smem, v_smem, ready, empty, turn, p, o, m_i, l_i, unmasked, n_blocks,
                                   count, qk_scale, rows, SKV, diagonal, WARPGROUP, True, CAUSAL, NEGATIVE_SCALE,
                                   s_layout, o_layout)
+        if not O_THROUGH_Q:
+            mbarrier.arrive(q_free, count=1)  # every S MMA has been waited for: Q's tile is read no more
         last = (count + n_blocks - 1) % STAGES
         o = warpgroup_mma(p, _tile(v_smem, last, BLOCK_N, D), o)
         mbarrier.arrive(empty.index(last), count=1)
@@ -275,12 +280,12 @@ if gluon is not None:
         while tile < n_m * BH:
             b, h, m0, full, n_blocks = _work(tile, n_m, H, SQ, SKV, CONSUMERS * BM, BLOCK_N, CAUSAL)
             mbarrier.wait(q_ready.index(WARPGROUP), i & 1)
-            _attend(q_tile, k_smem, v_smem, o_smem.index(WARPGROUP), o_desc, ready, empty, turn,
+            _attend(q_tile, k_smem, v_smem, o_smem.index(WARPGROUP), o_desc, ready, empty, turn, q_empty.index(WARPGROUP),
                     lse_ptr + (b * H + h).to(gl.int64) * SQ, qk_scale, b, h, m0 + WARPGROUP * BM, SQ, SKV, full,
-                    n_blocks, count, WARPGROUP, CAUSAL, NEGATIVE_SCALE)
+                    n_blocks, count, WARPGROUP, CAUSAL, NEGATIVE_SCALE, O_THROUGH_Q)
             if O_THROUGH_Q:
                 tma.store_wait(0)
-            mbarrier.arrive(q_empty.index(WARPGROUP), count=1)  # its last S has been computed: Q may be reloaded
+                mbarrier.arrive(q_empty.index(WARPGROUP), count=1)  # its rows of O have left Q's tile: Q may be reloaded
             count += n_blocks
             i += 1
             tile = _next_tile(tiles, tile_ready, tile_empty, i, 4)
@@ -303,11 +308,12 @@ if gluon is not None:
 
     @gluon.jit
     def _fwd_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, tiles, tile_ready,
-                    tile_empty, counter, n_m, BH, H, GROUP, SQ, SKV, CAUSAL: gl.constexpr):
+                    tile_empty, counter, n_m, BH, H, GROUP, SQ, SKV, CAUSAL: gl.constexpr, O_THROUGH_Q: gl.constexpr):
         """Every work tile's Q (a 64-row part a consumer, each reloaded once its warpgroup is done with the last)
         and K/V tiles, in the consumers' order. The first tile's Q goes first; a later tile's, which waits
-        for the consumers to finish the tile before, after its first K/V tiles, so that the ring fills
-        for it meanwhile.
+        for the consumers to be done with the tile before, after its first K/V tiles, so that the ring
+        fills for it meanwhile. Where the consumers free Q after their last S, that is one tile fewer than
+        the ring holds: the last slot is freed only after their last P V, and the Q load would wait for it.
 
         Program ``p`` takes tile ``p`` first; after that each next tile is whichever is next in order
         when it asks (``counter[0]``, an atomic add), so that programs that drew light tiles (a causal
@@ -317,13 +323,14 @@ if gluon is not None:
         CONSUMERS: gl.constexpr = q_smem.shape[0]
         BM: gl.constexpr = CONSUMERS * q_smem.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        KV_BEFORE_Q: gl.constexpr = STAGES if O_THROUGH_Q else STAGES - 1
         count = 0
         i = 0
         tile = gl.program_id(0)
         while tile < n_m * BH:
             _hand_out(tiles, tile_ready, tile_empty, i, tile)
             b, h, m0, full, n_blocks = _work(tile, n_m, H, SQ, SKV, BM, BLOCK_N, CAUSAL)
-            early = gl.minimum(n_blocks, STAGES) * (i > 0).to(gl.int32)
+            early = gl.minimum(n_blocks, KV_BEFORE_Q) * (i > 0).to(gl.int32)
             count = _stream(k_desc, v_desc, k_smem, v_smem, ready, empty, b, h // GROUP, 1, 0, early, count)
             for part in gl.static_range(CONSUMERS):
                 mbarrier.wait(q_empty.index(part), (i & 1) ^ 1)
@@ -382,7 +389,7 @@ if gluon is not None:
         shared = (q_desc, o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, ready, empty, turn, tiles,
                   tile_ready, tile_empty, lse_ptr, qk_scale, n_m, BH, H, SQ, SKV)
         loader = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, ready, empty, tiles, tile_ready,
-                  tile_empty, counter, n_m, BH, H, GROUP, SQ, SKV, CAUSAL)
+                  tile_empty, counter, n_m, BH, H, GROUP, SQ, SKV, CAUSAL, O_THROUGH_Q)
         # the consumers' and the loader's registers (setmaxnreg) within the register file: FWD_MAXNREG
         gl.static_assert(CONSUMERS == 2 or CONSUMERS == 3, "two or three consumer warpgroups")
         if CONSUMERS == 2:

@@ -11,7 +11,7 @@ the earlier form's, bit for bit, and across both grids. forward_persistent_ab.tx
 form at 6a87e4b, whose variants were that old module, per tile, and the persistent grid with a static
 split (program p taking tiles p, p + 132, ...). Rows: the best of max(3, variants) interleaved rounds of 10
 calls back to back (steady), as a ratio of cuDNN timed in the same row. TIMED=0: the check alone;
-CHECK=0: the timing alone.
+CHECK=0: the timing alone; SEQS=2048,4096 and DIMS=64 choose the timed lengths and head dims.
 """
 import math, os, sys, time
 import torch
@@ -116,7 +116,8 @@ if __name__ == "__main__":
     print("check s", time.time() - t0, flush=True)
     if os.environ.get("TIMED", "1") != "1":
         raise SystemExit(0)
-    rows = timed([1024, 2048, 4096, 8192, 16384, 32768], [128, 64])
+    seqs = [int(x) for x in os.environ.get("SEQS", "1024,2048,4096,8192,16384,32768").split(",")]
+    rows = timed(seqs, [int(x) for x in os.environ.get("DIMS", "128,64").split(",")])
     print("ratios against cuDNN; cudnn column in TFLOP/s")
     print(table(rows, ["D", "S", "causal", "Hkv", "cudnn", *list(rows[0])[4:-1]]))
     print(device_info())
