@@ -79,7 +79,6 @@ def layers(b, cache) -> list[str]:
     api = importlib.import_module("portable_ops.attention")
     backend = importlib.import_module("portable_ops.backends.triton.attention")
     launch = importlib.import_module("portable_ops.backends.triton.launch")
-    from triton.runtime import driver
 
     q, k, v = _inputs(b, cache)
     d, heads, scale = q.shape[-1], q.shape[1], q.shape[-1] ** -0.5
@@ -98,7 +97,7 @@ def layers(b, cache) -> list[str]:
         memoised = api._memoised(key)
         fwd, compiled = plan.fwd, next(iter(plan.fwd.compiled.values()))
         pointers = [t.data_ptr() for t in args[:fwd.tensors]]
-        stream = driver.active.get_current_stream(driver.active.get_current_device())
+        stream = launch._current_stream(launch._current_device())
         entry_args = (*fwd.grid, stream, *compiled.head, *pointers, *args[fwd.tensors:], *fwd.tail)
         rows = {
             "portable_ops.attention": lambda: portable_ops.attention(q, k, v, causal=True),
@@ -115,8 +114,8 @@ def layers(b, cache) -> list[str]:
             "        torch.empty": lambda: torch.empty((b, heads, 1), dtype=torch.float32, device=q.device),
             "        torch.empty_strided": lambda: torch.empty_strided(q.shape, plan.out_stride, dtype=q.dtype,
                                                                     device=q.device),
-            "        get_current_device + get_current_stream": lambda: driver.active.get_current_stream(
-                driver.active.get_current_device()),
+            "        the current device and stream (as a launch gets them)": lambda: launch._current_stream(
+                launch._current_device()),
         }
         if split:
             final, final_lse = torch.empty_like(q), torch.empty((b, heads, 1), device="cuda", dtype=torch.float32)
