@@ -2,6 +2,9 @@
 not a measurement) and its two stacks compute the same training."""
 
 import json
+import math
+
+import torch
 
 from portable_ops.bench import train
 
@@ -18,14 +21,24 @@ def test_train_benchmark_protocol_on_a_toy_shape(tmp_path):
         assert r["tokens/s"] > 0 and len(r["losses"]) == train.WARMUP_STEPS + 2
         phases = [r[f"host {phase} ms"] for phase in train.PHASES]
         assert all(ms >= 0 for ms in phases) and r["host forward ms"] > 0 and r["host backward ms"] > 0
-        # medians of each phase: their sum is near the median step, not equal to it
-        assert 0.5 * r["host ms/step"] < sum(phases) < 2 * r["host ms/step"]
+        # medians of each phase over 3 steps: no bound ties their sum to the median step (a host busy with
+        # other work slows a different phase of each step), so the sum is checked per step below
         assert (r["vs torch"] == 1.0) == (r["stack"] == "torch")
     assert [len(r["losses"]) for r in result["noise runs"]] == [train.WARMUP_STEPS + 2]
     assert all(row["agree"] for row in result["losses"]), result["losses"]
     assert {h["stack"] for h in result["attention host"]} == set(train.STACKS)
     text = train.report(result, {"device": "cpu"}, tmp_path)
     assert "vs torch" in text and json.loads((tmp_path / "train.json").read_text())["rows"]["runs"]
+
+
+def test_host_phases_of_one_step_add_up_to_the_step():
+    name = next(iter(train.SHAPES))
+    run = train.Run(train.tiny(train.SHAPES[name]), "portable_ops", "eager", torch.device("cpu"), steps=2)
+    run.step()
+    times = train.step_host_ms(run, 1)  # one step: each median is that step's own time
+    phases = [times[f"host {phase} ms"] for phase in train.PHASES]
+    assert all(ms >= 0 for ms in phases) and times["host forward ms"] > 0
+    assert math.isclose(sum(phases), times["host ms/step"], rel_tol=1e-9, abs_tol=1e-9)
 
 
 def test_train_shapes_option_picks_by_number_or_name_and_rejects_others(capsys):
