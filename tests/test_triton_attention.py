@@ -95,6 +95,12 @@ ON_SM90 = DEVICE.type == "cuda" and not sm90.supports(*_inputs(1, 1, 1, 128, 128
     (24, 8, 8, 1000, 1000, 128, False, False, torch.float16, None),
     (300, 4, 4, 130, 130, 128, False, True, torch.bfloat16, None),
     (30, 8, 4, 700, 700, 128, True, True, torch.bfloat16, None),  # causal: tiles of every weight, taken as freed
+    # D 64, each program taking many work tiles, so each Q tile is freed after its last S and reloaded: causal
+    # (tiles of one to five key tiles, the first with none unmasked); one key tile a work tile (both loops of
+    # the consumer empty); every key tile unmasked
+    (24, 8, 2, 520, 520, 64, True, True, torch.bfloat16, None),
+    (64, 8, 2, 200, 128, 64, False, True, torch.bfloat16, None),
+    (40, 8, 2, 256, 256, 64, False, True, torch.bfloat16, None),
     # D 256 (64-key tiles, O through Q; the backward is the tl.* one): ragged, GQA, bottom-right causal, persistent
     (2, 4, 2, 300, 333, 256, True, True, torch.bfloat16, None),
     (1, 2, 2, 200, 1000, 256, False, False, torch.float16, -0.3),

@@ -280,12 +280,12 @@ if gluon is not None:
         while tile < n_m * BH:
             b, h, m0, full, n_blocks = _work(tile, n_m, H, SQ, SKV, CONSUMERS * BM, BLOCK_N, CAUSAL)
             mbarrier.wait(q_ready.index(WARPGROUP), i & 1)
-            _attend(q_tile, k_smem, v_smem, o_smem.index(WARPGROUP), o_desc, ready, empty, turn, q_empty.index(WARPGROUP),
-                    lse_ptr + (b * H + h).to(gl.int64) * SQ, qk_scale, b, h, m0 + WARPGROUP * BM, SQ, SKV, full,
-                    n_blocks, count, WARPGROUP, CAUSAL, NEGATIVE_SCALE, O_THROUGH_Q)
+            _attend(q_tile, k_smem, v_smem, o_smem.index(WARPGROUP), o_desc, ready, empty, turn,
+                    q_empty.index(WARPGROUP), lse_ptr + (b * H + h).to(gl.int64) * SQ, qk_scale, b, h,
+                    m0 + WARPGROUP * BM, SQ, SKV, full, n_blocks, count, WARPGROUP, CAUSAL, NEGATIVE_SCALE, O_THROUGH_Q)
             if O_THROUGH_Q:
                 tma.store_wait(0)
-                mbarrier.arrive(q_empty.index(WARPGROUP), count=1)  # its rows of O have left Q's tile: Q may be reloaded
+                mbarrier.arrive(q_empty.index(WARPGROUP), count=1)  # its rows of O have left Q's tile: reload Q
             count += n_blocks
             i += 1
             tile = _next_tile(tiles, tile_ready, tile_empty, i, 4)
@@ -323,6 +323,7 @@ if gluon is not None:
         CONSUMERS: gl.constexpr = q_smem.shape[0]
         BM: gl.constexpr = CONSUMERS * q_smem.shape[3]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+        # (Triton 3.6 passes the loader's constexprs as runtime values, and folds this back to a constant)
         KV_BEFORE_Q: gl.constexpr = STAGES if O_THROUGH_Q else STAGES - 1
         count = 0
         i = 0
@@ -359,6 +360,7 @@ if gluon is not None:
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
         D: gl.constexpr = q_desc.block_type.shape[3]
         dtype: gl.constexpr = q_desc.dtype
+        gl.static_assert(STAGES >= 2, "a consumer holds a slot while it waits for the next one")
         n_m = gl.cdiv(SQ, CONSUMERS * BM)
         q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, 1, 1, BM, D], q_desc.layout)
         if O_THROUGH_Q:
