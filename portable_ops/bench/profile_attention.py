@@ -10,7 +10,8 @@ tokens per batch (B = 16384 / S), 16 heads, bf16, inside a cudaProfilerStart/Sto
         python -m portable_ops.bench.profile_attention ncu
 
 (autotuning off: under ncu every timed candidate would be profiled too; the first candidates
-are the tuned ones at this shape). ``... host`` prints a cProfile of 500 decode calls (one token
+are the tuned ones at this shape). ``... decode B CACHE`` does the same for one decode call of each
+(one new token for each of B sequences, 32 query heads over 8 KV heads, D 128, a CACHE-key cache). ``... host`` prints a cProfile of 500 decode calls (one token
 against a 4k cache, 32 query heads over 8 KV heads): where the host time of a call goes.
 """
 
@@ -46,6 +47,29 @@ def host_profile(calls: int = 500) -> str:
     return out.getvalue()
 
 
+def _under_profiler(variants) -> None:
+    for fn in variants:  # compile outside the profiled range
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for fn in variants:
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def decode_under_profiler(b: int, cache: int) -> None:
+    q = torch.randn(b, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, 8, cache, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    with torch.no_grad():
+        _under_profiler((lambda: portable_ops.attention(q, k, v, causal=True), cudnn))
+
+
 def kernels_under_profiler(b=4, h=16, s=4096, d=128, causal=False) -> None:
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
@@ -54,15 +78,8 @@ def kernels_under_profiler(b=4, h=16, s=4096, d=128, causal=False) -> None:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    variants = (lambda: portable_ops.attention(q, k, v, causal=causal), cudnn)
-    for fn in variants:  # compile outside the profiled range
-        torch.autograd.grad(fn(), (q, k, v), dout)
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    for fn in variants:
-        torch.autograd.grad(fn(), (q, k, v), dout)
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    _under_profiler([lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), dout)
+                     for fn in (lambda: portable_ops.attention(q, k, v, causal=causal), cudnn)])
 
 
 if __name__ == "__main__":
@@ -71,5 +88,7 @@ if __name__ == "__main__":
     elif sys.argv[1:2] == ["ncu"] and len(sys.argv) in (2, 4, 5) and sys.argv[4:] in ([], ["causal"]):
         d, s = (int(a) for a in sys.argv[2:4]) if len(sys.argv) > 2 else (128, 4096)
         kernels_under_profiler(b=max(16384 // s, 1), s=s, d=d, causal=sys.argv[4:] == ["causal"])
+    elif sys.argv[1:2] == ["decode"] and len(sys.argv) == 4 and all(a.isdigit() for a in sys.argv[2:]):
+        decode_under_profiler(int(sys.argv[2]), int(sys.argv[3]))
     else:
         sys.exit(__doc__)
