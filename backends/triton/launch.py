@@ -109,11 +109,9 @@ class Launch:
             compiled.kernel.run(*self.grid, stream, compiled.kernel.function, compiled.kernel.packed_metadata, None,
                                 None, None, *self._described(args[:n]), *pointers, *args[n + self.tensors:],
                                 *self.tail)
-        elif n:
+        else:
             compiled.entry(*self.grid, stream, *compiled.head, *compiled.expand(self.descriptors, args[:n]),
                            *pointers, *args[n + self.tensors:], *self.tail)
-        else:
-            compiled.entry(*self.grid, stream, *compiled.head, *pointers, *args[self.tensors:], *self.tail)
 
     def _described(self, args):
         if not self.descriptors:

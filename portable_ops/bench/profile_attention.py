@@ -11,8 +11,9 @@ tokens per batch (B = 16384 / S), 16 heads, bf16, inside a cudaProfilerStart/Sto
 
 (autotuning off: under ncu every timed candidate would be profiled too; the first candidates
 are the tuned ones at this shape). ``... decode B CACHE`` does the same for one decode call of each
-(one new token for each of B sequences, 32 query heads over 8 KV heads, D 128, a CACHE-key cache). ``... host`` prints a cProfile of 500 decode calls (one token
-against a 4k cache, 32 query heads over 8 KV heads): where the host time of a call goes.
+(one new token for each of B sequences, 32 query heads over 8 KV heads, D 128, a CACHE-key cache).
+``... host`` prints a cProfile of 500 decode calls (one token against a 4k cache, the same heads):
+where the host time of a call goes.
 """
 
 from __future__ import annotations
@@ -29,9 +30,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import portable_ops
 
 
+def _decode_inputs(b: int, cache: int) -> tuple:
+    """q, k, v of one new token for each of ``b`` sequences: 32 query heads over 8 KV heads, D 128, bf16."""
+    q = torch.randn(b, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, 8, cache, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return q, k, v
+
+
 def host_profile(calls: int = 500) -> str:
-    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(1, 8, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q, k, v = _decode_inputs(1, 4096)
     with torch.no_grad():
         for _ in range(20):
             portable_ops.attention(q, k, v, causal=True)
@@ -59,8 +66,7 @@ def _under_profiler(variants) -> None:
 
 
 def decode_under_profiler(b: int, cache: int) -> None:
-    q = torch.randn(b, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(b, 8, cache, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q, k, v = _decode_inputs(b, cache)
 
     def cudnn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
