@@ -446,3 +446,28 @@ def test_a_checkpoint_with_python_number_steps_loads_as_torchs_does():
         results.append((p.detach().clone(), float(opt.state[p]["step"])))
     torch.testing.assert_close(results[1][0], results[0][0])
     assert results[1][1] == results[0][1] == 2.0
+
+
+@pytest.mark.parametrize("functional", [False, True], ids=["optimizer", "functional"])
+@pytest.mark.parametrize("backend", usable_backends())
+def test_a_step_between_forward_and_backward_is_caught_as_torchs(backend, functional, monkeypatch):
+    """A step between a forward and its backward (a GAN or accumulation mistake): torch's AdamW bumps the
+    params' versions, so backward() raises instead of silently using the stepped weights. Every backend's
+    writes must do the same, kernels writing through raw pointers included."""
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
+    device = default_device(backend)
+    w = torch.nn.Parameter(torch.randn(4, 4, device=device))
+    x = torch.randn(3, 4, device=device, requires_grad=True)
+    loss = (x @ w).square().sum()  # saves w for x's gradient
+    w.grad = torch.randn_like(w)
+    state = [torch.zeros_like(w), torch.zeros_like(w), torch.zeros((), device=device)]
+    versions = [t._version for t in (w, *state[:2])]
+    with portable_ops.use_backend(backend), torch.no_grad():  # no_grad: as torch.optim's steps run
+        if functional:
+            portable_ops.functional.adam([w], [w.grad], [state[0]], [state[1]], [], [state[2]], lr=0.1)
+        else:
+            portable_ops.optim.AdamW([w], lr=0.1).step()
+    if functional:
+        assert all(t._version > v for t, v in zip((w, *state[:2]), versions))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -189,3 +189,5 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
             AMSGRAD=amsgrad, MAXIMIZE=maximize, WEIGHT_DECAY=weight_decay != 0, DECOUPLED=decoupled_weight_decay,
             LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
             HAS_CLIP=clip_coef is not None, ALIGNED=t.aligned, num_warps=launch.num_warps)
+    # the kernel writes through raw pointers: tell autograd, as torch's in-place ops would
+    torch.autograd.graph.increment_version([*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs])
