@@ -666,7 +666,12 @@ def test_bench_host_time_runs_without_a_gpu(capsys):
 def test_the_sweep_builds_a_fresh_plan_for_each_tile_it_sets(monkeypatch):
     from portable_ops.bench.attention import no_launches
 
-    sweep = importlib.import_module("portable_ops.bench.sweep")
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("sweep", pathlib.Path(__file__).parents[1] / "benchmarks" / "sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
     monkeypatch.setattr(attn, "INTERPRETED", False)  # plans take CONFIGS' tiles, as on a GPU
     monkeypatch.setenv("PORTABLE_OPS_AUTOTUNE", "0")
     monkeypatch.setattr(attn, "_splits", lambda *args: 1)

@@ -1,5 +1,5 @@
 """The training bench's shape 1, eager, torch's stack and ours alternately, twice each, in one process
-(GPU; about a minute). ``PYTHONPATH=$PWD python docs/perf/train_host_ab.py``. Per run
+(GPU; about a minute). ``python benchmarks/train_host_ab.py``. Per run
 (``train.measure``): ms per step over 25 back-to-back steps after its warm-up, the host ms of a step
 (``train.step_host_ms``: each step queued behind a sleep kernel, median of 10) and the host us of one
 attention call, forward and backward (``train.attention_host_us``, device drained before each). Run it

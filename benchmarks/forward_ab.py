@@ -1,17 +1,14 @@
-"""The script behind docs/perf/forward_dynamic_ab.txt, forward_persistent_ab.txt and
-forward_release_ab.txt (H100, 2026-11-24): an A/B of the Hopper forward against an earlier form of it.
+"""An A/B of the Hopper forward against an earlier form of it (H100), or of its two grids.
 
-The earlier form is imported as backends/triton/_sm90_before.py (`git show
-COMMIT:backends/triton/attention_sm90.py > backends/triton/_sm90_before.py`; de9fe7e for the grid
-records, 5119abd for the release record). AB=grids (the default) forces the current forward's grid by
-replacing attention_sm90.programs: one program per tile ("per tile") or one per SM ("dynamic": since
-2ec3157 a persistent program takes the next free tile). AB=before times the earlier form ("before")
-against the current one ("now"), each with its own grid. The check compares the current outputs with
-the earlier form's, bit for bit, and across both grids. forward_persistent_ab.txt came from its earlier
-form at 6a87e4b, whose variants were that old module, per tile, and the persistent grid with a static
-split (program p taking tiles p, p + 132, ...). Rows: the best of max(3, variants) interleaved rounds of 10
-calls back to back (steady), as a ratio of cuDNN timed in the same row. TIMED=0: the check alone;
-CHECK=0: the timing alone; SEQS=2048,4096 and DIMS=64 choose the timed lengths and head dims.
+``python benchmarks/forward_ab.py``. The earlier form is imported as backends/triton/_sm90_before.py
+(``git show COMMIT:backends/triton/attention_sm90.py > backends/triton/_sm90_before.py``). AB=grids (the
+default) forces the current forward's grid by replacing attention_sm90.programs: one program per tile
+("per tile") or one per SM, each persistent program taking the next free tile ("dynamic"). AB=before
+times the earlier form ("before") against the current one ("now"), each with its own grid. The check
+compares the current outputs with the earlier form's, bit for bit, and across both grids. Rows: the
+best of max(3, variants) interleaved rounds of 10 calls back to back (steady), as a ratio of cuDNN
+timed in the same row. TIMED=0: the check alone; CHECK=0: the timing alone; SEQS=2048,4096 and DIMS=64
+choose the timed lengths and head dims.
 """
 import math, os, sys, time
 import torch
@@ -20,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from portable_ops.backends.reference import attention as reference
 from portable_ops.backends.triton import attention_sm90 as new
 from portable_ops.backends.triton import _sm90_before as old
-from portable_ops.bench.backward_ab import _inputs as inputs  # bf16 q/k/v on the GPU, [B, S, H, D]-transposed or not
+from backward_ab import _inputs as inputs  # bf16 q/k/v on the GPU, [B, S, H, D]-transposed or not
 from portable_ops.bench.common import steady_ms, table, device_info
 from portable_ops.layout import strides_like, empty_like
 

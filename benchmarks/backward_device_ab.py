@@ -1,6 +1,6 @@
 """The triton backward's device time on four shapes, one tree a process (GPU; ~15 s a process).
 
-``PYTHONPATH=<tree> python docs/perf/backward_device_ab.py``, alternately from two trees, to compare their
+``PYTHONPATH=<tree> python benchmarks/backward_device_ab.py``, alternately from two trees, to compare their
 device time: ``attention_bwd`` (delta pass, dQ's zeroing and cast included), steady (30 calls back to back,
 best of 5) and replayed from a CUDA graph (the same), bf16, q/k/v transposed out of [B, S, H, D].
 """

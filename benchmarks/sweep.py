@@ -1,4 +1,4 @@
-"""python -m portable_ops.bench.sweep: tile and launch-size sweeps for the triton kernels (GPU).
+"""python benchmarks/sweep.py: tile and launch-size sweeps for the triton kernels (GPU).
 
 Times each candidate configuration of the multi-tensor kernels (Adam step, norm partials) and
 of the attention kernels against torch in one process, checks each candidate's result, prints
@@ -20,8 +20,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import portable_ops
 
-from .common import copy_bandwidth, device_info, graphed, median_ms
-from .optimizer import bytes_per_element, gpt2_medium_shapes
+from portable_ops.bench.common import copy_bandwidth, device_info, graphed, median_ms
+from portable_ops.bench.optimizer import bytes_per_element, gpt2_medium_shapes
 
 mt = importlib.import_module("portable_ops.backends.triton.multi_tensor")
 adam_mod = importlib.import_module("portable_ops.backends.triton.adam")
@@ -199,7 +199,7 @@ def sweep_attention(rows, d=128, s=4096, b=4, h=16, quick=False):
 
 def main(argv=None):
     parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="docs/perf/sweep.json")
+    parser.add_argument("--out", default="sweep.json")
     parser.add_argument("--only", default="mt,mt_bf16,attn128,attn64")
     args = parser.parse_args(argv)
     rows = []
@@ -215,7 +215,7 @@ def main(argv=None):
             print(json.dumps(rows[-3:], default=str), flush=True)
             with open(args.out, "w") as f:  # after each part: a run cut short keeps what it measured
                 json.dump({"info": device_info(), "rows": rows}, f, indent=1, default=str)
-    from .common import table
+    from portable_ops.bench.common import table
     print(table(rows, ["sweep", "causal", "config", "ms", "of copy", "TFLOP/s", "error"]))
     return 0
 

@@ -1,7 +1,7 @@
 """The Hopper forward's tile configs at one head dim, against cuDNN in the same run: what
 ``attention_sm90.CONFIGS`` is chosen from.
 
-    D=64 VARIANTS=128x4x0x2,128x3x0x2,128x4x0x3,64x8x0x3 python docs/perf/forward_config_sweep.py
+    D=64 VARIANTS=128x4x0x2,128x3x0x2,128x4x0x3,64x8x0x3 python benchmarks/forward_config_sweep.py
 
 A variant is BLOCK_NxSTAGESxO_THROUGH_QxCONSUMERS (the CONFIGS entry, for causal and not alike;
 CONSUMERS 2 when left out). Each output is checked against cuDNN's to 2% of its largest value, and
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from portable_ops.backends.triton import attention_sm90 as sm90
-from portable_ops.bench.backward_ab import _inputs
+from backward_ab import _inputs
 from portable_ops.bench.common import device_info, steady_ms, table
 from portable_ops.layout import empty_like, strides_like
 
@@ -77,7 +77,7 @@ def main():
             rows.append(row)
             print(table([row], list(row)), flush=True)
     info = device_info()
-    print(f"\n# D={D} VARIANTS={os.environ.get('VARIANTS')} python docs/perf/forward_config_sweep.py "
+    print(f"\n# D={D} VARIANTS={os.environ.get('VARIANTS')} python benchmarks/forward_config_sweep.py "
           f"({info['device']}, {info['date']}, commit {info['commit']}, triton {info['triton']})")
     print(table(rows, ["D", "S", "causal", "cudnn", *names]))
     sys.exit(1 if wrong else 0)

@@ -1,13 +1,13 @@
 """Workloads to profile the attention kernels (GPU).
 
-``python -m portable_ops.bench.profile_attention ncu [D S [causal]]`` runs one forward + backward of
+``python benchmarks/profile_attention.py ncu [D S [causal]]`` runs one forward + backward of
 portable_ops (triton) and of SDPA's cuDNN backend at head dim D, sequence S (defaults 128, 4096), 16k
 tokens per batch (B = 16384 / S), 16 heads, bf16, inside a cudaProfilerStart/Stop range, for Nsight Compute::
 
     PORTABLE_OPS_AUTOTUNE=0 ncu --profile-from-start off --section SpeedOfLight --section Occupancy \\
         --section LaunchStats --section WarpStateStats --section ComputeWorkloadAnalysis \\
         --section MemoryWorkloadAnalysis --section SchedulerStats \\
-        python -m portable_ops.bench.profile_attention ncu
+        python benchmarks/profile_attention.py ncu
 
 (autotuning off: under ncu every timed candidate would be profiled too; the first candidates
 are the tuned ones at this shape). ``... decode B CACHE`` does the same for one decode call of each

@@ -1,6 +1,6 @@
 """Host time of the training bench's attention backward (shape 1), layer by layer, against SDPA's (GPU).
 
-``PYTHONPATH=$PWD python docs/perf/backward_host_layers.py`` (an H100; under a minute). Shape 1's
+``python benchmarks/backward_host_layers.py`` (an H100; under a minute). Shape 1's
 attention: batch 4, 2048 tokens, 16 query heads over 4 KV heads, head dim 64, causal, bf16, q/k/v
 transposed out of [B, S, H, D]. Each figure is the median host time of one call enqueued while the
 device is busy (a sleep kernel queued ahead of each row's calls), as in a training loop whose host

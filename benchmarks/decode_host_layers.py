@@ -1,6 +1,6 @@
 """Host time of one eager decode call, whole and layer by layer, against cuDNN's whole call (GPU).
 
-``PYTHONPATH=$PWD python docs/perf/decode_host_layers.py [--whole]`` (an H100; under a minute).
+``python benchmarks/decode_host_layers.py [--whole]`` (an H100; under a minute).
 
 Decode is one new token per sequence, 32 query heads over 8 KV heads, D 128, bf16, as the decode
 bench runs it. Every figure is the host time of one call, enqueued back to back with no sync inside

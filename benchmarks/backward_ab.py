@@ -3,7 +3,7 @@ against float64, and the time of ours (the Gluon kernel where it takes the call)
 backward (``PORTABLE_OPS_SM90_ATTENTION=0``), cuDNN's and flash's (``torch.autograd.grad``
 through SDPA) at B 4, H 16, S 4096.
 
-``python -m portable_ops.bench.backward_ab`` (an sm_90 GPU; about two minutes).
+``python benchmarks/backward_ab.py`` (an sm_90 GPU; about two minutes).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from portable_ops.backends.reference import attention as reference
 from portable_ops.backends.triton import attention
 
-from .common import device_info, steady_ms, table
+from portable_ops.bench.common import device_info, steady_ms, table
 
 # (B, Hq, Hkv, Sq, Skv, D, causal, q/k/v transposed out of [B, S, H, D])
 CHECKS = [(2, 4, 4, 256, 256, 64, False, False), (1, 8, 2, 1000, 1000, 128, True, True),

@@ -2,7 +2,7 @@
 count forced, against cuDNN in the same run: what the decode policy of backends/triton/attention.py
 (``_decode_config``, ``_splits``) is chosen from.
 
-    PORTABLE_OPS_AUTOTUNE=0 python docs/perf/decode_sweep.py [--batches 1,4] [--caches 512,131072]
+    PORTABLE_OPS_AUTOTUNE=0 python benchmarks/decode_sweep.py [--batches 1,4] [--caches 512,131072]
         [--configs 16x64x4x3,16x128x4x3] [--splits 1,4,16] [--rounds 3] [--before OLD.json] [--json F]
 
 32 query heads over 8 KV heads, D 128, bf16. Variants: "shipped" (the policy in the checkout),

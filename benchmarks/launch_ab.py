@@ -2,7 +2,7 @@
 first shape, ms/step and attention host time per call, each configuration twice, interleaved with
 torch's stack (a host-bound step moves between machine starts; one process removes that).
 
-``python -m portable_ops.bench.launch_ab`` (a GPU; about five minutes).
+``python benchmarks/launch_ab.py`` (a GPU; about five minutes).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import os
 
 import torch
 
-from . import train
-from .common import device_info, table
+from portable_ops.bench import train
+from portable_ops.bench.common import device_info, table
 
 CONFIGS = (("torch", "1"), ("portable_ops", "1"), ("portable_ops", "0"))
 

@@ -22,7 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from portable_ops.backends.reference import attention as reference
 from portable_ops.backends.triton import attention, attention_sm90 as new
 from portable_ops.backends.triton import _sm90_before as old
-from portable_ops.bench.backward_ab import _inputs as inputs
+from backward_ab import _inputs as inputs
 from portable_ops.bench.common import steady_ms, table, device_info
 
 # name: (module, overrides of BWD_CONFIGS' fields)
