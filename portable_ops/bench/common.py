@@ -7,7 +7,9 @@ import json
 import os
 import pathlib
 import platform
+import shlex
 import subprocess
+import sys
 
 import torch
 
@@ -85,24 +87,33 @@ def copy_bandwidth(gib: float = 2.0) -> float:
     return 2 * n * 4 / (ms * 1e-3)
 
 
-def device_info() -> dict:
-    """What a result was measured on: device, date, versions and the checkout's commit."""
-    device = torch.cuda.get_device_properties(0).name if torch.cuda.is_available() else f"CPU ({platform.machine()})"
+def checkout_commit() -> str | None:
+    """The checkout's commit, short; None where git can't tell."""
     # A copy of the checkout without .git (a lent GPU machine) names its commit in PORTABLE_OPS_COMMIT.
     commit = os.environ.get("PORTABLE_OPS_COMMIT")
     try:
-        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                          cwd=pathlib.Path(__file__).parent).stdout.strip() or None
+        return commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                        cwd=pathlib.Path(__file__).parent).stdout.strip() or None
     except OSError:
-        commit = None
+        return None
+
+
+def device_info() -> dict:
+    """What a result was measured on: device, date, versions and the checkout's commit."""
+    device = torch.cuda.get_device_properties(0).name if torch.cuda.is_available() else f"CPU ({platform.machine()})"
     return {"device": device, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "python": platform.python_version(), "triton": __import__("triton").__version__, "commit": commit}
+            "python": platform.python_version(), "triton": __import__("triton").__version__,
+            "commit": checkout_commit()}
 
 
 def write(name: str, rows: list[dict], info: dict, out_dir: str | pathlib.Path) -> pathlib.Path:
+    """``out_dir/name.json``: the rows, and ``info`` with the commit and the command line that produced them
+    (the docs print both under the tables they render from the file: benchmarks/docs_tables.py)."""
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
+    command = shlex.join(["python", *sys.orig_argv[1:]])
+    info = {"commit": checkout_commit(), **info, "command": info.get("command", command)}
     path.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     return path
 
