@@ -217,28 +217,32 @@ def register_autograd(fwd_op, bwd_op, index_tensors=0):
 
 @torch.library.custom_op("portable_ops::attention_fwd", mutates_args=())
 def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                      window_left: int | None = None, window_right: int | None = None,
-                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    checks.check_number("scale", scale)
-    return forward(q, k, v, causal, scale, window_of(window_left, window_right), checks.softcap_value(softcap))
+                      window_left: int | None = None, window_right: int | None = None, softcap: float | None = None,
+                      scale_tensor: torch.Tensor | None = None,
+                      softcap_tensor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    scale, softcap = checks.op_values(scale, softcap, scale_tensor, softcap_tensor)
+    return forward(q, k, v, causal, scale, window_of(window_left, window_right), softcap)
 
 
 @_attention_fwd_op.register_fake
-def _(q, k, v, causal, scale, window_left=None, window_right=None, softcap=None):
+def _(q, k, v, causal, scale, window_left=None, window_right=None, softcap=None, scale_tensor=None,
+      softcap_tensor=None):
     return layout.empty_like(q), q.new_empty(q.shape[:-1], dtype=lse_dtype(q))
 
 
 @torch.library.custom_op("portable_ops::attention_bwd", mutates_args=())
 def _attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                       dout: torch.Tensor, causal: bool, scale: float, window_left: int | None = None,
-                      window_right: int | None = None,
-                      softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backward(q, k, v, out, lse, dout, causal, scale, window_of(window_left, window_right),
-                    checks.softcap_value(softcap))
+                      window_right: int | None = None, softcap: float | None = None,
+                      scale_tensor: torch.Tensor | None = None,
+                      softcap_tensor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    scale, softcap = checks.op_values(scale, softcap, scale_tensor, softcap_tensor)
+    return backward(q, k, v, out, lse, dout, causal, scale, window_of(window_left, window_right), softcap)
 
 
 @_attention_bwd_op.register_fake
-def _(q, k, v, out, lse, dout, causal, scale, window_left=None, window_right=None, softcap=None):
+def _(q, k, v, out, lse, dout, causal, scale, window_left=None, window_right=None, softcap=None, scale_tensor=None,
+      softcap_tensor=None):
     return layout.empty_like(q), layout.empty_like(k), layout.empty_like(v)
 
 
@@ -505,7 +509,9 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
     if q.numel() == 0 or k.numel() == 0:
         return degenerate(q, k, v)
     if torch.compiler.is_compiling():
-        return _attention_fwd_op(q, k, v, causal, scale, *window_args(window), softcap)[0]
+        scale, softcap, scale_tensor, softcap_tensor = checks.op_scalars(scale, softcap)
+        return _attention_fwd_op(q, k, v, causal, scale, *window_args(window), softcap, scale_tensor,
+                                 softcap_tensor)[0]
     if transformed():
         return _FuncAttention.apply(q, k, v, causal, scale, window, softcap)[0]
     call = _memoise(key, q, k, v, causal, scale, window, softcap) if key is not None else None

@@ -22,6 +22,7 @@ def attention_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     """Check one call's arguments (after autocast's casts; the offsets' values once per version) and
     return them as the backends take them."""
     q, k, v = autocast_inputs(q, k, v)
+    max_seqlen_q, max_seqlen_k = checks.plain(max_seqlen_q), checks.plain(max_seqlen_k)  # no numpy past here
     checks.check_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     causal, scale, window, softcap = checks.attention_options(q.shape[-1], causal, scale, window, softcap,
                                                               compiling=torch.compiler.is_compiling())
@@ -59,18 +60,19 @@ VARLEN = Variant(forward, backward, _definition, index_tensors=2)
 @torch.library.custom_op("portable_ops::attention_varlen_fwd", mutates_args=())
 def _varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
-                   window_left: int | None, window_right: int | None,
-                   softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    checks.check_number("scale", scale)
+                   window_left: int | None, window_right: int | None, softcap: float | None,
+                   scale_tensor: torch.Tensor | None = None,
+                   softcap_tensor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    scale, softcap = checks.op_values(scale, softcap, scale_tensor, softcap_tensor)
     # A compiled graph's first chance to read the offsets (tracing could not): once per version, as eagerly.
     checks.check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     return forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                   window_of(window_left, window_right), checks.softcap_value(softcap))
+                   window_of(window_left, window_right), softcap)
 
 
 @_varlen_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right,
-      softcap):
+      softcap, scale_tensor=None, softcap_tensor=None):
     return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q))
 
 
@@ -78,14 +80,16 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
 def _varlen_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    dout: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                    max_seqlen_k: int, causal: bool, scale: float, window_left: int | None, window_right: int | None,
-                   softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   softcap: float | None, scale_tensor: torch.Tensor | None = None,
+                   softcap_tensor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    scale, softcap = checks.op_values(scale, softcap, scale_tensor, softcap_tensor)
     return backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-                    window_of(window_left, window_right), checks.softcap_value(softcap))
+                    window_of(window_left, window_right), softcap)
 
 
 @_varlen_bwd_op.register_fake
 def _(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left,
-      window_right, softcap):
+      window_right, softcap, scale_tensor=None, softcap_tensor=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -118,5 +122,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         return degenerate(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0].transpose(0, 1).contiguous()
     if torch.compiler.is_compiling():
         cu_q, cu_k, max_q, max_k, causal, scale, window, softcap = options
-        return _varlen_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, *window_args(window), softcap)[0]
+        scale, softcap, scale_tensor, softcap_tensor = checks.op_scalars(scale, softcap)
+        return _varlen_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, *window_args(window), softcap,
+                              scale_tensor, softcap_tensor)[0]
     return EagerAttention.apply(q, k, v, Options(VARLEN, options))[0]

@@ -28,6 +28,15 @@ def _name(arg: str, i: int | None) -> str:
     return arg if i is None else f"{arg}[{i}]"
 
 
+def plain(value):
+    """A numpy scalar or 0-d array as the Python value it holds; anything else unchanged. Under torch.compile a
+    numeric one's value is read at trace time (the graph specialises on it, as on a Python number); a numpy
+    bool's can't be read there (nor can SDPA's ``is_causal``), so it breaks the graph."""
+    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        return value.item()
+    return value
+
+
 def as_number(value):
     """``value`` as a Python float when it is a real number as torch.optim takes one: a Python or numpy
     int or float (what a scheduler's lambda may return), or a 0-d numpy array; else ``value`` itself."""
@@ -270,25 +279,22 @@ def check_attention(q, k, v) -> None:
 def attention_options(head_dim, causal, scale, window, softcap, *, compiling=False) -> tuple:
     """``(causal, scale, window, softcap)`` checked and as the backends take them: ``scale`` a float
     (default ``1 / sqrt(head_dim)``), ``window`` None or ``(left, right)`` of ints or None, ``softcap``
-    None or a positive float. Under torch.compile (``compiling``) a float ``scale`` or ``softcap`` may be
-    symbolic: reading its value would break the graph or recompile per value, so it is passed on as it
-    is and the custom op checks it when it runs.
+    None or a positive float; numpy values as the Python values they hold. Under torch.compile
+    (``compiling``) a ``scale`` or ``softcap`` that is symbolic or a one-element tensor is passed on as it
+    is (reading its value would break the graph or recompile per value) and the custom op checks it when it
+    runs (:func:`op_scalars`).
 
     One spelling per mask, so that a kernel without windows still takes the masks it has: under
     ``causal`` a window's right side is moot (dropped); ``window=(left, 0)`` is ``causal`` with
     ``(left, None)``; a window unbounded on both sides is no window."""
-    if not isinstance(causal, (bool, np.bool_)):
+    causal = plain(causal)
+    if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
-    causal = bool(causal)
-    if isinstance(scale, torch.Tensor) and scale.requires_grad:
-        raise TypeError(_NOT_DIFFERENTIABLE_IN.format("scale"))
     if scale is None:
         d = int(head_dim)  # under torch.compile this specialises the head dim: the kernels do too
         scale = 1.0 / math.sqrt(d) if d else 1.0
-    elif not (compiling and isinstance(scale, float)):
-        if not compiling:
-            check_number("scale", scale)
-        scale = float(as_number(scale))
+    else:
+        scale = _number_option("scale", scale, compiling)
     if window is not None:
         left, right = window_bounds(window)
         if right == 0:
@@ -297,11 +303,40 @@ def attention_options(head_dim, causal, scale, window, softcap, *, compiling=Fal
             right = None
         window = None if left is None and right is None else (left, right)
     if softcap is not None:
-        if isinstance(softcap, torch.Tensor) and softcap.requires_grad:
-            raise TypeError(_NOT_DIFFERENTIABLE_IN.format("softcap"))
-        if not (compiling and isinstance(softcap, float)):
-            softcap = softcap_value(softcap)
+        softcap = _number_option("softcap", softcap, compiling)
     return causal, scale, window, softcap
+
+
+def _number_option(arg: str, value, compiling: bool):
+    """``scale`` or ``softcap`` as the backends take it; under torch.compile a symbolic float, a numpy number (a
+    tensor to dynamo, whose value can't always be read while tracing) or a one-element tensor is passed on as a
+    float or a tensor, its value checked when the custom op runs."""
+    value = torch.as_tensor(value) if compiling and isinstance(value, np.ndarray) else plain(value)
+    if isinstance(value, torch.Tensor) and value.requires_grad:
+        raise TypeError(_NOT_DIFFERENTIABLE_IN.format(arg))
+    if compiling and (isinstance(value, float) or isinstance(value, torch.Tensor) and value.numel() == 1):
+        return value
+    return softcap_value(value) if arg == "softcap" else _scale_value(value)
+
+
+def _scale_value(scale) -> float:
+    check_number("scale", scale)
+    return float(scale.item() if isinstance(scale, torch.Tensor) else as_number(scale))
+
+
+def op_scalars(scale, softcap) -> tuple:
+    """``scale, softcap`` as a custom op takes them: ``(scale, softcap, scale_tensor, softcap_tensor)``, where a
+    one-element tensor (under torch.compile) travels as a tensor argument and a placeholder takes its place."""
+    scale_tensor = scale if isinstance(scale, torch.Tensor) else None
+    softcap_tensor = softcap if isinstance(softcap, torch.Tensor) else None
+    return (1.0 if scale_tensor is not None else scale, None if softcap_tensor is not None else softcap,
+            scale_tensor, softcap_tensor)
+
+
+def op_values(scale, softcap, scale_tensor, softcap_tensor) -> tuple[float, float | None]:
+    """Inside a custom op, as it runs: :func:`op_scalars`' four values back to the checked ``scale, softcap``."""
+    return (_scale_value(scale if scale_tensor is None else scale_tensor),
+            softcap_value(softcap if softcap_tensor is None else softcap_tensor))
 
 
 _NOT_DIFFERENTIABLE_IN = ("{0} must be a number, or a tensor that does not require grad: attention is not "
@@ -317,17 +352,17 @@ def window_bounds(window) -> tuple[int | None, int | None]:
     if len(window) != 2:
         raise ValueError(f"window must be {expected}, got {len(window)} entries: {tuple(window)!r}")
     bounds = []
-    for i, side in enumerate(window):
+    for i, side in enumerate(map(plain, window)):
         if side is None:
             bounds.append(None)
             continue
-        if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
+        if isinstance(side, bool) or not isinstance(side, int):
             raise TypeError(f"window[{i}] must be a non-negative int or None (unbounded), got "
                             f"{type(side).__name__} {side!r}")
         if side < 0:
             raise ValueError(f"window[{i}] must be >= 0, got {side}; use None for an unbounded side "
                              f"(FlashAttention's -1)")
-        bounds.append(side if isinstance(side, int) else int(side))
+        bounds.append(side)
     return bounds[0], bounds[1]
 
 

@@ -60,17 +60,19 @@ def _append(call):
 @torch.library.custom_op("portable_ops::paged_attention", mutates_args=())
 def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                         cache_seqlens: torch.Tensor, scale: float, window_left: int | None, window_right: int | None,
-                        softcap: float | None) -> torch.Tensor:
-    checks.check_number("scale", scale)
+                        softcap: float | None, scale_tensor: torch.Tensor | None = None,
+                        softcap_tensor: torch.Tensor | None = None) -> torch.Tensor:
+    scale, softcap = checks.op_values(scale, softcap, scale_tensor, softcap_tensor)
     window = window_of(window_left, window_right)
     # A compiled graph's first chance to read the page tables (tracing could not): once per version.
     _check_page_values_for_attention(q, k_cache, block_table, cache_seqlens, window)
     return _attend(dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, cache_seqlens=cache_seqlens,
-                        scale=scale, window=window, softcap=checks.softcap_value(softcap)))
+                        scale=scale, window=window, softcap=softcap))
 
 
 @_paged_attention_op.register_fake
-def _(q, k_cache, v_cache, block_table, cache_seqlens, scale, window_left, window_right, softcap):
+def _(q, k_cache, v_cache, block_table, cache_seqlens, scale, window_left, window_right, softcap, scale_tensor=None,
+      softcap_tensor=None):
     return q.new_empty(q.shape)
 
 
@@ -105,8 +107,9 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale=No
     if q.numel() == 0 or k_cache.numel() == 0:
         return q.new_zeros(q.shape)  # nothing to compute, or an empty cache (every length 0): no row sees a key
     if torch.compiler.is_compiling():
-        return _paged_attention_op(q, k_cache, v_cache, block_table, cache_seqlens, call["scale"],
-                                   *window_args(call["window"]), call["softcap"])
+        scale, softcap, scale_tensor, softcap_tensor = checks.op_scalars(call["scale"], call["softcap"])
+        return _paged_attention_op(q, k_cache, v_cache, block_table, cache_seqlens, scale, *window_args(call["window"]),
+                                   softcap, scale_tensor, softcap_tensor)
     return _attend(call)
 
 
