@@ -148,7 +148,8 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                                                                              "TABLE": "*i32"})
                 consts = dict(head, **features, PAGED=kind == "paged", PAGE=16 if kind == "paged" else 0,
                               BLOCK_M=block_m, BLOCK_N=block_n, PACK_GROUP=kind in ("decode", "paged"),
-                              NEGATIVE_SCALE=False, UNIT=spec.get("unit", 8))
+                              NEGATIVE_SCALE=False, UNIT=spec.get("unit", 8),
+                              OFFSETS_64=spec.get("offsets_64", False))
                 row.update(run(attention._fwd_kernel, types_, consts, warps, stages, False))
             elif kind == "dkdv":
                 block_m, block_n, warps, stages = spec["config"]
@@ -157,7 +158,8 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                 types_ = attention_types(("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV"),
                                          names + ["slse_b", "slse_h", "HKV", "GROUP", "SQ", "SKV", "LEFT", "RIGHT"],
                                          {"scale": "fp32", **floats, **offsets})
-                consts = dict(head, **features, BLOCK_M=block_m, BLOCK_N=block_n, UNIT=8)
+                consts = dict(head, **features, BLOCK_M=block_m, BLOCK_N=block_n, UNIT=8,
+                              OFFSETS_64=spec.get("offsets_64", False))
                 row.update(run(attention._bwd_dkdv_kernel, types_, consts, warps, stages, False))
             elif kind == "dq":
                 block_m, block_n, warps, stages = spec["config"]
@@ -166,14 +168,15 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                 types_ = attention_types(("Q", "K", "V", "DO", "LSE", "DELTA", "DQ"),
                                          names + ["slse_b", "slse_h", "H", "GROUP", "SQ", "SKV", "LEFT", "RIGHT"],
                                          {"scale": "fp32", **floats, **offsets})
-                consts = dict(head, **features, BLOCK_M=block_m, BLOCK_N=block_n, UNIT=8)
+                consts = dict(head, **features, BLOCK_M=block_m, BLOCK_N=block_n, UNIT=8,
+                              OFFSETS_64=spec.get("offsets_64", False))
                 row.update(run(attention._bwd_dq_kernel, types_, consts, warps, stages, False))
             elif kind == "delta":
                 types_ = {"O": "*bf16", "DO": "*bf16", "DELTA": "*fp32", "DQ_SUM": "*fp32", **strides("o", "do"),
                           "H": "i32", "SQ": "i32"}
                 # zeroing dQ's float32 sum where the Hopper backward takes the head dim, as it runs
                 consts = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK=64 if d <= 128 else 32,
-                              ZERO_DQ=d in attention_sm90.BWD_HEAD_DIMS)
+                              ZERO_DQ=d in attention_sm90.BWD_HEAD_DIMS, OFFSETS_64=spec.get("offsets_64", False))
                 row.update(run(attention._delta_kernel, types_, consts, 4, 3, d % 16 == 0))
             elif kind == "combine":
                 types_ = {"O_PART": "*fp32", "LSE_PART": "*fp32", "O": "*bf16", "LSE": "*fp32", "SPLITS": "i32",

@@ -237,6 +237,17 @@ def _sequence(CU_Q, CU_K, b):
     return q_start, tl.load(CU_Q + b + 1) - q_start, k_start, tl.load(CU_K + b + 1) - k_start
 
 
+@triton.jit
+def _unit_strides(batch, head, row, UNIT: tl.constexpr, OFFSETS_64: tl.constexpr):
+    """A tensor's (batch, head, row) strides multiplied back by UNIT (see _stride_unit): the batch's in int64, as
+    a batch's offset may pass 2^31 elements, and the others too under OFFSETS_64 (see _offsets_64)."""
+    batch = tl.cast(batch, tl.int64) * UNIT
+    if OFFSETS_64:
+        head = tl.cast(head, tl.int64)
+        row = tl.cast(row, tl.int64)
+    return batch, head * UNIT, row * UNIT
+
+
 # ----------------------------------------------------------------------------- forward
 
 @triton.jit
@@ -289,11 +300,13 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, CACHE_LENS, TABLE,
                 BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
                 PAGED: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PACK_GROUP: tl.constexpr,
-                NEGATIVE_SCALE: tl.constexpr, UNIT: tl.constexpr, PRECISION: tl.constexpr):
-    # Strides arrive divided by UNIT (see _stride_unit): multiplied back, the compiler knows rows start aligned.
-    sq_b, sq_h, sq_m, sk_b, sk_h, sk_n = sq_b * UNIT, sq_h * UNIT, sq_m * UNIT, sk_b * UNIT, sk_h * UNIT, sk_n * UNIT
-    sv_b, sv_h, sv_n = sv_b * UNIT, sv_h * UNIT, sv_n * UNIT
-    so_split, so_b, so_h, so_m = so_split * UNIT, so_b * UNIT, so_h * UNIT, so_m * UNIT
+                NEGATIVE_SCALE: tl.constexpr, UNIT: tl.constexpr, OFFSETS_64: tl.constexpr,
+                PRECISION: tl.constexpr):
+    sq_b, sq_h, sq_m = _unit_strides(sq_b, sq_h, sq_m, UNIT, OFFSETS_64)
+    sk_b, sk_h, sk_n = _unit_strides(sk_b, sk_h, sk_n, UNIT, OFFSETS_64)
+    sv_b, sv_h, sv_n = _unit_strides(sv_b, sv_h, sv_n, UNIT, OFFSETS_64)
+    so_b, so_h, so_m = _unit_strides(so_b, so_h, so_m, UNIT, OFFSETS_64)
+    so_split = tl.cast(so_split, tl.int64) * UNIT
     start_m = tl.program_id(0)
     if BOUND_RIGHT:  # the last query blocks see the most keys: start them first, so the tail of the grid is light
         start_m = tl.num_programs(0) - 1 - start_m
@@ -308,10 +321,10 @@ def _fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, CACHE_LENS, TABLE,
         hk = h // GROUP
     # a sequence's rows: packed sequences (VARLEN) start at rows q_start, k_start of one [1, H, T, D]
     # tensor, whose batch strides are 0; a paged cache's batch strides are its pages'
-    q_base = Q + b.to(tl.int64) * sq_b
-    k_base = K + b.to(tl.int64) * sk_b + hk * sk_h
-    v_base = V + b.to(tl.int64) * sv_b + hk * sv_h
-    o_base = O + split.to(tl.int64) * so_split + b.to(tl.int64) * so_b
+    q_base = Q + b * sq_b
+    k_base = K + b * sk_b + hk * sk_h
+    v_base = V + b * sv_b + hk * sv_h
+    o_base = O + split * so_split + b * so_b
     lse_base = LSE + split.to(tl.int64) * slse_split + b.to(tl.int64) * slse_b
     if VARLEN:
         q_start, SQ, k_start, SKV = _sequence(CU_Q, CU_K, b)
@@ -393,10 +406,14 @@ def _combine_kernel(O_PART, LSE_PART, O, LSE, SPLITS, H, SQ, so_b, so_h, so_m,
 
 @triton.jit
 def _delta_kernel(O, DO, DELTA, DQ_SUM, so_b, so_h, so_m, sdo_b, sdo_h, sdo_m, H, SQ,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, ZERO_DQ: tl.constexpr):
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, ZERO_DQ: tl.constexpr,
+                  OFFSETS_64: tl.constexpr):
     """rowsum(dO * O): the softmax-gradient correction, one float32 per query row. With ``ZERO_DQ``, the
     same rows of the float32 dQ [B, H, SQ, D] that the Hopper backward adds into are zeroed here: one
     launch fewer than a fill of their own (~15 us of host time a call on the H100)."""
+    if OFFSETS_64:  # see _offsets_64
+        so_h, so_m = tl.cast(so_h, tl.int64), tl.cast(so_m, tl.int64)
+        sdo_h, sdo_m = tl.cast(sdo_h, tl.int64), tl.cast(sdo_m, tl.int64)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
@@ -451,23 +468,23 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, sq_b, sq_h, sq
                      BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
                      D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr,
-                     PRECISION: tl.constexpr):
-    # Strides arrive divided by UNIT (see _stride_unit): multiplied back, the compiler knows rows start aligned.
-    sq_b, sq_h, sq_m, sk_b, sk_h, sk_n = sq_b * UNIT, sq_h * UNIT, sq_m * UNIT, sk_b * UNIT, sk_h * UNIT, sk_n * UNIT
-    sv_b, sv_h, sv_n = sv_b * UNIT, sv_h * UNIT, sv_n * UNIT
-    sdo_b, sdo_h, sdo_m = sdo_b * UNIT, sdo_h * UNIT, sdo_m * UNIT
-    sdk_b, sdk_h, sdk_n = sdk_b * UNIT, sdk_h * UNIT, sdk_n * UNIT
-    sdv_b, sdv_h, sdv_n = sdv_b * UNIT, sdv_h * UNIT, sdv_n * UNIT
+                     OFFSETS_64: tl.constexpr, PRECISION: tl.constexpr):
+    sq_b, sq_h, sq_m = _unit_strides(sq_b, sq_h, sq_m, UNIT, OFFSETS_64)
+    sk_b, sk_h, sk_n = _unit_strides(sk_b, sk_h, sk_n, UNIT, OFFSETS_64)
+    sv_b, sv_h, sv_n = _unit_strides(sv_b, sv_h, sv_n, UNIT, OFFSETS_64)
+    sdo_b, sdo_h, sdo_m = _unit_strides(sdo_b, sdo_h, sdo_m, UNIT, OFFSETS_64)
+    sdk_b, sdk_h, sdk_n = _unit_strides(sdk_b, sdk_h, sdk_n, UNIT, OFFSETS_64)
+    sdv_b, sdv_h, sdv_n = _unit_strides(sdv_b, sdv_h, sdv_n, UNIT, OFFSETS_64)
     start_n = tl.program_id(0)
     bh = tl.program_id(1)
     b, hk = bh // HKV, bh % HKV
     n0 = start_n * BLOCK_N
-    q_off = b.to(tl.int64) * sq_b
-    do_off = b.to(tl.int64) * sdo_b
-    k_off = b.to(tl.int64) * sk_b
-    v_off = b.to(tl.int64) * sv_b
-    dk_off = b.to(tl.int64) * sdk_b
-    dv_off = b.to(tl.int64) * sdv_b
+    q_off = b * sq_b
+    do_off = b * sdo_b
+    k_off = b * sk_b
+    v_off = b * sv_b
+    dk_off = b * sdk_b
+    dv_off = b * sdv_b
     lse_off = b.to(tl.int64) * slse_b
     if VARLEN:  # as in the forward: one [1, H, T, D] tensor, batch strides 0
         q_start, SQ, k_start, SKV = _sequence(CU_Q, CU_K, b)
@@ -540,22 +557,22 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, sq_b, sq_h, sq_m, sk
                    BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
                    D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    # Strides arrive divided by UNIT (see _stride_unit): multiplied back, the compiler knows rows start aligned.
-    sq_b, sq_h, sq_m, sk_b, sk_h, sk_n = sq_b * UNIT, sq_h * UNIT, sq_m * UNIT, sk_b * UNIT, sk_h * UNIT, sk_n * UNIT
-    sv_b, sv_h, sv_n = sv_b * UNIT, sv_h * UNIT, sv_n * UNIT
-    sdo_b, sdo_h, sdo_m = sdo_b * UNIT, sdo_h * UNIT, sdo_m * UNIT
-    sdq_b, sdq_h, sdq_m = sdq_b * UNIT, sdq_h * UNIT, sdq_m * UNIT
+                   OFFSETS_64: tl.constexpr, PRECISION: tl.constexpr):
+    sq_b, sq_h, sq_m = _unit_strides(sq_b, sq_h, sq_m, UNIT, OFFSETS_64)
+    sk_b, sk_h, sk_n = _unit_strides(sk_b, sk_h, sk_n, UNIT, OFFSETS_64)
+    sv_b, sv_h, sv_n = _unit_strides(sv_b, sv_h, sv_n, UNIT, OFFSETS_64)
+    sdo_b, sdo_h, sdo_m = _unit_strides(sdo_b, sdo_h, sdo_m, UNIT, OFFSETS_64)
+    sdq_b, sdq_h, sdq_m = _unit_strides(sdq_b, sdq_h, sdq_m, UNIT, OFFSETS_64)
     start_m = tl.program_id(0)
     if BOUND_RIGHT:  # heaviest query blocks first, as in the forward
         start_m = tl.num_programs(0) - 1 - start_m
     bh = tl.program_id(1)
     b, h = bh // H, bh % H
-    q_off = b.to(tl.int64) * sq_b
-    do_off = b.to(tl.int64) * sdo_b
-    dq_off = b.to(tl.int64) * sdq_b
-    k_off = b.to(tl.int64) * sk_b
-    v_off = b.to(tl.int64) * sv_b
+    q_off = b * sq_b
+    do_off = b * sdo_b
+    dq_off = b * sdq_b
+    k_off = b * sk_b
+    v_off = b * sv_b
     lse_off = b.to(tl.int64) * slse_b
     if VARLEN:  # as in the forward
         q_start, SQ, k_start, SKV = _sequence(CU_Q, CU_K, b)
@@ -817,6 +834,19 @@ def _divided(strides, unit):
     return tuple(st // unit for st in strides)
 
 
+# An index runs up to a tile past its dim's end (masked, but its address is formed): the widest tile.
+TILE_OVERRUN = 256
+
+
+def _offsets_64(d, *extents) -> bool:
+    """Whether an offset the kernels form in int32 may reach 2^31 elements, so that they must form it in int64
+    (``OFFSETS_64``). ``extents``: each tensor's (heads, rows, (batch, head, row) strides) as one program
+    addresses it, from its sequence's start (a paged cache's rows: one page's); batches, pages, splits and
+    packed sequences' starts are stepped in int64 always."""
+    return any((heads + TILE_OVERRUN) * st[1] + (rows + TILE_OVERRUN) * st[2] + d + TILE_OVERRUN >= 2**31
+               for heads, rows, st in extents)
+
+
 class Sequences(NamedTuple):
     """Where a call's sequences lie in the [B, H, S, D] views the kernels take: a dense batch, packed
     (``attention_varlen``: one [1, H, T, D] view, rows from ``cu_seqlens``) or keys in a paged cache
@@ -907,16 +937,18 @@ def _fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_strid
         else:  # contiguous float32 partials [splits, B, H, SQ, D] and [splits, B, H, SQ]
             so = (b * h * sq * d, *_strides(q.shape, (h * sq * d, sq * d, d)))
             slse = (b * h * sq, h * sq, sq)
-        strides = (*_strides(q.shape, q.stride()), *_strides(k.shape, k.stride()), *_strides(v.shape, v.stride()),
-                   *so)
+        q_st, k_st, v_st = (_strides(t.shape, t.stride()) for t in (q, k, v))
+        strides = (*q_st, *k_st, *v_st, *so)
         unit = _stride_unit(strides)
+        kv_rows = k.shape[2] if seqs.kind == "paged" else skv
+        offsets_64 = _offsets_64(d, (h, sq, q_st), (hkv, kv_rows, k_st), (hkv, kv_rows, v_st), (h, sq, so[1:]))
         plan.args = (*_divided(strides, unit), *slse, seqs.table_stride, h, group, sq, skv, left, right)
         plan.fwd = Launch(_fwd_kernel, (triton.cdiv(rows, block_m), b * heads, plan.splits), 9,
                           BOUND_LEFT=bound_left, BOUND_RIGHT=bound_right, SOFTCAP=softcap is not None,
                           VARLEN=seqs.kind == "varlen", PAGED=seqs.kind == "paged", PAGE=seqs.page, D=d, D0=d0,
                           D1=d1, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_upcast(q.dtype), PACK_GROUP=pack,
-                          NEGATIVE_SCALE=scale < 0, UNIT=unit, PRECISION=precision, num_warps=warps,
-                          num_stages=stages)
+                          NEGATIVE_SCALE=scale < 0, UNIT=unit, OFFSETS_64=offsets_64, PRECISION=precision,
+                          num_warps=warps, num_stages=stages)
         plan.combine = Launch(_combine_kernel, (b * h * sq,), 4, D=d, BLOCK_D=triton.next_power_of_2(d),
                               BLOCK_S=triton.next_power_of_2(plan.splits), num_warps=4)
         return plan
@@ -1059,19 +1091,25 @@ def _bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, prec
         plan.hopper = attention_sm90.BwdPlan(q, k, v, dout, plan.dk_stride, plan.dv_stride, causal)
     block = 64 if d <= 128 else 32
     # delta over the [B, H, S] rows of the views (varlen: [1, H, T], the layout of its lse)
-    plan.delta = Launch(_delta_kernel, (triton.cdiv(q.shape[2], block), q.shape[0] * h), 4, D=d,
-                        BLOCK_D=triton.next_power_of_2(d), BLOCK=block, ZERO_DQ=plan.hopper is not None)
+    rows = q.shape[2]
+    delta_64 = _offsets_64(d, (h, rows, _strides(q.shape, out.stride())), (h, rows, _strides(q.shape, dout.stride())))
+    plan.delta = Launch(_delta_kernel, (triton.cdiv(rows, block), q.shape[0] * h), 4, D=d,
+                        BLOCK_D=triton.next_power_of_2(d), BLOCK=block, ZERO_DQ=plan.hopper is not None,
+                        OFFSETS_64=delta_64)
     plan.delta_args = (*out.stride()[:3], *dout.stride()[:3], h, q.shape[2])
     if plan.hopper is not None:
         return _remember(_bwd_plans, key, plan)
     bound_left, bound_right, left, right = _mask(causal, window, seqs)
-    inputs = (*_strides(q.shape, q.stride()), *_strides(k.shape, k.stride()), *_strides(v.shape, v.stride()),
-              *_strides(q.shape, dout.stride()))
-    dkdv_strides = (*inputs, *_strides(k.shape, plan.dk_stride), *_strides(v.shape, plan.dv_stride))
-    dq_strides = (*inputs, *_strides(q.shape, plan.dq_stride))
+    query_like = [_strides(q.shape, st) for st in (q.stride(), dout.stride(), plan.dq_stride)]
+    key_like = [_strides(k.shape, st) for st in (k.stride(), v.stride(), plan.dk_stride, plan.dv_stride)]
+    inputs = (*query_like[0], *key_like[0], *key_like[1], *query_like[1])
+    dkdv_strides = (*inputs, *key_like[2], *key_like[3])
+    dq_strides = (*inputs, *query_like[2])
     dkdv_unit, dq_unit = _stride_unit(dkdv_strides), _stride_unit(dq_strides)
+    offsets_64 = _offsets_64(d, *((h, sq, st) for st in query_like), *((hkv, skv, st) for st in key_like))
     common = dict(BOUND_LEFT=bound_left, BOUND_RIGHT=bound_right, SOFTCAP=softcap is not None,
-                  VARLEN=seqs.kind == "varlen", D=d, D0=d0, D1=d1, UPCAST=_upcast(q.dtype), PRECISION=precision)
+                  VARLEN=seqs.kind == "varlen", D=d, D0=d0, D1=d1, UPCAST=_upcast(q.dtype), OFFSETS_64=offsets_64,
+                  PRECISION=precision)
     group = h // max(hkv, 1)
     tail = (group, sq, skv, left, right)
 
@@ -1203,16 +1241,18 @@ def _append_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_LENS, TABLE, SN, skn_b,
                    svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, stable_b,
                    PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
     """Token ``t`` of sequence ``b`` (program ``b * SN + t``), every KV head: to its slot in the cache."""
-    b, t = tl.program_id(0) // SN, tl.program_id(0) % SN
-    heads = tl.program_id(1)
+    # indices in int64: an offset into k_new, v_new or a cache may pass 2^31 elements (one multiply each a program)
+    token = tl.program_id(0).to(tl.int64)
+    b, t = token // SN, token % SN
+    heads = tl.program_id(1).to(tl.int64)
     pos = tl.load(CACHE_LENS + b) + t
-    page = tl.load(TABLE + b.to(tl.int64) * stable_b + pos // PAGE).to(tl.int64)
+    page = tl.load(TABLE + b * stable_b + pos // PAGE).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     ok = cols < D
-    src = b.to(tl.int64) * skn_b + t * skn_t + heads * skn_h + cols
+    src = b * skn_b + t * skn_t + heads * skn_h + cols
     tl.store(K_CACHE + page * skc_p + (pos % PAGE) * skc_s + heads * skc_h + cols, tl.load(K_NEW + src, mask=ok),
              mask=ok)
-    src = b.to(tl.int64) * svn_b + t * svn_t + heads * svn_h + cols
+    src = b * svn_b + t * svn_t + heads * svn_h + cols
     tl.store(V_CACHE + page * svc_p + (pos % PAGE) * svc_s + heads * svc_h + cols, tl.load(V_NEW + src, mask=ok),
              mask=ok)
 
