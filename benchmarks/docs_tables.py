@@ -23,7 +23,7 @@ from collections.abc import Callable
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "perf"
 DOCS = (ROOT / "README.md", ROOT / "docs" / "performance.md")
-BLOCK = re.compile(r"(<!-- results: (\S+) -->\n)(.*?)(<!-- /results -->)", re.S)
+BLOCK = re.compile(r"(<!-- results: (\S+) -->\n)(.*?)(<!-- /results -->)", re.DOTALL)
 MET = 0.995  # a cell at this fraction of its target or above counts as met: runs move cells by a few %
 
 
@@ -117,11 +117,11 @@ def train() -> str:
                "device-busy ms", "host ms"], speed),
         "Device time a step by kernel kind, ms (ours / torch's):",
         table(["shape", "mode", "attention forward", "attention backward", "clip + optimizer", "other"], kernels),
-        "Loss curves (max and last-10 mean of the gap to torch's; it agrees within 0.05 / 0.02 or within "
-        "torch's own spread, the widest gap among its eager, compiled and flash-attention runs):",
+        ("Loss curves (max and last-10 mean of the gap to torch's; it agrees within 0.05 / 0.02 or within "
+         "torch's own spread, the widest gap among its eager, compiled and flash-attention runs):"),
         table(["shape", "mode", "gap to torch", "torch's own spread", "agrees"], losses),
-        "Host time of one attention call (us, ours / SDPA's, the device idle before it) and a second run's "
-        "warm-up in a fresh process with every cache filled (s, ours / torch's):",
+        ("Host time of one attention call (us, ours / SDPA's, the device idle before it) and a second run's "
+         "warm-up in a fresh process with every cache filled (s, ours / torch's):"),
         table(["shape", "attention forward", "attention backward", "warm-up, eager", "warm-up, compiled"], second),
         provenance("train", results["info"])])
 
@@ -131,17 +131,18 @@ def train() -> str:
 def optimizer() -> str:
     results = load("optimizer")
     by_name = {(r["bench"], r["variant"]): r for r in results["rows"]}
+
+    def cell(row, field, fmt):
+        return fmt(row[field]) if row and row.get(field) is not None else "-"
+
     rows = []
-    for bench, variant in by_name:
-        if bench == "copy" or variant.endswith("graph") and (bench, variant.removesuffix(", graph")) in by_name:
+    for (bench, variant), row in by_name.items():
+        name = variant.removesuffix(", graph")
+        if bench == "copy" or variant != name and (bench, name) in by_name:  # a graph row joins its variant's
             continue
-        drained = by_name[bench, variant] if not variant.endswith("graph") else None
-        graph = by_name.get((bench, variant.removesuffix(", graph") + ", graph"))
-
-        def cell(row, field, fmt):
-            return fmt(row[field]) if row and row.get(field) is not None else "-"
-
-        rows.append([bench, variant.removesuffix(", graph"), cell(drained, "ms", "{:.2f}".format),
+        drained = row if variant == name else None
+        graph = by_name.get((bench, name + ", graph"))
+        rows.append([bench, name, cell(drained, "ms", "{:.2f}".format),
                      cell(drained, "steady ms", "{:.2f}".format), cell(graph, "ms", "{:.2f}".format),
                      cell(graph, "of copy", "{:.1%}".format), cell(drained, "steady vs torch fused", ratio),
                      cell(graph, "vs torch fused", ratio), cell(drained, "host ms", "{:.2f}".format)])
@@ -185,8 +186,8 @@ def attention() -> str:
     shapes = sorted({(k[2], k[3], k[5]) for k in cells})
 
     def vs(direction, d, s, causal, field="steady TFLOP/s", other="sdpa cudnn"):
-        return [cells["portable_ops", direction, d, s, h, causal][field] / cells[other, direction, d, s, h, causal][field]
-                for h in heads]
+        return [cells["portable_ops", direction, d, s, h, causal][field]
+                / cells[other, direction, d, s, h, causal][field] for h in heads]
 
     rows = []
     for d, s, causal in shapes:
@@ -210,7 +211,8 @@ def attention() -> str:
                 got = [x for dd, s, c in shapes if dd == d and c == causal and s >= 2048
                        for x in vs(direction, d, s, causal)]
                 targets.append([{"fwd": "forward", "bwd": "backward"}[direction], str(d), "yes" if causal else "no",
-                                f"{ratio(min(got))} to {ratio(max(got))}", f"{sum(x >= MET for x in got)} of {len(got)}"])
+                                f"{ratio(min(got))} to {ratio(max(got))}",
+                                f"{sum(x >= MET for x in got)} of {len(got)}"])
     summary = table(["target: at least cuDNN's speed from 2k", "D", "causal", "steady, vs cuDNN", "cells met"], targets)
     return "\n\n".join([main, summary, provenance("attention", results["info"])])
 
@@ -232,7 +234,8 @@ def decode() -> str:
             ours, cudnn = cells["portable_ops", b, c], cells["sdpa cudnn", b, c]
             flash = cells.get(("sdpa flash (K/V expanded)", b, c), {})
             detail.append([str(b), _seq(c), pair(ours["graph us"], cudnn["graph us"], 1),
-                           pair(ours["graph GB/s"], cudnn["graph GB/s"], 0), pair(ours["steady us"], cudnn["steady us"], 0),
+                           pair(ours["graph GB/s"], cudnn["graph GB/s"], 0),
+                           pair(ours["steady us"], cudnn["steady us"], 0),
                            f"{flash['graph us']:.1f}" if flash.get("graph us") else "-"])
     gmean = math.exp(sum(map(math.log, every)) / len(every))
     return "\n\n".join([
@@ -266,8 +269,8 @@ def features() -> str:
     pages = [r["variant"].removeprefix("ours paged ").strip("()") for r in next(iter(paged.values()))]
     return "\n\n".join([
         table(["ours", "shape", "steady TFLOP/s", "against (steady TFLOP/s)", "ours vs it"], rows),
-        "Paged decode against our decode from a contiguous cache holding the same keys, CUDA-graph replay "
-        "(above 1: the paged call is faster):",
+        ("Paged decode against our decode from a contiguous cache holding the same keys, CUDA-graph replay "
+         "(above 1: the paged call is faster):"),
         table(["shape"] + pages + ["contiguous us"], paged_rows),
         provenance("features", results["info"])])
 
