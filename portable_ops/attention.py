@@ -330,12 +330,17 @@ class _FuncAttentionBackward(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------- the public function
 
-def refuse_transforms(op: str) -> None:
-    """For the ops that have no torch.func rules: a clear error, before their checks read an index tensor
-    (which inside a transform fails with a message about storage)."""
+def refuse_transforms(op: str, *tensors) -> None:
+    """For the ops that have no torch.func or forward-mode AD rules: a clear error naming the op, before their
+    checks read an index tensor (which inside a transform fails with a message about storage) and before a
+    tangent could be dropped silently."""
     if torch._C._are_functorch_transforms_active():
         raise RuntimeError(f"portable_ops.{op} does not support torch.func transforms (vmap, grad, jvp, ...) yet; "
                            f"portable_ops.attention does")
+    if forward_ad._current_level >= 0 and any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent
+                                              is not None for t in tensors):
+        raise RuntimeError(f"portable_ops.{op} does not support forward-mode AD (torch.autograd.forward_ad) yet: "
+                           f"an input carries a tangent; portable_ops.attention does")
 
 
 def transformed() -> bool:

@@ -112,7 +112,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     key position ``i + len_k(b) - len_q(b)``). Returns ``[Tq, Hq, D]``, contiguous; differentiable in
     q, k and v. The offsets' values are read once per version of each tensor (``docs/api.md``).
     """
-    refuse_transforms("attention_varlen")
+    refuse_transforms("attention_varlen", q, k, v)
     call = attention_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                                  window, softcap)
     q, k, v = call["q"], call["k"], call["v"]

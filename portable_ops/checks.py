@@ -499,6 +499,12 @@ def check_paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v
                          f"{tuple(k_cache.shape[2:])}")
     _check_page_tables(block_table, cache_seqlens, k_new.shape[0], k_new.device)
     check_not_differentiated("paged_kv_append", k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
+    if not torch.is_inference_mode_enabled():  # torch's rule for every in-place write, kernels' raw pointers included
+        for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.is_inference():
+                raise RuntimeError(f"paged_kv_append: {arg} was made under torch.inference_mode(), and torch lets "
+                                   f"an inference tensor be written in place only inside it: append under "
+                                   f"torch.inference_mode() too")
 
 
 def check_not_differentiated(op: str, **tensors) -> None:

@@ -10,7 +10,9 @@ keeps the moments of float16/bfloat16 params in float32.
 
 from __future__ import annotations
 
+import contextlib
 import operator
+import re
 
 import numpy as np
 import torch
@@ -159,7 +161,7 @@ class Adam(torch.optim.Optimizer):
         """
         calls, new_state = [], {}
         self._pending_cache = {}
-        for group in self.param_groups:
+        for g, group in enumerate(self.param_groups):
             by_device, created, checked = self._state_lists(group)
             new_state.update(created)
             beta1, beta2 = group["betas"]
@@ -167,13 +169,15 @@ class Adam(torch.optim.Optimizer):
                 grads = list(map(_grad, lists["keys"]))  # C-level: hundreds of tensors per step
                 if lists["sharded"]:
                     grads = list(map(local, grads))
-                calls.append((lists["keys"], adam_call(
-                    lists["params"], grads, lists["exp_avgs"], lists["exp_avg_sqs"],
-                    lists["max"] if group["amsgrad"] else [], lists["steps"], amsgrad=group["amsgrad"],
-                    beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                    maximize=group["maximize"], decoupled_weight_decay=self.decoupled_weight_decay,
-                    grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device),
-                    state_dtype=group["state_dtype"], checked_layouts=lists["layouts"] if checked else None)))
+                with _named_as_the_user_sees_them(g, group, lists["keys"]):
+                    call = adam_call(
+                        lists["params"], grads, lists["exp_avgs"], lists["exp_avg_sqs"],
+                        lists["max"] if group["amsgrad"] else [], lists["steps"], amsgrad=group["amsgrad"],
+                        beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                        maximize=group["maximize"], decoupled_weight_decay=self.decoupled_weight_decay,
+                        grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device),
+                        state_dtype=group["state_dtype"], checked_layouts=lists["layouts"] if checked else None)
+                calls.append((lists["keys"], call))
         return calls, new_state
 
     @torch.no_grad()
@@ -283,6 +287,28 @@ def _params_unchanged(lists) -> bool:
     if lists["sharded"] and not all(map(operator.is_, map(local, lists["keys"]), lists["params"])):
         return False
     return checks.layouts(lists["params"]) == lists["layouts"]
+
+
+# The functional call's list entries, as a user of the optimizer names the same tensors
+_LIST_ENTRY = re.compile(r"\b(params|grads|exp_avgs|exp_avg_sqs|max_exp_avg_sqs|state_steps)\[(\d+)\]")
+_AS_THE_USER_SEES = {"params": "{p}", "grads": "{p}.grad", "exp_avgs": 'state[{p}]["exp_avg"]',
+                     "exp_avg_sqs": 'state[{p}]["exp_avg_sq"]', "max_exp_avg_sqs": 'state[{p}]["max_exp_avg_sq"]',
+                     "state_steps": 'state[{p}]["step"]'}
+
+
+@contextlib.contextmanager
+def _named_as_the_user_sees_them(g: int, group: dict, keys: list):
+    """A refusal of the functional call names ``params[i]`` of its per-device lists; re-raised, it names
+    ``param_groups[g]["params"][j]`` (and that param's grad or state), the tensor the user handed over."""
+    try:
+        yield
+    except (TypeError, ValueError) as exc:
+        where = {id(p): j for j, p in enumerate(group["params"])}
+
+        def named(match):
+            p = f'param_groups[{g}]["params"][{where[id(keys[int(match[2])])]}]'
+            return _AS_THE_USER_SEES[match[1]].format(p=p)
+        raise type(exc)(_LIST_ENTRY.sub(named, str(exc))) from None
 
 
 def _on(t, device):

@@ -102,7 +102,7 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale=No
     always), minus ``window=(left, right)``'s (``right`` is moot). ``scale`` and ``softcap`` as for
     :func:`portable_ops.attention`. Returns ``[B, Sq, Hq, D]``, contiguous. Not differentiable.
     """
-    refuse_transforms("paged_attention")
+    refuse_transforms("paged_attention", q, k_cache, v_cache)
     call = paged_attention_call(q, k_cache, v_cache, block_table, cache_seqlens, scale, window, softcap)
     if q.numel() == 0 or k_cache.numel() == 0:
         return q.new_zeros(q.shape)  # nothing to compute, or an empty cache (every length 0): no row sees a key
@@ -122,7 +122,7 @@ def paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new) 
     listed in ``block_table``, every position must fit in its ``max_pages * page_size``, and no two new
     tokens may map to one slot; a call that breaks any of these is refused before anything is written.
     """
-    refuse_transforms("paged_kv_append")
+    refuse_transforms("paged_kv_append", k_cache, v_cache, k_new, v_new)
     call = paged_kv_append_call(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new)
     if k_new.numel() == 0:
         return

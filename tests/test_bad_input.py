@@ -170,7 +170,7 @@ def test_optimizer_step_with_one_bad_group_changes_no_group():
     for p in good:
         p.grad = torch.randn_like(p)
     bad.grad = torch.randn(4).to_sparse()
-    with pytest.raises(ValueError, match=r"grads\[0\] is torch.sparse_coo"):
+    with pytest.raises(ValueError, match=r'param_groups\[1\]\["params"\]\[0\].grad is torch.sparse_coo'):
         opt.step()
     assert_bit_identical(before_params, snapshot(good + [bad]))
     for p in good + [bad]:

@@ -164,7 +164,7 @@ def test_params_replaced_between_steps_rebuild_or_refuse_never_reach_a_kernel(ba
             set_grads()
             before = [t.detach().clone() for t in params], copy.deepcopy(opt.state_dict())
             if state_size not in (None, p.numel()):
-                with portable_ops.use_backend(backend), pytest.raises(ValueError, match=r"exp_avgs\[\d+\] has shape"):
+                with portable_ops.use_backend(backend), pytest.raises(ValueError, match=r'\["exp_avg"\] has shape'):
                     opt.step()
                 assert all(torch.equal(a, b) for a, b in zip(params, before[0]))
                 del opt.state[p]  # the user's way out: fresh state for the resized param
