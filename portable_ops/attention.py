@@ -461,9 +461,9 @@ def _prepared_backward(q, k, v, causal, scale, window, softcap):
 
 
 def _memoise(key, q, k, v, causal, scale, window, softcap):
-    """``call(q, k, v) -> out`` for every call of this one's key (q, k, v: checked, as autocast casts
-    them), memoised; None where the call falls back (a fallback is not memoised: each warns, or raises
-    under strict mode)."""
+    """``(backend, its op, call)``, where ``call(q, k, v) -> out`` serves every call of this one's key (q, k, v:
+    checked, as autocast casts them); None where the call falls back (a fallback is not memoised: each warns,
+    or raises under strict mode)."""
     arguments = dict(q=q, k=k, v=v, causal=causal, scale=scale, window=window, softcap=softcap)
     choice = select_by_layout(_OP, _layout(q, k, v, causal, scale, window, softcap), lambda: arguments, q.device)
     if choice.is_fallback:
@@ -487,10 +487,14 @@ def _memoise(key, q, k, v, causal, scale, window, softcap):
     else:  # autograd.Function.apply costs 20-50 us of host time even with nothing to differentiate
         finish = lambda q, k, v: compute(q, k, v)[0]  # noqa: E731
     call = (lambda q, k, v: finish(*autocast_inputs(q, k, v))) if autocast else finish
+    return backend, impl, call
+
+
+def _remember(key, entry):
+    """Memoise a call once it has run: a call that failed leaves nothing behind."""
     if len(_memo) >= _MEMO_SIZE:
         _memo.clear()
-    _memo[key] = (backend, impl, call)
-    return call
+    _memo[key] = entry
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
@@ -519,9 +523,11 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
                                  softcap_tensor)[0]
     if transformed():
         return _FuncAttention.apply(q, k, v, causal, scale, window, softcap)[0]
-    call = _memoise(key, q, k, v, causal, scale, window, softcap) if key is not None else None
-    if call is not None:
-        return call(q, k, v)
+    entry = _memoise(key, q, k, v, causal, scale, window, softcap) if key is not None else None
+    if entry is not None:
+        out = entry[2](q, k, v)
+        _remember(key, entry)
+        return out
     if not _needs_grad(q, k, v):
         return forward(q, k, v, causal, scale, window, softcap)[0]
     return EagerAttention.apply(q, k, v, Options(DENSE, (causal, scale, window, softcap)))[0]

@@ -2,6 +2,8 @@
 written outside inference mode, transforms an op has no rule for, optimizer refusals that must name the user's
 own tensor."""
 
+import sys
+
 import pytest
 import torch
 from torch.autograd import forward_ad
@@ -77,3 +79,25 @@ def test_a_refused_step_names_the_tensor_as_the_user_holds_it(backend):
         groups[1][1].grad = groups[1][1].grad.to_sparse()
         with pytest.raises(ValueError, match=r'^param_groups\[1\]\["params"\]\[1\]\.grad is torch.sparse_coo'):
             opt.step()
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_a_call_that_failed_leaves_no_memo_behind(fake_backend, grad):
+    """A kernel that fails once (out of memory, a launch error): nothing of the failed call is memoised, so the
+    next call of the same layout is dispatched and prepared afresh and runs what is installed then."""
+    stand_in = fake_backend("triton")
+    attention = sys.modules["portable_ops.attention"]
+    q, k, v = (torch.randn(1, h, 8, 16, requires_grad=grad) for h in (2, 2, 2))
+
+    def failing(**call):
+        raise RuntimeError("the stand-in's launch failed")
+    stand_in.ops["attention_fwd"] = portable_ops.dispatch.OpImpl(run=failing)
+    before = dict(attention._memo)
+    with portable_ops.use_backend("triton"), pytest.raises(RuntimeError, match="launch failed"):
+        portable_ops.attention(q, k, v)
+    assert attention._memo == before
+    stand_in.ops["attention_fwd"] = portable_ops.dispatch.get_backend("reference").ops["attention_fwd"]
+    with portable_ops.use_backend("triton"):
+        out = portable_ops.attention(q, k, v)
+    assert len(attention._memo) == len(before) + 1
+    torch.testing.assert_close(out, portable_ops.attention(q, k, v))
