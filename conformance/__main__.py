@@ -24,16 +24,16 @@ import time
 import torch
 
 from portable_ops import cli, env
-from portable_ops.dispatch import BACKEND_NAMES, get_backend, unavailable_reason
+from portable_ops import dispatch
 
 from .cases import CASES
-from .runner import LONG_VARIABLE, default_device, format_table, passed, run, status_counts, usable_backends
+from .runner import LONG_VARIABLE, format_table, passed, run, status_counts, unusable_reason, usable_backends
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m portable_ops.conformance", description=__doc__.split("\n\n")[1],
                                      epilog=__doc__.split("\n\n")[2])
-    parser.add_argument("--backend", action="append", choices=BACKEND_NAMES,
+    parser.add_argument("--backend", action="append", choices=dispatch.BACKEND_NAMES,
                         help="backend to check (repeatable); default: every usable backend")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON to FILE")
     parser.add_argument("--case", metavar="SUBSTRING", help="only cases whose id contains SUBSTRING")
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     for name in backends:
-        reason = unavailable_reason(name) or "; ".join(get_backend(name).device_reasons(device or default_device(name)))
+        reason = unusable_reason(name, device)
         if reason:
             print(f"backend {name!r} is unavailable: {reason}", file=sys.stderr)
             return 2

@@ -1,9 +1,9 @@
 """The shared case catalogue: the same cases for every backend.
 
-A case names an op family (``adam``, ``clip``, ``attention``, ``attention_varlen``,
-``paged``), a seed, its parameters and a dtype. Inputs are drawn from the seed on the CPU and moved to
-the backend's device, so every backend sees the same numbers. Tolerances are
-keyed by dtype: a value passes when ``|out - ref| <= atol + rtol * |ref|``
+A case names an op family (``portable_ops.ops.families()``: ``adam``, ``clip_grad_norm_``, ``attention``,
+``attention_varlen``, ``paged_attention``), a seed, its parameters and a dtype. Inputs are drawn from the
+seed on the CPU and moved to the backend's device, so every backend sees the same numbers. Tolerances
+come from tolerances.py, by family and dtype: a value passes when ``|out - ref| <= atol + rtol * |ref|``
 elementwise, against each oracle. Adam cases with ``state_dtype`` in their params keep
 the moments in that dtype and check them with its tolerance.
 
@@ -20,47 +20,29 @@ from dataclasses import dataclass, field
 
 import torch
 
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+from .tolerances import Tolerance, tolerance
 
-# (atol, rtol). Optimizer: one step's rounding of the stored dtype from the same
-# starting state (the float64 oracle is re-seeded from the backend's state every
-# step). Attention: fp32 allows TF32 matrix units; half types round P before P@V.
-TOLERANCES = {
-    "adam": {F32: (1e-6, 1e-5), F16: (1e-5, 2e-3), BF16: (1e-4, 1.6e-2)},
-    "clip": {F32: (1e-6, 1e-5), F16: (1e-4, 2e-3), BF16: (1e-3, 1.6e-2)},
-    "attention": {F32: (2e-3, 2e-3), F16: (4e-3, 4e-3), BF16: (3e-2, 3e-2)},
-}
-# Packed and paged attention are dense attention per sequence: the same tolerances.
-TOLERANCES["attention_varlen"] = TOLERANCES["paged"] = TOLERANCES["attention"]
-# Gradients of attention sum over a whole sequence: allow a few times the forward's error.
-ATTENTION_GRAD_FACTOR = 4.0
-# A half-precision param stepped from float32 moments: the float32 step, then one rounding to nearest
-# in the param's dtype: half an ulp (float16 2**-11, bfloat16 2**-8 relative) with room for a tie. The
-# Triton interpreter truncates float32 to bfloat16; the triton kernels round by hand there
-# (backends/triton/interpreter.py), so a truncating store fails this.
-FP32_STATE_PARAM_TOLERANCES = {F16: (1e-7, 1e-3), BF16: (1e-7, 4e-3)}
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
 @dataclass(frozen=True)
 class Case:
     name: str
-    op: str  # a key of TOLERANCES
+    op: str  # the family: a key of portable_ops.ops.families(), and of the runner's RUNNERS
     dtype: torch.dtype
     params: dict = field(default_factory=dict)
     seed: int = 0
     long: bool = False  # too slow for a CPU run by default: see the runner's run policy
 
     @property
-    def tolerance(self) -> tuple[float, float]:
+    def tolerance(self) -> Tolerance:
         """The param's (or output's) tolerance."""
-        if self.params.get("state_dtype") is not None:
-            return FP32_STATE_PARAM_TOLERANCES[self.dtype]
-        return TOLERANCES[self.op][self.dtype]
+        return tolerance(self.op, self.dtype, self.params.get("state_dtype"))
 
     @property
-    def state_tolerance(self) -> tuple[float, float]:
+    def state_tolerance(self) -> Tolerance:
         """The optimizer moments' tolerance: their own dtype's."""
-        return TOLERANCES[self.op][self.params.get("state_dtype") or self.dtype]
+        return tolerance(self.op, self.params.get("state_dtype") or self.dtype)
 
     @property
     def id(self) -> str:
@@ -127,20 +109,21 @@ def _adam_cases() -> list[Case]:
 
 def _clip_cases() -> list[Case]:
     cases = []
+    clip = "clip_grad_norm_"
     for dtype in (F32, BF16, F16):
-        cases.append(Case("clip_l2_odd_sizes", "clip", dtype, dict(shapes=ODD_SIZES, max_norm=1.0, norm_type=2.0)))
-        cases.append(Case("clip_inf_norm", "clip", dtype, dict(shapes=ODD_SIZES, max_norm=0.5, norm_type=float("inf"))))
+        cases.append(Case("clip_l2_odd_sizes", clip, dtype, dict(shapes=ODD_SIZES, max_norm=1.0, norm_type=2.0)))
+        cases.append(Case("clip_inf_norm", clip, dtype, dict(shapes=ODD_SIZES, max_norm=0.5, norm_type=float("inf"))))
     cases += [
-        Case("clip_below_threshold", "clip", F32, dict(shapes=ODD_SIZES, max_norm=1e6, norm_type=2.0)),
+        Case("clip_below_threshold", clip, F32, dict(shapes=ODD_SIZES, max_norm=1e6, norm_type=2.0)),
         # max_norm=inf: measure the norm, scale by exactly 1 (torch's idiom)
-        Case("clip_measure_only", "clip", F32, dict(shapes=ODD_SIZES, max_norm=float("inf"), norm_type=2.0)),
-        Case("clip_one_element", "clip", F32, dict(shapes=[(1,)], max_norm=0.1, norm_type=2.0)),
-        Case("clip_many_mixed", "clip", F32, dict(shapes=_mixed_sizes(60, 11), max_norm=2.0, norm_type=2.0)),
-        Case("clip_empty_list", "clip", F32, dict(shapes=[], max_norm=1.0, norm_type=2.0)),
+        Case("clip_measure_only", clip, F32, dict(shapes=ODD_SIZES, max_norm=float("inf"), norm_type=2.0)),
+        Case("clip_one_element", clip, F32, dict(shapes=[(1,)], max_norm=0.1, norm_type=2.0)),
+        Case("clip_many_mixed", clip, F32, dict(shapes=_mixed_sizes(60, 11), max_norm=2.0, norm_type=2.0)),
+        Case("clip_empty_list", clip, F32, dict(shapes=[], max_norm=1.0, norm_type=2.0)),
         # max_grad_norm fused into AdamW: norm, then a step that scales each grad as it reads it.
-        Case("adamw_fused_clip_step", "clip", F32,
+        Case("adamw_fused_clip_step", clip, F32,
              dict(shapes=ODD_SIZES, max_norm=0.5, norm_type=2.0, fused_step=True, steps=5)),
-        Case("adamw_fused_clip_step", "clip", BF16,
+        Case("adamw_fused_clip_step", clip, BF16,
              dict(shapes=ODD_SIZES, max_norm=0.5, norm_type=2.0, fused_step=True, steps=3)),
     ]
     return cases
@@ -223,7 +206,7 @@ def _capped_scale(d: int) -> float:
 
 
 def _window_softcap_cases() -> list[Case]:
-    """Dense attention with a sliding window or a softcap (issue 12): one family each."""
+    """Dense attention with a sliding window or a softcap: one family each."""
     keys = ("B", "Hq", "Hkv", "Sq", "Skv", "D", "causal")
     windows = {  # name: (shape as in _attention_cases, window, dtypes)
         "attn_window_0_0": ((1, 2, 2, 40, 40, 32, False), (0, 0), (F16,)),  # each query sees its own key only
@@ -285,7 +268,8 @@ def _paged_cases() -> list[Case]:
         "paged_softcap_page16": (dict(Hq=4, Hkv=4, D=128, lens=(70, 31), Sq=1, page_size=16, softcap=30.0,
                                       scale=_capped_scale(128)), (F16,)),
     }
-    return [Case(name, "paged", dtype, params) for name, (params, dtypes) in cases.items() for dtype in dtypes]
+    return [Case(name, "paged_attention", dtype, params) for name, (params, dtypes) in cases.items()
+            for dtype in dtypes]
 
 
 CASES: list[Case] = (_adam_cases() + _clip_cases() + _attention_cases() + _window_softcap_cases() + _varlen_cases()

@@ -4,11 +4,13 @@ One runner serves the CLI (``python -m portable_ops.conformance``) and pytest
 (``tests/test_conformance.py``). Each case runs with its backend forced and
 ``PORTABLE_OPS_STRICT=1``, so a call the backend declines raises instead of
 quietly running the reference: that case is reported as ``fallback`` with the
-backend's reason, never as a pass. A fallback is ``declared`` when the backend lists the op
+backend's reason, never as a pass. A backend's cases run where ``placement`` says: on the first
+device type it declares (``Backend.devices``) present in this process, else on the CPU where it
+runs there, else nowhere (``not run``, with the reason). A fallback is ``declared`` when the backend lists the op
 among those it has no kernel for (``Backend.declined``); the CLI's exit status counts only
 undeclared ones, unless ``--strict`` (docs/conformance.md, "Exit status").
 
-Oracles: ``float64`` is the reference backend's code run in float64 on the CPU;
+Oracles (oracles.py): ``float64`` is the reference backend's code run in float64 on the CPU;
 ``torch`` is PyTorch itself (``torch.optim`` functional Adam/AdamW,
 ``torch.nn.utils.clip_grad_norm_``, ``F.scaled_dot_product_attention``), used for
 the reference backend. Optimizer cases are compared step by step: before each
@@ -29,24 +31,22 @@ import itertools
 import math
 import os
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
-from torch.optim.adam import adam as torch_adam
 
 import portable_ops
 from portable_ops import dispatch, env
-from portable_ops.backends.reference.adam import adam as reference_adam
-from portable_ops.backends.reference.attention import attention_bwd as reference_attention_bwd
-from portable_ops.backends.reference.attention import attention_fwd as reference_attention_fwd
 from portable_ops.backends.reference.attention_varlen import attention_varlen_bwd as reference_varlen_bwd
 from portable_ops.backends.reference.attention_varlen import attention_varlen_fwd as reference_varlen_fwd
 from portable_ops.backends.reference.grad_norm import grad_norm as reference_grad_norm
 from portable_ops.backends.reference.paged import paged_attention as reference_paged_attention
+from portable_ops.ops import families
 
-from .cases import ATTENTION_GRAD_FACTOR, CASES, Case
+from .cases import CASES, Case
+from .oracles import F64, adam_oracle, attention_oracle
+from .tolerances import GRADIENT_FACTOR
 
-F64 = torch.float64
 # Adam divides by sqrt(v) + eps: where the grad (after L2 decay) nearly cancels, its float32
 # rounding is amplified in the update. A parameter may be off by this fraction of its own update.
 UPDATE_RTOL = 1e-3
@@ -107,19 +107,49 @@ class Comparison:
                             f"expected {ref.flatten()[i].item():.6g} (atol {atol:g}, rtol {rtol:g})")
 
 
+class Placement(NamedTuple):
+    device: torch.device | None  # where a backend's cases run; None: nowhere in this process
+    why_not: str = ""  # when ``device`` is None, why
+
+
+def placement(backend: str) -> Placement:
+    """Where a backend's cases run: on the first device type it declares (``Backend.devices``) that is present
+    in this process, else on the CPU where it runs there (an interpreter, an emulator), else nowhere."""
+    reason = dispatch.unavailable_reason(backend)
+    if reason is not None:
+        return Placement(None, reason)
+    declared = dispatch.get_backend(backend)
+    for kind in declared.devices:
+        if kind != dispatch.EVERY_DEVICE_TYPE and dispatch.device_present(kind):
+            return Placement(torch.device(kind))
+    cpu = torch.device("cpu")
+    on_cpu = declared.device_reasons(cpu)
+    if not on_cpu:
+        return Placement(cpu)
+    return Placement(None, f"no {' or '.join(declared.devices)} device in this process, and {'; '.join(on_cpu)}")
+
+
 def default_device(backend: str) -> torch.device:
-    """Where a backend's cases run: its accelerator when present, else the CPU (interpreter / emulator)."""
-    if backend == "triton" and torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("cpu")
+    """The device of ``placement(backend)``; ValueError, with the reason, where its cases can't run here."""
+    where = placement(backend)
+    if where.device is None:
+        raise ValueError(f"{backend}'s cases can't run here: {where.why_not}")
+    return where.device
+
+
+def unusable_reason(backend: str, device: torch.device | None = None) -> str | None:
+    """Why ``backend``'s cases can't run on ``device`` (default: its placement's), or None when they can."""
+    reason = dispatch.unavailable_reason(backend)
+    if reason is not None:
+        return reason
+    where = Placement(device) if device is not None else placement(backend)
+    if where.device is None:
+        return where.why_not
+    return "; ".join(dispatch.get_backend(backend).device_reasons(where.device)) or None
 
 
 def usable_backends() -> list[str]:
-    usable = []
-    for name in dispatch.BACKEND_NAMES:
-        if dispatch.unavailable_reason(name) is None and not dispatch.get_backend(name).device_reasons(default_device(name)):
-            usable.append(name)
-    return usable
+    return [name for name in dispatch.BACKEND_NAMES if unusable_reason(name) is None]
 
 
 @contextlib.contextmanager
@@ -145,27 +175,6 @@ def _scalar(value, device, dtype=torch.float32):
 
 
 # ----------------------------------------------------------------------------- adam
-
-def _adam_oracle(oracle, state, grads, kw):
-    """One step of the oracle on float64 CPU copies of ``state`` (params, exp_avgs, exp_avg_sqs, maxs, steps)."""
-    params, exp_avgs, exp_avg_sqs, maxs, steps = state
-    if oracle == "float64":
-        reference_adam(params, grads, exp_avgs, exp_avg_sqs, maxs, steps, **kw)
-        return
-    # torch's functional adam (its fused CPU kernel takes grad_scale/found_inf); clip_coef is ours alone.
-    clip = kw["clip_coef"]
-    grads = [g * clip.item() for g in grads] if clip is not None else grads
-    steps32 = [s.float() for s in steps]
-    torch_adam(params, grads, exp_avgs, exp_avg_sqs, maxs, steps32, fused=True,
-               grad_scale=None if kw["grad_scale"] is None else kw["grad_scale"].float(),
-               found_inf=None if kw["found_inf"] is None else kw["found_inf"].float(),
-               decoupled_weight_decay=kw["decoupled_weight_decay"], amsgrad=kw["amsgrad"],
-               beta1=kw["beta1"], beta2=kw["beta2"],
-               lr=kw["lr"].item() if isinstance(kw["lr"], torch.Tensor) else kw["lr"],
-               weight_decay=kw["weight_decay"], eps=kw["eps"], maximize=kw["maximize"])
-    for s, s32 in zip(steps, steps32):
-        s.copy_(s32)
-
 
 def run_adam(case: Case, backend: str, device: torch.device, oracles: list[str], result: Comparison):
     p, dtype = case.params, case.dtype
@@ -199,7 +208,7 @@ def run_adam(case: Case, backend: str, device: torch.device, oracles: list[str],
         kw64 = {k: (v.to("cpu", F64) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
         for oracle in oracles:
             expected = [[t.clone() for t in ts] for ts in before]
-            _adam_oracle(oracle, expected, _f64(grads), kw64)
+            adam_oracle(oracle, expected, _f64(grads), kw64)
             for label, outs, refs in zip(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"), state, expected):
                 tol = (0.0, 0.0) if skip else tolerances[label]  # a skipped step must leave every bit as it was
                 for i, (out, ref) in enumerate(zip(outs, refs)):
@@ -277,73 +286,13 @@ def _run_fused_clip_step(case, backend, device, oracles, result, gen):
             kw = dict(amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-2, weight_decay=0.01, eps=1e-8, maximize=False,
                       decoupled_weight_decay=True, grad_scale=None, found_inf=None, clip_coef=coef)
             with torch.no_grad():
-                _adam_oracle(oracle, state, [l.grad for l in leaves], kw)
+                adam_oracle(oracle, state, [l.grad for l in leaves], kw)
             result.check(oracle, f"step {step + 1} grad norm", opt.last_grad_norm, norm, atol, rtol)
             for i, (t, ref) in enumerate(zip(params, state[0])):
                 result.check(oracle, f"step {step + 1} param[{i}]", t, ref, atol, rtol)
 
 
 # ----------------------------------------------------------------------------- attention
-
-def torch_mask(sq, skv, causal, window):
-    """Which keys each query sees, spelled apart from the reference's ``visible`` (diagonal offsets of
-    ``tril``, bottom-right: query ``i`` sits at key position ``i + skv - sq``)."""
-    ones = torch.ones(sq, skv, dtype=torch.bool)
-    shift, mask = skv - sq, ones
-    if causal:
-        mask = mask & ones.tril(shift)
-    left, right = window or (None, None)
-    if left is not None:
-        mask = mask & ~ones.tril(shift - left - 1)
-    if right is not None:
-        mask = mask & ones.tril(shift + right)
-    return mask
-
-
-def torch_attention(q, k, v, mask, scale, softcap):
-    """PyTorch's attention under an explicit boolean mask: SDPA, or without a softcap in SDPA, the
-    softcapped math definition (``softcap * tanh(s / softcap)`` of the scaled scores, then the mask)."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    groups = q.shape[1] // k.shape[1]
-    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    scores = softcap * torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap)
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
-
-
-def attention_oracle(oracle, q, k, v, dout, rows, causal, scale, window=None, softcap=None):
-    """``out`` and ``dq`` on query rows ``rows = (start, end)``, and ``dk``, ``dv`` over every key, of the
-    attention of those rows alone: with ``dout`` zero on every other row, the whole attention's gradients.
-    Causal: the keys end at the last one the block's last row sees, so that the block's bottom-right
-    mask is the whole sequence's. ``dout=None``: ``out`` alone. The torch oracle takes only the rows
-    that see a key (SDPA gives NaN for the others): zeros elsewhere, as the convention says."""
-    start, end = rows
-    skv = k.shape[-2]
-    seen = max(0, min(skv, end + skv - q.shape[-2])) if causal else skv  # 0: the block sees no key
-    q, k, v = q[:, :, start:end], k[:, :, :seen], v[:, :, :seen]
-    if oracle == "float64":
-        out, lse = reference_attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
-        if dout is None:
-            return out
-        grads = reference_attention_bwd(q, k, v, out, lse, dout[:, :, start:end], causal=causal, scale=scale,
-                                        window=window, softcap=softcap)
-    else:
-        leaves = [t.clone().requires_grad_(dout is not None) for t in (q, k, v)]
-        mask = torch_mask(q.shape[-2], seen, causal, window)
-        rows_seeing = mask.any(-1).nonzero()[:, 0]
-        out = torch.zeros_like(q)
-        if len(rows_seeing):
-            out = out.index_copy(2, rows_seeing, torch_attention(leaves[0][:, :, rows_seeing], *leaves[1:],
-                                                                 mask[rows_seeing], scale, softcap))
-        if dout is None:
-            return out.detach()
-        grads = [torch.zeros_like(t) for t in leaves]
-        if len(rows_seeing):
-            grads = torch.autograd.grad(out, leaves, dout[:, :, start:end])
-    dq, dk, dv = grads
-    unseen = (0, 0, 0, skv - seen)
-    return out.detach(), dq, F.pad(dk, unseen), F.pad(dv, unseen)
-
 
 def attention_inputs(case: Case):
     """``q, k, v, dout`` (float32, CPU) drawn from the case's seed, the blocks of query rows that are checked,
@@ -379,7 +328,7 @@ def run_attention(case: Case, backend: str, device: torch.device, oracles: list[
         out = portable_ops.attention(*inputs, causal=p["causal"], scale=scale, window=window, softcap=softcap)
         out.backward(dout.to(device, dtype))
     atol, rtol = case.tolerance
-    grad_tol = (atol * ATTENTION_GRAD_FACTOR, rtol * ATTENTION_GRAD_FACTOR)
+    grad_tol = case.tolerance.scaled(GRADIENT_FACTOR)
     dq, dk, dv = (t.grad for t in inputs)
     if not sampled.all():
         outside = dq[:, :, ~sampled.to(dq.device)]
@@ -428,7 +377,7 @@ def run_attention_varlen(case: Case, backend: str, device: torch.device, oracles
                                             **options)
         out.backward(dout.to(device, dtype))
     atol, rtol = case.tolerance
-    grad_tol = (atol * ATTENTION_GRAD_FACTOR, rtol * ATTENTION_GRAD_FACTOR)
+    grad_tol = case.tolerance.scaled(GRADIENT_FACTOR)
     q64, k64, v64 = _f64(inputs)
     dout64 = dout.to(dtype).to(F64)
     for oracle in oracles:
@@ -519,8 +468,10 @@ def run_paged(case: Case, backend: str, device: torch.device, oracles: list[str]
         result.check(oracle, "out", out, ref, atol, rtol)
 
 
-RUNNERS = {"adam": run_adam, "clip": run_clip, "attention": run_attention, "attention_varlen": run_attention_varlen,
-           "paged": run_paged}
+RUNNERS = {"adam": run_adam, "clip_grad_norm_": run_clip, "attention": run_attention,
+           "attention_varlen": run_attention_varlen, "paged_attention": run_paged}
+if set(RUNNERS) != set(families()):  # a family of portable_ops/ops.py without a runner, or the reverse
+    raise ImportError(f"runners for {sorted(RUNNERS)}; portable_ops/ops.py's families are {sorted(families())}")
 
 
 def long_cases_run(device: torch.device, long: bool | None = None) -> bool:
@@ -530,10 +481,15 @@ def long_cases_run(device: torch.device, long: bool | None = None) -> bool:
 
 
 def run_case(case: Case, backend: str, device: torch.device | None = None, long: bool | None = None) -> Row:
-    device = device or default_device(backend)
-    oracles = ["float64", "torch"] if backend == "reference" else ["float64"]
+    """One case on ``backend``, forced and strict, on ``device`` (default: the backend's placement)."""
+    oracles = ["float64", "torch"] if backend == dispatch.FALLBACK else ["float64"]
     atol, rtol = case.tolerance
     row = Row(backend, case.id, "pass", atol=atol, rtol=rtol)
+    where = Placement(device) if device is not None else placement(backend)
+    if where.device is None:
+        row.status, row.detail = "not run", where.why_not
+        return row
+    device = where.device
     if case.long and not long_cases_run(device, long):
         row.status = "not run"
         row.detail = (f"long case: runs on an accelerator; on {device.type} only with --long or "
@@ -543,8 +499,8 @@ def run_case(case: Case, backend: str, device: torch.device | None = None, long:
     try:
         RUNNERS[case.op](case, backend, device, oracles, result)
     except dispatch.BackendUnavailableError as exc:
-        row.status, row.detail = "fallback", str(exc).split(" -- ")[0]
-        row.declared = any(reason in row.detail for reason in dispatch.get_backend(backend).declined.values())
+        row.status, row.detail = "fallback", exc.choice.fallback_message()
+        row.declared = exc.op in dispatch.get_backend(exc.preferred).declined
         return row
     except Exception as exc:  # a crash is a failure of the case, reported, not raised
         row.status, row.detail = "error", f"{type(exc).__name__}: {exc}"

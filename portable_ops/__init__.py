@@ -24,13 +24,13 @@ from .dispatch import BackendUnavailableError, FallbackWarning, use_backend  # n
 from .explain import explain  # noqa: E402
 from .paged import paged_attention, paged_kv_append  # noqa: E402
 
-if _torch.cuda.is_available():
-    # The default backend of CUDA tensors is loaded now, not inside the first training step: loading
-    # it starts Triton's cache-key hashing in a thread (backends/triton/launch.py), which then runs
-    # while the user builds the model instead of in front of the first kernel launch.
-    from .dispatch import get_backend as _get_backend  # noqa: E402
+if _torch.accelerator.is_available():
+    # With an accelerator the backends are loaded now, not inside the first training step: loading the one
+    # serving it may start work in a thread (triton's cache-key hashing, backends/triton/launch.py), which
+    # then runs while the user builds the model instead of in front of the first kernel launch.
+    from .dispatch import loaded_backends as _loaded_backends  # noqa: E402
 
-    _get_backend("triton")
+    _loaded_backends()
 
 __version__ = "0.1.0"
 

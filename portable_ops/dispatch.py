@@ -1,18 +1,19 @@
 """Backend selection: which backend runs a call, and why every other one does not.
 
-A backend is a module under ``portable_ops.backends`` exposing ``BACKEND``, a
-:class:`Backend`. It names the device types it is the native choice for and,
-per op, an :class:`OpImpl` whose ``supports(call)`` returns the reasons it
-cannot take ``call`` (empty when it can). Dispatch walks the preference list
-for the tensors' device, keeps every rejection, and either runs the first
-backend that accepts or falls back to ``reference`` with a warning (an error
-under ``PORTABLE_OPS_STRICT=1``).
+A backend is a module under ``portable_ops.backends`` exposing ``BACKEND``, a :class:`Backend`: the
+device types whose tensors it runs by default, and per op (``portable_ops.ops.OPS``) an
+:class:`OpImpl` that declares what it takes (dtypes, head dims, features) and whose ``supports(call)``
+gives the reasons particular to the backend that it cannot take ``call``. Dispatch derives the
+generic reasons from the declarations, walks the preference list for the tensors' device type, keeps
+every rejection, and either runs the first backend that accepts or falls back to ``reference`` with a
+warning (an error under ``PORTABLE_OPS_STRICT=1``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import operator
 import os
 import sys
 import threading
@@ -23,48 +24,150 @@ from typing import Any, Callable, Iterator
 import torch
 
 from . import env
+from .ops import OPS, Call, Op, declined_reason
 
 BACKEND_NAMES = ("triton", "nki", "reference")
+# Runs every call on any device: the last backend of every preference list, where fallbacks go.
+FALLBACK = "reference"
+# In ``Backend.devices``: tensors of every device type (the fallback's declaration).
+EVERY_DEVICE_TYPE = "*"
+FLOATING_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
-# Device types each accelerator backend is the default for. Anything else runs
-# on the reference backend unless a backend is forced.
-NATIVE_DEVICES = {"triton": ("cuda",), "nki": ("xla", "neuron")}
-
-Call = dict  # the keyword arguments of one op call, validated by the public API
-
-
-class BackendUnavailableError(RuntimeError):
-    """A forced or strict call could not run on the backend asked for."""
+_dtype = operator.attrgetter("dtype")
 
 
 class FallbackWarning(UserWarning):
     """A call ran on the reference backend because the preferred one can't take it."""
 
 
+def _no_reasons(call: Call) -> list[str]:
+    return []
+
+
 @dataclass(frozen=True)
 class OpImpl:
     run: Callable[..., Any]
-    # Reasons this backend can't take a call; must not touch tensor data.
-    supports: Callable[[Call], list[str]] = lambda call: []
+    # Reasons particular to this backend that it can't take a call (a launch limit, a layout); must not
+    # touch tensor data. Those of the declarations below are dispatch's to give.
+    supports: Callable[[Call], list[str]] = _no_reasons
     # Optional, for ops whose host time is critical: ``prepare(q, k, v, **options)`` returns ``run`` for every
     # call whose q, k and v have these ones' layout (shapes, strides, dtypes, device and 16-byte alignment)
     # and whose options are these, taking the op's tensors positionally (attention_bwd's: q, k, v, out, lse,
     # dout, the last three of any layout); what ``run`` would look up per call is looked up once.
     prepare: Callable[..., Callable[..., Any]] | None = None
+    # What it takes, as data (None: no limit): the dtypes of the op's floating-point tensors, the largest
+    # head dim, and which of the op's optional features (``Op.features``, by name) it has.
+    dtypes: tuple[torch.dtype, ...] | None = None
+    max_head_dim: int | None = None
+    features: tuple[str, ...] | None = None
+
+
+def _names(dtypes) -> str:
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _is_or_are(items) -> str:
+    return "is" if len(items) == 1 else "are"
+
+
+def _dtypes_in(op: Op, call: Call) -> list[torch.dtype]:
+    found: list[torch.dtype] = []
+    for key in op.tensors:
+        value = call.get(key)
+        if isinstance(value, (list, tuple)):
+            found += set(map(_dtype, value))
+        elif value is not None:
+            found.append(value.dtype)
+    return list(dict.fromkeys(found))
 
 
 @dataclass
 class Backend:
     name: str
+    # Device types whose tensors it runs by default, e.g. ("cuda",).
+    devices: tuple[str, ...]
     ops: dict[str, OpImpl]
+    # What runs it on CPU tensors when it is forced there ("the Triton interpreter"); None: it does not.
+    cpu_runner: str | None = None
     # Reason the backend can't run at all in this process (library missing, ...), or None.
     unavailable: Callable[[], str | None] = lambda: None
-    # Reasons the backend can't run on tensors of this device type, empty when it can.
-    device_reasons: Callable[[torch.device], list[str]] = lambda device: []
+    # Reasons it can't run now on tensors of a device type it runs (an SDK missing, the interpreter off).
+    runtime_reasons: Callable[[torch.device], list[str]] = lambda device: []
     description: str = ""
-    # Ops the backend does not implement (yet), each with the reason a user reads in explain's report
-    # and in a fallback's warning; any other op it lacks reads "<name> does not implement <op>".
-    declined: dict[str, str] = field(default_factory=dict)
+    # Ops it has no kernels for yet: each falls back with ``ops.declined_reason``'s wording, and the
+    # conformance suite counts their fallbacks as declared. Any other op it lacks is an undeclared gap.
+    declined: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        problems = self._declaration_problems()
+        if problems:
+            raise ValueError(f"backend {self.name!r} is declared wrongly: " + "; ".join(problems))
+
+    def _declaration_problems(self) -> list[str]:
+        if not isinstance(self.devices, tuple) or not all(isinstance(d, str) and d for d in self.devices):
+            return [f"devices must be a tuple of device type names such as ('cuda',), got {self.devices!r}"]
+        problems = []
+        if EVERY_DEVICE_TYPE in self.devices and self.name != FALLBACK:
+            problems.append(f"only {FALLBACK!r} runs on every device type ({EVERY_DEVICE_TYPE!r})")
+        for op in [*self.ops, *self.declined]:
+            if op not in OPS:
+                problems.append(f"{op!r} is not an op of portable_ops/ops.py (one of {', '.join(OPS)})")
+        problems += [f"{op!r} is both implemented and declined" for op in self.declined if op in self.ops]
+        for name, impl in self.ops.items():
+            op = OPS.get(name)
+            if op is not None:
+                problems += [f"{name}: {problem}" for problem in _impl_problems(op, impl)]
+        return problems
+
+    def runs_on(self, device_type: str) -> bool:
+        """Whether it runs tensors of ``device_type`` at all: one it serves, or the CPU through ``cpu_runner``."""
+        return (device_type in self.devices or EVERY_DEVICE_TYPE in self.devices
+                or (device_type == "cpu" and self.cpu_runner is not None))
+
+    def device_reasons(self, device: torch.device) -> list[str]:
+        """Why it can't run on tensors of ``device``'s type; empty when it can."""
+        if self.runs_on(device.type):
+            return self.runtime_reasons(device)
+        where = " or ".join(self.devices) + " tensors" if self.devices else "no device type by default"
+        if self.cpu_runner is not None:
+            where += f", and on CPU tensors in {self.cpu_runner}"
+        return [f"{self.name} runs on {where}; not on {device.type}"]
+
+    def reasons(self, op: str, call: Call) -> list[str]:
+        """Why it can't take ``op(**call)`` (whatever the device): empty when it can."""
+        impl = self.ops.get(op)
+        if impl is None:
+            return [declined_reason(op, self.name) if op in self.declined else f"{self.name} does not implement {op}"]
+        return self._declared_reasons(OPS[op], impl, call) + impl.supports(call)
+
+    def _declared_reasons(self, op: Op, impl: OpImpl, call: Call) -> list[str]:
+        reasons = []
+        if impl.dtypes is not None:
+            refused = [d for d in _dtypes_in(op, call) if d not in impl.dtypes]
+            if refused:
+                reasons.append(f"{_names(refused)} {_is_or_are(refused)} not supported "
+                               f"({_names(impl.dtypes)} {_is_or_are(impl.dtypes)})")
+        if impl.max_head_dim is not None and op.head_dim(call) > impl.max_head_dim:
+            reasons.append(f"head_dim {op.head_dim(call)} is over {impl.max_head_dim}, the largest the {self.name} "
+                           f"kernels take")
+        for feature in op.features:
+            usage = feature.usage(call) if impl.features is not None and feature.name not in impl.features else ""
+            if usage:
+                reasons.append(f"{usage} is not supported" + (f" ({feature.without})" if feature.without else ""))
+        return reasons
+
+
+def _impl_problems(op: Op, impl: OpImpl) -> list[str]:
+    problems = []
+    if impl.dtypes is not None and not set(impl.dtypes) <= set(FLOATING_DTYPES):
+        problems.append(f"dtypes {impl.dtypes} are not all of {_names(FLOATING_DTYPES)}")
+    if impl.max_head_dim is not None and op.head_dim is None:
+        problems.append("max_head_dim is declared for an op with no head dim")
+    known = {f.name for f in op.features}
+    problems += [f"{f!r} is not one of its features ({', '.join(sorted(known)) or 'none'})"
+                 for f in impl.features or () if f not in known]
+    return problems
 
 
 @dataclass
@@ -81,6 +184,15 @@ class Choice:
     def is_fallback(self) -> bool:
         return self.backend != self.preferred
 
+    @property
+    def reasons(self) -> list[str]:
+        """Why the preferred backend did not take the call (empty when it did)."""
+        return self.rejected.get(self.preferred, [])
+
+    def fallback_message(self) -> str:
+        return (f"portable_ops.{self.op}: '{self.preferred}' can't take this call ({'; '.join(self.reasons)}); "
+                f"running '{self.backend}'")
+
     def __str__(self) -> str:
         lines = [f"{self.op} on {self.device}: runs on '{self.backend}'"]
         if self.is_fallback:
@@ -88,6 +200,30 @@ class Choice:
         for name, reasons in self.rejected.items():
             lines.append(f"  {name}: not used: " + "; ".join(reasons))
         return "\n".join(lines)
+
+
+class BackendUnavailableError(RuntimeError):
+    """A forced or strict call could not run on the backend asked for; ``choice`` says which and why."""
+
+    def __init__(self, message: str, choice: Choice):
+        super().__init__(message)
+        self.choice = choice
+
+    @property
+    def op(self) -> str:
+        return self.choice.op
+
+    @property
+    def preferred(self) -> str:
+        return self.choice.preferred
+
+    @property
+    def backend(self) -> str:
+        return self.choice.backend
+
+    @property
+    def reasons(self) -> list[str]:
+        return self.choice.reasons
 
 
 _backends: dict[str, Backend] = {}
@@ -123,6 +259,23 @@ def unavailable_reason(name: str) -> str | None:
     return backend.unavailable()
 
 
+def loaded_backends() -> dict[str, Backend]:
+    """Every backend that loads, by name, in ``BACKEND_NAMES``' order (importing each on first use)."""
+    return {name: backend for name in BACKEND_NAMES if (backend := get_backend(name)) is not None}
+
+
+def device_present(device_type: str) -> bool:
+    """Whether this process can make tensors of ``device_type`` (its device module says so, or one is made)."""
+    module = getattr(torch, device_type, None)
+    if callable(getattr(module, "is_available", None)):
+        return bool(module.is_available())
+    try:
+        torch.empty(0, device=device_type)
+    except Exception:  # torch raises RuntimeError, AssertionError ... by device type
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Force every op inside the block onto backend ``name`` (overrides ``PORTABLE_OPS_BACKEND``)."""
@@ -150,13 +303,14 @@ def state() -> tuple:
 
 
 def preference(device: torch.device | None, prefer: str | None = None) -> list[str]:
-    """Backends to try for tensors on ``device``, best first; ``reference`` always ends the list."""
+    """Backends to try for tensors on ``device``, best first: the forced one, else those whose declared
+    ``devices`` hold its type; the fallback always ends the list."""
     first = prefer or forced_backend()
     if first is not None:
-        return [first] if first == "reference" else [first, "reference"]
-    dtype = device.type if device is not None else "cpu"
-    native = [name for name, types in NATIVE_DEVICES.items() if dtype in types]
-    return native + ["reference"]
+        return [first] if first == FALLBACK else [first, FALLBACK]
+    kind = device.type if device is not None else "cpu"
+    return [name for name, backend in loaded_backends().items()
+            if name != FALLBACK and kind in backend.devices] + [FALLBACK]
 
 
 def _reasons(name: str, op: str, call: Call, device: torch.device | None) -> list[str]:
@@ -164,16 +318,14 @@ def _reasons(name: str, op: str, call: Call, device: torch.device | None) -> lis
     if reason is not None:
         return [reason]
     backend = _backends[name]
-    if op not in backend.ops:
-        return [backend.declined.get(op) or f"{name} does not implement {op}"]
-    reasons = list(backend.device_reasons(device)) if device is not None else []
-    return reasons or backend.ops[op].supports(call)
+    reasons = backend.device_reasons(device) if device is not None else []
+    return reasons or backend.reasons(op, call)
 
 
 def choose(op: str, call: Call, device: torch.device | None, prefer: str | None = None) -> Choice:
     """Pick the backend for ``op(**call)``, keeping the reasons of every backend passed over."""
     order = preference(device, prefer)
-    choice = Choice(op=op, backend="reference", device=device, preferred=order[0])
+    choice = Choice(op=op, backend=FALLBACK, device=device, preferred=order[0])
     for name in order:
         reasons = _reasons(name, op, call, device)
         if not reasons:
@@ -181,13 +333,17 @@ def choose(op: str, call: Call, device: torch.device | None, prefer: str | None 
             break
         choice.rejected[name] = reasons
     if choice.backend in choice.rejected:
-        raise ValueError(f"{op}: no backend can run this call: " + "; ".join(choice.rejected["reference"]))
+        raise ValueError(f"{op}: no backend can run this call: " + "; ".join(choice.rejected[FALLBACK]))
     kind = device.type if device is not None else "these"
     for name in BACKEND_NAMES:
-        if name not in order:
-            why = (f"'{order[0]}' is forced" if order[0] != "reference" or forced_backend()
-                   else f"not the default for {kind} tensors (force it with use_backend({name!r}))")
-            choice.rejected[name] = [why]
+        if name in order:
+            continue
+        if name in _import_errors:
+            choice.rejected[name] = [_import_errors[name]]
+        elif order[0] != FALLBACK or forced_backend():
+            choice.rejected[name] = [f"'{order[0]}' is forced"]
+        else:
+            choice.rejected[name] = [f"not the default for {kind} tensors (force it with use_backend({name!r}))"]
     return choice
 
 
@@ -208,11 +364,10 @@ def select(op: str, call: Call, device: torch.device | None, prefer: str | None 
     """:func:`choose`, then warn once (or raise under ``PORTABLE_OPS_STRICT=1``) if it fell back."""
     choice = choose(op, call, device, prefer)
     if choice.is_fallback:
-        reasons = "; ".join(choice.rejected[choice.preferred])
-        message = f"portable_ops.{op}: '{choice.preferred}' can't take this call ({reasons}); running 'reference'"
+        message = choice.fallback_message()
         if strict():
-            raise BackendUnavailableError(message + " -- refused because PORTABLE_OPS_STRICT=1")
-        key = (op, choice.preferred, reasons)
+            raise BackendUnavailableError(message + " -- refused because PORTABLE_OPS_STRICT=1", choice)
+        key = (op, choice.preferred, "; ".join(choice.reasons))
         if key not in _warned:
             _warned.add(key)
             warnings.warn(message, FallbackWarning, stacklevel=_callers_level())

@@ -9,23 +9,27 @@ from .attention_varlen import attention_varlen, attention_varlen_call
 from .clip import clip_grad_norm_, grad_norm_call, grads_of
 from .dispatch import Choice, choose
 from .functional import adam, adam_call
+from .ops import public_ops
 from .paged import paged_attention, paged_attention_call, paged_kv_append, paged_kv_append_call
 
 _ADAM_CALL_ARGS = inspect.signature(adam_call).parameters
 
-# For each public op: the function, the dispatch op name, and the checked call built from the function's
+# For each public op of portable_ops/ops.py: the function, and the checked call built from the function's
 # arguments as bound to its signature (defaults applied).
-_OPS = {
-    "attention": (attention, "attention_fwd",
+_CALLS = {
+    "attention": (attention,
                   lambda a: attention_call(a["q"], a["k"], a["v"], a["causal"], a["scale"], a["window"], a["softcap"])),
-    "attention_varlen": (attention_varlen, "attention_varlen_fwd", lambda a: attention_varlen_call(**a)),
-    "paged_attention": (paged_attention, "paged_attention", lambda a: paged_attention_call(**a)),
-    "paged_kv_append": (paged_kv_append, "paged_kv_append", lambda a: paged_kv_append_call(**a)),
-    "adam": (adam, "adam", lambda a: adam_call(**{k: v for k, v in a.items() if k in _ADAM_CALL_ARGS})),
-    "clip_grad_norm_": (clip_grad_norm_, "grad_norm",
-                        lambda a: grad_norm_call(grads_of(a["parameters"]), a["norm_type"])),
+    "attention_varlen": (attention_varlen, lambda a: attention_varlen_call(**a)),
+    "paged_attention": (paged_attention, lambda a: paged_attention_call(**a)),
+    "paged_kv_append": (paged_kv_append, lambda a: paged_kv_append_call(**a)),
+    "adam": (adam, lambda a: adam_call(**{k: v for k, v in a.items() if k in _ADAM_CALL_ARGS})),
+    "clip_grad_norm_": (clip_grad_norm_, lambda a: grad_norm_call(grads_of(a["parameters"]), a["norm_type"])),
 }
-_BY_FUNCTION = {function: name for name, (function, _, _) in _OPS.items()}
+_PUBLIC_OPS = public_ops()
+if set(_CALLS) != set(_PUBLIC_OPS):  # an op added to the table without its call here, or the reverse
+    raise ImportError(f"explain builds calls of {sorted(_CALLS)}; portable_ops/ops.py's public ops are "
+                      f"{sorted(_PUBLIC_OPS)}")
+_BY_FUNCTION = {function: name for name, (function, _) in _CALLS.items()}
 
 
 def explain(op, *args, **kwargs) -> Choice:
@@ -37,13 +41,13 @@ def explain(op, *args, **kwargs) -> Choice:
     nothing is computed. The returned :class:`~portable_ops.dispatch.Choice` prints as a readable report.
     """
     name = _BY_FUNCTION.get(op) if callable(op) else op
-    if not isinstance(name, str) or name not in _OPS:
-        raise ValueError(f"explain: unknown op {op!r}; expected one of {', '.join(_OPS)} or its function")
-    function, dispatch_op, build = _OPS[name]
+    if not isinstance(name, str) or name not in _PUBLIC_OPS:
+        raise ValueError(f"explain: unknown op {op!r}; expected one of {', '.join(_PUBLIC_OPS)} or its function")
+    function, build = _CALLS[name]
     call = build(_bound(name, function, args, kwargs))
     tensors = call.get("params") or call.get("grads") or [call.get("q", call.get("k_new"))]
     device = tensors[0].device if tensors and tensors[0] is not None else None
-    return choose(dispatch_op, call, device)
+    return choose(_PUBLIC_OPS[name], call, device)
 
 
 def _bound(name, function, args, kwargs) -> dict:

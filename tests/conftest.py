@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -7,15 +9,17 @@ from portable_ops import dispatch
 @pytest.fixture
 def fake_backend(monkeypatch):
     """Install a stand-in backend under a real backend's name; returns a function that builds it.
-    ``reasons``: why it declines every call, or a function of the call giving them."""
+    ``reasons``: why it declines every call, or a function of the call giving them. ``devices``: the device
+    types it runs, "cpu" when forced (it is the default for the others)."""
 
     def install(name="triton", reasons=(), devices=("cpu",), ops=("adam", "grad_norm", "attention_fwd", "attention_bwd")):
         reference = dispatch.get_backend("reference")
         supports = reasons if callable(reasons) else lambda call, r=list(reasons): list(r)
         backend = dispatch.Backend(
             name=name,
+            devices=tuple(kind for kind in devices if kind != "cpu"),
+            cpu_runner="the test stand-in" if "cpu" in devices else None,
             ops={op: dispatch.OpImpl(run=reference.ops[op].run, supports=supports) for op in ops},
-            device_reasons=lambda device: [] if device.type in devices else [f"{name} does not run on {device.type}"],
             description="test stand-in",
         )
         monkeypatch.setitem(dispatch._backends, name, backend)
@@ -64,5 +68,4 @@ def checked_kernels(monkeypatch):
         backend = dispatch.get_backend(name)
         if backend is not None and "adam" in backend.ops:
             impl = backend.ops["adam"]
-            monkeypatch.setitem(backend.ops, "adam", dispatch.OpImpl(run=_checked_adam(impl.run),
-                                                                     supports=impl.supports))
+            monkeypatch.setitem(backend.ops, "adam", dataclasses.replace(impl, run=_checked_adam(impl.run)))

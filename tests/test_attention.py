@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import portable_ops
 from portable_ops import dispatch
-from portable_ops.conformance import usable_backends
+from portable_ops.conformance import GRADIENT_FACTOR, tolerance, usable_backends
 from portable_ops.conformance.runner import default_device, forced_strict
 
 BACKENDS = usable_backends()
@@ -46,8 +46,12 @@ def backend_inputs(backend, **kw):
     return inputs, [t.detach().to("cpu", F64).requires_grad_() for t in inputs]
 
 
-def close(got, want, tol=2e-3):
-    torch.testing.assert_close(got.detach().to("cpu", F64), want.detach(), atol=tol, rtol=tol)
+OUT_TOL = tolerance("attention", torch.float32)  # backend_inputs are float32
+GRAD_TOL = OUT_TOL.scaled(GRADIENT_FACTOR)
+
+
+def close(got, want, tol=OUT_TOL):
+    torch.testing.assert_close(got.detach().to("cpu", F64), want.detach(), **tol._asdict())
 
 
 # ----------------------------------------------------------------------------- semantics (reference)
@@ -133,7 +137,7 @@ def test_any_finite_scale(backend, scale):
     expected = math_attention(*exact, causal=True, scale=scale)
     close(out, expected)
     for g, e in zip(grads, torch.autograd.grad(expected.square().sum(), exact)):
-        close(g, e, 1e-2)
+        close(g, e, GRAD_TOL)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -167,7 +171,7 @@ def test_second_derivatives_through_create_graph(backend):
         got = penalty(lambda q, k, v: portable_ops.attention(q, k, v, causal=True), q, k, v)
     want = penalty(lambda q, k, v: math_attention(q, k, v, causal=True), *exact)
     for g, w in zip(got, want):
-        close(g, w, 1e-2)
+        close(g, w, GRAD_TOL)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -183,10 +187,10 @@ def test_torch_func_transforms(backend):
         per_sample = torch.func.vmap(torch.func.grad(lambda *a: ours(*a).square().sum(), argnums=(0, 1, 2)))
         expected = torch.func.vmap(torch.func.grad(lambda *a: math_(*a).square().sum(), argnums=(0, 1, 2)))
         for g, e in zip(per_sample(*batch), expected(*exact_batch)):
-            close(g, e, 1e-2)
+            close(g, e, GRAD_TOL)
         _, tangent = torch.func.jvp(ours, (q, k, v), tuple(tangents))
-        close(tangent, torch.func.jvp(math_, tuple(exact), tuple(t.to("cpu", F64) for t in tangents))[1], 1e-2)
-        close(torch.func.jacrev(ours)(q, k, v), torch.func.jacrev(math_)(*exact), 1e-2)
+        close(tangent, torch.func.jvp(math_, tuple(exact), tuple(t.to("cpu", F64) for t in tangents))[1], GRAD_TOL)
+        close(torch.func.jacrev(ours)(q, k, v), torch.func.jacrev(math_)(*exact), GRAD_TOL)
 
 
 def test_second_derivatives_inside_torch_func_are_refused_clearly():

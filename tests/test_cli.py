@@ -57,8 +57,8 @@ def test_the_suite_catches_a_wrong_kernel(monkeypatch):
 
 def test_a_declined_case_is_a_fallback_not_a_pass(fake_backend):
     fake_backend("triton", reasons=["no kernel for this test"])
-    row = runner.run_case(Case("probe", "clip", torch.float32, dict(shapes=[(4,)], max_norm=1.0, norm_type=2.0)),
-                          "triton", torch.device("cpu"))
+    row = runner.run_case(Case("probe", "clip_grad_norm_", torch.float32,
+                               dict(shapes=[(4,)], max_norm=1.0, norm_type=2.0)), "triton", torch.device("cpu"))
     assert row.status == "fallback" and "no kernel for this test" in row.detail and not row.declared
     assert conformance_cli.main(["--backend", "triton", "--case", "clip_l2_odd_sizes[float32]"]) == 1
 
@@ -67,10 +67,11 @@ def test_a_declared_decline_is_a_fallback_that_fails_only_under_strict(fake_back
     """An op the backend lists in Backend.declined falls back on every case: reported as a fallback
     (declared), never a pass; the exit status is 0 unless --strict."""
     backend = fake_backend("triton", ops=("adam", "attention_fwd", "attention_bwd"))
-    backend.declined["grad_norm"] = "global norms: no kernel in this stand-in"
-    row = runner.run_case(Case("probe", "clip", torch.float32, dict(shapes=[(4,)], max_norm=1.0, norm_type=2.0)),
-                          "triton", torch.device("cpu"))
-    assert row.status == "fallback" and row.declared and "no kernel in this stand-in" in row.detail
+    backend.declined = ("grad_norm",)
+    row = runner.run_case(Case("probe", "clip_grad_norm_", torch.float32,
+                               dict(shapes=[(4,)], max_norm=1.0, norm_type=2.0)), "triton", torch.device("cpu"))
+    assert row.status == "fallback" and row.declared
+    assert "the global norm of gradients (clip_grad_norm_): not in the triton kernels yet" in row.detail
     case = ["--backend", "triton", "--case", "clip_l2_odd_sizes[float32]"]
     assert conformance_cli.main(case) == 0
     assert "0 pass, 0 fail, 1 fallback (1 declared)" in capsys.readouterr().out
@@ -157,9 +158,10 @@ def test_conformance_refuses_a_backend_that_cannot_run_here_and_runs_each_once(c
 
     refused_runs(monkeypatch)
     nki = dispatch.get_backend("nki")
-    monkeypatch.setattr(nki, "device_reasons", lambda device: ["nki needs a NeuronCore"])
+    monkeypatch.setattr(nki, "runtime_reasons", lambda device: ["nki needs a NeuronCore"])
     assert conformance_cli.main(["--backend", "nki"]) == 2
-    assert "backend 'nki' is unavailable: nki needs a NeuronCore" in capsys.readouterr().err
+    assert ("backend 'nki' is unavailable: no xla or neuron device in this process, and nki needs a NeuronCore"
+            in capsys.readouterr().err)
     monkeypatch.undo()
     seen = []
     monkeypatch.setattr(conformance_cli, "run", lambda backends, *a, **k: seen.append(backends) or [])

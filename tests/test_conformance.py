@@ -7,29 +7,33 @@ PORTABLE_OPS_CONFORMANCE_LONG=1 (tests/test_conformance_long.py checks its machi
 """
 
 import pytest
+import torch
 
 from portable_ops import dispatch
 from portable_ops.conformance import CASES, run_case, usable_backends
-from portable_ops.conformance.runner import default_device
+from portable_ops.conformance.runner import placement, unusable_reason
 
 USABLE = usable_backends()
-
-
-def _why_unusable(name):
-    reason = dispatch.unavailable_reason(name)
-    if reason:
-        return reason
-    return "; ".join(dispatch.get_backend(name).device_reasons(default_device(name)))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("backend", dispatch.BACKEND_NAMES)
 def test_case(backend, case):
     if backend not in USABLE:
-        pytest.skip(f"{backend} is not usable here: {_why_unusable(backend)}")
+        pytest.skip(f"{backend} is not usable here: {unusable_reason(backend)}")
     row = run_case(case, backend)
     if row.status == "fallback":
         pytest.skip(f"FALLBACK (not a pass): {row.detail}")
     if row.status == "not run":
         pytest.skip(f"NOT RUN (not a pass): {row.detail}")
     assert row.status == "pass", row.detail
+
+
+def test_a_backends_cases_run_on_the_first_device_type_it_declares_that_is_present(monkeypatch):
+    """On a Trainium host (xla present) nki's cases run there, not on CPU tensors; elsewhere on the CPU."""
+    monkeypatch.setattr(dispatch, "device_present", lambda kind: kind == "xla")
+    assert placement("nki").device == torch.device("xla")
+    assert placement("reference").device == torch.device("cpu")
+    monkeypatch.setattr(dispatch, "device_present", lambda kind: False)
+    assert placement("nki").device == torch.device("cpu")
+

@@ -13,7 +13,8 @@ import torch
 from portable_ops import dispatch
 from portable_ops.conformance import CASES, Case, run_case, usable_backends
 from portable_ops.conformance import __main__ as conformance_cli
-from portable_ops.conformance.cases import ATTENTION_GRAD_FACTOR, long_attention_params
+from portable_ops.conformance.cases import long_attention_params
+from portable_ops.conformance.tolerances import GRADIENT_FACTOR
 from portable_ops.conformance.runner import F64, LONG_VARIABLE, attention_inputs, attention_oracle, long_cases_run
 
 USABLE = usable_backends()
@@ -46,7 +47,7 @@ def test_a_long_case_would_fail_a_backend_that_returned_zeros(case):
     q, k, v, dout, blocks, _ = attention_inputs(case)
     q, k, v, dout = (t.to(case.dtype).to(F64) for t in (q, k, v, dout))
     atol, rtol = case.tolerance
-    grad_atol, grad_rtol = atol * ATTENTION_GRAD_FACTOR, rtol * ATTENTION_GRAD_FACTOR
+    grad_atol, grad_rtol = case.tolerance.scaled(GRADIENT_FACTOR)
     dk = dv = 0.0
     for rows in blocks:
         out, dq, dk_rows, dv_rows = attention_oracle("float64", q, k, v, dout, rows, p["causal"], p["scale"])

@@ -88,7 +88,7 @@ def test_backend_that_does_not_run_on_the_device_is_passed_over(fake_backend):
     with portable_ops.use_backend("triton"):
         choice = portable_ops.explain("attention", *qkv())
     assert choice.backend == "reference"
-    assert choice.rejected["triton"] == ["triton does not run on cpu"]
+    assert choice.rejected["triton"] == ["triton runs on cuda tensors; not on cpu"]
 
 
 def test_backend_missing_an_op_is_passed_over(fake_backend):
@@ -165,3 +165,36 @@ def test_fallback_warnings_point_at_the_users_line():
     fallbacks = [w for w in caught if issubclass(w.category, portable_ops.FallbackWarning)]
     assert len(fallbacks) >= 4, [str(w.message) for w in fallbacks]
     assert {w.filename for w in fallbacks} == {__file__}, [(w.filename, w.lineno) for w in fallbacks]
+
+
+def test_strict_mode_error_carries_the_choice(fake_backend, monkeypatch):
+    fake_backend("triton", reasons=["no kernel for this test"])
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
+    with portable_ops.use_backend("triton"), pytest.raises(portable_ops.BackendUnavailableError) as caught:
+        portable_ops.attention(*qkv())
+    error = caught.value
+    assert (error.op, error.preferred, error.backend) == ("attention_fwd", "triton", "reference")
+    assert error.reasons == error.choice.rejected["triton"] == ["no kernel for this test"]
+
+
+def test_declared_limits_give_the_generic_reasons(monkeypatch):
+    """dtypes, head dims and features declared as data: dispatch words the refusals, supports adds its own."""
+    impl = dispatch.OpImpl(run=print, dtypes=(torch.float16,), max_head_dim=8, features=("causal",),
+                           supports=lambda call: ["a limit of this stand-in's own"])
+    backend = dispatch.Backend(name="triton", devices=("cuda",), cpu_runner="the test", ops={"attention_fwd": impl})
+    monkeypatch.setitem(dispatch._backends, "triton", backend)
+    with portable_ops.use_backend("triton"):
+        choice = portable_ops.explain("attention", *qkv(), window=(2, 3), softcap=5.0)
+    assert choice.rejected["triton"] == ["float32 is not supported (float16 is)",
+                                         "head_dim 16 is over 8, the largest the triton kernels take",
+                                         "window=(2, 3) is not supported", "softcap=5 is not supported",
+                                         "a limit of this stand-in's own"]
+    assert backend.device_reasons(torch.device("mps")) == [
+        "triton runs on cuda tensors, and on CPU tensors in the test; not on mps"]
+
+
+def test_the_preference_reads_each_backends_declared_devices(fake_backend):
+    fake_backend("nki", devices=("cpu", "mps"))  # a stand-in declaring mps as its device type
+    assert dispatch.preference(torch.device("mps")) == ["nki", "reference"]
+    assert dispatch.preference(torch.device("xla")) == ["reference"]
+

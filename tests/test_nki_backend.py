@@ -14,6 +14,7 @@ import torch
 
 import portable_ops
 from portable_ops import dispatch
+from portable_ops.conformance import GRADIENT_FACTOR, tolerance
 from portable_ops.backends import nki as nki_backend
 from portable_ops.backends.nki import compat, emulator, runtime
 from portable_ops.backends.reference.adam import adam as reference_adam
@@ -23,16 +24,13 @@ from portable_ops.backends.reference.attention import visible
 from portable_ops.backends.reference.grad_norm import grad_norm as reference_grad_norm
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
-# (atol, rtol) by dtype, as conformance/cases.py
-ADAM_TOL = {F32: (1e-6, 1e-5), F16: (1e-5, 2e-3), BF16: (1e-4, 1.6e-2)}
-ATTN_TOL = {F32: (2e-3, 2e-3), F16: (4e-3, 4e-3), BF16: (3e-2, 3e-2)}
 OPS = nki_backend.BACKEND.ops
 
 
-def close(out, ref, tol, factor=1.0):
+def close(out, ref, tol):
     atol, rtol = tol
     out, ref = out.double(), ref.double()
-    bound = factor * (atol + rtol * ref.abs())
+    bound = atol + rtol * ref.abs()
     both_nan = out.isnan() & ref.isnan()
     assert bool(((out - ref).abs() <= bound).logical_or(both_nan).all()), float((out - ref).abs().max())
 
@@ -95,7 +93,7 @@ def test_adam_matches_float64_reference(variant, dtype):
         for a, b in zip(mine, ref):
             assert a.dtype == dtype
             # the oracle rounds once to the stored dtype, like the kernel
-            close(a, b.to(dtype), ADAM_TOL[dtype])
+            close(a, b.to(dtype), tolerance("adam", dtype))
     assert [float(s) for s in state[5]] == [float(s) for s in oracle[5]]
 
 
@@ -194,14 +192,14 @@ def test_adam_mixed_dtypes_and_odd_sizes_in_one_launch_match_the_reference():
     assert [p.data_ptr() for p in params] == before
     for mine, ref in zip(state[:4], oracle[:4]):
         for a, b in zip(mine, ref):
-            close(a, b.to(a.dtype), ADAM_TOL[BF16 if a.dtype == BF16 else F16 if a.dtype == F16 else F32])
+            close(a, b.to(a.dtype), tolerance("adam", a.dtype))
     assert [float(s) for s in steps] == [float(s) for s in oracle[5]]
 
 
 def test_grad_norm_declines_other_norms_with_a_reason():
-    reasons = OPS["grad_norm"].supports(dict(grads=[torch.zeros(3)], norm_type=1.0))
-    assert reasons and "norm_type 2 and inf" in reasons[0]
-    assert OPS["grad_norm"].supports(dict(grads=[torch.zeros(3, dtype=torch.float64)], norm_type=2.0))
+    reasons = nki_backend.BACKEND.reasons("grad_norm", dict(grads=[torch.zeros(3)], norm_type=1.0))
+    assert reasons == ["norm_type 1 is not supported (2 and inf are)"]
+    assert nki_backend.BACKEND.reasons("grad_norm", dict(grads=[torch.zeros(3, dtype=torch.float64)], norm_type=2.0))
 
 
 ATTN_SHAPES = {  # (B, Hq, Hkv, Sq, Skv, D, causal)
@@ -232,14 +230,14 @@ def _check_attention(shape, dtype, seed=5, key_std=1.0, scale=None, **features):
     out, lse = OPS["attention_fwd"].run(q=q, k=k, v=v, **options)
     r_out, r_lse = reference_fwd(q.double(), k.double(), v.double(), **options)
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (B, Hq, Sq)
-    close(out, r_out, ATTN_TOL[dtype])
+    close(out, r_out, tolerance("attention", dtype))
     assert torch.equal(torch.isinf(lse), torch.isinf(r_lse))
-    close(lse.nan_to_num(neginf=0.0), r_lse.nan_to_num(neginf=0.0), ATTN_TOL[F32])
+    close(lse.nan_to_num(neginf=0.0), r_lse.nan_to_num(neginf=0.0), tolerance("attention", F32))
     grads = OPS["attention_bwd"].run(q=q, k=k, v=v, out=out, lse=lse, dout=do, **options)
     r_grads = reference_bwd(q.double(), k.double(), v.double(), r_out, r_lse, do.double(), **options)
     for mine, ref, like in zip(grads, r_grads, (q, k, v)):
         assert mine.shape == like.shape and mine.dtype == dtype
-        close(mine, ref, ATTN_TOL[dtype], factor=4.0)
+        close(mine, ref, tolerance("attention", dtype).scaled(GRADIENT_FACTOR))
     seen = visible(torch.arange(Sq) + Skv - Sq, torch.arange(Skv), causal, features.get("window"))
     blind = torch.zeros(Sq, dtype=torch.bool) if seen is None else ~seen.any(-1)  # rows that see no key
     assert torch.equal(out[:, :, blind], torch.zeros_like(out[:, :, blind]))
@@ -343,7 +341,8 @@ def test_attention_takes_window_and_softcap_through_the_public_api_with_autograd
     k, v = (torch.randn(1, 2, 150, 32, generator=g, requires_grad=True) for _ in range(2))
     for options in (dict(window=(20, 3)), dict(causal=True, window=(40, None), softcap=3.0), dict(softcap=1.0)):
         with portable_ops.use_backend("nki"):
-            assert OPS["attention_fwd"].supports(dict(dict(q=q, k=k, v=v, scale=1.0, causal=False), **options)) == []
+            call = dict(q=q, k=k, v=v, scale=1.0, causal=False, window=None, softcap=None) | options
+            assert nki_backend.BACKEND.reasons("attention_fwd", call) == []
             assert portable_ops.explain("attention", q, k, v, **options).backend == "nki", options
             with warnings.catch_warnings():
                 warnings.simplefilter("error", portable_ops.FallbackWarning)
@@ -352,9 +351,9 @@ def test_attention_takes_window_and_softcap_through_the_public_api_with_autograd
         with portable_ops.use_backend("reference"):
             ref = portable_ops.attention(q, k, v, **options)
             r_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
-        torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(out, ref, **tolerance("attention", F32)._asdict())
         for a, b in zip(grads, r_grads):
-            torch.testing.assert_close(a, b, atol=8e-3, rtol=8e-3)
+            torch.testing.assert_close(a, b, **tolerance("attention", F32).scaled(GRADIENT_FACTOR)._asdict())
 
 
 @pytest.mark.parametrize("D", [40, 72, 80, 96, 160, 192])
@@ -365,13 +364,13 @@ def test_attention_at_head_dims_that_are_not_powers_of_two_with_zero_and_negativ
     for scale, causal in ((0.0, True), (-0.3, False), (D ** -0.5, True)):
         out, lse = OPS["attention_fwd"].run(q=q, k=k, v=v, causal=causal, scale=scale)
         r_out, r_lse = reference_fwd(q.double(), k.double(), v.double(), causal=causal, scale=scale)
-        close(out, r_out, ATTN_TOL[F32])
-        close(lse, r_lse, ATTN_TOL[F32])
+        close(out, r_out, tolerance("attention", F32))
+        close(lse, r_lse, tolerance("attention", F32))
         grads = OPS["attention_bwd"].run(q=q, k=k, v=v, out=out, lse=lse, dout=do, causal=causal, scale=scale)
         r_grads = reference_bwd(q.double(), k.double(), v.double(), r_out, r_lse, do.double(), causal=causal,
                                 scale=scale)
         for mine, ref in zip(grads, r_grads):
-            close(mine, ref, ATTN_TOL[F32], factor=4.0)
+            close(mine, ref, tolerance("attention", F32).scaled(GRADIENT_FACTOR))
 
 
 @pytest.mark.parametrize("heads_inner", [False, True])
@@ -403,20 +402,20 @@ def test_attention_through_the_public_api_with_autograd():
         out = portable_ops.attention(q, k, v, causal=True)
         out.sum().backward()
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out, ref, **tolerance("attention", F32)._asdict())
     qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
     torch.nn.functional.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=True).sum().backward()
     for a, b in zip((q, k, v), (qr, kr, vr)):
-        torch.testing.assert_close(a.grad, b.grad, atol=8e-3, rtol=8e-3)
+        torch.testing.assert_close(a.grad, b.grad, **tolerance("attention", F32).scaled(GRADIENT_FACTOR)._asdict())
 
 
 def test_attention_takes_head_dims_up_to_256_and_declines_larger_with_a_reason():
     for d in (160, 256):
         q = torch.zeros(1, 1, 4, d)
-        assert OPS["attention_fwd"].supports(dict(q=q, k=q, v=q, causal=False, scale=1.0)) == []
+        assert nki_backend.BACKEND.reasons("attention_fwd", dict(q=q, k=q, v=q, causal=False, scale=1.0)) == []
     q = torch.zeros(1, 1, 4, 320)
-    reasons = OPS["attention_fwd"].supports(dict(q=q, k=q, v=q, causal=False, scale=1.0))
-    assert reasons and "head_dim 320 > 256" in reasons[0]
+    reasons = nki_backend.BACKEND.reasons("attention_fwd", dict(q=q, k=q, v=q, causal=False, scale=1.0))
+    assert reasons == ["head_dim 320 is over 256, the largest the nki kernels take"]
 
 
 # ----------------------------------------------------------------------------- SDK wiring, mocked

@@ -64,7 +64,7 @@ def check(backend, case):
 
 STRATEGIES = {
     "adam": (adam_params, DTYPES),
-    "clip": (clip_params, DTYPES),
+    "clip_grad_norm_": (clip_params, DTYPES),
     "attention": (attention_params, st.sampled_from([torch.float32, torch.float16])),
 }
 

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import portable_ops
 from portable_ops import dispatch, layout
+from portable_ops.conformance import GRADIENT_FACTOR, tolerance
 
 pytestmark = pytest.mark.skipif(dispatch.unavailable_reason("triton") is not None, reason="triton not installed")
 
@@ -22,7 +23,6 @@ attn = importlib.import_module("portable_ops.backends.triton.attention")
 ref_attn = importlib.import_module("portable_ops.backends.reference.attention")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-TOL = {torch.float32: 3e-3, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
 
 def _inputs(b, hq, hkv, sq, skv, d, dtype=torch.float16, seed=0, heads_inner=False):
@@ -37,20 +37,20 @@ def _inputs(b, hq, hkv, sq, skv, d, dtype=torch.float16, seed=0, heads_inner=Fal
     return make(hq, sq), make(hkv, skv), make(hkv, skv)
 
 
-def _check(q, k, v, causal, scale, dout=None, grad_factor=8):
+def _check(q, k, v, causal, scale, dout=None):
     """Forward and backward of the triton backend against the float64 reference."""
     out, lse = attn.attention_fwd(q, k, v, causal=causal, scale=scale)
     q64, k64, v64 = (t.double().cpu() for t in (q, k, v))
     ref_out, ref_lse = ref_attn.attention_fwd(q64, k64, v64, causal=causal, scale=scale)
-    tol = TOL[q.dtype]
-    torch.testing.assert_close(out.double().cpu(), ref_out, atol=tol, rtol=tol)
-    torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=tol, rtol=tol)
+    tol = tolerance("attention", q.dtype)
+    torch.testing.assert_close(out.double().cpu(), ref_out, **tol._asdict())
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, **tol._asdict())
     if dout is None:
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(q.dtype).to(DEVICE)
     grads = attn.attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale)
     ref_grads = ref_attn.attention_bwd(q64, k64, v64, ref_out, ref_lse, dout.double().cpu(), causal=causal, scale=scale)
     for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
-        torch.testing.assert_close(got.double().cpu(), want, atol=grad_factor * tol, rtol=2 * tol, msg=name)
+        torch.testing.assert_close(got.double().cpu(), want, **tol.scaled(GRADIENT_FACTOR)._asdict(), msg=name)
     return out, lse, grads
 
 
@@ -345,8 +345,8 @@ def triton_next_pow2(n):
 
 def test_head_dims_past_256_fall_back_with_a_reason():
     q = torch.zeros(1, 1, 4, 264, device=DEVICE)
-    reasons = attn.attention_supports({"q": q, "k": q, "v": q, "scale": 0.1})
-    assert reasons and "head_dim 264" in reasons[0]
+    reasons = dispatch.get_backend("triton").reasons("attention_fwd", {"q": q, "k": q, "v": q, "scale": 0.1})
+    assert reasons == ["head_dim 264 is over 256, the largest the triton kernels take"]
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -407,7 +407,7 @@ def test_decode_over_a_batch_that_fills_the_gpu(sq):
     assert plan.fwd.options["BLOCK_N"] == (128 if sm90._is_sm90(torch.cuda.current_device()) else 64)
     q64, k64, v64 = (t.double().cpu() for t in (q, k, v))
     want = ref_attn.attention_fwd(q64, k64, v64, causal=True, scale=128 ** -0.5)[0]
-    torch.testing.assert_close(out.double().cpu(), want, atol=TOL[q.dtype], rtol=TOL[q.dtype])
+    torch.testing.assert_close(out.double().cpu(), want, **tolerance("attention", q.dtype)._asdict())
     pages = -(-333 // 16)
     order = torch.randperm(b * pages, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     table = order.view(b, pages).to(torch.int32)
@@ -419,7 +419,7 @@ def test_decode_over_a_batch_that_fills_the_gpu(sq):
         caches.append(cache)
     lens = torch.full((b,), 333, dtype=torch.int32, device=DEVICE)
     paged = portable_ops.paged_attention(q.transpose(1, 2), *caches, table, lens)
-    torch.testing.assert_close(paged, out.transpose(1, 2), atol=TOL[q.dtype], rtol=TOL[q.dtype])
+    torch.testing.assert_close(paged, out.transpose(1, 2), **tolerance("attention", q.dtype)._asdict())
 
 
 # ----------------------------------------------------------------------------- scale

@@ -16,42 +16,35 @@ from __future__ import annotations
 
 import torch
 
-from portable_ops.backends.pending import declined_ops
 from portable_ops.dispatch import Backend, OpImpl
 
 from . import compat
 from .adam import adam, adam_supports
-from .attention import KERNELS, attention_bwd, attention_fwd, attention_supports
-from .grad_norm import grad_norm, grad_norm_supports
-from .runtime import TRAINIUM_DEVICES
+from .attention import MAX_HEAD_DIM, attention_bwd, attention_fwd, attention_supports
+from .grad_norm import grad_norm
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # NeuronCore engines have no float64
 
 
-def _device_reasons(device: torch.device) -> list[str]:
-    kind = device.type
-    if kind in TRAINIUM_DEVICES:
-        if compat.USING_SDK:
-            return []
-        return [f"{kind} tensors need the Neuron SDK's nki package (NKI 0.7, Neuron SDK 2.33): {compat.SDK_REASON}"]
-    if kind == "cpu":
-        return []  # nki.simulate with the SDK, else the project's emulator
-    return [f"NKI kernels run on Trainium tensors (xla/neuron), or on CPU tensors in a simulator; not on {kind}"]
+def _runtime_reasons(device: torch.device) -> list[str]:
+    if device.type == "cpu" or compat.USING_SDK:
+        return []  # CPU tensors: nki.simulate with the SDK, else the project's emulator
+    return [f"{device.type} tensors need the Neuron SDK's nki package (NKI 0.7, Neuron SDK 2.33): {compat.SDK_REASON}"]
 
 
-def _description() -> str:
-    cpu = "AWS nki.simulate" if compat.USING_SDK else "the project's NKI emulator (a test double)"
-    return f"NKI kernels for Trainium2/3; CPU tensors run in {cpu}"
-
+_ATTENTION = dict(supports=attention_supports, dtypes=DTYPES, max_head_dim=MAX_HEAD_DIM)
 
 BACKEND = Backend(
     name="nki",
+    devices=("xla", "neuron"),  # torch-neuronx's Trainium device, and the native Neuron device
+    cpu_runner="AWS nki.simulate" if compat.USING_SDK else "the project's NKI emulator (a test double)",
     ops={
-        "adam": OpImpl(run=adam, supports=adam_supports),
-        "grad_norm": OpImpl(run=grad_norm, supports=grad_norm_supports),
-        "attention_fwd": OpImpl(run=attention_fwd, supports=attention_supports),
-        "attention_bwd": OpImpl(run=attention_bwd, supports=attention_supports),
+        "adam": OpImpl(run=adam, supports=adam_supports, dtypes=DTYPES),
+        "grad_norm": OpImpl(run=grad_norm, dtypes=DTYPES, features=()),  # norm types 2 and inf
+        "attention_fwd": OpImpl(run=attention_fwd, **_ATTENTION),
+        "attention_bwd": OpImpl(run=attention_bwd, **_ATTENTION),
     },
-    unavailable=lambda: None,
-    device_reasons=_device_reasons,
-    description=_description(),
-    declined=declined_ops(KERNELS),
+    runtime_reasons=_runtime_reasons,
+    description="NKI kernels for Trainium2/3",
+    declined=("attention_varlen_fwd", "attention_varlen_bwd", "paged_attention", "paged_kv_append"),
 )

@@ -191,16 +191,9 @@ def hyperparameters(steps, sizes, *, device, beta1, beta2, lr, weight_decay, eps
     return torch.cat([row, *blocks], dim=1).contiguous()
 
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def adam_supports(call) -> list[str]:
+    """Dtypes are declared (``BACKEND``); the kernel updates flat views of the state in place."""
     reasons = []
-    tensors = [t for key in ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs") for t in call[key]]
-    bad = sorted({str(t.dtype).removeprefix("torch.") for t in tensors if t.dtype not in SUPPORTED_DTYPES})
-    if bad:
-        reasons.append(f"NKI Adam takes float32, bfloat16 and float16 tensors; got {', '.join(bad)} "
-                       "(NeuronCore engines have no float64)")
     for key in ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"):
         if not all(map(torch.Tensor.is_contiguous, call[key])):
             i = next(i for i, t in enumerate(call[key]) if not t.is_contiguous())

@@ -369,28 +369,19 @@ def attention_bwd_kernel(q, k, v, o, lse, do, scale=1.0, causal=False, window_le
 
 
 # ----------------------------------------------------------------------------- host side
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Declared where it is tested. The kernels' own bound is 512: P V and the gradients hold a
-# [rows, D] fp32 tile in one 2 KiB PSUM bank, and a matmul's moving free size is at most 512.
+# The largest head dim the backend declares: the one tested. The kernels' own bound is 512: P V and the
+# gradients hold a [rows, D] fp32 tile in one 2 KiB PSUM bank, and a matmul's moving free size is at most 512.
 MAX_HEAD_DIM = 256
 
 
-KERNELS = "NKI kernels"
-
-
 def attention_supports(call) -> list[str]:
-    """Every window and softcap is taken (the kernels' masks and cap); the reasons are about dtypes and sizes."""
+    """Every window and softcap is taken (the kernels' masks and cap), dtypes and head dims are declared
+    (``BACKEND``): what is left is q, k and v agreeing, and having sizes."""
     q, k, v = call["q"], call["k"], call["v"]
     reasons = []
-    if q.dtype not in SUPPORTED_DTYPES:
-        reasons.append(f"NKI attention takes float32, bfloat16 and float16; got {str(q.dtype).removeprefix('torch.')}")
     if not (q.dtype == k.dtype == v.dtype):
         reasons.append("NKI attention needs q, k and v in one dtype")
-    d = q.shape[-1]
-    if d > MAX_HEAD_DIM:
-        reasons.append(f"head_dim {d} > {MAX_HEAD_DIM}: the NKI attention kernels are tested up to head dim "
-                       f"{MAX_HEAD_DIM} (chunks of 128 partitions accumulated in PSUM)")
-    if q.shape[-2] == 0 or k.shape[-2] == 0 or d == 0:
+    if q.shape[-2] == 0 or k.shape[-2] == 0 or q.shape[-1] == 0:
         reasons.append("NKI attention needs non-empty sequences and head dim")
     return reasons
 

@@ -86,21 +86,6 @@ def norm_kernel(grads, norm_inf=False):
     return out
 
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def grad_norm_supports(call) -> list[str]:
-    reasons = []
-    norm_type = float(call["norm_type"])
-    if not (norm_type == 2.0 or norm_type == math.inf):
-        reasons.append(f"NKI grad_norm computes norm_type 2 and inf; got {norm_type:g}")
-    bad = sorted({str(g.dtype).removeprefix("torch.") for g in call["grads"] if g.dtype not in SUPPORTED_DTYPES})
-    if bad:
-        reasons.append(f"NKI grad_norm takes float32, bfloat16 and float16 grads; got {', '.join(bad)} "
-                       "(NeuronCore engines have no float64)")
-    return reasons
-
-
 def grad_norm(grads, norm_type):
     live = [g.reshape(-1) for g in grads if g.numel()]
     if not live:

@@ -15,12 +15,14 @@ import torch
 
 from . import compat
 
-TRAINIUM_DEVICES = ("xla", "neuron")
+# Where the simulator and the emulator run kernels: host memory (meta too, for counting). Dispatch hands the
+# backend tensors of no other device type than those it declares, where the @nki.jit kernel runs.
+HOST_DEVICES = ("cpu", "meta")
 
 
 def where(device: torch.device) -> str:
     """'device', 'simulator' or 'emulator': how a kernel on tensors of ``device`` would run."""
-    if device.type in TRAINIUM_DEVICES:
+    if device.type not in HOST_DEVICES:
         return "device"
     return "simulator" if compat.USING_SDK else "emulator"
 

@@ -4,7 +4,7 @@ It accepts every call the public API lets through, so it is where every other
 backend falls back to, and run in float64 it is the conformance suite's oracle.
 """
 
-from portable_ops.dispatch import Backend, OpImpl
+from portable_ops.dispatch import EVERY_DEVICE_TYPE, Backend, OpImpl
 
 from .adam import adam
 from .attention import attention_bwd, attention_fwd
@@ -14,6 +14,7 @@ from .paged import paged_attention, paged_kv_append
 
 BACKEND = Backend(
     name="reference",
+    devices=(EVERY_DEVICE_TYPE,),
     description="plain PyTorch, any device",
     ops={
         "adam": OpImpl(run=adam),

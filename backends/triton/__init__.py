@@ -14,8 +14,12 @@ import torch
 
 from portable_ops.dispatch import Backend, OpImpl
 
+DEVICES = ("cuda",)
+CPU_RUNNER = "the Triton interpreter"
+
 if importlib.util.find_spec("triton") is None:
-    BACKEND = Backend(name="triton", ops={}, unavailable=lambda: "triton is not installed (pip install 'portable-ops[triton]')",
+    BACKEND = Backend(name="triton", devices=DEVICES, cpu_runner=CPU_RUNNER, ops={},
+                      unavailable=lambda: "triton is not installed (pip install 'portable-ops[triton]')",
                       description="Triton kernels")
 else:
     if not torch.cuda.is_available():
@@ -29,7 +33,7 @@ else:
     LATE_SWITCH = INTERPRETED and type(tl.zeros).__name__ != "InterpretedFunction"
 
     from .adam import adam, adam_supports
-    from .attention import (attention_bwd, attention_fwd, attention_supports, attention_varlen_bwd,
+    from .attention import (MAX_HEAD_DIM, attention_bwd, attention_fwd, attention_supports, attention_varlen_bwd,
                             attention_varlen_fwd, attention_varlen_supports, paged_attention, paged_attention_supports,
                             paged_kv_append, paged_kv_append_supports, prepare_attention_bwd,
                             prepare_attention_fwd)
@@ -39,29 +43,37 @@ else:
     if not INTERPRETED:
         hash_triton_in_background()
 
-    def _device_reasons(device: torch.device) -> list[str]:
+    def _runtime_reasons(device: torch.device) -> list[str]:
         if LATE_SWITCH:
             return ["triton was imported before TRITON_INTERPRET=1 was set; set it before importing "
                     "torch._dynamo, triton or portable_ops"]
         if device.type == "cuda":
             return [] if not INTERPRETED else ["CUDA tensors while the Triton interpreter is on (TRITON_INTERPRET=1)"]
-        if device.type == "cpu":
-            return [] if INTERPRETED else ["CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 "
-                                           "before importing portable_ops"]
-        return [f"Triton does not run on {device.type} tensors"]
+        return [] if INTERPRETED else ["CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 "
+                                       "before importing portable_ops"]
+
+    DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # the kernels compute in float32
+    _ATTENTION = dict(dtypes=DTYPES, max_head_dim=MAX_HEAD_DIM)
 
     BACKEND = Backend(
         name="triton",
+        devices=DEVICES,
+        cpu_runner=CPU_RUNNER,
         description="Triton kernels" + (", in the interpreter" if INTERPRETED else ""),
         ops={
-            "adam": OpImpl(run=adam, supports=adam_supports),
-            "grad_norm": OpImpl(run=grad_norm, supports=grad_norm_supports),
-            "attention_fwd": OpImpl(run=attention_fwd, supports=attention_supports, prepare=prepare_attention_fwd),
-            "attention_bwd": OpImpl(run=attention_bwd, supports=attention_supports, prepare=prepare_attention_bwd),
-            "attention_varlen_fwd": OpImpl(run=attention_varlen_fwd, supports=attention_varlen_supports),
-            "attention_varlen_bwd": OpImpl(run=attention_varlen_bwd, supports=attention_varlen_supports),
-            "paged_attention": OpImpl(run=paged_attention, supports=paged_attention_supports),
+            "adam": OpImpl(run=adam, supports=adam_supports, dtypes=DTYPES),
+            "grad_norm": OpImpl(run=grad_norm, supports=grad_norm_supports, dtypes=DTYPES,
+                                features=()),  # norm types 2 and inf
+            "attention_fwd": OpImpl(run=attention_fwd, supports=attention_supports, prepare=prepare_attention_fwd,
+                                    **_ATTENTION),
+            "attention_bwd": OpImpl(run=attention_bwd, supports=attention_supports, prepare=prepare_attention_bwd,
+                                    **_ATTENTION),
+            "attention_varlen_fwd": OpImpl(run=attention_varlen_fwd, supports=attention_varlen_supports,
+                                           **_ATTENTION),
+            "attention_varlen_bwd": OpImpl(run=attention_varlen_bwd, supports=attention_varlen_supports,
+                                           **_ATTENTION),
+            "paged_attention": OpImpl(run=paged_attention, supports=paged_attention_supports, **_ATTENTION),
             "paged_kv_append": OpImpl(run=paged_kv_append, supports=paged_kv_append_supports),
         },
-        device_reasons=_device_reasons,
+        runtime_reasons=_runtime_reasons,
     )

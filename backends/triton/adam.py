@@ -120,16 +120,11 @@ def _log2(beta: float) -> float:
 
 
 _device_and_dtype = operator.attrgetter("device", "dtype")
-_dtype = operator.attrgetter("dtype")
 
 
 def adam_supports(call) -> list[str]:
-    reasons = []
-    dtypes = set(map(_dtype, call["params"]))
-    if torch.float64 in dtypes:
-        reasons.append("float64 parameters are not supported (the kernels compute in float32)")
     lists = {k: call[k] for k in ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs")}
-    reasons += not_contiguous(lists)
+    reasons = not_contiguous(lists)
     steps = call["state_steps"]
     if call["params"] and set(map(_device_and_dtype, steps)) != {(call["params"][0].device, torch.float32)}:
         for i, s in enumerate(steps):  # name the first culprit (params share one device: functional checks)

@@ -39,7 +39,7 @@ from .launch import Launch
 
 LOG2E = tl.constexpr(1.4426950408889634)  # kernels may read only constexpr globals
 LN2 = tl.constexpr(0.6931471805599453)
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 256  # a tile row of the head dim must fit the registers
 
 
 def head_split(d: int) -> tuple[int, int]:
@@ -725,18 +725,6 @@ def _dot_precision(dtype) -> str:
     return "ieee"
 
 
-KERNELS = "triton kernels"
-
-
-def _tile_reasons(q, head_dim) -> list[str]:
-    reasons = []
-    if head_dim > MAX_HEAD_DIM:
-        reasons.append(f"head_dim {head_dim} is over {MAX_HEAD_DIM} (a tile row must fit the registers)")
-    if q.dtype == torch.float64:
-        reasons.append("float64 is not supported (fp16, bf16 and fp32 are)")
-    return reasons
-
-
 def _grid_reasons(programs: int, what: str) -> list[str]:
     if programs <= MAX_GRID_Y:
         return []
@@ -745,18 +733,18 @@ def _grid_reasons(programs: int, what: str) -> list[str]:
 
 def attention_supports(call) -> list[str]:
     q = call["q"]
-    return _grid_reasons(q.shape[1], "heads") + _tile_reasons(q, q.shape[-1])  # batches over the limit run in slices
+    return _grid_reasons(q.shape[1], "heads")  # batches over the limit run in slices
 
 
 def attention_varlen_supports(call) -> list[str]:
     q = call["q"]
     sequences = call["cu_seqlens_q"].shape[0] - 1
-    return _grid_reasons(sequences * q.shape[1], "sequences x heads") + _tile_reasons(q, q.shape[-1])
+    return _grid_reasons(sequences * q.shape[1], "sequences x heads")
 
 
 def paged_attention_supports(call) -> list[str]:
     q = call["q"]
-    return _grid_reasons(q.shape[0] * q.shape[2], "sequences x heads") + _tile_reasons(q, q.shape[-1])
+    return _grid_reasons(q.shape[0] * q.shape[2], "sequences x heads")
 
 
 def paged_kv_append_supports(call) -> list[str]:

@@ -1,0 +1,95 @@
+"""The oracles the runner compares a backend with: ``float64``, the reference backend's code run in float64
+on the CPU, and ``torch``, PyTorch itself (``torch.optim``'s functional Adam, SDPA under an explicit mask)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.optim.adam import adam as torch_adam
+
+from portable_ops.backends.reference.adam import adam as reference_adam
+from portable_ops.backends.reference.attention import attention_bwd as reference_attention_bwd
+from portable_ops.backends.reference.attention import attention_fwd as reference_attention_fwd
+
+F64 = torch.float64
+
+
+def adam_oracle(oracle, state, grads, kw):
+    """One step of the oracle on float64 CPU copies of ``state`` (params, exp_avgs, exp_avg_sqs, maxs, steps)."""
+    params, exp_avgs, exp_avg_sqs, maxs, steps = state
+    if oracle == "float64":
+        reference_adam(params, grads, exp_avgs, exp_avg_sqs, maxs, steps, **kw)
+        return
+    # torch's functional adam (its fused CPU kernel takes grad_scale/found_inf); clip_coef is ours alone.
+    clip = kw["clip_coef"]
+    grads = [g * clip.item() for g in grads] if clip is not None else grads
+    steps32 = [s.float() for s in steps]
+    torch_adam(params, grads, exp_avgs, exp_avg_sqs, maxs, steps32, fused=True,
+               grad_scale=None if kw["grad_scale"] is None else kw["grad_scale"].float(),
+               found_inf=None if kw["found_inf"] is None else kw["found_inf"].float(),
+               decoupled_weight_decay=kw["decoupled_weight_decay"], amsgrad=kw["amsgrad"],
+               beta1=kw["beta1"], beta2=kw["beta2"],
+               lr=kw["lr"].item() if isinstance(kw["lr"], torch.Tensor) else kw["lr"],
+               weight_decay=kw["weight_decay"], eps=kw["eps"], maximize=kw["maximize"])
+    for s, s32 in zip(steps, steps32):
+        s.copy_(s32)
+
+
+def torch_mask(sq, skv, causal, window):
+    """Which keys each query sees, spelled apart from the reference's ``visible`` (diagonal offsets of
+    ``tril``, bottom-right: query ``i`` sits at key position ``i + skv - sq``)."""
+    ones = torch.ones(sq, skv, dtype=torch.bool)
+    shift, mask = skv - sq, ones
+    if causal:
+        mask = mask & ones.tril(shift)
+    left, right = window or (None, None)
+    if left is not None:
+        mask = mask & ~ones.tril(shift - left - 1)
+    if right is not None:
+        mask = mask & ones.tril(shift + right)
+    return mask
+
+
+def torch_attention(q, k, v, mask, scale, softcap):
+    """PyTorch's attention under an explicit boolean mask: SDPA, or without a softcap in SDPA, the
+    softcapped math definition (``softcap * tanh(s / softcap)`` of the scaled scores, then the mask)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    scores = softcap * torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap)
+    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+
+
+def attention_oracle(oracle, q, k, v, dout, rows, causal, scale, window=None, softcap=None):
+    """``out`` and ``dq`` on query rows ``rows = (start, end)``, and ``dk``, ``dv`` over every key, of the
+    attention of those rows alone: with ``dout`` zero on every other row, the whole attention's gradients.
+    Causal: the keys end at the last one the block's last row sees, so that the block's bottom-right
+    mask is the whole sequence's. ``dout=None``: ``out`` alone. The torch oracle takes only the rows
+    that see a key (SDPA gives NaN for the others): zeros elsewhere, as the convention says."""
+    start, end = rows
+    skv = k.shape[-2]
+    seen = max(0, min(skv, end + skv - q.shape[-2])) if causal else skv  # 0: the block sees no key
+    q, k, v = q[:, :, start:end], k[:, :, :seen], v[:, :, :seen]
+    if oracle == "float64":
+        out, lse = reference_attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
+        if dout is None:
+            return out
+        grads = reference_attention_bwd(q, k, v, out, lse, dout[:, :, start:end], causal=causal, scale=scale,
+                                        window=window, softcap=softcap)
+    else:
+        leaves = [t.clone().requires_grad_(dout is not None) for t in (q, k, v)]
+        mask = torch_mask(q.shape[-2], seen, causal, window)
+        rows_seeing = mask.any(-1).nonzero()[:, 0]
+        out = torch.zeros_like(q)
+        if len(rows_seeing):
+            out = out.index_copy(2, rows_seeing, torch_attention(leaves[0][:, :, rows_seeing], *leaves[1:],
+                                                                 mask[rows_seeing], scale, softcap))
+        if dout is None:
+            return out.detach()
+        grads = [torch.zeros_like(t) for t in leaves]
+        if len(rows_seeing):
+            grads = torch.autograd.grad(out, leaves, dout[:, :, start:end])
+    dq, dk, dv = grads
+    unseen = (0, 0, 0, skv - seen)
+    return out.detach(), dq, F.pad(dk, unseen), F.pad(dv, unseen)

@@ -1,0 +1,89 @@
+"""The ops a backend may implement, in one table: what a user calls each, and what a backend may declare about it.
+
+A backend names its ops by the keys of :data:`OPS` (``Backend.ops``, ``Backend.declined``); naming any
+other is an error when it registers. ``explain``'s op names, the reason a declined op gives, the
+conformance suite's families and doctor's listing are read from here; ``docs/adding-an-op.md`` walks
+through adding a row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+Call = dict  # the keyword arguments of one op call, validated by the public API
+
+
+@dataclass(frozen=True)
+class Feature:
+    """An optional part of an op that a backend may lack (``OpImpl.features`` lists those it has)."""
+
+    name: str
+    # How ``call`` uses the feature, in a user's words ("softcap=30"), or "" when it does not.
+    usage: Callable[[Call], str]
+    # What a backend without the feature takes, for its reason ("2 and inf are"), or "".
+    without: str = ""
+
+
+@dataclass(frozen=True)
+class Op:
+    public: str  # the public function a user calls to run it, as ``explain`` names it
+    description: str  # what it is, in a user's words: a declined op's reason starts with it
+    family: str  # the conformance cases that check it (``Case.op``): its public op's, for one run by another
+    tensors: tuple[str, ...]  # the call's keys whose tensors (or lists of them) carry its floating-point dtypes
+    head_dim: Callable[[Call], int] | None = None  # the call's head dim, for an op that has one
+    features: tuple[Feature, ...] = ()
+    backward: str | None = None  # the op computing its gradients; None: not differentiable through a backend
+
+
+def _q_head_dim(call: Call) -> int:
+    return call["q"].shape[-1]
+
+
+CAUSAL = Feature("causal", lambda call: "causal=True" if call["causal"] else "")
+WINDOW = Feature("window", lambda call: f"window={call['window']}" if call["window"] is not None else "")
+SOFTCAP = Feature("softcap", lambda call: f"softcap={call['softcap']:g}" if call["softcap"] is not None else "")
+OTHER_NORMS = Feature("other norm types",
+                      lambda call: "" if call["norm_type"] in (2.0, math.inf) else f"norm_type {call['norm_type']:g}",
+                      without="2 and inf are")
+
+_ATTENTION = dict(tensors=("q", "k", "v"), head_dim=_q_head_dim, features=(CAUSAL, WINDOW, SOFTCAP))
+_VARLEN = dict(public="attention_varlen", description="packed variable-length sequences", family="attention_varlen",
+               **_ATTENTION)
+
+OPS: dict[str, Op] = {
+    # The public API gives each grad its param's dtype, and a param's moments one dtype, its exp_avg's.
+    "adam": Op(public="adam", description="the Adam/AdamW step", family="adam", tensors=("params", "exp_avgs")),
+    "grad_norm": Op(public="clip_grad_norm_", description="the global norm of gradients", family="clip_grad_norm_",
+                    tensors=("grads",), features=(OTHER_NORMS,)),
+    "attention_fwd": Op(public="attention", description="attention", family="attention", backward="attention_bwd",
+                        **_ATTENTION),
+    "attention_bwd": Op(public="attention", description="attention's gradients", family="attention", **_ATTENTION),
+    "attention_varlen_fwd": Op(backward="attention_varlen_bwd", **_VARLEN),
+    "attention_varlen_bwd": Op(**_VARLEN),
+    "paged_attention": Op(public="paged_attention", description="attention over a paged KV cache",
+                          family="paged_attention", tensors=("q", "k_cache", "v_cache"), head_dim=_q_head_dim,
+                          features=(WINDOW, SOFTCAP)),
+    "paged_kv_append": Op(public="paged_kv_append", description="appending to a paged KV cache",
+                          family="paged_attention", tensors=("k_cache", "v_cache", "k_new", "v_new"),
+                          head_dim=lambda call: call["k_new"].shape[-1]),
+}
+
+
+def public_ops() -> dict[str, str]:
+    """Each public op's name -> the op its call dispatches first (a differentiable op's forward)."""
+    ops: dict[str, str] = {}
+    for name, op in OPS.items():
+        ops.setdefault(op.public, name)
+    return ops
+
+
+def families() -> tuple[str, ...]:
+    """The conformance families, each once, in the table's order."""
+    return tuple(dict.fromkeys(op.family for op in OPS.values()))
+
+
+def declined_reason(op: str, backend: str) -> str:
+    """Why ``backend``, which declares it has no kernel for ``op`` yet, declines it."""
+    return f"{OPS[op].description} ({OPS[op].public}): not in the {backend} kernels yet"
