@@ -84,6 +84,8 @@ def _dtypes_in(op: Op, call: Call) -> list[torch.dtype]:
 
 @dataclass
 class Backend:
+    """What a backend serves, as data: its device types, and per op what it takes (docs/adding-a-backend.md)."""
+
     name: str
     # Device types whose tensors it runs by default, e.g. ("cuda",).
     devices: tuple[str, ...]
@@ -148,9 +150,9 @@ class Backend:
             if refused:
                 reasons.append(f"{_names(refused)} {_is_or_are(refused)} not supported "
                                f"({_names(impl.dtypes)} {_is_or_are(impl.dtypes)})")
-        if impl.max_head_dim is not None and op.head_dim(call) > impl.max_head_dim:
-            reasons.append(f"head_dim {op.head_dim(call)} is over {impl.max_head_dim}, the largest the {self.name} "
-                           f"kernels take")
+        head_dim = op.head_dim(call) if impl.max_head_dim is not None else 0
+        if head_dim > (impl.max_head_dim or 0):
+            reasons.append(f"head_dim {head_dim} is over {impl.max_head_dim}, the largest the {self.name} kernels take")
         for feature in op.features:
             usage = feature.usage(call) if impl.features is not None and feature.name not in impl.features else ""
             if usage:
