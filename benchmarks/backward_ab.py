@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from portable_ops.backends.reference import attention as reference
-from portable_ops.backends.triton import attention
+from portable_ops.backends.triton import attention, attention_plans
 
 from portable_ops.bench.common import device_info, steady_ms, table
 
@@ -47,9 +47,9 @@ def check() -> list[dict]:
         scale = 1 / math.sqrt(d)
         out, lse = attention.attention_fwd(q, k, v, causal=causal, scale=scale)
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(q.dtype).cuda()
-        attention._bwd_plans.clear()
+        attention_plans.bwd_plans.clear()
         grads = attention.attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale)
-        plan = next(iter(attention._bwd_plans.values()))
+        plan = next(iter(attention_plans.bwd_plans.values()))
         q64, k64, v64 = (t.double().cpu() for t in (q, k, v))
         ref_out, ref_lse = reference.attention_fwd(q64, k64, v64, causal=causal, scale=scale)
         ref = reference.attention_bwd(q64, k64, v64, ref_out, ref_lse, dout.double().cpu(), causal=causal, scale=scale)
@@ -74,10 +74,10 @@ def timed(b=4, h=16, s=4096) -> list[dict]:
 
         for name, switch in (("ours", "1"), ("tl", "0")):
             os.environ["PORTABLE_OPS_SM90_ATTENTION"] = switch
-            attention._bwd_plans.clear()
+            attention_plans.bwd_plans.clear()
             row[f"{name} ms"] = steady_ms(backward)
         os.environ.pop("PORTABLE_OPS_SM90_ATTENTION")
-        attention._bwd_plans.clear()
+        attention_plans.bwd_plans.clear()
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             with sdpa_kernel(backend):

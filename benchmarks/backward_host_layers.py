@@ -60,6 +60,7 @@ def one_thread(fn):
 def main():
     api = importlib.import_module("portable_ops.attention")
     backend = importlib.import_module("portable_ops.backends.triton.attention")
+    plans = importlib.import_module("portable_ops.backends.triton.attention_plans")
     sm90 = importlib.import_module("portable_ops.backends.triton.attention_sm90")
     b, s, h, hkv, d = 4, 2048, 16, 4, 64
     make = lambda heads: torch.randn(b, s, heads, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)  # noqa: E731
@@ -88,16 +89,16 @@ def main():
             out_, lse = backend.attention_fwd(q, k, v, causal=True, scale=scale)
             run = backend.prepare_attention_bwd(q, k, v, causal=True, scale=scale)
             run(q, k, v, out_, lse, dout)
-            (plan,) = [p for key, p in backend._bwd_plans.items() if key[:2] == (q.shape, q.stride())]
+            (plan,) = [p for key, p in plans.bwd_plans.items() if key[:2] == (q.shape, q.stride())]
         rows["  api.backward (dispatch, then the backend)"] = lambda: api.backward(q, k, v, out_, lse, dout, True,
                                                                                    scale)
         rows["    backend attention_bwd"] = lambda: backend.attention_bwd(q, k, v, out_, lse, dout, causal=True,
                                                                           scale=scale)
         rows["    the prepared backward (a memoised call's)"] = lambda: run(q, k, v, out_, lse, dout)
         if plan.hopper is not None:
-            delta, dq, dk, dv = backend._bwd_buffers(plan, q, k, v)
+            delta, dq, dk, dv = plans.bwd_buffers(plan, q, k, v)
             dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            rows["      _bwd_buffers (four allocations)"] = lambda: backend._bwd_buffers(plan, q, k, v)
+            rows["      bwd_buffers (four allocations)"] = lambda: plans.bwd_buffers(plan, q, k, v)
             rows["      delta launch (zeroing dQ's float32 sum)"] = lambda: plan.delta(out_, dout, delta, dq_sum,
                                                                                        *plan.delta_args)
             rows["      Hopper backward launch"] = lambda: sm90.backward(plan.hopper, q, k, v, dout, lse, delta, dq_sum,

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from portable_ops.backends.reference import attention as reference
-from portable_ops.backends.triton import attention, attention_sm90 as new
+from portable_ops.backends.triton import attention, attention_plans, attention_sm90 as new
 from portable_ops.backends.triton import _sm90_before as old
 from backward_ab import _inputs as inputs
 from portable_ops.bench.common import steady_ms, table, device_info
@@ -88,12 +88,12 @@ def bwd(variant, q, k, v, out, lse, dout, causal, scale):
         supports = KERNELS[new][2]
 
     def call():
-        saved = attention._bwd_plans, new.BwdPlan, new.backward, new.supports_backward
-        attention._bwd_plans, (new.BwdPlan, new.backward), new.supports_backward = plans, kernels, supports
+        saved = attention_plans.bwd_plans, new.BwdPlan, new.backward, new.supports_backward
+        attention_plans.bwd_plans, (new.BwdPlan, new.backward), new.supports_backward = plans, kernels, supports
         try:
             return attention.attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale)
         finally:
-            attention._bwd_plans, new.BwdPlan, new.backward, new.supports_backward = saved
+            attention_plans.bwd_plans, new.BwdPlan, new.backward, new.supports_backward = saved
     call()
     assert (next(iter(plans.values())).hopper is None) == (variant == "tl")
     return call

@@ -78,17 +78,18 @@ def whole() -> list[str]:
 def layers(b, cache) -> list[str]:
     api = importlib.import_module("portable_ops.attention")
     backend = importlib.import_module("portable_ops.backends.triton.attention")
+    plans = importlib.import_module("portable_ops.backends.triton.attention_plans")
     launch = importlib.import_module("portable_ops.backends.triton.launch")
 
     q, k, v = _inputs(b, cache)
     d, heads, scale = q.shape[-1], q.shape[1], q.shape[-1] ** -0.5
     with torch.no_grad():
-        backend._fwd_plans.clear()
+        plans.fwd_plans.clear()
         api._memo.clear()
         portable_ops.attention(q, k, v, causal=True)
-        (plan,) = backend._fwd_plans.values()
+        (plan,) = plans.fwd_plans.values()
         split = plan.splits > 1
-        floats = (scale * backend.LOG2E.value, 0.0, 0.0)
+        floats = (scale * plans.LOG2E.value, 0.0, 0.0)
         out = torch.empty((plan.splits, b, heads, 1, d) if split else q.shape, device="cuda",
                           dtype=torch.float32 if split else q.dtype)
         lse = torch.empty((plan.splits, b, heads, 1) if split else (b, heads, 1), device="cuda", dtype=torch.float32)
@@ -106,7 +107,7 @@ def layers(b, cache) -> list[str]:
             "  api.forward (checked, not memoised)": lambda: api.forward(q, k, v, True, scale),
             "    backend attention_fwd (after dispatch)": lambda: backend.attention_fwd(q, k, v, causal=True,
                                                                                        scale=scale),
-            "      backend _forward (after the plan key)": lambda: backend._forward(plan, q, k, v, scale, None,
+            "      plans run_forward (after the plan key)": lambda: plans.run_forward(plan, q, k, v, scale, None,
                                                                                    (q, q, q, q)),
             f"        fwd launch, {plan.splits} split(s)": lambda: plan.fwd(*args),
             "          the launch's checks (_through_triton)": lambda: launch._through_triton(fwd.kernel),

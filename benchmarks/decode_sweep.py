@@ -1,6 +1,6 @@
 """Decode sweep: one-token decode under CUDA-graph replay, the split-key kernel's tiles and split
-count forced, against cuDNN in the same run: what the decode policy of backends/triton/attention.py
-(``_decode_config``, ``_splits``) is chosen from.
+count forced, against cuDNN in the same run: what the decode policy of backends/triton/attention_configs.py
+(``attention_configs.decode_tile_config``, ``key_splits``) is chosen from.
 
     PORTABLE_OPS_AUTOTUNE=0 python benchmarks/decode_sweep.py [--batches 1,4] [--caches 512,131072]
         [--configs 16x64x4x3,16x128x4x3] [--splits 1,4,16] [--rounds 3] [--before OLD.json] [--json F]
@@ -22,7 +22,8 @@ import sys
 import torch
 
 import portable_ops
-import portable_ops.backends.triton.attention as attention
+import portable_ops.backends.triton.attention_configs as configs
+import portable_ops.backends.triton.attention_plans as plans
 from portable_ops.bench.attention import _sdpa_variants
 from portable_ops.bench.common import graphed, median, median_ms
 
@@ -52,22 +53,22 @@ def _configs(text):
 
 def _forced(config, splits):
     """Patch the policy to ``config`` / ``splits`` (None: the shipped one); returns the undo."""
-    shipped = attention._decode_config, attention._splits
+    shipped = configs.decode_tile_config, plans.key_splits
     if config is not None:
-        attention._decode_config = lambda *args: config
+        configs.decode_tile_config = lambda *args: configs.TileConfig(*config)
     if splits is not None:
-        attention._splits = lambda *args, **kwargs: splits
+        plans.key_splits = lambda *args, **kwargs: splits
     _forget_plans()
 
     def undo():
-        attention._decode_config, attention._splits = shipped
+        configs.decode_tile_config, plans.key_splits = shipped
         _forget_plans()
     return undo
 
 
 def _forget_plans():
     """Every forward plan, and portable_ops.attention's memo, which holds the plans of the calls it saw."""
-    attention._fwd_plans.clear()
+    plans.fwd_plans.clear()
     api._memo.clear()
 
 
@@ -120,7 +121,7 @@ def main():
                         # absolute bound would pass an output that dropped half the keys
                         err = ((ours().float() - ref.float()).abs().max() / ref.float().abs().max()).item()
                         if name == "shipped":
-                            plan = next(iter(attention._fwd_plans.values()))
+                            plan = next(iter(plans.fwd_plans.values()))
                             options = plan.fwd.options
                             cell["shipped config"] = [options[key] for key in ("BLOCK_M", "BLOCK_N", "num_warps",
                                                                                "num_stages")]

@@ -32,7 +32,7 @@ SEQS = [int(s) for s in os.environ.get("SEQS", "1024,2048,4096,8192,16384").spli
 def ours(q, k, v, causal, scale, config):
     block_n, stages, o_through_q, consumers = config
     saved = sm90.CONFIGS[D, causal]
-    sm90.CONFIGS[D, causal] = (block_n, stages, bool(o_through_q), consumers)
+    sm90.CONFIGS[D, causal] = sm90.FwdConfig(block_n, stages, bool(o_through_q), consumers)
     try:
         plan = sm90.Plan(q, k, v, strides_like(q), causal, scale)
     finally:

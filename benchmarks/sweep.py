@@ -27,6 +27,8 @@ mt = importlib.import_module("portable_ops.backends.triton.multi_tensor")
 adam_mod = importlib.import_module("portable_ops.backends.triton.adam")
 norm_mod = importlib.import_module("portable_ops.backends.triton.grad_norm")
 attn_mod = importlib.import_module("portable_ops.backends.triton.attention")
+attn_configs = importlib.import_module("portable_ops.backends.triton.attention_configs")
+attn_plans = importlib.import_module("portable_ops.backends.triton.attention_plans")
 
 MT_CONFIGS = {
     torch.float32: [(8192, 2048, 8), (16384, 1024, 8), (4096, 2048, 8), (2048, 2048, 8), (4096, 4096, 8),
@@ -125,24 +127,24 @@ DQ = [(128, 64, 8, 2), (128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (128, 1
 def _reset_attention():
     """Forget every attention launch plan and tuned choice, so the next call builds its plan from CONFIGS
     (portable_ops.attention's memo holds the plans of the calls it saw: it is emptied too)."""
-    attn_mod._fwd_plans.clear()
-    attn_mod._bwd_plans.clear()
-    attn_mod._tuner.chosen.clear()
+    attn_plans.fwd_plans.clear()
+    attn_plans.bwd_plans.clear()
+    attn_configs._tuner.chosen.clear()
     importlib.import_module("portable_ops.attention")._memo.clear()
 
 
 def _each_tile(kernel, d, configs):
-    """Set ``attention.CONFIGS[kernel]`` at ``d``'s tile width to each of ``configs`` alone in turn (a
+    """Set ``attention_configs.CONFIGS[kernel]`` at ``d``'s tile width to each of ``configs`` alone in turn (a
     one-candidate list is used untimed), with no plan built under another; restore it afterwards."""
-    width = sum(attn_mod.head_split(d))
-    default = attn_mod.CONFIGS[kernel][width]
+    width = sum(attn_configs.head_split(d))
+    default = attn_configs.CONFIGS[kernel][width]
     try:
         for cfg in configs:
-            attn_mod.CONFIGS[kernel][width] = [cfg]
+            attn_configs.CONFIGS[kernel][width] = [attn_configs.TileConfig(*cfg)]
             _reset_attention()
             yield cfg
     finally:
-        attn_mod.CONFIGS[kernel][width] = default
+        attn_configs.CONFIGS[kernel][width] = default
         _reset_attention()
 
 

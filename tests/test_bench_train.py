@@ -81,7 +81,8 @@ def test_loss_curves_agree_within_tolerance_or_within_torchs_own_spread():
 
 def test_kernel_kinds_sort_ours_torchs_and_the_rest():
     kinds = {
-        "_fwd_kernel": "attention fwd", "_bwd_dkdv_kernel": "attention bwd", "_delta_kernel": "attention bwd",
+        "fwd_kernel": "attention fwd", "dkdv_kernel": "attention bwd", "delta_kernel": "attention bwd",
+        "dq_kernel": "attention bwd", "bwd_kernel": "attention bwd", "combine_kernel": "attention fwd",
         "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x128": "attention fwd",
         "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_2_64x128x128": "attention bwd",
         "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4> >(flash::Flash_fwd_params)":

@@ -12,16 +12,16 @@ pytestmark = pytest.mark.skipif(dispatch.unavailable_reason("triton") is not Non
 
 
 def test_decode_splits_keys_across_programs_and_merges_exactly():
-    from portable_ops.backends.triton.attention import _config, _splits
+    from portable_ops.backends.triton.attention_configs import key_splits, tile_config
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 3, 64, generator=g).to(device)
     k, v = (torch.randn(1, 1, 1100, 64, generator=g).to(device) for _ in range(2))
     # decode shapes are never timed
-    block_m, block_n = _config("fwd", q, q.shape[2], k.shape[2], k.shape[1], False, "ieee", launch=None)[:2]
-    assert _splits(1, 2, 1, 1100, block_m, block_n) > 1  # the conformance case takes the split path
-    assert _splits(1, 2, block_m + 1, 1100, block_m, block_n) == 1  # prefill does not
+    block_m, block_n = tile_config("fwd", q, q.shape[2], k.shape[2], k.shape[1], False, "ieee", launch=None)[:2]
+    assert key_splits(1, 2, 1, 1100, block_m, block_n) > 1  # the conformance case takes the split path
+    assert key_splits(1, 2, block_m + 1, 1100, block_m, block_n) == 1  # prefill does not
     for causal in (False, True):
         with portable_ops.use_backend("triton"):
             out = portable_ops.attention(q, k, v, causal=causal)
@@ -37,22 +37,22 @@ def test_decode_split_policy_on_an_h100_sized_gpu(monkeypatch):
     row in registers), an empty batch not split at all; 128-key tiles only on sm_90 and only where
     the programs would take the narrow tiles more than one wave (three an SM), and only for 2-byte
     heads of one column chunk, 97 to 128 wide."""
-    attention = importlib.import_module("portable_ops.backends.triton.attention")
-    monkeypatch.setattr(attention, "INTERPRETED", False)
-    monkeypatch.setattr(attention, "_multiprocessors", lambda index: 132)
+    configs = importlib.import_module("portable_ops.backends.triton.attention_configs")
+    monkeypatch.setattr(configs, "INTERPRETED", False)
+    monkeypatch.setattr(configs, "multiprocessors", lambda index: 132)
     cpu = torch.device("cpu", 0)
-    splits = lambda b, h, skv: attention._splits(b, h, 1, skv, 16, 64, cpu)  # noqa: E731
+    splits = lambda b, h, skv: configs.key_splits(b, h, 1, skv, 16, 64, cpu)  # noqa: E731
     assert splits(1, 8, 512) == 4  # 8 programs: ranges of two 64-key blocks
     assert splits(1, 8, 131072) == 16 and splits(4, 8, 131072) == 4  # one wave: 128 of 132 SMs
     assert splits(16, 8, 131072) == 1 and splits(64, 8, 131072) == 1  # the programs fill the GPU by themselves
-    assert splits(1, 1, 10 ** 6) == attention.MAX_SPLITS
+    assert splits(1, 1, 10 ** 6) == configs.MAX_SPLITS
     assert splits(0, 8, 4096) == 1
-    monkeypatch.setattr(attention.attention_sm90, "_index", lambda device: 0)
+    monkeypatch.setattr(configs.attention_sm90, "device_index", lambda device: 0)
     for sm90 in (False, True):
-        monkeypatch.setattr(attention.attention_sm90, "_is_sm90", lambda index, sm90=sm90: sm90)
+        monkeypatch.setattr(configs.attention_sm90, "is_sm90", lambda index, sm90=sm90: sm90)
 
         def tiles(d, programs, dtype=torch.bfloat16):
-            return attention._decode_config(torch.empty(1, 1, 1, d, dtype=dtype), programs)[:2]
+            return configs.decode_tile_config(torch.empty(1, 1, 1, d, dtype=dtype), programs)[:2]
 
         assert tiles(128, 3 * 132) == (16, 64) and tiles(256, 512) == (16, 32)  # narrow tiles: one wave
         assert tiles(80, 512) == tiles(64, 512) == (16, 64)  # the wide tile would spill
@@ -68,19 +68,23 @@ def test_decode_tiles_are_chosen_for_the_programs_the_grid_has(monkeypatch):
     programs the grid really has. Run with the H100 policy on a one-SM GPU (so every count here
     takes sm_90's 128-key tiles), the kernels in the interpreter, against the reference."""
     attention = importlib.import_module("portable_ops.backends.triton.attention")
-    monkeypatch.setattr(attention, "_fwd_plans", {})  # plans of this policy stay here, and none is reused
-    monkeypatch.setattr(attention, "INTERPRETED", False)
-    monkeypatch.setattr(attention, "_multiprocessors", lambda index: 1)
-    monkeypatch.setattr(attention.attention_sm90, "_index", lambda device: 0)
-    monkeypatch.setattr(attention.attention_sm90, "_is_sm90", lambda index: True)
+    configs = importlib.import_module("portable_ops.backends.triton.attention_configs")
+    plans = importlib.import_module("portable_ops.backends.triton.attention_plans")
+    monkeypatch.setattr(plans, "fwd_plans", {})  # plans of this policy stay here, and none is reused
+    for module in (plans, configs):
+        monkeypatch.setattr(module, "INTERPRETED", False)
+    monkeypatch.setattr(configs, "multiprocessors", lambda index: 1)
+    monkeypatch.setattr(configs.attention_sm90, "device_index", lambda device: 0)
+    monkeypatch.setattr(configs.attention_sm90, "is_sm90", lambda index: True)
     seen = []
-    policy = attention._decode_config
-    monkeypatch.setattr(attention, "_decode_config", lambda q, programs: seen.append(programs) or policy(q, programs))
+    policy = configs.decode_tile_config
+    monkeypatch.setattr(configs, "decode_tile_config",
+                        lambda q, programs: seen.append(programs) or policy(q, programs))
     g = torch.Generator().manual_seed(2)
 
     def grid_programs():
-        (plan,) = attention._fwd_plans.values()
-        attention._fwd_plans.clear()
+        (plan,) = plans.fwd_plans.values()
+        plans.fwd_plans.clear()
         assert plan.fwd.options["BLOCK_N"] == 128
         return plan.fwd.grid[0] * plan.fwd.grid[1]
 

@@ -20,6 +20,8 @@ from portable_ops.conformance import GRADIENT_FACTOR, tolerance
 pytestmark = pytest.mark.skipif(dispatch.unavailable_reason("triton") is not None, reason="triton not installed")
 
 attn = importlib.import_module("portable_ops.backends.triton.attention")
+plans = importlib.import_module("portable_ops.backends.triton.attention_plans")
+configs = importlib.import_module("portable_ops.backends.triton.attention_configs")
 ref_attn = importlib.import_module("portable_ops.backends.reference.attention")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -57,8 +59,8 @@ def _check(q, k, v, causal, scale, dout=None):
 def test_inputs_whose_row_major_copies_agree_keep_their_own_output_layouts(monkeypatch):
     """q, k, v with a strided last dim, heads inner or not: the kernels read the same row-major copies, but
     out and the gradients follow each input's own layout (the plans' keys hold the outputs' strides)."""
-    monkeypatch.setattr(attn, "_fwd_plans", {})
-    monkeypatch.setattr(attn, "_bwd_plans", {})
+    monkeypatch.setattr(plans, "fwd_plans", {})
+    monkeypatch.setattr(plans, "bwd_plans", {})
     g = torch.Generator().manual_seed(0)
     plain = [torch.randn(1, 2, 16, 32, generator=g)[..., ::2].to(DEVICE) for _ in range(3)]
     inner = [torch.randn(1, 16, 2, 32, generator=g)[..., ::2].to(DEVICE).transpose(1, 2) for _ in range(3)]
@@ -113,7 +115,7 @@ def test_hopper_forward_against_float64(b, hq, hkv, sq, skv, d, causal, heads_in
     torch.cuda.synchronize()
     # every launch's last program has set its stream's work-tile counter back for the next launch
     assert all(not counter.any() for counter in sm90._TILE_COUNTERS.values())
-    backward = next(p for key, p in attn._bwd_plans.items() if key[:2] == (q.shape, q.stride()))
+    backward = next(p for key, p in plans.bwd_plans.items() if key[:2] == (q.shape, q.stride()))
     # and its backward too, at the head dims the Hopper backward takes
     assert (backward.hopper is not None) == (d in sm90.BWD_HEAD_DIMS)
 
@@ -129,7 +131,7 @@ def test_hopper_forward_relaunches_over_other_tensors():
         _check(q, k, v, True, 0.1)
         for t in (q, k, v):
             t.mul_(-1)
-    launch = next(p.hopper.launch for p in attn._fwd_plans.values() if p.hopper is not None and p.hopper.args[3] == 384)
+    launch = next(p.hopper.launch for p in plans.fwd_plans.values() if p.hopper is not None and p.hopper.args[3] == 384)
     compiled = next(iter(launch.compiled.values()))
     if launch_mod.TRITON_RELEASE == (3, 6):  # the release whose launcher the cached-descriptor path was read from
         assert compiled.entry is not None and all(len(m) >= 2 for m in compiled.tensor_maps[:3])
@@ -199,7 +201,7 @@ def test_hopper_forward_grid_is_persistent_only_for_short_rows(monkeypatch):
     assert grid(1, 2, 300, 64) == 2 * 3  # fewer tiles than SMs: one program each
     for release, consumers in (((3, 6), 3), ((3, 9), 2)):  # three consumers only where they were timed
         monkeypatch.setattr(sm90, "TRITON_RELEASE", release)
-        assert sm90.config(64, False)[3] == consumers and sm90.config(64, True)[3] == 2
+        assert sm90.config(64, False).consumers == consumers and sm90.config(64, True).consumers == 2
         assert grid(1, 16, 16385, 64, False) == 16 * -(-16385 // (64 * consumers))
         assert grid(1, 2, 300, 64, False) == 2 * -(-300 // (64 * consumers))
 
@@ -226,10 +228,10 @@ def test_hopper_backward_bands_fill_the_gpu_about_once_and_divide_the_pairs():
 def test_hopper_backward_in_bands_that_do_not_divide_the_pairs(band, monkeypatch):
     """The kernel takes any band: the last one short (3 or 5 of 8 pairs), or one wider than every pair."""
     monkeypatch.setattr(sm90, "band", lambda *args, **kwargs: band)
-    monkeypatch.setattr(attn, "_bwd_plans", {})  # plans with this band stay in the test
+    monkeypatch.setattr(plans, "bwd_plans", {})  # plans with this band stay in the test
     q, k, v = _inputs(2, 8, 4, 300, 700, 128, torch.bfloat16, heads_inner=True)
     _check(q, k, v, True, 1 / math.sqrt(128))
-    plan = next(p for key, p in attn._bwd_plans.items() if key[:2] == (q.shape, q.stride()))
+    plan = next(p for key, p in plans.bwd_plans.items() if key[:2] == (q.shape, q.stride()))
     assert plan.hopper is not None and plan.hopper.args[-1] == band
 
 
@@ -277,10 +279,10 @@ def test_backward_plans_tell_aligned_bases_apart():
     out, lse = attn.attention_fwd(q, k, v, causal=True, scale=0.125)
     store = torch.randn(out.numel() + 1, generator=torch.Generator().manual_seed(3)).to(q.dtype).to(DEVICE)
     aligned, odd = store[:-1].view(out.shape), store[1:].view(out.shape)
-    attn._bwd_plans.clear()
+    plans.bwd_plans.clear()
     first = attn.attention_bwd(q, k, v, out, lse, aligned, causal=True, scale=0.125)
     second = attn.attention_bwd(q, k, v, out, lse, odd, causal=True, scale=0.125)
-    assert sorted(key[-1] for key in attn._bwd_plans) == [False, True]
+    assert sorted(key[-1] for key in plans.bwd_plans) == [False, True]
     assert not torch.equal(first[0], second[0])
 
 
@@ -323,19 +325,19 @@ def test_every_head_dim_forward_and_backward(d, causal, hq, hkv, sq, skv):
 def test_odd_head_dims_decode_packed_gqa_and_split_keys(d):
     # 4 query heads x 2 tokens share a program (GQA-packed); 1100 keys split across programs
     q, k, v = _inputs(1, 8, 2, 2, 1100, d, seed=d)
-    plan_block_m, plan_block_n = attn._config("fwd", q, q.shape[2], k.shape[2], k.shape[1], True, "ieee",
+    plan_block_m, plan_block_n = configs.tile_config("fwd", q, q.shape[2], k.shape[2], k.shape[1], True, "ieee",
                                               launch=None)[:2]
-    assert attn._splits(1, 2, 8, 1100, plan_block_m, plan_block_n) > 1 or DEVICE.type == "cuda"
+    assert configs.key_splits(1, 2, 8, 1100, plan_block_m, plan_block_n) > 1 or DEVICE.type == "cuda"
     _check(q, k, v, True, 1 / math.sqrt(d))
 
 
 def test_head_split_covers_each_head_dim_with_at_most_two_power_of_two_chunks():
     for d in range(1, attn.MAX_HEAD_DIM + 1):
-        d0, d1 = attn.head_split(d)
+        d0, d1 = configs.head_split(d)
         assert d0 + d1 >= d and d0 >= 16 and d0 & (d0 - 1) == 0, d
         assert d1 == 0 or (16 <= d1 < d0 and d1 & (d1 - 1) == 0 and d0 < d), d
         assert d0 + d1 <= max(16, triton_next_pow2(d)), d  # never more work than padding would do
-    assert [attn.head_split(d) for d in (40, 64, 80, 96, 192, 256)] == [(32, 16), (64, 0), (64, 16), (64, 32),
+    assert [configs.head_split(d) for d in (40, 64, 80, 96, 192, 256)] == [(32, 16), (64, 0), (64, 16), (64, 32),
                                                                         (128, 64), (256, 0)]
 
 
@@ -380,11 +382,11 @@ def test_rows_at_any_alignment():
     """Strides pass to the kernels divided by the largest power of two (up to 16) dividing them all."""
     g = torch.Generator().manual_seed(10)
     q, k, v = (torch.randn(1, 2, 23, 41, generator=g).half().to(DEVICE)[..., :40] for _ in range(3))  # rows 41 apart
-    assert attn._stride_unit(attn._strides(q.shape, q.stride())) == 1
+    assert plans.stride_unit(plans.kernel_strides(q.shape, q.stride())) == 1
     _check(q, k, v, True, 0.2)
-    assert attn._stride_unit(attn._strides((2, 4, 33, 40), (5280, 1320, 40, 1))) == 8
+    assert plans.stride_unit(plans.kernel_strides((2, 4, 33, 40), (5280, 1320, 40, 1))) == 8
     # a size-one dim's stride is never stepped, so it does not count
-    assert attn._stride_unit(attn._strides((1, 4, 33, 64), (7, 2112, 64, 1))) == 16
+    assert plans.stride_unit(plans.kernel_strides((1, 4, 33, 64), (7, 2112, 64, 1))) == 16
 
 
 def test_split_key_decode_writes_through_the_output_strides():
@@ -396,15 +398,15 @@ def test_split_key_decode_writes_through_the_output_strides():
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs CUDA: the batch must fill the GPU's multiprocessors")
 @pytest.mark.parametrize("sq", [1, 3])
 def test_decode_over_a_batch_that_fills_the_gpu(sq):
-    """Batch x KV heads past three an SM: no split, and sm_90's 128-key tiles (_decode_config),
+    """Batch x KV heads past three an SM: no split, and sm_90's 128-key tiles (decode_tile_config),
     dense against float64 and paged (16-token pages, shuffled) against the dense call."""
     hkv = 8
-    b = attn._DECODE_NARROW_PER_SM * attn._multiprocessors(torch.cuda.current_device()) // hkv + 1
+    b = configs.DECODE_NARROW_PER_SM * configs.multiprocessors(torch.cuda.current_device()) // hkv + 1
     q, k, v = _inputs(b, 32, hkv, sq, 333, 128, torch.bfloat16, seed=11)
     out, _ = attn.attention_fwd(q, k, v, causal=True, scale=128 ** -0.5)
-    plan = next(p for key, p in attn._fwd_plans.items() if key[:3] == (q.shape, q.stride(), k.shape))
+    plan = next(p for key, p in plans.fwd_plans.items() if key[:3] == (q.shape, q.stride(), k.shape))
     assert plan.splits == 1
-    assert plan.fwd.options["BLOCK_N"] == (128 if sm90._is_sm90(torch.cuda.current_device()) else 64)
+    assert plan.fwd.options["BLOCK_N"] == (128 if sm90.is_sm90(torch.cuda.current_device()) else 64)
     q64, k64, v64 = (t.double().cpu() for t in (q, k, v))
     want = ref_attn.attention_fwd(q64, k64, v64, causal=True, scale=128 ** -0.5)[0]
     torch.testing.assert_close(out.double().cpu(), want, **tolerance("attention", q.dtype)._asdict())
@@ -471,7 +473,7 @@ def no_launches():
     """Kernel launches that do nothing: what is left of a call is its host path."""
     from portable_ops.bench.attention import no_launches
 
-    with no_launches(attn):
+    with no_launches():
         yield
 
 
@@ -482,8 +484,8 @@ def test_a_call_only_allocates_and_launches(no_launches, heads_inner, skv, monke
     out, lse = attn.attention_fwd(q, k, v, causal=True, scale=0.1)  # builds the plans
     dout = torch.ones_like(out)
     attn.attention_bwd(q, k, v, out, lse, dout, causal=True, scale=0.1)
-    monkeypatch.setattr(attn, "_fwd_plan", None)  # a second call of the same layout builds nothing
-    monkeypatch.setattr(attn, "_bwd_plan", None)
+    monkeypatch.setattr(plans, "fwd_plan", None)  # a second call of the same layout builds nothing
+    monkeypatch.setattr(plans, "bwd_plan", None)
     with _RecordOps() as recorded:
         out, lse = attn.attention_fwd(q, k, v, causal=True, scale=0.1)
         attn.attention_bwd(q, k, v, out, lse, dout, causal=True, scale=0.1)
@@ -505,11 +507,11 @@ def test_float32_tiles_multiply_as_torch_float32_matmuls_do(restore_fp32_precisi
     exact, _ = ref_attn.attention_fwd(q.double(), k.double(), v.double(), causal=True, scale=3.0)
     # a large scale makes the softmax sharp, which magnifies any error in the scores
     ieee, _ = attn.attention_fwd(q, k, v, causal=True, scale=3.0)
-    assert attn._dot_precision(torch.float32) == "ieee"
+    assert configs.dot_precision(torch.float32) == "ieee"
     torch.backends.cuda.matmul.fp32_precision = "tf32"
-    assert attn._dot_precision(torch.float32) == "tf32"
+    assert configs.dot_precision(torch.float32) == "tf32"
     tf32, _ = attn.attention_fwd(q, k, v, causal=True, scale=3.0)
-    built = {plan.fwd.options["PRECISION"] for key, plan in attn._fwd_plans.items()
+    built = {plan.fwd.options["PRECISION"] for key, plan in plans.fwd_plans.items()
              if key[0] == q.shape and key[6] == torch.float32}
     assert built >= {"ieee", "tf32"}
     ieee_error, tf32_error = ((out.double() - exact).abs().max().item() for out in (ieee, tf32))
@@ -660,7 +662,7 @@ def test_bench_host_time_runs_without_a_gpu(capsys):
 
     rows = run_attention_host(calls=3, b=1, s=16, heads=4, kv_heads=2, d=80)
     assert [r["dir"] for r in rows] == ["fwd", "bwd"] and all(r["host us"] > 0 for r in rows)
-    assert not isinstance(attn._fwd_kernel, type(None)) and type(attn._fwd_kernel).__name__ != "_NoLaunch"
+    assert type(plans.fwd_kernel).__name__ != "_NoLaunch"
 
 
 def test_the_sweep_builds_a_fresh_plan_for_each_tile_it_sets(monkeypatch):
@@ -672,16 +674,17 @@ def test_the_sweep_builds_a_fresh_plan_for_each_tile_it_sets(monkeypatch):
     spec = importlib.util.spec_from_file_location("sweep", pathlib.Path(__file__).parents[1] / "benchmarks" / "sweep.py")
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
-    monkeypatch.setattr(attn, "INTERPRETED", False)  # plans take CONFIGS' tiles, as on a GPU
+    for module in (plans, configs):  # plans take CONFIGS' tiles, as on a GPU
+        monkeypatch.setattr(module, "INTERPRETED", False)
     monkeypatch.setenv("PORTABLE_OPS_AUTOTUNE", "0")
-    monkeypatch.setattr(attn, "_splits", lambda *args: 1)
+    monkeypatch.setattr(plans, "key_splits", lambda *args: 1)
     q = torch.zeros(1, 2, 64, 80)
-    default = list(attn.CONFIGS["fwd"][80])
-    with no_launches(attn):
+    default = list(configs.CONFIGS["fwd"][80])
+    with no_launches():
         seen = []
         for cfg in sweep._each_tile("fwd", 80, [(64, 32, 4, 3), (32, 64, 4, 2)]):
             attn.attention_fwd(q, q, q, causal=False, scale=0.1)
-            plan = next(iter(attn._fwd_plans.values()))
+            plan = next(iter(plans.fwd_plans.values()))
             seen.append((plan.fwd.options["BLOCK_M"], plan.fwd.options["BLOCK_N"], plan.fwd.options["num_stages"]))
     assert seen == [(64, 32, 3), (32, 64, 2)]
-    assert attn.CONFIGS["fwd"][80] == default and not attn._fwd_plans
+    assert configs.CONFIGS["fwd"][80] == default and not plans.fwd_plans

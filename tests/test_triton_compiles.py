@@ -21,32 +21,39 @@ BACKEND_DIR = pathlib.Path(__file__).resolve().parents[1] / "backends" / "triton
 SHARED_LIMIT = 227 * 1024  # bytes of shared memory one block may have on an H100
 
 
-def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
-    """Compile each spec for sm_90 (kernels loaded alone, interpreter off); its resources, or its error."""
+def _kernel_module(name: str, backend_dir: str):
+    """backends/triton/``name``.py loaded alone, without portable_ops (which would switch the interpreter on)."""
     import importlib
     import os
-    import re
-    import tempfile
     import types
 
     os.environ.pop("TRITON_INTERPRET", None)
+    if "kernels" not in sys.modules:
+        pkg = types.ModuleType("kernels")
+        pkg.__path__ = [backend_dir]
+        sys.modules["kernels"] = pkg
+        # portable_ops' plain modules (env, read by the launch checks) load from its directory
+        po = types.ModuleType("portable_ops")
+        po.__path__ = [str(pathlib.Path(backend_dir).parents[1] / "portable_ops")]
+        sys.modules["portable_ops"] = po
+    return importlib.import_module(f"kernels.{name}")
+
+
+def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
+    """Compile each spec for sm_90 (kernels loaded alone, interpreter off); its resources, or its error."""
+    import re
+    import tempfile
+
+    configs, fwd_kernels, bwd_kernels, attention_sm90, sm90_fwd, sm90_bwd, adam, grad_norm = (
+        _kernel_module(name, backend_dir) for name in ("attention_configs", "attention_fwd_kernels",
+                                                       "attention_bwd_kernels", "attention_sm90",
+                                                       "attention_sm90_fwd_kernels", "attention_sm90_bwd_kernels",
+                                                       "adam", "grad_norm"))
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
 
-    # Load the kernel modules alone, without portable_ops (which would switch the interpreter on);
-    # attention.py imports portable_ops.layout, a plain module: give it that one.
-    pkg = types.ModuleType("kernels")
-    pkg.__path__ = [backend_dir]
-    sys.modules["kernels"] = pkg
-    po = types.ModuleType("portable_ops")
-    po.__path__ = [str(pathlib.Path(backend_dir).parents[1] / "portable_ops")]
-    sys.modules["portable_ops"] = po
-    attention = importlib.import_module("kernels.attention")
-    attention_sm90 = importlib.import_module("kernels.attention_sm90")
-    adam = importlib.import_module("kernels.adam")
-    grad_norm = importlib.import_module("kernels.grad_norm")
-    assert not attention.INTERPRETED
+    assert not configs.INTERPRETED
     dtypes = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
     sm90 = GPUTarget("cuda", 90, 32)
 
@@ -89,7 +96,7 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
     results = []
     for spec in specs:
         kind, d = spec["kernel"], spec.get("d", 128)
-        d0, d1 = attention.head_split(d)
+        d0, d1 = configs.head_split(d)
         head = dict(D=d, D0=d0, D1=d1, UPCAST=False, PRECISION="ieee")
         # the masks and features a spec asks for (default: causal, nothing else)
         features = dict(BOUND_LEFT=spec.get("window", False), BOUND_RIGHT=spec.get("causal", True),
@@ -115,7 +122,7 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                           "GROUP": "i32", "SQ": "i32", "SKV": "i32", "qk_scale": "fp32"}
                 consts = dict(CAUSAL=spec.get("causal", True), NEGATIVE_SCALE=False, STAGES=stages,
                               O_THROUGH_Q=o_through_q, CONSUMERS=consumers, num_warps=4)
-                row.update(run(attention_sm90._fwd_kernel, types_, consts, 4, 1, False, GluonASTSource,
+                row.update(run(sm90_fwd.fwd_kernel, types_, consts, 4, 1, False, GluonASTSource,
                                maxnreg=attention_sm90.FWD_MAXNREG[consumers]))
             elif kind == "bwd_sm90":
                 from triton.experimental.gluon import language as gl
@@ -137,7 +144,7 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                           "scale": "fp32"}
                 consts = dict(CAUSAL=spec["causal"], STAGES=stages, DQ_BUFFERS=dq_buffers, SPLIT_MASK=split_mask,
                               num_warps=4)
-                row.update(run(attention_sm90._bwd_kernel, types_, consts, 4, 1, False, GluonASTSource,
+                row.update(run(sm90_bwd.bwd_kernel, types_, consts, 4, 1, False, GluonASTSource,
                                maxnreg=attention_sm90.MAXNREG))
             elif kind in ("fwd", "decode", "paged"):
                 block_m, block_n, warps, stages = spec["config"]
@@ -150,7 +157,7 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                               BLOCK_M=block_m, BLOCK_N=block_n, PACK_GROUP=kind in ("decode", "paged"),
                               NEGATIVE_SCALE=False, UNIT=spec.get("unit", 8),
                               OFFSETS_64=spec.get("offsets_64", False))
-                row.update(run(attention._fwd_kernel, types_, consts, warps, stages, False))
+                row.update(run(fwd_kernels.fwd_kernel, types_, consts, warps, stages, False))
             elif kind == "dkdv":
                 block_m, block_n, warps, stages = spec["config"]
                 names = [f"s{t}_{a}" for t in ("q", "k", "v", "do", "dk", "dv") for a in
@@ -160,7 +167,7 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                                          {"scale": "fp32", **floats, **offsets})
                 consts = dict(head, **features, BLOCK_M=block_m, BLOCK_N=block_n, UNIT=8,
                               OFFSETS_64=spec.get("offsets_64", False))
-                row.update(run(attention._bwd_dkdv_kernel, types_, consts, warps, stages, False))
+                row.update(run(bwd_kernels.dkdv_kernel, types_, consts, warps, stages, False))
             elif kind == "dq":
                 block_m, block_n, warps, stages = spec["config"]
                 names = [f"s{t}_{a}" for t in ("q", "k", "v", "do", "dq") for a in
@@ -170,19 +177,19 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                                          {"scale": "fp32", **floats, **offsets})
                 consts = dict(head, **features, BLOCK_M=block_m, BLOCK_N=block_n, UNIT=8,
                               OFFSETS_64=spec.get("offsets_64", False))
-                row.update(run(attention._bwd_dq_kernel, types_, consts, warps, stages, False))
+                row.update(run(bwd_kernels.dq_kernel, types_, consts, warps, stages, False))
             elif kind == "delta":
                 types_ = {"O": "*bf16", "DO": "*bf16", "DELTA": "*fp32", "DQ_SUM": "*fp32", **strides("o", "do"),
                           "H": "i32", "SQ": "i32"}
                 # zeroing dQ's float32 sum where the Hopper backward takes the head dim, as it runs
                 consts = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK=64 if d <= 128 else 32,
                               ZERO_DQ=d in attention_sm90.BWD_HEAD_DIMS, OFFSETS_64=spec.get("offsets_64", False))
-                row.update(run(attention._delta_kernel, types_, consts, 4, 3, d % 16 == 0))
+                row.update(run(bwd_kernels.delta_kernel, types_, consts, 4, 3, d % 16 == 0))
             elif kind == "combine":
                 types_ = {"O_PART": "*fp32", "LSE_PART": "*fp32", "O": "*bf16", "LSE": "*fp32", "SPLITS": "i32",
                           "H": "i32", "SQ": "i32", **strides("o")}
                 consts = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=16)
-                row.update(run(attention._combine_kernel, types_, consts, 4, 3, d % 16 == 0))
+                row.update(run(fwd_kernels.combine_kernel, types_, consts, 4, 3, d % 16 == 0))
             elif kind == "norm_partials":
                 types_ = {"addresses": "*i64", "chunk_tensor": "*i32", "chunk_start": "*i64", "numels": "*i64",
                           "partials": "*fp32", "offset": "i32"}
@@ -221,10 +228,8 @@ def _run(specs: list[dict]) -> list[dict]:
 
 
 def _table_specs(backend_dir: str) -> list[dict]:
-    """Every candidate of attention.CONFIGS at its tile width, at the widest head dim that uses it."""
-    sys.path.insert(0, str(pathlib.Path(backend_dir).parents[1]))
-    source = (pathlib.Path(backend_dir) / "attention.py").read_text()
-    configs = eval(source[source.index("CONFIGS = {") + len("CONFIGS = "):source.index("\n}\n") + 2])  # noqa: S307
+    """Every candidate of attention_configs.CONFIGS at its tile width, at the widest head dim that uses it."""
+    configs = _kernel_module("attention_configs", backend_dir).CONFIGS
     head_dims = {16: 16, 32: 32, 48: 48, 64: 64, 80: 80, 96: 96, 128: 128, 144: 144, 160: 160, 192: 192, 256: 256}
     return [{"kernel": kernel, "d": head_dims[width], "config": list(config)}
             for kernel, by_width in configs.items() for width, cands in by_width.items() for config in cands]
@@ -278,7 +283,8 @@ else:
         return row["spills"] == 0
 
     def test_attention_and_adam_kernels_compile_for_sm90_spilling_no_more_than_known():
-        from portable_ops.backends.triton.attention import CONFIGS, _DECODE_CONFIG, _DECODE_CONFIG_WIDE, head_split
+        from portable_ops.backends.triton.attention_configs import (CONFIGS, DECODE_CONFIG, DECODE_CONFIG_WIDE_HEADS,
+                                                                    DECODE_CONFIG_WIDE_KEYS, head_split)
 
         specs = [{"kernel": "adam", "dtype": d, "state": s} for d, s in (("bf16", "bf16"), ("bf16", "fp32"),
                                                                             ("fp16", "fp32"))]
@@ -286,15 +292,16 @@ else:
             width = sum(head_split(d))
             specs += [{"kernel": kernel, "d": d, "config": list(CONFIGS[kernel][width][0])}
                       for kernel in ("fwd", "dkdv", "dq")]
-            specs += [{"kernel": "decode", "d": d, "config": list(_DECODE_CONFIG[width > 128])},
+            specs += [{"kernel": "decode", "d": d,
+                       "config": list(DECODE_CONFIG_WIDE_HEADS if width > 128 else DECODE_CONFIG)},
                       {"kernel": "delta", "d": d}, {"kernel": "combine", "d": d}]
             if width <= 128 and head_split(d)[1] == 0:  # sm_90's wide-tile decode
-                specs.append({"kernel": "decode", "d": d, "config": list(_DECODE_CONFIG_WIDE)})
+                specs.append({"kernel": "decode", "d": d, "config": list(DECODE_CONFIG_WIDE_KEYS)})
         # issue 12's features at D 128: a sliding window with a softcap, packed sequences, a paged cache
         for kernel in ("fwd", "dkdv", "dq"):
             specs += [{"kernel": kernel, "d": 128, "config": list(CONFIGS[kernel][128][0]), "window": True,
                        "softcap": True, "varlen": True}]
-        specs.append({"kernel": "paged", "d": 128, "config": list(_DECODE_CONFIG[False]), "window": True})
+        specs.append({"kernel": "paged", "d": 128, "config": list(DECODE_CONFIG), "window": True})
         rows = _run(specs)
         assert len(rows) == len(specs)
         errors = [r for r in rows if "error" in r]

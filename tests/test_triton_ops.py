@@ -267,10 +267,10 @@ def test_attention_forward_and_backward(case):
     torch.testing.assert_close(out.double().cpu(), ref_out, **tol._asdict())
     torch.testing.assert_close(lse.double().cpu(), ref_lse, **tol._asdict())
     if q.shape[2] == 1 and "split" in case:
-        from portable_ops.backends.triton.attention import _config, _splits
+        from portable_ops.backends.triton.attention_configs import key_splits, tile_config
 
-        tiles = _config("fwd", q, q.shape[2], k.shape[2], k.shape[1], causal, "ieee", launch=None)[:2]
-        assert _splits(1, 2, 1, 700, *tiles) > 1 or DEVICE.type == "cuda"
+        tiles = tile_config("fwd", q, q.shape[2], k.shape[2], k.shape[1], causal, "ieee", launch=None)[:2]
+        assert key_splits(1, 2, 1, 700, *tiles) > 1 or DEVICE.type == "cuda"
     dout = torch.randn(out.shape, generator=_gen(9)).to(dtype).to(DEVICE)
     dq, dk, dv = backend.ops["attention_bwd"].run(q=q, k=k, v=v, out=out, lse=lse, dout=dout, causal=causal,
                                                   scale=scale)

@@ -67,8 +67,9 @@ NOISE_RUN = ("torch-flash", "eager")
 # Kernel names by what they compute, for the device-time breakdown (ours, cuDNN's, flash's, torch's
 # fused AdamW and foreach norm); Inductor's and cuBLAS's kernels are the rest.
 KERNEL_KINDS = {
-    "attention fwd": re.compile(r"^_fwd_kernel|^_combine_kernel|fprop|flash_fwd|fmha.*fwd|cutlassF"),
-    "attention bwd": re.compile(r"^_bwd_|^_delta_kernel|bprop|flash_bwd|fmha.*bwd|dot_do_o|convert_dq|cutlassB"),
+    "attention fwd": re.compile(r"^fwd_kernel|^combine_kernel|fprop|flash_fwd|fmha.*fwd|cutlassF"),
+    "attention bwd": re.compile(r"^bwd_kernel|^dkdv_kernel|^dq_kernel|^delta_kernel|bprop|flash_bwd|fmha.*bwd|dot_do_o|"
+                                r"convert_dq|cutlassB"),
     # torch's clip: the per-tensor norms (LpNorm), the norm of norms (NormTwoOps), the scaling
     # (BinaryOpScalarTensor); its few scalar kernels (stack, clamp, div) stay in "other"
     "optimizer": re.compile(r"^_adam_kernel|^_partials_kernel|^_final_kernel|Adam|LpNorm|lpnorm|NormTwoOps|"

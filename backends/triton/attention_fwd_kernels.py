@@ -1,0 +1,188 @@
+"""The tl.* forward kernels (FlashAttention-2's algorithm): the forward, which also runs a decode split
+into ranges of keys, the merge of those ranges, and the paged cache's append.
+
+Scores are kept in the log2 domain (``scale * log2(e)`` folded into one multiply), so the online softmax
+uses ``exp2``. Grouped-query attention reads KV head ``h // group`` and never materialises repeated K/V.
+"""
+
+import triton
+import triton.language as tl
+
+from .attention_tiles import LN2, dot_over_head, key_ranges, kv_rows, load_tile, logits, packed_sequence, \
+    store_tile, unit_strides, visible
+from .interpreter import to_dtype
+
+
+@triton.jit
+def _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, table, sk_page, sk_n, sv_page, sv_n, pos, offs_n, lo,
+               hi, SKV, first_key, lo_off, hi_off, scale_log2, squash, cap_log2, D: tl.constexpr,
+               D0: tl.constexpr, D1: tl.constexpr, MASK: tl.constexpr, BOUND_LEFT: tl.constexpr,
+               BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+               UPCAST: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, PRECISION: tl.constexpr):
+    for start_n in tl.range(lo, hi, offs_n.shape[0]):
+        cols = start_n + offs_n
+        in_bounds = cols < SKV
+        readable = in_bounds
+        if PAGED:  # pages before the window may be released: not even their page numbers are read
+            readable = in_bounds & (cols >= first_key)
+        k_rows, v_rows = kv_rows(cols, readable, table, sk_page, sk_n, sv_page, sv_n, PAGED, PAGE)
+        k0, k1 = load_tile(k_base, k_rows, readable, D, D0, D1, MASK, True, UPCAST)
+        s = dot_over_head(q0, q1, k0, k1, tl.zeros([q0.shape[0], offs_n.shape[0]], dtype=tl.float32), D1, PRECISION)
+        if MASK or SOFTCAP:
+            # scaled before masking: -inf times a zero scale would be NaN
+            s = logits(s, scale_log2, squash, cap_log2, SOFTCAP)
+            if MASK:
+                s = tl.where(visible(pos[:, None], cols[None, :], in_bounds[None, :], lo_off, hi_off, BOUND_LEFT,
+                                     BOUND_RIGHT), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
+            p = tl.exp2(s - m_exp[:, None])
+        else:
+            # the row maximum of the scaled scores, from the unscaled ones: the FMA below stays one instruction
+            if NEGATIVE_SCALE:
+                m_new = tl.maximum(m_i, tl.min(s, axis=1) * scale_log2)
+            else:
+                m_new = tl.maximum(m_i, tl.max(s, axis=1) * scale_log2)
+            m_exp = m_new
+            p = tl.exp2(s * scale_log2 - m_exp[:, None])
+        alpha = tl.exp2(m_i - m_exp)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v0, v1 = load_tile(v_base, v_rows, readable, D, D0, D1, MASK, False, UPCAST)
+        acc0 = tl.dot(p.to(v0.dtype), v0, acc0 * alpha[:, None], input_precision=PRECISION)
+        if D1 > 0:
+            acc1 = tl.dot(p.to(v1.dtype), v1, acc1 * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc0, acc1, l_i, m_i
+
+
+@triton.jit
+def fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, CACHE_LENS, TABLE,
+               sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_split, so_b, so_h, so_m,
+               slse_split, slse_b, slse_h, stable_b, H, GROUP, SQ, SKV, LEFT, RIGHT,
+               scale_log2, squash, cap_log2, KEYS_PER_SPLIT,
+               BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
+               PAGED: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PACK_GROUP: tl.constexpr,
+               NEGATIVE_SCALE: tl.constexpr, UNIT: tl.constexpr, OFFSETS_64: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """BLOCK_M query rows of one (batch, head) against one range of keys (``program_id(2)``: a decode
+    splits its keys between programs). Under PACK_GROUP (decode under GQA) the rows are every query head
+    of a KV head's group, head-major, so that each K/V tile is read once for the whole group. Packed
+    sequences (VARLEN) start at rows ``q_start``, ``k_start`` of one [1, H, T, D] view whose batch strides
+    are 0; a paged cache's batch strides are its pages'."""
+    sq_b, sq_h, sq_m = unit_strides(sq_b, sq_h, sq_m, UNIT, OFFSETS_64)
+    sk_b, sk_h, sk_n = unit_strides(sk_b, sk_h, sk_n, UNIT, OFFSETS_64)
+    sv_b, sv_h, sv_n = unit_strides(sv_b, sv_h, sv_n, UNIT, OFFSETS_64)
+    so_b, so_h, so_m = unit_strides(so_b, so_h, so_m, UNIT, OFFSETS_64)
+    so_split = tl.cast(so_split, tl.int64) * UNIT
+    start_m = tl.program_id(0)
+    if BOUND_RIGHT:  # the last query blocks see the most keys: start them first, so the tail of the grid is light
+        start_m = tl.num_programs(0) - 1 - start_m
+    split = tl.program_id(2)  # which range of keys, when decode splits them across programs
+    r = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if PACK_GROUP:
+        b, hk = tl.program_id(1) // (H // GROUP), tl.program_id(1) % (H // GROUP)
+    else:
+        b, h = tl.program_id(1) // H, tl.program_id(1) % H
+        hk = h // GROUP
+    q_base = Q + b * sq_b
+    k_base = K + b * sk_b + hk * sk_h
+    v_base = V + b * sv_b + hk * sv_h
+    o_base = O + split * so_split + b * so_b
+    lse_base = LSE + split.to(tl.int64) * slse_split + b.to(tl.int64) * slse_b
+    if VARLEN:
+        q_start, SQ, k_start, SKV = packed_sequence(CU_Q, CU_K, b)
+        if start_m * BLOCK_M >= SQ:
+            return
+        q_base += q_start.to(tl.int64) * sq_m
+        k_base += k_start.to(tl.int64) * sk_n
+        v_base += k_start.to(tl.int64) * sv_n
+        o_base += q_start.to(tl.int64) * so_m
+        lse_base += q_start
+    if PAGED:
+        SKV = tl.load(CACHE_LENS + b)
+        k_base = K + hk * sk_h
+        v_base = V + hk * sv_h
+    if PACK_GROUP:
+        h = hk * GROUP + r // SQ
+        pos = r % SQ
+        valid = r < GROUP * SQ
+        pos_lo, pos_hi = 0, SQ - 1
+    else:
+        pos = r
+        valid = r < SQ
+        pos_lo = start_m * BLOCK_M
+        pos_hi = tl.minimum(pos_lo + BLOCK_M, SQ) - 1
+    offs_n = tl.arange(0, BLOCK_N)
+    q0, q1 = load_tile(q_base, h * sq_h + pos * sq_m, valid, D, D0, D1, True, False, UPCAST)
+
+    # m_i is already in the log2 domain (scaled); -inf until the row sees a key
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
+    acc1 = acc0  # stands in for the second chunk's accumulator when there is none
+    if D1 > 0:
+        acc1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
+    lo_off = SKV - SQ - LEFT
+    hi_off = SKV - SQ + RIGHT
+    lo = split * KEYS_PER_SPLIT
+    lo, full_lo, full_hi, hi = key_ranges(pos_lo, pos_hi, lo, tl.minimum(SKV, lo + KEYS_PER_SPLIT), SKV, lo_off,
+                                          hi_off, BLOCK_N, BOUND_LEFT, BOUND_RIGHT)
+    first_key = 0
+    if BOUND_LEFT:
+        first_key = tl.maximum(pos_lo + lo_off, 0)
+    table = TABLE + b.to(tl.int64) * stable_b
+    for part in tl.static_range(3):  # masked, whole, masked
+        acc0, acc1, l_i, m_i = _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, table, sk_b, sk_n, sv_b,
+                                          sv_n, pos, offs_n, (lo, full_lo, full_hi)[part],
+                                          (full_lo, full_hi, hi)[part], SKV, first_key, lo_off, hi_off, scale_log2,
+                                          squash, cap_log2, D, D0, D1, part != 1, BOUND_LEFT, BOUND_RIGHT, SOFTCAP,
+                                          PAGED, PAGE, UPCAST, NEGATIVE_SCALE, PRECISION)
+    seen = l_i > 0
+    norm = 1.0 / tl.where(seen, l_i, 1.0)
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    store_tile(o_base, h * so_h + pos * so_m, valid, acc0 * norm[:, None], acc1 * norm[:, None], D, D1)
+    tl.store(lse_base + h.to(tl.int64) * slse_h + pos, lse, mask=valid)
+
+
+@triton.jit
+def combine_kernel(O_PART, LSE_PART, O, LSE, SPLITS, H, SQ, so_b, so_h, so_m,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Merge split-key partial results of one query row: weights exp(lse_i - lse_total).
+    Partials are [splits, B * H * SQ, D] float32; the output is written through its strides."""
+    row = tl.program_id(0).to(tl.int64)
+    rows = tl.num_programs(0)
+    splits = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lse = tl.load(LSE_PART + splits * rows + row, mask=splits < SPLITS, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)
+    total = tl.sum(w, axis=0)
+    parts = tl.load(O_PART + (splits[:, None] * rows + row) * D + offs_d[None, :],
+                    mask=(splits[:, None] < SPLITS) & (offs_d[None, :] < D), other=0.0)
+    out = tl.sum(parts * (w / tl.where(total > 0, total, 1.0))[:, None], axis=0)
+    b, h, pos = row // (H * SQ), row // SQ % H, row % SQ
+    tl.store(O + b * so_b + h * so_h + pos * so_m + offs_d, to_dtype(out, O.dtype.element_ty), mask=offs_d < D)
+    tl.store(LSE + row, tl.where(total > 0, m_safe + tl.log(total), float("-inf")))
+
+
+@triton.jit
+def append_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_LENS, TABLE, SN, skn_b, skn_t, skn_h, svn_b, svn_t,
+                  svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, stable_b,
+                  PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token ``t`` of sequence ``b`` (program ``b * SN + t``), every KV head: to its slot in the cache."""
+    # indices in int64: an offset into k_new, v_new or a cache may pass 2^31 elements (one multiply each a program)
+    token = tl.program_id(0).to(tl.int64)
+    b, t = token // SN, token % SN
+    heads = tl.program_id(1).to(tl.int64)
+    pos = tl.load(CACHE_LENS + b) + t
+    page = tl.load(TABLE + b * stable_b + pos // PAGE).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    ok = cols < D
+    src = b * skn_b + t * skn_t + heads * skn_h + cols
+    tl.store(K_CACHE + page * skc_p + (pos % PAGE) * skc_s + heads * skc_h + cols, tl.load(K_NEW + src, mask=ok),
+             mask=ok)
+    src = b * svn_b + t * svn_t + heads * svn_h + cols
+    tl.store(V_CACHE + page * svc_p + (pos % PAGE) * svc_s + heads * svc_h + cols, tl.load(V_NEW + src, mask=ok),
+             mask=ok)
