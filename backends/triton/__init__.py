@@ -28,8 +28,7 @@ else:
 
     from .interpreter import INTERPRETED
 
-    # triton decides at import whether its own helpers (tl.zeros, ...) are interpreted; if it was
-    # imported before the switch above, interpreted kernels can't call them.
+    # triton decides at import whether tl.zeros & co are interpreted: imported before the switch, no kernel can use them
     LATE_SWITCH = INTERPRETED and type(tl.zeros).__name__ != "InterpretedFunction"
 
     from .adam import adam, adam_supports

@@ -1,12 +1,12 @@
 """Launch configurations chosen per problem shape by timing a few candidates on first use.
 
-Each kernel has a short candidate list per head dim, best-known first (the H100 sweep in
-docs/performance.md); a shape bucket (powers of two of the sequence lengths and of the number of
-programs) is timed once on its first call and the winner is kept in memory and on disk, so a later
-process on the same GPU, Triton version and kernel source reads it instead of timing again (like
-Triton's own cache). The first candidate is used without timing in the interpreter and under
-``PORTABLE_OPS_AUTOTUNE=0``; during CUDA-graph capture a choice on disk is still read, but nothing
-is timed (timing can't run there; a bucket tuned before capture keeps its choice).
+Each kernel has a short candidate list per head dim, best-known first; a shape bucket (powers of two
+of the sequence lengths and of the number of programs) is timed once on its first call and the winner
+is kept in memory and on disk, so a later process on the same GPU, Triton version and kernel source
+reads it instead of timing again (like Triton's own cache). The first candidate is used without timing
+in the interpreter and under ``PORTABLE_OPS_AUTOTUNE=0``; during CUDA-graph capture a choice on disk is
+still read, but nothing is timed (timing can't run there; a bucket tuned before capture keeps its
+choice).
 
 The disk cache: one JSON file per (tuner, GPU, Triton version, kernel source) under
 ``PORTABLE_OPS_CACHE_DIR`` (default ``~/.cache/portable_ops``), written atomically (a temporary

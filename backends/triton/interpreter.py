@@ -5,9 +5,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-# Read once: triton.jit decides at decoration time, so this cannot change later in the process. Read
-# through Triton's own knob, so that every spelling of TRITON_INTERPRET means here what it means to
-# Triton (1/true/yes/on/y in any case are on, anything else off; triton 3.6 and 3.9 agree).
+# Triton's own knob, read once (triton.jit decides at decoration): TRITON_INTERPRET means here what it does there
 INTERPRETED = bool(knobs.runtime.interpret)
 # Kernels may read only constexpr globals.
 BF16_BY_HAND = tl.constexpr(INTERPRETED)

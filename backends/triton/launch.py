@@ -1,13 +1,12 @@
 """Kernel launches without Triton's per-call argument binding.
 
-``kernel[grid](*args, **kwargs)`` binds, type-checks and specialises every argument on every call:
-33-42 us a launch on the H100's host, against 11-14 us for the compiled kernel's own launcher
-(two profiles; docs/backends/triton.md, "Direct launches"). A plan's launch fixes its grid, its
-constexprs and every integer argument (the plan's key holds the shapes and strides they come from), so the compiled
-kernel that Triton returns from a first call is kept and launched directly after that, once per
-current device and per alignment of the tensor arguments: those, the only facts Triton
-specialises on that a plan does not fix, are checked on every call (the plan's key holds every
-tensor's dtype). Floats are not specialised.
+``kernel[grid](*args, **kwargs)`` binds, type-checks and specialises every argument on every call, which
+costs a launch several times the host time of the compiled kernel's own launcher. A plan's launch fixes its
+grid, its constexprs and every integer argument (the plan's key holds the shapes and strides they come
+from), so the compiled kernel that Triton returns from a first call is kept and launched directly after
+that, once per current device and per alignment of the tensor arguments: those, the only facts Triton
+specialises on that a plan does not fix, are checked on every call (the plan's key holds every tensor's
+dtype). Floats are not specialised.
 
 In the interpreter, while Triton's launch hooks or the kernel's pre-run hooks are set (a profiler
 such as Proton adds them), under ``TRITON_DEBUG``, on a Triton release whose launcher protocol was
@@ -42,9 +41,7 @@ except ImportError:  # a torch without CUDA: Triton's driver says
         return driver.active.get_current_stream(device)
 
 
-# The launcher protocol used below (CompiledKernel.run(gx, gy, gz, stream, function, packed_metadata,
-# launch_metadata, enter_hook, exit_hook, *every kernel parameter)) is JITFunction.run's in the
-# Triton releases it was read in; any other release launches through Triton.
+# releases whose launcher protocol (JITFunction.run's call of CompiledKernel.run) was read: others launch through Triton
 PROTOCOL_READ_IN = ((3, 6), (3, 9))
 TRITON_RELEASE = tuple(int(part) for part in triton.__version__.split(".")[:2])  # (major, minor)
 _KNOWN_PROTOCOL = TRITON_RELEASE in PROTOCOL_READ_IN
@@ -89,12 +86,9 @@ class Launch:
             return
         device = _current_device()
         n = len(self.descriptors)
-        # Addresses, not tensors, go to the launcher: for a tensor it calls data_ptr and then asks the
-        # driver whether the address is the device's (cuPointerGetAttribute), ~0.2 us a tensor; the
-        # dispatch sent only CUDA tensors here, and the address is needed for the key anyway.
+        # addresses, not tensors: the launcher would ask the driver whether each tensor's is the device's
         pointers = [t.data_ptr() for t in args[n:n + self.tensors]]
-        # the key of the usual case, every address aligned, is the device alone: one reduction, not a tuple
-        # of every address's alignment, on the path every launch takes
+        # the usual key (every address aligned) is the device alone: one reduction on the path every launch takes
         key = device if not reduce(or_, pointers, 0) & 15 else (device, *[p % 16 == 0 for p in pointers])
         compiled = self.compiled.get(key)
         if compiled is None:
@@ -121,7 +115,7 @@ class Launch:
 
 def _rebased(template, base):
     """``template`` over ``base``, a tensor of the same shape and strides (the plan's key fixes them):
-    the checks ``TensorDescriptor`` runs when built cost ~10 us a descriptor."""
+    the checks ``TensorDescriptor`` runs when built cost host time on every launch."""
     descriptor = object.__new__(type(template))
     descriptor.__dict__.update(template.__dict__)
     descriptor.base = base
@@ -142,7 +136,7 @@ class _Compiled:
 
     __slots__ = ("kernel", "entry", "head", "tensor_maps", "metadata")
 
-    # per template: every layer of a model (activation checkpointing: twice) brings its own tensors; 128 bytes each
+    # per template: every layer of a model (twice under activation checkpointing) brings its own tensors
     MAX_ADDRESSES = 1024
 
     def __init__(self, kernel, descriptors):
@@ -170,9 +164,7 @@ class _Compiled:
         if not callable(entry) or hasattr(entry, "__code__"):
             return  # not the compiled C function read in
         self.entry = entry
-        # what follows the grid and stream: the function, cooperative grid, programmatic dependent launch,
-        # no global or profile scratch, the kernel's metadata, and no launch metadata or hooks (a launch
-        # with hooks goes through Triton)
+        # after the grid and stream: function, cooperative grid, PDL, no scratch, metadata, no launch metadata or hooks
         self.head = (kernel.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
                      kernel.packed_metadata, None, None, None)
 
@@ -192,8 +184,7 @@ class _Compiled:
         return expanded
 
 
-# Where our kernels are compiled and cached, fixed when the backend loads: Triton's cache directory
-# and ptxas as the user's environment gives them then (unset: Triton's own defaults, left unset).
+# Triton's cache directory and ptxas as the user's environment gave them when the backend loaded (unset: left unset)
 _COMPILE_ENV = {key: os.environ.get(key) for key in ("TRITON_CACHE_DIR", "TRITON_PTXAS_PATH")}
 _compile_env_lock = threading.RLock()
 
@@ -214,8 +205,7 @@ def in_compile_env(call, *args, **kwargs):
     builds a kernel runner in a process, and ``TRITON_PTXAS_PATH`` to torch's bundled ptxas when it
     first compiles; it does neither when it runs a graph from its own cache. So our kernels were
     compiled into one directory in one process and looked for in another in the next: a second run
-    compiled all of them again (4.2 s of the training bench's shape 1 compiled second run on the
-    H100, ptxas and launcher builds under cProfile). Held here while a launch that may compile
+    compiled all of them again. Held here while a launch that may compile
     runs, one such launch at a time; afterwards a variable goes back to what it was unless another
     thread (Inductor) changed it meanwhile, so Inductor's own choices stay as they are."""
     _wait_for_cache_key()  # before any launch that may compile
@@ -236,9 +226,8 @@ _hashing: threading.Thread | None = None
 def hash_triton_in_background() -> None:
     """Start computing the key that Triton's compile cache prefixes every kernel with.
 
-    A process's first kernel launch hashes Triton's own shared library and sources for that key:
-    0.42 s of the 0.9-1.1 s our eager training spent warming up on the H100 with every cache
-    warm, where torch's eager stack needs 0.4-0.6 s (docs/performance.md). Hashing runs without
+    A process's first kernel launch hashes Triton's own shared library and sources for that key, a large
+    part of eager training's warm-up with every cache warm. Hashing runs without
     the GIL, so a thread started when ``import portable_ops`` loads this backend (on a machine with
     CUDA) overlaps with building the model; a launch that comes first waits for it rather than
     hashing again (``triton_key`` is memoised, but not against a call in progress).

@@ -27,15 +27,13 @@ class Launch(NamedTuple):
     num_warps: int
 
 
-# Each kernel keeps a table of launch shapes, from the sweeps on an H100 (python -m
-# portable_ops.bench.sweep, docs/performance.md); a sweep may set entries (and clear the caches
-# below). The interpreter runs one block per program, since every masked-off iteration costs real
-# time there.
+# one block a program in the interpreter, where every masked-off iteration costs real time
 INTERPRETER_LAUNCH = Launch(1024, 1024, 4)
 
 
 def launch_for(table: dict, key) -> Launch:
-    """The shape for ``key`` (element sizes in bytes), else the table's first entry."""
+    """The shape for ``key`` (element sizes in bytes) in a kernel's table of launch shapes (the sweep may set
+    its entries), else the table's first entry."""
     if INTERPRETED:
         return INTERPRETER_LAUNCH
     return table.get(key) or next(iter(table.values()))
