@@ -136,17 +136,12 @@ def adam_supports(call) -> list[str]:
 
 
 def _plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad):
-    """Per (param dtype, state dtype): (dtypes, launch shape, tables, step address table, tensor count), cached by
-    the tensors' addresses and dtypes.
+    """Per (param dtype, state dtype): (dtypes, launch shape, tables, step address table, tensor count), built
+    for tensors :data:`_plans` has no plan of yet.
 
     The public API gives a param's moments one dtype, so ``exp_avgs`` stands for all three. Their
-    dtypes are in the key: a float32 moment may be allocated where a bfloat16 one was freed.
+    dtypes are in the plan's key: a float32 moment may be allocated where a bfloat16 one was freed.
     """
-    key = _plans.key(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
-                     extra=(amsgrad, tuple(map(dtype_of, exp_avgs))))
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
     plan = []
     for dtypes, idx in by_dtype(params, exp_avgs).items():
         lists = [[params[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
@@ -157,30 +152,42 @@ def _plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, am
         t = tables(lists, launch.chunk)
         if t.chunks:
             plan.append((dtypes, launch, t, tables([[state_steps[i] for i in idx]], chunk=1).addresses, len(idx)))
-    return _plans.put(key, plan)
+    return plan
 
 
 def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad, beta1, beta2, lr,
          weight_decay, eps, maximize, decoupled_weight_decay, grad_scale=None, found_inf=None, clip_coef=None):
     if not params:
         return
-    if found_inf is None:
-        torch._foreach_add_(state_steps, 1.0)
-    else:  # a skipped step keeps its count: add 1 - (found_inf != 0)
-        torch._foreach_add_(state_steps, (found_inf == 0).to(torch.float32))
-    dummy = state_steps[0]
-    lr_is_tensor = isinstance(lr, torch.Tensor)
-    plan = _plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad)
-    for (dtype, state_dtype), launch, t, steps, n in plan:
-        in_compile_env(
-            _adam_kernel[(t.chunks,)], t.addresses, t.chunk_tensor, t.chunk_start, t.numels, n, steps,
-            lr if lr_is_tensor else dummy, 0.0 if lr_is_tensor else float(lr),
-            grad_scale if grad_scale is not None else dummy, found_inf if found_inf is not None else dummy,
-            clip_coef if clip_coef is not None else dummy,
-            beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
-            DTYPE=_TL_DTYPE[dtype], STATE_DTYPE=_TL_DTYPE[state_dtype], CHUNK=launch.chunk, BLOCK=launch.block,
-            AMSGRAD=amsgrad, MAXIMIZE=maximize, WEIGHT_DECAY=weight_decay != 0, DECOUPLED=decoupled_weight_decay,
-            LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-            HAS_CLIP=clip_coef is not None, ALIGNED=t.aligned, num_warps=launch.num_warps)
+    key = _plans.key(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps,
+                     extra=(amsgrad, tuple(map(dtype_of, exp_avgs))))
+    plan = _plans.get(key)
+    written = None  # what this call cached: only a first call with these tensors caches anything
+    if plan is None:
+        plan, written = mt.built(_plans, key, lambda: _plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                                                            state_steps, amsgrad))
+    try:
+        if found_inf is None:
+            torch._foreach_add_(state_steps, 1.0)
+        else:  # a skipped step keeps its count: add 1 - (found_inf != 0)
+            torch._foreach_add_(state_steps, (found_inf == 0).to(torch.float32))
+        dummy = state_steps[0]
+        lr_is_tensor = isinstance(lr, torch.Tensor)
+        for (dtype, state_dtype), launch, t, steps, n in plan:
+            in_compile_env(
+                _adam_kernel[(t.chunks,)], t.addresses, t.chunk_tensor, t.chunk_start, t.numels, n, steps,
+                lr if lr_is_tensor else dummy, 0.0 if lr_is_tensor else float(lr),
+                grad_scale if grad_scale is not None else dummy, found_inf if found_inf is not None else dummy,
+                clip_coef if clip_coef is not None else dummy,
+                beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
+                DTYPE=_TL_DTYPE[dtype], STATE_DTYPE=_TL_DTYPE[state_dtype], CHUNK=launch.chunk, BLOCK=launch.block,
+                AMSGRAD=amsgrad, MAXIMIZE=maximize, WEIGHT_DECAY=weight_decay != 0, DECOUPLED=decoupled_weight_decay,
+                LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None,
+                HAS_FOUND_INF=found_inf is not None, HAS_CLIP=clip_coef is not None, ALIGNED=t.aligned,
+                num_warps=launch.num_warps)
+    except BaseException:
+        if written is not None:
+            mt.forget(written)
+        raise
     # the kernel writes through raw pointers: tell autograd, as torch's in-place ops would
     torch.autograd.graph.increment_version([*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs])

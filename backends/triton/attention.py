@@ -174,7 +174,12 @@ def prepare_attention_bwd(q, k, v, *, causal, scale, window=None, softcap=None):
                 plans.clear()
             found = plans[key] = plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, strides,
                                                   None, (q, q))
-        return run_backward(*found, q, k, v, out, lse, dout, (q, q))
+        try:
+            return run_backward(*found, q, k, v, out, lse, dout, (q, q))
+        except BaseException:  # a call that failed leaves no plan behind (run_backward drops it from its own)
+            if plans.get(key) is found:
+                del plans[key]
+            raise
 
     return run
 

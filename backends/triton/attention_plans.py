@@ -29,11 +29,18 @@ fwd_plans: dict = {}
 bwd_plans: dict = {}
 
 
-def remember(plans: dict, key, plan):
+def remember(plans: dict, plan):
     if len(plans) >= PLANS_SIZE:
         plans.clear()
-    plans[key] = plan
+    plans[plan.key] = plan
     return plan
+
+
+def forget(plans: dict, plan) -> None:
+    """``plan`` out of ``plans``, where a call with it failed: a plan built from what made it fail (a value
+    equal to a valid one, of another type) would fail every later call of its layout."""
+    if plans.get(plan.key) is plan:
+        del plans[plan.key]
 
 
 class Strides(NamedTuple):
@@ -148,7 +155,7 @@ def aligned(*tensors) -> bool:
 
 
 class FwdPlan:
-    __slots__ = ("out_stride", "hopper", "splits", "args", "keys_per_split", "fwd", "combine")
+    __slots__ = ("key", "out_stride", "hopper", "splits", "args", "keys_per_split", "fwd", "combine")
 
 
 def fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_stride, seqs, extras):
@@ -157,13 +164,13 @@ def fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_stride
     hkv, b, sq, skv = k.shape[1], seqs.batch, seqs.sq, seqs.skv
     d0, d1 = head_split(d)
     plan = FwdPlan()
-    plan.out_stride = out_stride
+    plan.key, plan.out_stride = key, out_stride
     # the Gluon kernel on sm_90 where it takes the call (attention_sm90.supports says when)
     plan.hopper = None
     if (not INTERPRETED and seqs.kind == "dense"
             and not attention_sm90.supports(q, k, v, causal, out_stride, window, softcap)):
         plan.hopper = attention_sm90.Plan(q, k, v, out_stride, causal, scale)
-        return remember(fwd_plans, key, plan)
+        return remember(fwd_plans, plan)
     bound_left, bound_right, left, right = band(causal, window, seqs)
     group = h // max(hkv, 1)  # no heads at all: no programs either
 
@@ -203,7 +210,7 @@ def fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_stride
     decode_programs = b * packed(DECODE_CONFIG.BLOCK_M)[1]  # every decode tile's BLOCK_M
     config = tile_config("fwd", q, sq, skv, hkv, bound_right, precision,
                          lambda c: run_forward(configure(c), q, k, v, scale, softcap, extras), decode_programs)
-    return remember(fwd_plans, key, configure(config))
+    return remember(fwd_plans, configure(config))
 
 
 def plan_of_forward(q, k, v, causal, scale, window, softcap, out_stride, seqs, extras) -> tuple:
@@ -221,26 +228,30 @@ def plan_of_forward(q, k, v, causal, scale, window, softcap, out_stride, seqs, e
 
 def run_forward(plan, q, k, v, scale, softcap, extras):
     b, h, sq, d = q.shape
-    out = torch.empty_strided(q.shape, plan.out_stride, dtype=q.dtype, device=q.device)
-    if plan.hopper is not None:
-        return attention_sm90.forward(plan.hopper, q, k, v, out, scale)
-    floats = (scale * LOG2E.value, *softcap_floats(scale, softcap))
-    if plan.splits == 1:
+    try:
+        out = torch.empty_strided(q.shape, plan.out_stride, dtype=q.dtype, device=q.device)
+        if plan.hopper is not None:
+            return attention_sm90.forward(plan.hopper, q, k, v, out, scale)
+        floats = (scale * LOG2E.value, *softcap_floats(scale, softcap))
+        if plan.splits == 1:
+            lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
+            plan.fwd(q, k, v, out, lse, *extras, *plan.args, *floats, plan.keys_per_split)
+            return out, lse
+        # Split partial results stay in float32 until they are merged.
+        parts = torch.empty((plan.splits, b, h, sq, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((plan.splits, b, h, sq), dtype=torch.float32, device=q.device)
+        plan.fwd(q, k, v, parts, part_lse, *extras, *plan.args, *floats, plan.keys_per_split)
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-        plan.fwd(q, k, v, out, lse, *extras, *plan.args, *floats, plan.keys_per_split)
+        plan.combine(parts, part_lse, out, lse, plan.splits, h, sq, *plan.out_stride[:3])
         return out, lse
-    # Split partial results stay in float32 until they are merged.
-    parts = torch.empty((plan.splits, b, h, sq, d), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((plan.splits, b, h, sq), dtype=torch.float32, device=q.device)
-    plan.fwd(q, k, v, parts, part_lse, *extras, *plan.args, *floats, plan.keys_per_split)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    plan.combine(parts, part_lse, out, lse, plan.splits, h, sq, *plan.out_stride[:3])
-    return out, lse
+    except BaseException:
+        forget(fwd_plans, plan)
+        raise
 
 
 class BwdPlan:
-    __slots__ = ("dq_stride", "dk_stride", "dv_stride", "delta", "delta_args", "hopper", "dkdv", "dkdv_args", "dq",
-                 "dq_args")
+    __slots__ = ("key", "dq_stride", "dk_stride", "dv_stride", "delta", "delta_args", "hopper", "dkdv", "dkdv_args",
+                 "dq", "dq_args")
 
 
 def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, precision, out_strides, seqs, extras):
@@ -249,6 +260,7 @@ def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, preci
     hkv, b, sq, skv = k.shape[1], seqs.batch, seqs.sq, seqs.skv
     d0, d1 = head_split(d)
     plan = BwdPlan()
+    plan.key = key
     plan.dq_stride, plan.dk_stride, plan.dv_stride = out_strides
     plan.hopper = None
     if (not INTERPRETED and seqs.kind == "dense"
@@ -263,7 +275,7 @@ def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, preci
                         OFFSETS_64=delta_64)
     plan.delta_args = (*out.stride()[:3], *dout.stride()[:3], h, q.shape[2])
     if plan.hopper is not None:
-        return remember(bwd_plans, key, plan)
+        return remember(bwd_plans, plan)
     bound_left, bound_right, left, right = band(causal, window, seqs)
     query_like = [kernel_strides(q.shape, st) for st in (q.stride(), dout.stride(), plan.dq_stride)]
     key_like = [kernel_strides(k.shape, st) for st in (k.stride(), v.stride(), plan.dk_stride, plan.dv_stride)]
@@ -301,7 +313,7 @@ def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, preci
     configure_dq(tile_config("dq", q, sq, skv, hkv, bound_right, precision,
                              lambda c: configure_dq(c).dq(q, k, v, dout, lse, delta, dq, *extras, *plan.dq_args,
                                                           *floats)))
-    return remember(bwd_plans, key, plan)
+    return remember(bwd_plans, plan)
 
 
 def plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, seqs, extras) -> tuple:
@@ -321,18 +333,22 @@ def plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, st
 
 
 def run_backward(plan, scale, softcap, q, k, v, out, lse, dout, extras):
-    delta, dq, dk, dv = bwd_buffers(plan, q, k, v)
-    if plan.hopper is not None:
-        dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # zeroed by the delta kernel
-        plan.delta(out, dout, delta, dq_sum, *plan.delta_args)
-        attention_sm90.backward(plan.hopper, q, k, v, dout, lse, delta, dq_sum, dk, dv, scale)
-        dq.copy_(dq_sum)
+    try:
+        delta, dq, dk, dv = bwd_buffers(plan, q, k, v)
+        if plan.hopper is not None:
+            dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # zeroed by the delta kernel
+            plan.delta(out, dout, delta, dq_sum, *plan.delta_args)
+            attention_sm90.backward(plan.hopper, q, k, v, dout, lse, delta, dq_sum, dk, dv, scale)
+            dq.copy_(dq_sum)
+            return dq, dk, dv
+        plan.delta(out, dout, delta, delta, *plan.delta_args)
+        floats = (scale, scale * LOG2E.value, *softcap_floats(scale, softcap))
+        plan.dkdv(q, k, v, dout, lse, delta, dk, dv, *extras, *plan.dkdv_args, *floats)
+        plan.dq(q, k, v, dout, lse, delta, dq, *extras, *plan.dq_args, *floats)
         return dq, dk, dv
-    plan.delta(out, dout, delta, delta, *plan.delta_args)
-    floats = (scale, scale * LOG2E.value, *softcap_floats(scale, softcap))
-    plan.dkdv(q, k, v, dout, lse, delta, dk, dv, *extras, *plan.dkdv_args, *floats)
-    plan.dq(q, k, v, dout, lse, delta, dq, *extras, *plan.dq_args, *floats)
-    return dq, dk, dv
+    except BaseException:
+        forget(bwd_plans, plan)
+        raise
 
 
 def bwd_buffers(plan, q, k, v):

@@ -80,25 +80,36 @@ def grad_norm_supports(call) -> list[str]:
     return reasons + not_contiguous({"grads": call["grads"]})
 
 
+def _groups(grads) -> list:
+    """Per dtype: (dtype, launch shape, tables), built for grads :data:`_plans` has no plan of yet."""
+    groups = []
+    for (dtype,), idx in by_dtype(grads).items():
+        launch = mt.launch_for(LAUNCH, dtype.itemsize)
+        groups.append((dtype, launch, tables([[grads[i] for i in idx]], launch.chunk)))
+    return groups
+
+
 def grad_norm(grads, norm_type):
     inf = math.isinf(norm_type)
     key = _plans.key(grads)
     groups = _plans.get(key)
+    written = None  # what this call cached: only a first call with these grads caches anything
     if groups is None:
-        groups = []
-        for (dtype,), idx in by_dtype(grads).items():
-            launch = mt.launch_for(LAUNCH, dtype.itemsize)
-            groups.append((dtype, launch, tables([[grads[i] for i in idx]], launch.chunk)))
-        _plans.put(key, groups)
-    total = sum(t.chunks for _, _, t in groups)
-    partials = torch.empty(max(total, 1), dtype=torch.float32, device=grads[0].device)
-    offset = 0
-    for dtype, launch, t in groups:
-        if t.chunks:
-            in_compile_env(_partials_kernel[(t.chunks,)], t.addresses, t.chunk_tensor, t.chunk_start, t.numels,
-                           partials, offset, DTYPE=_TL_DTYPE[dtype], CHUNK=launch.chunk, BLOCK=launch.block, INF=inf,
-                           ALIGNED=t.aligned, num_warps=launch.num_warps)
-        offset += t.chunks
-    out = torch.empty((), dtype=torch.float32, device=grads[0].device)
-    in_compile_env(_final_kernel[(1,)], partials, total, out, BLOCK=FINAL_BLOCK, INF=inf, num_warps=4)
+        groups, written = mt.built(_plans, key, lambda: _groups(grads))
+    try:
+        total = sum(t.chunks for _, _, t in groups)
+        partials = torch.empty(max(total, 1), dtype=torch.float32, device=grads[0].device)
+        offset = 0
+        for dtype, launch, t in groups:
+            if t.chunks:
+                in_compile_env(_partials_kernel[(t.chunks,)], t.addresses, t.chunk_tensor, t.chunk_start, t.numels,
+                               partials, offset, DTYPE=_TL_DTYPE[dtype], CHUNK=launch.chunk, BLOCK=launch.block,
+                               INF=inf, ALIGNED=t.aligned, num_warps=launch.num_warps)
+            offset += t.chunks
+        out = torch.empty((), dtype=torch.float32, device=grads[0].device)
+        in_compile_env(_final_kernel[(1,)], partials, total, out, BLOCK=FINAL_BLOCK, INF=inf, num_warps=4)
+    except BaseException:
+        if written is not None:
+            mt.forget(written)
+        raise
     return out

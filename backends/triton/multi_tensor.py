@@ -10,6 +10,7 @@ so a steady-state optimizer step builds nothing on the host but a dictionary key
 from __future__ import annotations
 
 import operator
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -40,11 +41,12 @@ def launch_for(table: dict, key) -> Launch:
 
 
 _CACHE_SIZE = 16
+_building = threading.local()  # ``written``: what this thread's caches take while :func:`built` builds a plan
 
 
 class LRU:
     """A small least-recently-used map: ``get`` refreshes a hit, ``put`` evicts the oldest entry
-    past ``size`` and returns the value it stored."""
+    past ``size`` and returns the value it stored (noted while :func:`built` builds a plan)."""
 
     def __init__(self, size: int = _CACHE_SIZE):
         self._items: OrderedDict = OrderedDict()
@@ -60,10 +62,37 @@ class LRU:
         self._items[key] = value
         if len(self._items) > self._size:
             self._items.popitem(last=False)
+        written = getattr(_building, "written", None)
+        if written is not None:
+            written.append((self, key, value))
         return value
 
     def clear(self):
         self._items.clear()
+
+    def forget(self, key, value):
+        """``key``'s entry out, unless it holds another value by now."""
+        if self._items.get(key) is value:
+            del self._items[key]
+
+
+def built(plans: LRU, key, build) -> tuple:
+    """``(plan, written)``: ``build()``'s plan, put in ``plans`` under ``key``, and every entry that cached (the
+    plan, its tables) for :func:`forget` to take out if the call's launches fail; a failed build leaves none."""
+    written = _building.written = []
+    try:
+        return plans.put(key, build()), written
+    except BaseException:
+        forget(written)
+        raise
+    finally:
+        _building.written = None
+
+
+def forget(written: list) -> None:
+    """Every entry in ``written`` out of its cache: a call that failed leaves nothing it cached behind."""
+    for cache, key, value in written:
+        cache.forget(key, value)
 
 
 @dataclass(frozen=True)
