@@ -14,7 +14,9 @@ BWD_CONFIGS has them), BANDS=1,4,all more with a causal call's programs started 
 many (batch, KV head) pairs or of all (named band1, band4, bandall), MASKS=causal or unmasked the timed
 cases (unset: both), ONLY=a,b the variants ("tl": the tl.* backward); TIMED=0: the check alone.
 """
-import math, os, time
+import math
+import os
+import time
 import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
@@ -102,7 +104,8 @@ def bwd(variant, q, k, v, out, lse, dout, causal, scale):
 CHECKS = [(2, 4, 4, 256, 256, 64, False, False), (1, 8, 2, 1000, 1000, 128, True, True),
           (2, 4, 1, 300, 777, 128, True, True), (1, 2, 2, 100, 100, 64, True, False),
           (3, 6, 3, 129, 200, 128, False, False), (2, 8, 2, 333, 517, 128, False, True),
-          (1, 4, 4, 65, 65, 64, False, False), (2, 4, 2, 300, 777, 64, True, True), (1, 4, 1, 1500, 1500, 64, False, True),
+          (1, 4, 4, 65, 65, 64, False, False), (2, 4, 2, 300, 777, 64, True, True),
+          (1, 4, 1, 1500, 1500, 64, False, True),
           (1, 4, 2, 200, 256, 128, False, False), (1, 4, 4, 1000, 1024, 64, True, True),
           (2, 4, 2, 300, 777, 64, True, True, 12.0), (1, 4, 4, 200, 200, 64, False, False, 12.0)]  # last: q * 12
 
@@ -118,14 +121,16 @@ def check():
         q64, k64, v64 = (t.double().cpu() for t in (q, k, v))
         ref_out, ref_lse = reference.attention_fwd(q64, k64, v64, causal=causal, scale=scale)
         ref = reference.attention_bwd(q64, k64, v64, ref_out, ref_lse, dout.double().cpu(), causal=causal, scale=scale)
-        row = {"case": f"B{b} H{hq}/{hkv} S{sq}/{skv} D{d}{' causal' if causal else ''}{' q*%g' % magnitude[0] if magnitude else ''}"}
+        row = {"case": f"B{b} H{hq}/{hkv} S{sq}/{skv} D{d}{' causal' if causal else ''}"
+                       f"{' q*%g' % magnitude[0] if magnitude else ''}"}
         for name in VARIANTS:
             try:
                 grads = [g.clone() for g in bwd(name, q, k, v, out, lse, dout, causal, scale)()]
             except OutOfResources:  # a config past shared memory's limit
                 row[name] = "OutOfResources"
                 continue
-            err = max(((g.double().cpu() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item() for g, r in zip(grads, ref))
+            err = max(((g.double().cpu() - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+                      for g, r in zip(grads, ref))
             row[name] = f"{err:.1e}" if all(g.isfinite().all() for g in grads) else "non-finite"
         rows.append(row)
         print(row, flush=True)

@@ -105,7 +105,7 @@ def main():
             q = torch.randn(b, heads, 1, d, device="cuda", dtype=torch.bfloat16)
             k, v = (torch.randn(b, kv_heads, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             cudnn = _sdpa_variants(False, True)["sdpa cudnn"]
-            ours = lambda: portable_ops.attention(q, k, v, causal=True)  # noqa: E731
+            ours = lambda q=q, k=k, v=v: portable_ops.attention(q, k, v, causal=True)  # noqa: E731
             cell = {"B": b, "cache": s}
             variants = [("shipped", None, None)]
             if (b, s) in before:
@@ -113,7 +113,7 @@ def main():
             variants += [(f"{c}/{n}", c, n) for c in args.configs for n in args.splits if s // n >= c[1]]
             with torch.no_grad():
                 ref = cudnn(q, k, v)
-                replays = {"cudnn": graphed(lambda: cudnn(q, k, v))}
+                replays = {"cudnn": graphed(lambda q=q, k=k, v=v: cudnn(q, k, v))}
                 for name, config, splits in variants:
                     undo = _forced(config, splits)
                     try:
@@ -153,7 +153,7 @@ def main():
             print(f"B {b:3d} cache {s:6d}: cudnn {cudnn_us:8.1f}  shipped {cell['shipped']:8.1f} "
                   f"({cell['shipped splits']} splits, {cudnn_us / cell['shipped']:.2f}x)  {was}best {best} "
                   f"{cell['best us']:8.1f} ({cudnn_us / cell['best us']:.2f}x)", flush=True)
-            del q, k, v, ref, replays
+            del q, k, v, ours, ref, replays
             if args.json:  # after every cell: a run cut short keeps what it measured
                 with open(args.json, "w") as f:
                     json.dump(rows, f, indent=1)

@@ -10,7 +10,9 @@ best of max(3, variants) interleaved rounds of 10 calls back to back (steady), a
 timed in the same row. TIMED=0: the check alone; CHECK=0: the timing alone; SEQS=2048,4096 and DIMS=64
 choose the timed lengths and head dims.
 """
-import math, os, sys, time
+import math
+import os
+import time
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -50,12 +52,14 @@ def check():
         assert not reasons, reasons
         o_new, l_new = run(new, q, k, v, causal, scale)()
         o_old, l_old = run(old, q, k, v, causal, scale)()
-        row = {"case": f"B{b} H{hq}/{hkv} S{sq}/{skv} D{d}{' causal' if causal else ''}", "same as before": torch.equal(o_new, o_old) and torch.equal(l_new, l_old)}
+        row = {"case": f"B{b} H{hq}/{hkv} S{sq}/{skv} D{d}{' causal' if causal else ''}",
+               "same as before": torch.equal(o_new, o_old) and torch.equal(l_new, l_old)}
         for grid in ("tiles", "sms"):
             fn = run(new, q, k, v, causal, scale, grid=grid)
             for _ in range(3):
                 o2, lse2 = fn()
-                row[f"same {grid}"] = row.get(f"same {grid}", True) and torch.equal(o2, o_new) and torch.equal(lse2, l_new)
+                row[f"same {grid}"] = (row.get(f"same {grid}", True) and torch.equal(o2, o_new)
+                                       and torch.equal(lse2, l_new))
         torch.cuda.synchronize()
         row["counters zero"] = all(int(c.abs().sum()) == 0 for c in new._TILE_COUNTERS.values())
         if b * hq * sq * skv < 2e8:
@@ -100,7 +104,10 @@ def timed(seqs, dims):
                     for name, _ in variants:
                         row[name] = tflop / best[name] * 1e3
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        row["cudnn"] = tflop / min(steady_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hkv != h), iters=10) for _ in range(3)) * 1e3
+                        row["cudnn"] = tflop / min(
+                            steady_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                             enable_gqa=hkv != h), iters=10)
+                            for _ in range(3)) * 1e3
                     for name, _ in variants:
                         row[name] = row[name] / row["cudnn"]
                     rows.append(row)
@@ -109,7 +116,9 @@ def timed(seqs, dims):
 
 if __name__ == "__main__":
     t0 = time.time()
-    if os.environ.get("CHECK", "1") == "1": print(table(check(), ["case", "same as before", "same tiles", "same sms", "counters zero", "out err/max", "lse err"]), flush=True)
+    if os.environ.get("CHECK", "1") == "1":
+        print(table(check(), ["case", "same as before", "same tiles", "same sms", "counters zero", "out err/max",
+                              "lse err"]), flush=True)
     print("check s", time.time() - t0, flush=True)
     if os.environ.get("TIMED", "1") != "1":
         raise SystemExit(0)

@@ -31,8 +31,8 @@ def stand_in_backend(device_type):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     ops = {"attention_fwd": dispatch.OpImpl(run=fwd), "attention_bwd": dispatch.OpImpl(run=bwd)}
-    dispatch._backends["triton"] = dispatch.Backend(name="triton", devices=(device_type,), ops=ops, cpu_runner="the stand-in",
-                                                    description="stand-in")
+    dispatch._backends["triton"] = dispatch.Backend(name="triton", devices=(device_type,), ops=ops,
+                                                    cpu_runner="the stand-in", description="stand-in")
 
 
 def paths(q, k, v):

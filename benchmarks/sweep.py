@@ -59,6 +59,36 @@ def _each_launch(table: dict, key, configs):
         _reset_plans()
 
 
+def _sweep_adam(rows, params, grads, steps, lr, dtype, amsgrad, state_dtype, numel, copy):
+    """One Adam variant's rows: torch's fused AdamW (for a state in the params' dtype), then each launch
+    shape; the variant's moments are freed on return."""
+    size = dtype.itemsize
+    name = "adamw" + (" ams" if amsgrad else "") + f" {str(dtype)[6:]}" + (
+        " fp32 state" if state_dtype != dtype else "")
+    m, v, mx = ([torch.zeros_like(p, dtype=state_dtype) for p in params] for _ in range(3))
+    floor = bytes_per_element(dtype, state_dtype, amsgrad) * numel / copy * 1e3
+    if state_dtype == dtype:
+        ref = torch.optim.AdamW([torch.nn.Parameter(p) for p in params], lr=lr, amsgrad=amsgrad, fused=True,
+                                capturable=True)
+        for p, gr in zip(ref.param_groups[0]["params"], grads):
+            p.grad = gr
+        ms = median_ms(graphed(ref.step))
+        rows.append({"sweep": name, "config": "torch fused graph", "ms": ms, "of copy": floor / ms})
+        del ref
+        torch.cuda.empty_cache()
+    for cfg in _each_launch(adam_mod.LAUNCH, (size, state_dtype.itemsize), MT_CONFIGS[dtype]):
+        def step():
+            with portable_ops.use_backend("triton"):
+                portable_ops.functional.adam(params, grads, m, v, mx if amsgrad else [], steps, amsgrad=amsgrad,
+                                             lr=lr, weight_decay=0.01, decoupled_weight_decay=True,
+                                             state_dtype=None if state_dtype == dtype else state_dtype)
+        try:
+            ms = median_ms(graphed(step))
+            rows.append({"sweep": name, "config": str(cfg), "ms": ms, "of copy": floor / ms})
+        except Exception as exc:  # noqa: BLE001
+            rows.append({"sweep": name, "config": str(cfg), "error": repr(exc)[:100]})
+
+
 def sweep_multi_tensor(rows, dtype=torch.float32):
     """Adam (AMSGrad too for fp32; float32 state too for 2-byte params) and the norm's partials, per
     launch shape, under CUDA graph replay, against torch's fused AdamW and _foreach_norm."""
@@ -74,31 +104,7 @@ def sweep_multi_tensor(rows, dtype=torch.float32):
     size = dtype.itemsize
     variants = [(False, dtype), (True, dtype)] if dtype == torch.float32 else [(False, dtype), (False, torch.float32)]
     for amsgrad, state_dtype in variants:
-        name = "adamw" + (" ams" if amsgrad else "") + f" {str(dtype)[6:]}" + (
-            " fp32 state" if state_dtype != dtype else "")
-        m, v, mx = ([torch.zeros_like(p, dtype=state_dtype) for p in params] for _ in range(3))
-        floor = bytes_per_element(dtype, state_dtype, amsgrad) * numel / copy * 1e3
-        if state_dtype == dtype:
-            ref = torch.optim.AdamW([torch.nn.Parameter(p) for p in params], lr=lr, amsgrad=amsgrad, fused=True,
-                                    capturable=True)
-            for p, gr in zip(ref.param_groups[0]["params"], grads):
-                p.grad = gr
-            ms = median_ms(graphed(ref.step))
-            rows.append({"sweep": name, "config": "torch fused graph", "ms": ms, "of copy": floor / ms})
-            del ref
-            torch.cuda.empty_cache()
-        for cfg in _each_launch(adam_mod.LAUNCH, (size, state_dtype.itemsize), MT_CONFIGS[dtype]):
-            def step():
-                with portable_ops.use_backend("triton"):
-                    portable_ops.functional.adam(params, grads, m, v, mx if amsgrad else [], steps, amsgrad=amsgrad,
-                                                 lr=lr, weight_decay=0.01, decoupled_weight_decay=True,
-                                                 state_dtype=None if state_dtype == dtype else state_dtype)
-            try:
-                ms = median_ms(graphed(step))
-                rows.append({"sweep": name, "config": str(cfg), "ms": ms, "of copy": floor / ms})
-            except Exception as exc:  # noqa: BLE001
-                rows.append({"sweep": name, "config": str(cfg), "error": repr(exc)[:100]})
-        del m, v, mx
+        _sweep_adam(rows, params, grads, steps, lr, dtype, amsgrad, state_dtype, numel, copy)
         torch.cuda.empty_cache()
     floor = size * numel / copy * 1e3  # read-only, at the copy rate (which counts read + write)
     flat = torch.cat([x.reshape(-1) for x in grads])
@@ -153,50 +159,54 @@ def _flops(b, h, s, d, causal, direction):
     return fwd if direction == "fwd" else 2.5 * fwd
 
 
+def _sweep_attention_case(rows, d, s, b, h, quick, causal):
+    """The rows of one masking (causal or not); its tensors are freed on return."""
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn_like(q)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def fwd(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        with torch.no_grad():
+            ms = median_ms(fwd, iters=15)
+        rows.append({"sweep": f"attn fwd D{d}", "causal": causal, "config": name, "ms": ms,
+                     "TFLOP/s": _flops(b, h, s, d, causal, "fwd") / ms / 1e9})
+        out = fwd()
+        ms = median_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), iters=15)
+        rows.append({"sweep": f"attn bwd D{d}", "causal": causal, "config": name, "ms": ms,
+                     "TFLOP/s": _flops(b, h, s, d, causal, "bwd") / ms / 1e9})
+    qd, kd, vd = q.detach(), k.detach(), v.detach()
+    scale = 1 / math.sqrt(d)
+    for cfg in _each_tile("fwd", d, FWD[:4] if quick else FWD):
+        try:
+            run = lambda: attn_mod.attention_fwd(qd, kd, vd, causal=causal, scale=scale)  # noqa: E731
+            err = (run()[0].float() - ref.float()).abs().max().item()
+            ms = median_ms(run, iters=15)
+            rows.append({"sweep": f"attn fwd D{d}", "causal": causal, "config": str(cfg), "ms": ms,
+                         "TFLOP/s": _flops(b, h, s, d, causal, "fwd") / ms / 1e9, "error": err})
+        except Exception as exc:  # noqa: BLE001
+            rows.append({"sweep": f"attn fwd D{d}", "causal": causal, "config": str(cfg), "error": repr(exc)[:100]})
+    out, lse = attn_mod.attention_fwd(qd, kd, vd, causal=causal, scale=scale)
+    for kernel, cands in (("dkdv", DKDV[:4] if quick else DKDV), ("dq", DQ[:4] if quick else DQ)):
+        for cfg in _each_tile(kernel, d, cands):
+            try:
+                run = lambda: attn_mod.attention_bwd(qd, kd, vd, out, lse, dout, causal=causal, scale=scale)  # noqa: E731
+                got = run()
+                err = max((a.float() - r.float()).abs().max().item() for a, r in zip(got, ref_grads))
+                ms = median_ms(run, iters=15)
+                rows.append({"sweep": f"attn bwd D{d}", "causal": causal, "config": f"{kernel} {cfg}", "ms": ms,
+                             "TFLOP/s": _flops(b, h, s, d, causal, "bwd") / ms / 1e9, "error": err})
+            except Exception as exc:  # noqa: BLE001
+                rows.append({"sweep": f"attn bwd D{d}", "causal": causal, "config": f"{kernel} {cfg}",
+                             "error": repr(exc)[:100]})
+
+
 def sweep_attention(rows, d=128, s=4096, b=4, h=16, quick=False):
     torch.manual_seed(0)
     for causal in (False, True):
-        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-        dout = torch.randn_like(q)
-        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
-        for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
-            def fwd(backend=backend):
-                with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-            with torch.no_grad():
-                ms = median_ms(fwd, iters=15)
-            rows.append({"sweep": f"attn fwd D{d}", "causal": causal, "config": name, "ms": ms,
-                         "TFLOP/s": _flops(b, h, s, d, causal, "fwd") / ms / 1e9})
-            out = fwd()
-            ms = median_ms(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True), iters=15)
-            rows.append({"sweep": f"attn bwd D{d}", "causal": causal, "config": name, "ms": ms,
-                         "TFLOP/s": _flops(b, h, s, d, causal, "bwd") / ms / 1e9})
-        qd, kd, vd = q.detach(), k.detach(), v.detach()
-        scale = 1 / math.sqrt(d)
-        for cfg in _each_tile("fwd", d, FWD[:4] if quick else FWD):
-            try:
-                run = lambda: attn_mod.attention_fwd(qd, kd, vd, causal=causal, scale=scale)  # noqa: E731
-                err = (run()[0].float() - ref.float()).abs().max().item()
-                ms = median_ms(run, iters=15)
-                rows.append({"sweep": f"attn fwd D{d}", "causal": causal, "config": str(cfg), "ms": ms,
-                             "TFLOP/s": _flops(b, h, s, d, causal, "fwd") / ms / 1e9, "error": err})
-            except Exception as exc:  # noqa: BLE001
-                rows.append({"sweep": f"attn fwd D{d}", "causal": causal, "config": str(cfg), "error": repr(exc)[:100]})
-        out, lse = attn_mod.attention_fwd(qd, kd, vd, causal=causal, scale=scale)
-        for kernel, cands in (("dkdv", DKDV[:4] if quick else DKDV), ("dq", DQ[:4] if quick else DQ)):
-            for cfg in _each_tile(kernel, d, cands):
-                try:
-                    run = lambda: attn_mod.attention_bwd(qd, kd, vd, out, lse, dout, causal=causal, scale=scale)  # noqa: E731
-                    got = run()
-                    err = max((a.float() - r.float()).abs().max().item() for a, r in zip(got, ref_grads))
-                    ms = median_ms(run, iters=15)
-                    rows.append({"sweep": f"attn bwd D{d}", "causal": causal, "config": f"{kernel} {cfg}", "ms": ms,
-                                 "TFLOP/s": _flops(b, h, s, d, causal, "bwd") / ms / 1e9, "error": err})
-                except Exception as exc:  # noqa: BLE001
-                    rows.append({"sweep": f"attn bwd D{d}", "causal": causal, "config": f"{kernel} {cfg}",
-                                 "error": repr(exc)[:100]})
-        del q, k, v
+        _sweep_attention_case(rows, d, s, b, h, quick, causal)
 
 
 def main(argv=None):
@@ -207,7 +217,8 @@ def main(argv=None):
     rows = []
     parts = args.only.split(",")
     for part, fn in (("mt", lambda: sweep_multi_tensor(rows)),
-                     ("mt_bf16", lambda: sweep_multi_tensor(rows, torch.bfloat16)), ("attn128", lambda: sweep_attention(rows, d=128)),
+                     ("mt_bf16", lambda: sweep_multi_tensor(rows, torch.bfloat16)),
+                     ("attn128", lambda: sweep_attention(rows, d=128)),
                      ("attn64", lambda: sweep_attention(rows, d=64, quick=True))):
         if part in parts:
             try:

@@ -1,4 +1,5 @@
-"""python -m portable_ops.conformance [--backend NAME ...] [--json FILE] [--case SUBSTRING] [--device DEVICE] [--long] [--strict]
+"""python -m portable_ops.conformance [--backend NAME ...] [--json FILE] [--case SUBSTRING] [--device DEVICE]
+                                      [--long] [--strict]
 
 Runs the shared suite on each named backend (default: every backend usable on
 this machine), prints a table, and exits 0 only when every case run passes or falls back on an
@@ -8,9 +9,10 @@ on an accelerator, or on the CPU with --long (or PORTABLE_OPS_CONFORMANCE_LONG=1
 otherwise their rows say "not run", counted apart from the passes.
 
 Exit status: 0 every case run passed or made a declared fallback (and at least one ran); 1 a
-case failed, raised or fell back undeclared (any fallback under --strict), or none ran; 2 the command line can't run (a backend unavailable, a device this machine
-lacks, a --json folder that is missing or read-only, a --case that matches no case, a
-PORTABLE_OPS_CONFORMANCE_LONG that is not a boolean), reported before any case runs.
+case failed, raised or fell back undeclared (any fallback under --strict), or none ran; 2 the command line
+can't run (a backend unavailable, a device this machine lacks, a --json folder that is missing or read-only,
+a --case that matches no case, a PORTABLE_OPS_CONFORMANCE_LONG that is not a boolean), reported before
+any case runs.
 """
 
 from __future__ import annotations

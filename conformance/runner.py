@@ -99,7 +99,8 @@ class Comparison:
             # Relative to the reference's norm, floored at the absolute tolerance so an all-zero
             # reference (dq of a one-key row, say) does not divide by zero.
             floor = max(atol * math.sqrt(err.numel()), 1e-30)
-            self.rel = max(self.rel, (torch.nan_to_num(err, posinf=0.0).norm() / finite_ref.norm().clamp_min(floor)).item())
+            self.rel = max(self.rel,
+                           (torch.nan_to_num(err, posinf=0.0).norm() / finite_ref.norm().clamp_min(floor)).item())
         bad = err > atol + rtol * torch.nan_to_num(ref.abs(), nan=0.0, posinf=0.0) + slack
         if bad.any() and not self.failure:
             i = int(bad.flatten().nonzero()[0])
@@ -265,7 +266,8 @@ def _run_fused_clip_step(case, backend, device, oracles, result, gen):
     for step in range(p["steps"]):
         for t in params:
             t.grad = (3 * torch.randn(t.shape, generator=gen)).to(device, dtype)
-        before = {k: _f64([opt.state[t][k] for t in params]) for k in ("exp_avg", "exp_avg_sq", "step")} if step else None
+        before = ({k: _f64([opt.state[t][k] for t in params]) for k in ("exp_avg", "exp_avg_sq", "step")}
+                  if step else None)
         values, grads = _f64(params), _f64([t.grad for t in params])
         with forced_strict(backend):
             opt.step()
@@ -534,7 +536,8 @@ def status_counts(rows: list[Row]) -> dict[str, int]:
 
 
 def format_table(rows: list[Row]) -> str:
-    header = f"{'backend':<10} {'case':<44} {'status':<8} {'max abs':>9} {'rel':>9} {'atol':>7} {'rtol':>7}  oracles / detail"
+    header = (f"{'backend':<10} {'case':<44} {'status':<8} {'max abs':>9} {'rel':>9} {'atol':>7} {'rtol':>7}"
+              "  oracles / detail")
     lines = [header, "-" * len(header)]
     for r in rows:
         note = r.detail if r.status != "pass" else ",".join(r.oracles)

@@ -79,7 +79,8 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
         self.attn = Attention(cfg, use_torch)
-        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model))
+        self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(),
+                                 nn.Linear(4 * cfg.d_model, cfg.d_model))
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -200,7 +201,8 @@ def train(cfg: Config, steps: int, device="cpu", backend: str | None = None, use
     if profiler:
         on_device = torch.device(device).type == "cuda"
         result["profile"] = profiler.key_averages().table(
-            sort_by="self_cuda_time_total" if on_device else "self_cpu_time_total", row_limit=15, max_name_column_width=60)
+            sort_by="self_cuda_time_total" if on_device else "self_cpu_time_total", row_limit=15,
+            max_name_column_width=60)
     return result
 
 
@@ -221,7 +223,8 @@ class _nothing:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=["reference", "triton", "nki"], help="force a backend (default: by device)")
+    parser.add_argument("--backend", choices=["reference", "triton", "nki"],
+                        help="force a backend (default: by device)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--json", help="write losses and throughput here")

@@ -53,7 +53,8 @@ def check_number(arg: str, value, *, low: float | None = None, high: float | Non
     [low, high); finite unless ``finite=False`` (NaN is refused either way)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{arg} must be a float or a one-element tensor, got a tensor of shape {tuple(value.shape)}")
+            raise ValueError(f"{arg} must be a float or a one-element tensor, "
+                             f"got a tensor of shape {tuple(value.shape)}")
         if value.device.type != "cpu" and value.device.type != "meta":
             return  # reading a device tensor would sync; device-resident values are trusted
         value = value.item()
@@ -153,7 +154,8 @@ def _explain_tensor_lists(lists, like, one_device, state, state_dtype) -> None:
             if arg == like:
                 continue
             if t.shape != p.shape:
-                raise ValueError(f"{_name(arg, i)} has shape {tuple(t.shape)} but {_name(like, i)} has {tuple(p.shape)}")
+                raise ValueError(f"{_name(arg, i)} has shape {tuple(t.shape)} "
+                                 f"but {_name(like, i)} has {tuple(p.shape)}")
             if arg in state:
                 _check_state_tensor_dtype(_name(arg, i), t.dtype, _name(like, i), p.dtype, state_dtype)
             elif t.dtype != p.dtype:

@@ -12,7 +12,8 @@ def fake_backend(monkeypatch):
     ``reasons``: why it declines every call, or a function of the call giving them. ``devices``: the device
     types it runs, "cpu" when forced (it is the default for the others)."""
 
-    def install(name="triton", reasons=(), devices=("cpu",), ops=("adam", "grad_norm", "attention_fwd", "attention_bwd")):
+    def install(name="triton", reasons=(), devices=("cpu",),
+                ops=("adam", "grad_norm", "attention_fwd", "attention_bwd")):
         reference = dispatch.get_backend("reference")
         supports = reasons if callable(reasons) else lambda call, r=list(reasons): list(r)
         backend = dispatch.Backend(

@@ -11,7 +11,9 @@ from conftest import assert_bit_identical, snapshot
 
 def adam_lists(n=3, shape=(4, 5), dtype=torch.float32):
     g = torch.Generator().manual_seed(1)
-    make = lambda: [torch.randn(shape, generator=g, dtype=dtype) for _ in range(n)]
+    def make():
+        return [torch.randn(shape, generator=g, dtype=dtype) for _ in range(n)]
+
     return dict(params=make(), grads=make(), exp_avgs=make(), exp_avg_sqs=make().copy(),
                 max_exp_avg_sqs=make(), state_steps=[torch.tensor(3.0) for _ in range(n)])
 
@@ -28,16 +30,20 @@ def mutate(key, i, value):
 
 
 BAD_ADAM = {
-    "grad shape": (mutate("grads", 1, lambda t: torch.zeros(5, 4)), ValueError, r"grads\[1\] has shape \(5, 4\) but params\[1\] has \(4, 5\)"),
-    "grad dtype": (mutate("grads", 2, lambda t: t.half()), TypeError, r"grads\[2\] has dtype torch.float16 but params\[2\] has torch.float32"),
+    "grad shape": (mutate("grads", 1, lambda t: torch.zeros(5, 4)), ValueError,
+                   r"grads\[1\] has shape \(5, 4\) but params\[1\] has \(4, 5\)"),
+    "grad dtype": (mutate("grads", 2, lambda t: t.half()), TypeError,
+                   r"grads\[2\] has dtype torch.float16 but params\[2\] has torch.float32"),
     "state shape": (mutate("exp_avg_sqs", 0, lambda t: t[:2]), ValueError, r"exp_avg_sqs\[0\] has shape"),
     "state dtype": (mutate("exp_avgs", 0, lambda t: t.double()), TypeError, r"exp_avgs\[0\] has dtype torch.float64"),
     "max state dtype": (mutate("max_exp_avg_sqs", 1, lambda t: t.bfloat16()), TypeError, r"max_exp_avg_sqs\[1\]"),
-    "mixed devices": (mutate("grads", 0, lambda t: t.to("meta")), ValueError, r"grads\[0\] is on meta but params\[0\] is on cpu"),
+    "mixed devices": (mutate("grads", 0, lambda t: t.to("meta")), ValueError,
+                      r"grads\[0\] is on meta but params\[0\] is on cpu"),
     "sparse grad": (mutate("grads", 1, lambda t: t.to_sparse()), ValueError, r"grads\[1\] is torch.sparse_coo"),
     "integer param": (mutate("params", 0, lambda t: t.int()), TypeError, r"params\[0\] has dtype torch.int32"),
     "short list": (lambda lists: lists["exp_avgs"].pop(), ValueError, r"exp_avgs has 2 tensors but params has 3"),
-    "step shape": (mutate("state_steps", 0, lambda t: torch.zeros(2)), TypeError, r"state_steps\[0\] must be a one-element"),
+    "step shape": (mutate("state_steps", 0, lambda t: torch.zeros(2)), TypeError,
+                   r"state_steps\[0\] must be a one-element"),
 }
 
 BAD_HYPER = {
@@ -49,10 +55,12 @@ BAD_HYPER = {
     "beta2 < 0": (dict(beta2=-0.1), ValueError, r"betas\[1\] must be >= 0"),
     "negative eps": (dict(eps=-1e-8), ValueError, "eps must be >= 0"),
     "negative weight_decay": (dict(weight_decay=-0.1), ValueError, "weight_decay must be >= 0"),
-    "grad_scale not scalar": (dict(grad_scale=torch.ones(2)), TypeError, "grad_scale must be None or a one-element tensor"),
+    "grad_scale not scalar": (dict(grad_scale=torch.ones(2)), TypeError,
+                              "grad_scale must be None or a one-element tensor"),
     "found_inf on another device": (dict(found_inf=torch.zeros((), device="meta")), ValueError, "found_inf is on meta"),
     "state_dtype float16": (dict(state_dtype=torch.float16), ValueError,
-                            r"state_dtype must be None \(state in the param's dtype\) or torch.float32, got torch.float16"),
+                            r"state_dtype must be None \(state in the param's dtype\) or torch.float32, "
+                            r"got torch.float16"),
     "state_dtype a string": (dict(state_dtype="float32"), TypeError, "state_dtype must be None or torch.float32"),
 }
 
@@ -192,16 +200,22 @@ def qkv(q=(1, 4, 8, 16), k=(1, 2, 8, 16), v=None, dtype=torch.float32):
 
 
 BAD_ATTENTION = {
-    "q rank 3": (lambda: (torch.randn(4, 8, 16),) + qkv()[1:], ValueError, r"q must have 4 dimensions .* got shape \(4, 8, 16\)"),
+    "q rank 3": (lambda: (torch.randn(4, 8, 16),) + qkv()[1:], ValueError,
+                 r"q must have 4 dimensions .* got shape \(4, 8, 16\)"),
     "k rank 5": (lambda: (qkv()[0], torch.randn(1, 1, 2, 8, 16), qkv()[2]), ValueError, "k must have 4 dimensions"),
-    "heads not a multiple": (lambda: qkv(q=(1, 4, 8, 16), k=(1, 3, 8, 16)), ValueError, "q's head count must be a multiple of k's"),
-    "head dims differ": (lambda: qkv(q=(1, 4, 8, 16), k=(1, 2, 8, 32)), ValueError, "k has head_dim 32 but q has head_dim 16"),
+    "heads not a multiple": (lambda: qkv(q=(1, 4, 8, 16), k=(1, 3, 8, 16)), ValueError,
+                             "q's head count must be a multiple of k's"),
+    "head dims differ": (lambda: qkv(q=(1, 4, 8, 16), k=(1, 2, 8, 32)), ValueError,
+                         "k has head_dim 32 but q has head_dim 16"),
     "v head dim differs": (lambda: qkv(k=(1, 2, 8, 16), v=(1, 2, 8, 32)), ValueError, "v has head_dim 32"),
     "k and v lengths differ": (lambda: qkv(k=(1, 2, 8, 16), v=(1, 2, 9, 16)), ValueError, "k has shape .* but v has"),
     "batch differs": (lambda: qkv(q=(2, 4, 8, 16)), ValueError, "k has batch 1 but q has batch 2"),
-    "dtype differs": (lambda: (torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16).half(), torch.randn(1, 2, 8, 16)), TypeError, "k has dtype torch.float16 but q has torch.float32"),
+    "dtype differs": (lambda: (torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16).half(), torch.randn(1, 2, 8, 16)),
+                      TypeError, "k has dtype torch.float16 but q has torch.float32"),
     "integer": (lambda: (torch.ones(1, 2, 8, 16, dtype=torch.int64),) * 3, TypeError, "q has dtype torch.int64"),
-    "devices differ": (lambda: (torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16, device="meta"), torch.randn(1, 2, 8, 16)), ValueError, "k is on meta but q is on cpu"),
+    "devices differ": (lambda: (torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16, device="meta"),
+                                torch.randn(1, 2, 8, 16)),
+                       ValueError, "k is on meta but q is on cpu"),
     # zero-size dimensions are valid (SDPA answers them; tests/test_attention.py), but not queries with no KV heads
     "no kv heads": (lambda: qkv(k=(1, 0, 8, 16)), ValueError, "q has 4 heads, k and v have 0"),
 }

@@ -5,7 +5,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -64,4 +63,9 @@ def test_ci_script_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     script = (ROOT / ".ci" / "run").read_text()
     command = next(line.strip() for line in readme.splitlines() if "pip install" in line and "[test]" in line)
-    assert command in script
+    # Each of the command's steps, in order (one a line or chained with &&), with the linter before the tests.
+    steps = [step.strip() for line in script.splitlines() if not line.lstrip().startswith("#")
+             for step in line.split("&&")]
+    remaining = iter(steps)
+    assert all(step.strip() in remaining for step in command.split("&&")), (command, steps)
+    assert steps[-1] == "python -m pytest" and "ruff check ." in steps

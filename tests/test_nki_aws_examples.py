@@ -115,7 +115,8 @@ def test_tensor_scalar_reverse1_and_operand_rules():
             nisa.tensor_copy(dst=v16, src=v)
             nisa.tensor_scalar(dst=y, data=x, op0=nl.add, operand0=v16)
         else:
-            nisa.tensor_scalar(dst=y, data=x, op0=nl.multiply, operand0=v, op1=nl.subtract, operand1=10.0, reverse1=True)
+            nisa.tensor_scalar(dst=y, data=x, op0=nl.multiply, operand0=v, op1=nl.subtract, operand1=10.0,
+                               reverse1=True)
         return _store(y)
 
     x, v = _random(4, 8), _random(4, 1)
@@ -424,7 +425,8 @@ def test_nc_matmul_accumulate_kernel_from_the_api_reference():
         res_psum = nl.ndarray((M, rhs.shape[1]), dtype=nl.float32, buffer=nl.psum)
         for i in nl.static_range(K // 128):
             lhs_sb, rhs_sb = _load(lhsT[i * 128:(i + 1) * 128, :]), _load(rhs[i * 128:(i + 1) * 128, :])
-            nisa.nc_matmul(dst=res_psum, stationary=lhs_sb, moving=rhs_sb, **({"accumulate": i > 0} if explicit else {}))
+            nisa.nc_matmul(dst=res_psum, stationary=lhs_sb, moving=rhs_sb,
+                           **({"accumulate": i > 0} if explicit else {}))
         res_sb = nl.ndarray(res_psum.shape, dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy(dst=res_sb, src=res_psum)
         return _store(res_sb)

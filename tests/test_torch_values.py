@@ -151,7 +151,8 @@ def grads_with_a_zero_tensor(dtype=torch.float32, device="cpu"):
     """Params whose grads include an all-zero tensor and a zero element (0-norms count them, negative
     norms vanish on them)."""
     g = torch.Generator().manual_seed(1)
-    values = [torch.randn(5, 3, generator=g), torch.zeros(4), torch.randn(9, generator=g) * 3, torch.randn(1, generator=g)]
+    values = [torch.randn(5, 3, generator=g), torch.zeros(4), torch.randn(9, generator=g) * 3,
+              torch.randn(1, generator=g)]
     values[0][1, 2] = 0.0
     if dtype.is_complex:  # zero stays zero: torch's 0-norm of a complex tensor drops its imaginary part
         values = [torch.complex(v, torch.randn(v.shape, generator=g) * (v != 0)) for v in values]

@@ -671,7 +671,8 @@ def test_the_sweep_builds_a_fresh_plan_for_each_tile_it_sets(monkeypatch):
     import importlib.util
     import pathlib
 
-    spec = importlib.util.spec_from_file_location("sweep", pathlib.Path(__file__).parents[1] / "benchmarks" / "sweep.py")
+    spec = importlib.util.spec_from_file_location("sweep",
+                                                  pathlib.Path(__file__).parents[1] / "benchmarks" / "sweep.py")
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
     for module in (plans, configs):  # plans take CONFIGS' tiles, as on a GPU

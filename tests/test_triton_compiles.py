@@ -206,8 +206,8 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                 types_.update({n: "fp32" for n in ("beta1", "beta2", "log2_beta1", "log2_beta2", "eps",
                                                    "weight_decay")})
                 consts = dict(DTYPE=dtypes[spec["dtype"]], STATE_DTYPE=dtypes[spec["state"]], CHUNK=4096, BLOCK=2048,
-                              AMSGRAD=spec.get("amsgrad", True), MAXIMIZE=False, WEIGHT_DECAY=True, DECOUPLED=True, LR_IS_TENSOR=True,
-                              HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, HAS_CLIP=True, ALIGNED=True)
+                              AMSGRAD=spec.get("amsgrad", True), MAXIMIZE=False, WEIGHT_DECAY=True, DECOUPLED=True,
+                              LR_IS_TENSOR=True, HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, HAS_CLIP=True, ALIGNED=True)
                 row.update(run(adam._adam_kernel, types_, consts, 8, 3, False))
         except Exception as exc:  # noqa: BLE001 -- reported per spec, so one failure names itself
             root = exc  # Triton chains an error through every inlined function: the root names the cause

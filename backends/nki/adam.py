@@ -169,7 +169,8 @@ def hyperparameters(steps, sizes, *, device, beta1, beta2, lr, weight_decay, eps
     are the tensors' step counts before this step, ``sizes`` their element counts."""
     f32 = torch.float32
     step = torch.stack([s.reshape(()) for s in steps]).to(device, f32) + 1
-    lr_t = lr.to(device, f32).reshape(()) if isinstance(lr, torch.Tensor) else torch.tensor(lr, dtype=f32, device=device)
+    lr_t = (lr.to(device, f32).reshape(()) if isinstance(lr, torch.Tensor)
+            else torch.tensor(lr, dtype=f32, device=device))
     one = torch.ones((), dtype=f32, device=device)
     mult = one
     if grad_scale is not None:

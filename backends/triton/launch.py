@@ -151,7 +151,8 @@ class _Compiled:
                             getattr(entry, "__closure__", None) or ()))
             metadata = free["tensordesc_meta"].cell_contents if "tensordesc_meta" in free else None
             if (set(free) != {"launcher", "tensordesc_indices", "tensordesc_meta"}
-                    or free["tensordesc_indices"].cell_contents != set(range(len(descriptors)))  # they lead the arguments
+                    # the descriptors lead the arguments
+                    or free["tensordesc_indices"].cell_contents != set(range(len(descriptors)))
                     or not metadata or None in metadata or len(metadata) != len(descriptors)
                     or any(m["fp4_padded"] for m in metadata)):
                 return  # descriptors go through Triton's launcher, encoded on every launch
@@ -171,7 +172,8 @@ class _Compiled:
     def expand(self, templates, tensors):
         """Each descriptor as the launcher's C entry point takes it: encoded map, shape, strides."""
         expanded = []
-        for template, t, maps, (swizzle, size, dtype, block) in zip(templates, tensors, self.tensor_maps, self.metadata):
+        for template, t, maps, (swizzle, size, dtype, block) in zip(templates, tensors, self.tensor_maps,
+                                                                     self.metadata):
             address = t.data_ptr()
             encoded = maps.get(address)
             if encoded is None:

@@ -143,7 +143,8 @@ def main(argv=None) -> int:
             shapes = {name: train.tiny(cfg) for name, cfg in shapes.items()}
         info = device_info()
         print(train.report(train.run_train(shapes, second_run=not args.tiny), info, args.out))
-        print(f"{info['device']}, {info['date']}, commit {info['commit']}, torch {info['torch']}, triton {info['triton']}")
+        print(f"{info['device']}, {info['date']}, commit {info['commit']}, torch {info['torch']}, "
+              f"triton {info['triton']}")
         return 0
     if args.bench == "optimizer":
         from .optimizer import run_optimizer as run

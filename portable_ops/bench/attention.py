@@ -139,7 +139,8 @@ def run_decode(caches=tuple(512 << i for i in range(9)), batches=(1, 4, 16, 64),
             k, v = (torch.randn(b, kv_heads, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             kv_bytes = 2 * k.numel() * k.element_size()
             with torch.no_grad():
-                ref = torch.cat([F.scaled_dot_product_attention(*(t[i:i + 1].float() for t in (q, k, v)), enable_gqa=True)
+                ref = torch.cat([F.scaled_dot_product_attention(*(t[i:i + 1].float() for t in (q, k, v)),
+                                                                enable_gqa=True)
                                  for i in range(b)])
             # (function, inputs, SDPA backend): each SDPA backend is chosen once around its timing, not
             # per call, so that its eager host time is SDPA's own (sdpa_kernel costs ~8 us a call)

@@ -78,7 +78,8 @@ def run_features() -> list[dict]:
         rows.append(_row("varlen", "ours dense (B 8 x 2048)", direction, "T 16384", 8 * 2048 * 2049 // 2,
                          lambda: attention(dq, dk, dv, causal=True), (dq, dk, dv)))
         if flex_attention is not None:
-            doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"), torch.tensor(lengths, device="cuda"))
+            doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"),
+                                          torch.tensor(lengths, device="cuda"))
             mask = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (j <= i), None, None, tokens, tokens)
             fq, fk, fv = (t.detach().transpose(0, 1)[None].requires_grad_() for t in (q, k, v))
             rows.append(_row("varlen", "flex document mask", direction, shape, pairs,

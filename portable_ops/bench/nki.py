@@ -103,7 +103,8 @@ def count() -> list[dict]:
             floor = max(nbytes / machine.hbm_bytes_per_s, flops / (machine.tensor_flops_bf16 * machine.cores)) * 1e3
             row.update({f"{machine.name} ms": ms, f"{machine.name} floor ms": floor,
                         f"{machine.name} x floor": ms / floor, f"{machine.name} bound": est.bound,
-                        f"{machine.name} engine ms": {e: s * scale * 1e3 / machine.cores for e, s in est.seconds.items()}})
+                        f"{machine.name} engine ms": {e: s * scale * 1e3 / machine.cores
+                                                      for e, s in est.seconds.items()}})
         rows.append(row)
     return rows
 
@@ -149,7 +150,8 @@ def run(out_dir: str = "docs/perf") -> int:
     if device is not None:
         for row, ms in zip(rows, measure(device)):
             row["measured ms"] = ms
-    info = {"device": f"estimate (cost model over emulator counts){'' if device is None else '; measured on ' + str(device)}",
+    info = {"device": "estimate (cost model over emulator counts)"
+                      f"{'' if device is None else '; measured on ' + str(device)}",
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "nki": compat.MODE}
     path = write("nki", rows, info, out_dir)
     print(table(rows, COLUMNS))

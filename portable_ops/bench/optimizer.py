@@ -37,44 +37,50 @@ OPTIMIZER_BENCHES = [("adamw", torch.float32, False), ("adamw amsgrad", torch.fl
                      ("adamw bf16", torch.bfloat16, False)]
 
 
+def _optimizer_rows(bench, dtype, amsgrad, shapes, numel, copy) -> list[dict]:
+    """One bench's rows; its parameters (and every optimizer made over them) are freed on return."""
+    rows = []
+    params = _params(shapes, dtype=dtype)
+    lr_tensor = torch.tensor(1e-4, device="cuda")
+    # name -> (make, state dtype); graph replay removes host time: what the kernels alone take.
+    variants = {
+        "torch fused": (lambda: torch.optim.AdamW(params, lr=1e-4, amsgrad=amsgrad, fused=True), dtype),
+        "torch foreach": (lambda: torch.optim.AdamW(params, lr=1e-4, amsgrad=amsgrad, foreach=True), dtype),
+        "portable_ops": (lambda: portable_ops.optim.AdamW(params, lr=1e-4, amsgrad=amsgrad), dtype),
+        "torch fused, graph": (lambda: torch.optim.AdamW(params, lr=lr_tensor, amsgrad=amsgrad, fused=True,
+                                                         capturable=True), dtype),
+        "portable_ops, graph": (lambda: portable_ops.optim.AdamW(params, lr=lr_tensor, amsgrad=amsgrad), dtype),
+    }
+    if dtype != torch.float32:
+        variants["portable_ops fp32 state, graph"] = (
+            lambda: portable_ops.optim.AdamW(params, lr=lr_tensor, amsgrad=amsgrad, state_dtype=torch.float32),
+            torch.float32)
+    times, hosts, steady = {}, {}, {}
+    for name, (make, _) in variants.items():
+        opt = make()
+        step = graphed(opt.step) if name.endswith("graph") else opt.step
+        times[name] = median_ms(step)
+        steady[name] = steady_ms(step)
+        hosts[name] = host_ms(opt.step) if not name.endswith("graph") else None
+        del opt, step
+        torch.cuda.empty_cache()
+    for name, ms in times.items():
+        base = "torch fused, graph" if name.endswith("graph") else "torch fused"
+        nbytes = bytes_per_element(dtype, variants[name][1], amsgrad) * numel
+        rows.append({"bench": bench, "variant": name, "ms": ms,
+                     "steady ms": steady[name], "steady vs torch fused": steady[base] / steady[name],
+                     "host ms": hosts[name], "TB/s": nbytes / (ms * 1e-3) / 1e12,
+                     "of copy": nbytes / copy / (ms * 1e-3), "vs torch fused": times[base] / ms})
+    return rows
+
+
 def run_optimizer(benches=OPTIMIZER_BENCHES) -> list[dict]:
     shapes = gpt2_medium_shapes()
     numel = sum(torch.Size(s).numel() for s in shapes)
     copy = copy_bandwidth()
     rows = []
     for bench, dtype, amsgrad in benches:
-        params = _params(shapes, dtype=dtype)
-        lr_tensor = torch.tensor(1e-4, device="cuda")
-        # name -> (make, state dtype); graph replay removes host time: what the kernels alone take.
-        variants = {
-            "torch fused": (lambda: torch.optim.AdamW(params, lr=1e-4, amsgrad=amsgrad, fused=True), dtype),
-            "torch foreach": (lambda: torch.optim.AdamW(params, lr=1e-4, amsgrad=amsgrad, foreach=True), dtype),
-            "portable_ops": (lambda: portable_ops.optim.AdamW(params, lr=1e-4, amsgrad=amsgrad), dtype),
-            "torch fused, graph": (lambda: torch.optim.AdamW(params, lr=lr_tensor, amsgrad=amsgrad, fused=True,
-                                                             capturable=True), dtype),
-            "portable_ops, graph": (lambda: portable_ops.optim.AdamW(params, lr=lr_tensor, amsgrad=amsgrad), dtype),
-        }
-        if dtype != torch.float32:
-            variants["portable_ops fp32 state, graph"] = (
-                lambda: portable_ops.optim.AdamW(params, lr=lr_tensor, amsgrad=amsgrad, state_dtype=torch.float32),
-                torch.float32)
-        times, hosts, steady = {}, {}, {}
-        for name, (make, _) in variants.items():
-            opt = make()
-            step = graphed(opt.step) if name.endswith("graph") else opt.step
-            times[name] = median_ms(step)
-            steady[name] = steady_ms(step)
-            hosts[name] = host_ms(opt.step) if not name.endswith("graph") else None
-            del opt, step
-            torch.cuda.empty_cache()
-        for name, ms in times.items():
-            base = "torch fused, graph" if name.endswith("graph") else "torch fused"
-            nbytes = bytes_per_element(dtype, variants[name][1], amsgrad) * numel
-            rows.append({"bench": bench, "variant": name, "ms": ms,
-                         "steady ms": steady[name], "steady vs torch fused": steady[base] / steady[name],
-                         "host ms": hosts[name], "TB/s": nbytes / (ms * 1e-3) / 1e12,
-                         "of copy": nbytes / copy / (ms * 1e-3), "vs torch fused": times[base] / ms})
-        del params
+        rows += _optimizer_rows(bench, dtype, amsgrad, shapes, numel, copy)
         torch.cuda.empty_cache()
     rows.append({"bench": "copy", "variant": "device copy", "TB/s": copy / 1e12, "tensors": len(shapes),
                  "elements": numel})
@@ -89,7 +95,7 @@ def run_clip_step(max_norm: float = 1.0) -> list[dict]:
         lr = torch.tensor(1e-4, device="cuda") if graph else 1e-4
         torch_opt = torch.optim.AdamW(params, lr=lr, fused=True, capturable=graph)
 
-        def torch_pair():
+        def torch_pair(torch_opt=torch_opt):
             torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
             torch_opt.step()
 
@@ -97,7 +103,7 @@ def run_clip_step(max_norm: float = 1.0) -> list[dict]:
         torch_ms, torch_steady = median_ms(fn), steady_ms(fn)
         clip = lambda: torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)  # noqa: E731
         clip_ms = median_ms(graphed(clip) if graph else clip)
-        del torch_opt, fn
+        del torch_opt, torch_pair, fn
         torch.cuda.empty_cache()
         ours = portable_ops.optim.AdamW(params, lr=lr, max_grad_norm=max_norm)
         fn = graphed(ours.step) if graph else ours.step

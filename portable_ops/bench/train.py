@@ -15,8 +15,8 @@ rest), the host time of a step and its split by phase (each step queued behind a
 that the host never waits for the device: an eager run is host-bound where this passes the busy
 time), warm-up seconds, peak memory and the loss of every step; per stack, the host time of one
 attention call forward and backward. One more run per shape, torch's eager stack with SDPA held to
-its flash kernel, measures how far bf16 rounding alone sends two loss curves apart. A second process, started after the main runs so that
-every cache is warm, measures warm-up as a user's second run sees it.
+its flash kernel, measures how far bf16 rounding alone sends two loss curves apart. A second process,
+started after the main runs so that every cache is warm, measures warm-up as a user's second run sees it.
 """
 
 from __future__ import annotations
@@ -307,7 +307,8 @@ def run_train(shapes=SHAPES, device=None, timed_steps=20, profiled_steps=3, host
         for stack in STACKS:
             host.append({"shape": name, "stack": stack, **attention_host_us(cfg, stack, device)})
     for row in rows:
-        base = next(r for r in rows if r["shape"] == row["shape"] and r["mode"] == row["mode"] and r["stack"] == "torch")
+        base = next(r for r in rows
+                    if r["shape"] == row["shape"] and r["mode"] == row["mode"] and r["stack"] == "torch")
         row["vs torch"] = row["tokens/s"] / base["tokens/s"]
     warm = warm_second_run(next(iter(shapes)), device) if second_run else []
     return {"runs": rows, "noise runs": noise, "attention host": host, "losses": compare_losses(rows + noise),

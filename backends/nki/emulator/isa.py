@@ -194,7 +194,8 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
     ``src`` may be a scalar."""
     _tile("dst", dst, "tensor_copy_predicated"), _tile("predicate", predicate, "tensor_copy_predicated")
     if predicate.dtype.name not in ("uint8", "uint16", "uint32"):
-        reject("predicate-dtype", f"tensor_copy_predicated: predicate must be uint8/uint16/uint32, not {predicate.dtype}")
+        reject("predicate-dtype",
+               f"tensor_copy_predicated: predicate must be uint8/uint16/uint32, not {predicate.dtype}")
     _same_layout(dst, predicate, "tensor_copy_predicated", "dst and predicate")
     if isinstance(src, Tensor):
         _tile("src", src, "tensor_copy_predicated")
@@ -277,7 +278,8 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
 
     def value():
         tmp = _binary(op0, data.read(), a, reverse0, "scalar_tensor_tensor")
-        return _binary(op1, tmp, operand1.read().reshape(data.shape), reverse1, "scalar_tensor_tensor").reshape(dst.shape)
+        return _binary(op1, tmp, operand1.read().reshape(data.shape), reverse1,
+                       "scalar_tensor_tensor").reshape(dst.shape)
 
     dst.assign(value)
     core.record("vector", "stream2", data.free_size, inputs=2)
@@ -297,7 +299,8 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     p = data.shape[0]
     cmd = reduce_cmd
     if cmd is not type(cmd).idle and reduce_op is not nl.add:
-        reject("activation-reduce", "activation: reduce_op must be nl.add (the Scalar Engine reduce registers can only sum)")
+        reject("activation-reduce",
+               "activation: reduce_op must be nl.add (the Scalar Engine reduce registers can only sum)")
     if cmd is type(cmd).load_reduce:
         reject("api-subset", "activation: reduce_cmd.load_reduce is outside the emulated subset")
     if reduce_res is not None:
@@ -369,7 +372,8 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
         reject("reduce-axis", "tensor_reduce: axis 0 is the partition axis and cannot be reduced here "
                "(use nisa.tensor_partition_reduce or a matmul)")
     if axes != list(range(data.ndim - len(axes), data.ndim)):
-        reject("reduce-axis", f"tensor_reduce: axes {axes} must be the last contiguous free axes of a rank-{data.ndim} tile")
+        reject("reduce-axis",
+               f"tensor_reduce: axes {axes} must be the last contiguous free axes of a rank-{data.ndim} tile")
     if op not in nl.REDUCE:
         reject("alu-op", f"tensor_reduce: {_op_name(op)} is not a reduction operator here")
     kept = math.prod(data.shape[1:data.ndim - len(axes)])
@@ -412,8 +416,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     k, m = stationary.shape
     k2, n = moving.shape
     if k != k2:
-        reject("matmul-contraction", f"nc_matmul: stationary {stationary.shape} and moving {moving.shape} must have the "
-               "same partition (contraction) size")
+        reject("matmul-contraction", f"nc_matmul: stationary {stationary.shape} and moving {moving.shape} must have "
+               "the same partition (contraction) size")
     if k > tgt.pmax:
         reject("matmul-contraction", f"nc_matmul: contraction over {k} partitions > {tgt.pmax}")
     if m > tgt.gemm_stationary_fmax:
@@ -425,7 +429,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         reject("tile-shape", f"nc_matmul: dst must be ({m}, {n}); got {dst.shape}")
     names = {stationary.dtype.name, moving.dtype.name}
     if not names <= _FLOAT_MATMUL:
-        reject("matmul-dtype", f"nc_matmul: inputs are {sorted(names)}; the Tensor Engine takes fp8/bf16/fp16/tf32/fp32")
+        reject("matmul-dtype",
+               f"nc_matmul: inputs are {sorted(names)}; the Tensor Engine takes fp8/bf16/fp16/tf32/fp32")
     wide = names & {"float32", "tfloat32"}
     if wide and not names <= {"float32", "tfloat32"}:
         reject("matmul-dtype", "nc_matmul: if one input is tfloat32/float32 the other must be too")
