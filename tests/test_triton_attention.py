@@ -286,17 +286,20 @@ def test_backward_plans_tell_aligned_bases_apart():
     assert not torch.equal(first[0], second[0])
 
 
-def test_batch_times_heads_over_the_grid_limit_runs_in_batch_slices(monkeypatch):
-    """CUDA caps a grid's second dimension (batch x heads here) at 65535: a larger call runs slice by
-    slice of its batch, into outputs in the layout the whole call would have had."""
-    monkeypatch.setattr(attn, "MAX_GRID_Y", 8)
+def test_batch_times_heads_over_the_grid_limit_folds_over_the_grids_third_dim(monkeypatch):
+    """CUDA caps a grid's second dimension (batch x heads here) at 65535: a larger call's pairs fold over
+    the third, into outputs in the layout the whole call would have had (tests/test_triton_grid_limits.py
+    takes every kernel past it)."""
+    monkeypatch.setattr(plans, "MAX_GRID_Y", 8)
+    monkeypatch.setattr(plans, "fwd_plans", {})
+    monkeypatch.setattr(plans, "bwd_plans", {})
     q, k, v = _inputs(3, 4, 2, 20, 20, 16, heads_inner=True, seed=5)
-    assert attn._batch_slices(q) == [slice(0, 2), slice(2, 4)]
     out, _, grads = _check(q, k, v, True, 0.25)
     assert out.stride() == layout.strides_like(q) and grads[1].stride() == layout.strides_like(k)
-    assert attn._batch_slices(q[:1]) is None
-    monkeypatch.setattr(attn, "MAX_GRID_Y", 3)
-    assert "4 heads: a launch takes at most 3" in " ".join(attn.attention_supports({"q": q, "k": k, "v": v}))
+    (plan,) = plans.fwd_plans.values()
+    assert plan.fwd.grid[1:] == (6, 2) and plan.fwd.options["FOLD"]
+    monkeypatch.setattr(plans, "MAX_GRID_Y", 3)
+    assert "12 batch x heads: a launch takes at most 9" in " ".join(attn.attention_supports({"q": q, "k": k, "v": v}))
 
 
 # ----------------------------------------------------------------------------- head dims

@@ -150,40 +150,43 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                 block_m, block_n, warps, stages = spec["config"]
                 names = ["sq_b", "sq_h", "sq_m", "sk_b", "sk_h", "sk_n", "sv_b", "sv_h", "sv_n", "so_split", "so_b",
                          "so_h", "so_m", "slse_split", "slse_b", "slse_h", "stable_b", "H", "GROUP", "SQ", "SKV",
-                         "LEFT", "RIGHT", "KEYS_PER_SPLIT"]
+                         "LEFT", "RIGHT", "PAIRS", "KEYS_PER_SPLIT"]
                 types_ = attention_types(("Q", "K", "V", "O", "LSE"), names, {**floats, **offsets, "CACHE_LENS": "*i32",
                                                                              "TABLE": "*i32"})
                 consts = dict(head, **features, PAGED=kind == "paged", PAGE=16 if kind == "paged" else 0,
                               BLOCK_M=block_m, BLOCK_N=block_n, PACK_GROUP=kind in ("decode", "paged"),
                               NEGATIVE_SCALE=False, UNIT=spec.get("unit", 8),
-                              OFFSETS_64=spec.get("offsets_64", False))
+                              OFFSETS_64=spec.get("offsets_64", False), FOLD=spec.get("fold", False))
                 row.update(run(fwd_kernels.fwd_kernel, types_, consts, warps, stages, False))
             elif kind == "dkdv":
                 block_m, block_n, warps, stages = spec["config"]
                 names = [f"s{t}_{a}" for t in ("q", "k", "v", "do", "dk", "dv") for a in
                          (("b", "h", "n") if t in ("k", "v", "dk", "dv") else ("b", "h", "m"))]
                 types_ = attention_types(("Q", "K", "V", "DO", "LSE", "DELTA", "DK", "DV"),
-                                         names + ["slse_b", "slse_h", "HKV", "GROUP", "SQ", "SKV", "LEFT", "RIGHT"],
+                                         names + ["slse_b", "slse_h", "HKV", "GROUP", "SQ", "SKV", "LEFT", "RIGHT",
+                                                  "PAIRS"],
                                          {"scale": "fp32", **floats, **offsets})
                 consts = dict(head, **features, BLOCK_M=block_m, BLOCK_N=block_n, UNIT=8,
-                              OFFSETS_64=spec.get("offsets_64", False))
+                              OFFSETS_64=spec.get("offsets_64", False), FOLD=spec.get("fold", False))
                 row.update(run(bwd_kernels.dkdv_kernel, types_, consts, warps, stages, False))
             elif kind == "dq":
                 block_m, block_n, warps, stages = spec["config"]
                 names = [f"s{t}_{a}" for t in ("q", "k", "v", "do", "dq") for a in
                          (("b", "h", "n") if t in ("k", "v") else ("b", "h", "m"))]
                 types_ = attention_types(("Q", "K", "V", "DO", "LSE", "DELTA", "DQ"),
-                                         names + ["slse_b", "slse_h", "H", "GROUP", "SQ", "SKV", "LEFT", "RIGHT"],
+                                         names + ["slse_b", "slse_h", "H", "GROUP", "SQ", "SKV", "LEFT", "RIGHT",
+                                                  "PAIRS"],
                                          {"scale": "fp32", **floats, **offsets})
                 consts = dict(head, **features, BLOCK_M=block_m, BLOCK_N=block_n, UNIT=8,
-                              OFFSETS_64=spec.get("offsets_64", False))
+                              OFFSETS_64=spec.get("offsets_64", False), FOLD=spec.get("fold", False))
                 row.update(run(bwd_kernels.dq_kernel, types_, consts, warps, stages, False))
             elif kind == "delta":
                 types_ = {"O": "*bf16", "DO": "*bf16", "DELTA": "*fp32", "DQ_SUM": "*fp32", **strides("o", "do"),
-                          "H": "i32", "SQ": "i32"}
+                          "H": "i32", "SQ": "i32", "PAIRS": "i32"}
                 # zeroing dQ's float32 sum where the Hopper backward takes the head dim, as it runs
                 consts = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK=64 if d <= 128 else 32,
-                              ZERO_DQ=d in attention_sm90.BWD_HEAD_DIMS, OFFSETS_64=spec.get("offsets_64", False))
+                              ZERO_DQ=d in attention_sm90.BWD_HEAD_DIMS, OFFSETS_64=spec.get("offsets_64", False),
+                              FOLD=spec.get("fold", False))
                 row.update(run(bwd_kernels.delta_kernel, types_, consts, 4, 3, d % 16 == 0))
             elif kind == "combine":
                 types_ = {"O_PART": "*fp32", "LSE_PART": "*fp32", "O": "*bf16", "LSE": "*fp32", "SPLITS": "i32",
@@ -302,6 +305,11 @@ else:
             specs += [{"kernel": kernel, "d": 128, "config": list(CONFIGS[kernel][128][0]), "window": True,
                        "softcap": True, "varlen": True}]
         specs.append({"kernel": "paged", "d": 128, "config": list(DECODE_CONFIG), "window": True})
+        # (sequence, head) pairs past CUDA's grid limit, folded over the grid's third dim
+        specs += [{"kernel": kernel, "d": 128, "config": list(CONFIGS[kernel][128][0]), "fold": True}
+                  for kernel in ("fwd", "dkdv", "dq")]
+        specs += [{"kernel": "decode", "d": 128, "config": list(DECODE_CONFIG), "fold": True},
+                  {"kernel": "delta", "d": 128, "fold": True}]
         rows = _run(specs)
         assert len(rows) == len(specs)
         errors = [r for r in rows if "error" in r]

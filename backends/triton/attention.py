@@ -15,37 +15,46 @@ import triton
 
 from portable_ops import layout
 
+from . import attention_plans
 from .attention_fwd_kernels import append_kernel
-from .attention_plans import Sequences, plan_of_backward, plan_of_forward, run_backward, run_forward
+from .attention_plans import Sequences, fold, most_pairs, plan_of_backward, plan_of_forward, run_backward, run_forward
 
 MAX_HEAD_DIM = 256  # a tile row of the head dim must fit the registers
-MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension, batch x heads here: a larger batch runs in slices
+DOT_MIN_ROWS = 16  # tl.dot's smallest tile: no query tile has fewer rows
 
 
-def _grid_reasons(programs: int, what: str) -> list[str]:
-    if programs <= MAX_GRID_Y:
+def _pairs_reasons(pairs: int, what: str) -> list[str]:
+    """Past CUDA's limit on a grid's second dim, pairs fold over its third (``attention_plans.fold``); only
+    more than both hold is refused."""
+    most = most_pairs()
+    if pairs <= most:
         return []
-    return [f"{programs} {what}: a launch takes at most {MAX_GRID_Y} (CUDA's limit on a grid's second dimension)"]
+    return [f"{pairs} {what}: a launch takes at most {most} (CUDA's limit of {attention_plans.MAX_GRID_Y} on a "
+            f"grid's second and third dims, and program ids in int32)"]
 
 
 def attention_supports(call) -> list[str]:
     q = call["q"]
-    return _grid_reasons(q.shape[1], "heads")  # batches over the limit run in slices
+    return _pairs_reasons(q.shape[0] * q.shape[1], "batch x heads")
 
 
 def attention_varlen_supports(call) -> list[str]:
     q = call["q"]
     sequences = call["cu_seqlens_q"].shape[0] - 1
-    return _grid_reasons(sequences * q.shape[1], "sequences x heads")
+    return _pairs_reasons(sequences * q.shape[1], "sequences x heads")
 
 
 def paged_attention_supports(call) -> list[str]:
-    q = call["q"]
-    return _grid_reasons(q.shape[0] * q.shape[2], "sequences x heads")
+    b, sq, h = call["q"].shape[:3]
+    hkv = call["k_cache"].shape[2]
+    group = h // max(hkv, 1)
+    if group > 1 and group * sq <= DOT_MIN_ROWS:  # a GQA group's rows then share a program in any tile config
+        return _pairs_reasons(b * hkv, "sequences x KV heads")
+    return _pairs_reasons(b * h, "sequences x heads")
 
 
 def paged_kv_append_supports(call) -> list[str]:
-    reasons = _grid_reasons(call["k_new"].shape[2], "KV heads")
+    reasons = _pairs_reasons(call["k_new"].shape[2], "KV heads")
     if any(call[name].stride(-1) != 1 for name in ("k_cache", "v_cache")):
         reasons.append("a cache whose last dim is strided: the kernel writes rows of unit-stride columns")
     return reasons
@@ -56,29 +65,7 @@ def _row_major(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _batch_slices(q):
-    """Slices of the batch that each fit one launch, or None where the whole batch does."""
-    b, h = q.shape[:2]
-    if b * h <= MAX_GRID_Y:
-        return None
-    step = MAX_GRID_Y // h
-    return [slice(start, start + step) for start in range(0, b, step)]
-
-
-def _by_batch_slices(run, slices, inputs, outputs):
-    """``outputs``, filled slice by slice from ``run`` over the same slices of ``inputs``."""
-    for part in slices:
-        for out, got in zip(outputs, run(*(t[part] for t in inputs))):
-            out[part].copy_(got)
-    return outputs
-
-
 def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
-    slices = _batch_slices(q)
-    if slices is not None:
-        run = lambda *t: attention_fwd(*t, causal=causal, scale=scale, window=window, softcap=softcap)  # noqa: E731
-        return _by_batch_slices(run, slices, (q, k, v),
-                                (layout.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)))
     return _forward_call(q, k, v, causal, scale, window, softcap, layout.strides_like(q), None, (q, q, q, q))
 
 
@@ -117,8 +104,8 @@ def _as_batch_strides(t) -> tuple:
 def prepare_attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
     """``attention_fwd`` for every call of this one's layout and options (``OpImpl.prepare``):
     ``run(q, k, v)``, its plan found here, once."""
-    # not one launch of q, k, v as they are; or float32, whose products follow torch's TF32 switch per call
-    if _batch_slices(q) is not None or any(t.stride(-1) != 1 for t in (q, k, v)) or q.dtype == torch.float32:
+    # not a launch of q, k, v as they are; or float32, whose products follow torch's TF32 switch per call
+    if any(t.stride(-1) != 1 for t in (q, k, v)) or q.dtype == torch.float32:
         return lambda q, k, v: attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
     plan, scale, softcap = plan_of_forward(q, k, v, causal, scale, window, softcap, layout.strides_like(q), None,
                                            (q, q, q, q))
@@ -133,11 +120,6 @@ def _forward_call(q, k, v, causal, scale, window, softcap, out_stride, seqs, ext
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None):
-    slices = _batch_slices(q)
-    if slices is not None:
-        return _by_batch_slices(lambda *t: attention_bwd(*t, causal=causal, scale=scale, window=window,
-                                                         softcap=softcap),
-                                slices, (q, k, v, out, lse, dout), tuple(layout.empty_like(t) for t in (q, k, v)))
     strides = (layout.strides_like(q), layout.strides_like(k), layout.strides_like(v))
     return _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, None, (q, q))
 
@@ -156,8 +138,8 @@ def prepare_attention_bwd(q, k, v, *, causal, scale, window=None, softcap=None):
     """``attention_bwd`` for every call whose q, k and v have this one's layout (shapes, strides, dtypes,
     device, 16-byte alignment; the caller sees to that) and these options (``OpImpl.prepare``):
     ``run(q, k, v, out, lse, dout)``, which finds its plan by out, lse and dout's layouts alone."""
-    # not one launch of q, k, v as they are; or float32, whose products follow torch's TF32 switch per call
-    if _batch_slices(q) is not None or any(t.stride(-1) != 1 for t in (q, k, v)) or q.dtype == torch.float32:
+    # not a launch of q, k, v as they are; or float32, whose products follow torch's TF32 switch per call
+    if any(t.stride(-1) != 1 for t in (q, k, v)) or q.dtype == torch.float32:
         return lambda q, k, v, out, lse, dout: attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale,
                                                              window=window, softcap=softcap)
     strides = (layout.strides_like(q), layout.strides_like(k), layout.strides_like(v))
@@ -196,7 +178,8 @@ def paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new):
     b, sn, hkv, d = k_new.shape
     k_new, v_new = _row_major(k_new), _row_major(v_new)
     block_table, cache_seqlens = block_table.contiguous(), cache_seqlens.contiguous()  # read by stepping one
-    append_kernel[(b * sn, hkv)](k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, sn,
-                                 *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3],
-                                 *v_cache.stride()[:3], block_table.stride(0), PAGE=k_cache.shape[1], D=d,
-                                 BLOCK_D=triton.next_power_of_2(d))
+    heads, folds = fold(hkv)
+    append_kernel[(b * sn, heads, folds)](k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, sn,
+                                          *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3],
+                                          *v_cache.stride()[:3], block_table.stride(0), hkv, PAGE=k_cache.shape[1],
+                                          D=d, BLOCK_D=triton.next_power_of_2(d), FOLD=folds > 1)

@@ -11,10 +11,10 @@ from .attention_tiles import LOG2E, dot_over_head, key_ranges, load_tile, packed
     query_ranges, store_tile, unit_strides, visible
 
 
-@triton.jit
-def delta_kernel(O, DO, DELTA, DQ_SUM, so_b, so_h, so_m, sdo_b, sdo_h, sdo_m, H, SQ,
+@triton.jit(do_not_specialize=["PAIRS"])  # read only under FOLD: its value compiles no variant of its own
+def delta_kernel(O, DO, DELTA, DQ_SUM, so_b, so_h, so_m, sdo_b, sdo_h, sdo_m, H, SQ, PAIRS,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, ZERO_DQ: tl.constexpr,
-                 OFFSETS_64: tl.constexpr):
+                 OFFSETS_64: tl.constexpr, FOLD: tl.constexpr):
     """rowsum(dO * O): the softmax-gradient correction, one float32 per query row. With ``ZERO_DQ``, the
     same rows of the float32 dQ [B, H, SQ, D] that the Hopper backward adds into are zeroed here: one
     launch fewer than a fill of their own, and its host time."""
@@ -23,6 +23,10 @@ def delta_kernel(O, DO, DELTA, DQ_SUM, so_b, so_h, so_m, sdo_b, sdo_h, sdo_m, H,
         sdo_h, sdo_m = tl.cast(sdo_h, tl.int64), tl.cast(sdo_m, tl.int64)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     bh = tl.program_id(1)
+    if FOLD:  # the (batch, head) pairs over the grid's second and third dims, as in the forward
+        bh += tl.program_id(2) * tl.num_programs(1)
+        if bh >= PAIRS:
+            return
     b, h = bh // H, bh % H
     cols = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < SQ) & (cols[None, :] < D)
@@ -69,14 +73,14 @@ def _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, d
     return dk0, dk1, dv0, dv1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["PAIRS"])  # read only under FOLD
 def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h,
                 sv_n, sdo_b, sdo_h, sdo_m, sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, slse_b, slse_h,
-                HKV, GROUP, SQ, SKV, LEFT, RIGHT, scale, scale_log2, squash, cap_log2,
+                HKV, GROUP, SQ, SKV, LEFT, RIGHT, PAIRS, scale, scale_log2, squash, cap_log2,
                 BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
                 D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr,
-                OFFSETS_64: tl.constexpr, PRECISION: tl.constexpr):
+                OFFSETS_64: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr):
     sq_b, sq_h, sq_m = unit_strides(sq_b, sq_h, sq_m, UNIT, OFFSETS_64)
     sk_b, sk_h, sk_n = unit_strides(sk_b, sk_h, sk_n, UNIT, OFFSETS_64)
     sv_b, sv_h, sv_n = unit_strides(sv_b, sv_h, sv_n, UNIT, OFFSETS_64)
@@ -85,6 +89,10 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, sq_b, sq_h, sq_m, s
     sdv_b, sdv_h, sdv_n = unit_strides(sdv_b, sdv_h, sdv_n, UNIT, OFFSETS_64)
     start_n = tl.program_id(0)
     bh = tl.program_id(1)
+    if FOLD:  # as in the forward
+        bh += tl.program_id(2) * tl.num_programs(1)
+        if bh >= PAIRS:
+            return
     b, hk = bh // HKV, bh % HKV
     n0 = start_n * BLOCK_N
     q_off = b * sq_b
@@ -158,14 +166,14 @@ def _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, sk_n, sv_n
     return dq0, dq1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["PAIRS"])  # read only under FOLD
 def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n,
-              sdo_b, sdo_h, sdo_m, sdq_b, sdq_h, sdq_m, slse_b, slse_h, H, GROUP, SQ, SKV, LEFT, RIGHT, scale,
+              sdo_b, sdo_h, sdo_m, sdq_b, sdq_h, sdq_m, slse_b, slse_h, H, GROUP, SQ, SKV, LEFT, RIGHT, PAIRS, scale,
               scale_log2, squash, cap_log2,
               BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
               D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr,
-              OFFSETS_64: tl.constexpr, PRECISION: tl.constexpr):
+              OFFSETS_64: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr):
     sq_b, sq_h, sq_m = unit_strides(sq_b, sq_h, sq_m, UNIT, OFFSETS_64)
     sk_b, sk_h, sk_n = unit_strides(sk_b, sk_h, sk_n, UNIT, OFFSETS_64)
     sv_b, sv_h, sv_n = unit_strides(sv_b, sv_h, sv_n, UNIT, OFFSETS_64)
@@ -175,6 +183,10 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, sq_b, sq_h, sq_m, sk_b, s
     if BOUND_RIGHT:  # heaviest query blocks first, as in the forward
         start_m = tl.num_programs(0) - 1 - start_m
     bh = tl.program_id(1)
+    if FOLD:  # as in the forward
+        bh += tl.program_id(2) * tl.num_programs(1)
+        if bh >= PAIRS:
+            return
     b, h = bh // H, bh % H
     q_off = b * sq_b
     do_off = b * sdo_b

@@ -55,21 +55,22 @@ def _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, table, sk_page, sk_
     return acc0, acc1, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["PAIRS"])  # read only under FOLD: its value compiles no variant of its own
 def fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, CACHE_LENS, TABLE,
                sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_split, so_b, so_h, so_m,
-               slse_split, slse_b, slse_h, stable_b, H, GROUP, SQ, SKV, LEFT, RIGHT,
+               slse_split, slse_b, slse_h, stable_b, H, GROUP, SQ, SKV, LEFT, RIGHT, PAIRS,
                scale_log2, squash, cap_log2, KEYS_PER_SPLIT,
                BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
                PAGED: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PACK_GROUP: tl.constexpr,
                NEGATIVE_SCALE: tl.constexpr, UNIT: tl.constexpr, OFFSETS_64: tl.constexpr,
-               PRECISION: tl.constexpr):
+               PRECISION: tl.constexpr, FOLD: tl.constexpr):
     """BLOCK_M query rows of one (batch, head) against one range of keys (``program_id(2)``: a decode
     splits its keys between programs). Under PACK_GROUP (decode under GQA) the rows are every query head
     of a KV head's group, head-major, so that each K/V tile is read once for the whole group. Packed
     sequences (VARLEN) start at rows ``q_start``, ``k_start`` of one [1, H, T, D] view whose batch strides
-    are 0; a paged cache's batch strides are its pages'."""
+    are 0; a paged cache's batch strides are its pages'. Under FOLD the grid's (batch, head) pairs, ``PAIRS``
+    of them, run over its second and third dims (``attention_plans.fold``), and keys are not split."""
     sq_b, sq_h, sq_m = unit_strides(sq_b, sq_h, sq_m, UNIT, OFFSETS_64)
     sk_b, sk_h, sk_n = unit_strides(sk_b, sk_h, sk_n, UNIT, OFFSETS_64)
     sv_b, sv_h, sv_n = unit_strides(sv_b, sv_h, sv_n, UNIT, OFFSETS_64)
@@ -79,11 +80,17 @@ def fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, CACHE_LENS, TABLE,
     if BOUND_RIGHT:  # the last query blocks see the most keys: start them first, so the tail of the grid is light
         start_m = tl.num_programs(0) - 1 - start_m
     split = tl.program_id(2)  # which range of keys, when decode splits them across programs
+    pair = tl.program_id(1)
+    if FOLD:
+        pair += split * tl.num_programs(1)
+        split = split * 0  # a tensor still: it is stepped in int64 below
+        if pair >= PAIRS:  # the last fold's tail
+            return
     r = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     if PACK_GROUP:
-        b, hk = tl.program_id(1) // (H // GROUP), tl.program_id(1) % (H // GROUP)
+        b, hk = pair // (H // GROUP), pair % (H // GROUP)
     else:
-        b, h = tl.program_id(1) // H, tl.program_id(1) % H
+        b, h = pair // H, pair % H
         hk = h // GROUP
     q_base = Q + b * sq_b
     k_base = K + b * sk_b + hk * sk_h
@@ -167,15 +174,20 @@ def combine_kernel(O_PART, LSE_PART, O, LSE, SPLITS, H, SQ, so_b, so_h, so_m,
     tl.store(LSE + row, tl.where(total > 0, m_safe + tl.log(total), float("-inf")))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["HKV"])  # read only under FOLD
 def append_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_LENS, TABLE, SN, skn_b, skn_t, skn_h, svn_b, svn_t,
-                  svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, stable_b,
-                  PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Token ``t`` of sequence ``b`` (program ``b * SN + t``), every KV head: to its slot in the cache."""
+                  svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, stable_b, HKV,
+                  PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, FOLD: tl.constexpr):
+    """Token ``t`` of sequence ``b`` (program ``b * SN + t``), one KV head: to its slot in the cache. Under
+    FOLD the ``HKV`` heads run over the grid's second and third dims."""
     # indices in int64: an offset into k_new, v_new or a cache may pass 2^31 elements (one multiply each a program)
     token = tl.program_id(0).to(tl.int64)
     b, t = token // SN, token % SN
     heads = tl.program_id(1).to(tl.int64)
+    if FOLD:
+        heads += tl.program_id(2).to(tl.int64) * tl.num_programs(1)
+        if heads >= HKV:
+            return
     pos = tl.load(CACHE_LENS + b) + t
     page = tl.load(TABLE + b * stable_b + pos // PAGE).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)

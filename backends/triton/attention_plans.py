@@ -43,6 +43,28 @@ def forget(plans: dict, plan) -> None:
         del plans[plan.key]
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second and third dims
+
+
+def fold(pairs: int) -> tuple[int, int]:
+    """A grid's second and third dims for ``pairs`` programs across (sequence, head) pairs: all in the second
+    where they fit, else folded over the third in as few parts as keep the second within MAX_GRID_Y (the
+    kernels' ``FOLD``), whose last may run a few programs that return at once."""
+    parts = max(triton.cdiv(pairs, MAX_GRID_Y), 1)
+    return triton.cdiv(pairs, parts), parts
+
+
+def most_pairs() -> int:
+    """The most (sequence, head) pairs a launch takes: folded over two grid dims, numbered in int32."""
+    return min(MAX_GRID_Y * MAX_GRID_Y, 2**31 - MAX_GRID_Y)
+
+
+def over_pairs(kernel, blocks: int, pairs: int, tensors: int, splits: int = 1, **options) -> Launch:
+    """``kernel``'s launch over ``blocks`` x ``pairs`` (x ``splits``, never with a fold) programs."""
+    y, z = fold(pairs)
+    return Launch(kernel, (blocks, y, z * splits), tensors, FOLD=z > 1, **options)
+
+
 class Strides(NamedTuple):
     """A [B, H, S, D] view's strides as the kernels take them (its columns are a unit stride apart)."""
 
@@ -182,8 +204,9 @@ def fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_stride
 
     def configure(config):
         pack, heads, rows = packed(config.BLOCK_M)
-        splits = 1 if seqs.kind == "varlen" else key_splits(b, heads, rows, skv, config.BLOCK_M, config.BLOCK_N,
-                                                            q.device)
+        # keys are not split where the grid's third dim folds pairs (a batch that fills the GPU anyway)
+        splits = 1 if seqs.kind == "varlen" or b * heads > MAX_GRID_Y else key_splits(
+            b, heads, rows, skv, config.BLOCK_M, config.BLOCK_N, q.device)
         plan.keys_per_split = max(triton.cdiv(triton.cdiv(skv, splits), config.BLOCK_N), 1) * config.BLOCK_N
         plan.splits = max(triton.cdiv(skv, plan.keys_per_split), 1)  # no keys: one range, seeing none
         if plan.splits == 1:  # out, through its own strides
@@ -197,12 +220,12 @@ def fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_stride
         kv_rows = k.shape[2] if seqs.kind == "paged" else skv
         offsets_64 = needs_offsets_64(d, Extent(h, sq, q_st), Extent(hkv, kv_rows, k_st), Extent(hkv, kv_rows, v_st),
                                       Extent(h, sq, out_st))
-        plan.args = (*divided(strides, unit), *slse, seqs.table_stride, h, group, sq, skv, left, right)
-        plan.fwd = Launch(fwd_kernel, (triton.cdiv(rows, config.BLOCK_M), b * heads, plan.splits), 9,
-                          BOUND_LEFT=bound_left, BOUND_RIGHT=bound_right, SOFTCAP=softcap is not None,
-                          VARLEN=seqs.kind == "varlen", PAGED=seqs.kind == "paged", PAGE=seqs.page, D=d, D0=d0,
-                          D1=d1, UPCAST=upcast(q.dtype), PACK_GROUP=pack, NEGATIVE_SCALE=scale < 0, UNIT=unit,
-                          OFFSETS_64=offsets_64, PRECISION=precision, **config._asdict())
+        plan.args = (*divided(strides, unit), *slse, seqs.table_stride, h, group, sq, skv, left, right, b * heads)
+        plan.fwd = over_pairs(fwd_kernel, triton.cdiv(rows, config.BLOCK_M), b * heads, 9, plan.splits,
+                              BOUND_LEFT=bound_left, BOUND_RIGHT=bound_right, SOFTCAP=softcap is not None,
+                              VARLEN=seqs.kind == "varlen", PAGED=seqs.kind == "paged", PAGE=seqs.page, D=d,
+                              D0=d0, D1=d1, UPCAST=upcast(q.dtype), PACK_GROUP=pack, NEGATIVE_SCALE=scale < 0,
+                              UNIT=unit, OFFSETS_64=offsets_64, PRECISION=precision, **config._asdict())
         plan.combine = Launch(combine_kernel, (b * h * sq,), 4, D=d, BLOCK_D=triton.next_power_of_2(d),
                               BLOCK_S=triton.next_power_of_2(plan.splits), num_warps=4)
         return plan
@@ -263,17 +286,18 @@ def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, preci
     plan.key = key
     plan.dq_stride, plan.dk_stride, plan.dv_stride = out_strides
     plan.hopper = None
-    if (not INTERPRETED and seqs.kind == "dense"
+    # the Hopper backward's grid has batch x KV heads programs in its second dim, not folded
+    if (not INTERPRETED and seqs.kind == "dense" and b * hkv <= MAX_GRID_Y
             and not attention_sm90.supports_backward(q, k, v, dout, causal, out_strides, window, softcap)):
         plan.hopper = attention_sm90.BwdPlan(q, k, v, dout, plan.dk_stride, plan.dv_stride, causal)
     block = 64 if d <= 128 else 32
     # delta over the [B, H, S] rows of the views (varlen: [1, H, T], the layout of its lse)
     rows = q.shape[2]
     delta_64 = needs_offsets_64(d, *(Extent(h, rows, kernel_strides(q.shape, t.stride())) for t in (out, dout)))
-    plan.delta = Launch(delta_kernel, (triton.cdiv(rows, block), q.shape[0] * h), 4, D=d,
-                        BLOCK_D=triton.next_power_of_2(d), BLOCK=block, ZERO_DQ=plan.hopper is not None,
-                        OFFSETS_64=delta_64)
-    plan.delta_args = (*out.stride()[:3], *dout.stride()[:3], h, q.shape[2])
+    plan.delta = over_pairs(delta_kernel, triton.cdiv(rows, block), q.shape[0] * h, 4, D=d,
+                            BLOCK_D=triton.next_power_of_2(d), BLOCK=block, ZERO_DQ=plan.hopper is not None,
+                            OFFSETS_64=delta_64)
+    plan.delta_args = (*out.stride()[:3], *dout.stride()[:3], h, q.shape[2], q.shape[0] * h)
     if plan.hopper is not None:
         return remember(bwd_plans, plan)
     bound_left, bound_right, left, right = band(causal, window, seqs)
@@ -292,15 +316,15 @@ def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, preci
     tail = (group, sq, skv, left, right)
 
     def configure_dkdv(config):
-        plan.dkdv = Launch(dkdv_kernel, (triton.cdiv(skv, config.BLOCK_N), b * hkv), 10, **common, UNIT=dkdv_unit,
-                           **config._asdict())
-        plan.dkdv_args = (*divided(dkdv_strides, dkdv_unit), *seqs.lse_strides(h), hkv, *tail)
+        plan.dkdv = over_pairs(dkdv_kernel, triton.cdiv(skv, config.BLOCK_N), b * hkv, 10, **common, UNIT=dkdv_unit,
+                               **config._asdict())
+        plan.dkdv_args = (*divided(dkdv_strides, dkdv_unit), *seqs.lse_strides(h), hkv, *tail, b * hkv)
         return plan
 
     def configure_dq(config):
-        plan.dq = Launch(dq_kernel, (triton.cdiv(sq, config.BLOCK_M), b * h), 9, **common, UNIT=dq_unit,
-                         **config._asdict())
-        plan.dq_args = (*divided(dq_strides, dq_unit), *seqs.lse_strides(h), h, *tail)
+        plan.dq = over_pairs(dq_kernel, triton.cdiv(sq, config.BLOCK_M), b * h, 9, **common, UNIT=dq_unit,
+                             **config._asdict())
+        plan.dq_args = (*divided(dq_strides, dq_unit), *seqs.lse_strides(h), h, *tail, b * h)
         return plan
 
     # each candidate is timed on its own kernel, over real buffers, which it overwrites: nothing is left to undo
