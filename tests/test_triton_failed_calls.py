@@ -223,3 +223,23 @@ def test_a_plan_build_that_fails_caches_nothing_and_later_caching_is_not_noted(f
     assert [cache for cache, _, _ in written] == [mt._chunk_cache, mt._cache, adam_mod._plans]
     mt.tables([[torch.zeros(5, device=DEVICE)]], 4)  # no build under way: cached, noted nowhere
     assert len(written) == 3 and getattr(mt._building, "written", None) is None
+
+
+def test_the_autotuner_keeps_no_choice_from_a_timing_whose_launch_failed(monkeypatch, tmp_path):
+    """A tile choice is kept (in memory, on disk) only once every candidate's launch ran: a launch that
+    raises for anything but a lack of resources leaves nothing a later call would pick up."""
+    autotune = importlib.import_module("portable_ops.backends.triton.autotune")
+    monkeypatch.setattr(autotune, "INTERPRETED", False)  # timing as on a GPU
+    monkeypatch.setattr(autotune, "device_identity", lambda: "Some GPU sm_90")
+    monkeypatch.setenv("PORTABLE_OPS_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("PORTABLE_OPS_AUTOTUNE", raising=False)
+    tuner = autotune.Tuner(timer=lambda run: run())
+
+    def launch(config):
+        if config == "b":
+            raise RuntimeError("this launch fails")
+        return 1.0
+
+    with pytest.raises(RuntimeError, match="this launch fails"):
+        tuner.pick("key", ["a", "b"], launch)
+    assert tuner.chosen == {} and list(tmp_path.iterdir()) == []
