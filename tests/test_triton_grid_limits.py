@@ -44,7 +44,8 @@ def small_grids(monkeypatch):
 
 
 def _randn(*shape, dtype=torch.float32, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+    """Drawn where the test runs: the GPU's cases hold hundreds of millions of elements."""
+    return torch.randn(*shape, generator=torch.Generator(DEVICE).manual_seed(seed), device=DEVICE).to(dtype)
 
 
 def _close(got, want, dtype, factor=1.0):
