@@ -3,8 +3,8 @@ pairs in the second. Past the cap the pairs fold over the third (``attention_pla
 dense, packed and paged attention, forward and backward, and the paged cache's append run past it instead of
 falling back, and only what even the fold can't hold is refused.
 
-On CPU the cap is lowered to 4, so the interpreter runs a few programs a launch, and every case is checked
-at the cap + 1 and twice the cap + 1 against the float64 reference. On a GPU the same run at the real cap."""
+With the cap lowered to 4 (the interpreter then runs a few programs a launch), every case is checked at the
+cap + 1 and twice the cap + 1 against the float64 reference; on a GPU, the reported shapes at the real cap."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def _assert_folded_within(limit):
 
 
 def _dense_check(q, k, v, dtype, **options):
-    """Forward and backward against the float64 reference; ``q``, ``k``, ``v`` may be a sample of the call's."""
+    """(out, lse, dout, grads): the triton backend's forward, and its backward of a random ``dout``."""
     out, lse = attn.attention_fwd(q, k, v, **options)
     dout = _randn(*out.shape, dtype=dtype, seed=99)
     grads = attn.attention_bwd(q, k, v, out, lse, dout, **options)
@@ -82,6 +82,8 @@ def _dense_check(q, k, v, dtype, **options):
 
 
 def _against_reference(q, k, v, out, lse, dout, grads, **options):
+    """A call's results against the float64 reference's; ``q``, ``k``, ``v`` (and the rest) may be a sample of
+    its sequences."""
     f64 = [t.double().cpu() for t in (q, k, v)]
     want_out, want_lse = ref_attn.attention_fwd(*f64, **options)
     _close(out, want_out, q.dtype)
