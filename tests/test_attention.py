@@ -190,7 +190,10 @@ def test_torch_func_transforms(backend):
             close(g, e, GRAD_TOL)
         _, tangent = torch.func.jvp(ours, (q, k, v), tuple(tangents))
         close(tangent, torch.func.jvp(math_, tuple(exact), tuple(t.to("cpu", F64) for t in tangents))[1], GRAD_TOL)
-        close(torch.func.jacrev(ours)(q, k, v), torch.func.jacrev(math_)(*exact), GRAD_TOL)
+        # jacrev backpropagates once per output element, batched: a small call keeps the interpreter's grid small
+        small = [t[:, :h, :3, :16].detach().contiguous() for t, h in zip((q, k, v), (2, 1, 1))]
+        small_exact = [t[:, :h, :3, :16].contiguous() for t, h in zip(exact, (2, 1, 1))]
+        close(torch.func.jacrev(ours)(*small), torch.func.jacrev(math_)(*small_exact), GRAD_TOL)
 
 
 def test_second_derivatives_inside_torch_func_are_refused_clearly():
