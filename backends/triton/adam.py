@@ -166,11 +166,10 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     if plan is None:
         plan, written = mt.built(_plans, key, lambda: _plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                                                             state_steps, amsgrad))
+    # a skipped step keeps its count: add 1 - (found_inf != 0)
+    counted = 1.0 if found_inf is None else (found_inf == 0).to(torch.float32)
+    torch._foreach_add_(state_steps, counted)
     try:
-        if found_inf is None:
-            torch._foreach_add_(state_steps, 1.0)
-        else:  # a skipped step keeps its count: add 1 - (found_inf != 0)
-            torch._foreach_add_(state_steps, (found_inf == 0).to(torch.float32))
         dummy = state_steps[0]
         lr_is_tensor = isinstance(lr, torch.Tensor)
         for (dtype, state_dtype), launch, t, steps, n in plan:
@@ -186,6 +185,7 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
                 HAS_FOUND_INF=found_inf is not None, HAS_CLIP=clip_coef is not None, ALIGNED=t.aligned,
                 num_warps=launch.num_warps)
     except BaseException:
+        torch._foreach_add_(state_steps, -counted)  # a launch that failed leaves the counts as they were
         if written is not None:
             mt.forget(written)
         raise
