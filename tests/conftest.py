@@ -4,6 +4,14 @@ import pytest
 import torch
 
 from portable_ops import dispatch
+from portable_ops.conformance.runner import default_device
+
+
+def slow_in_the_interpreter(backends):
+    """``backends`` as test parameters, triton marked ``slow`` where its kernels run in the Triton interpreter
+    (CPU tensors): the README's test command runs it, ``-m "not slow"`` leaves it out of a quick loop."""
+    return [pytest.param(name, marks=pytest.mark.slow) if name == "triton" and default_device(name).type == "cpu"
+            else name for name in backends]
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import portable_ops
 from portable_ops import dispatch
 from portable_ops.conformance import GRADIENT_FACTOR, tolerance, usable_backends
 from portable_ops.conformance.runner import default_device, forced_strict
+from conftest import slow_in_the_interpreter
 
 BACKENDS = usable_backends()
 F64 = torch.float64
@@ -174,7 +175,7 @@ def test_second_derivatives_through_create_graph(backend):
         close(g, w, GRAD_TOL)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", slow_in_the_interpreter(BACKENDS))
 def test_torch_func_transforms(backend):
     (q, k, v), exact = backend_inputs(backend, b=1, sq=5, skv=5)
     batch = [torch.stack([t.detach(), t.detach().flip(-2)]) for t in (q, k, v)]

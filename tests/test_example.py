@@ -16,6 +16,7 @@ import pytest
 
 from portable_ops.conformance import usable_backends
 from portable_ops.conformance.runner import default_device
+from conftest import slow_in_the_interpreter
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
 import gpt2_tiny  # noqa: E402
@@ -46,8 +47,8 @@ def test_reference_learns_and_matches_torch(reference_run):
     assert_curves_agree(losses, torch_run["losses"])
 
 
-@pytest.mark.parametrize("backend", [b for b in usable_backends() if b != "reference"
-                                     and default_device(b).type == "cpu"])
+@pytest.mark.parametrize("backend", slow_in_the_interpreter([b for b in usable_backends() if b != "reference"
+                                                              and default_device(b).type == "cpu"]))
 def test_every_backend_trains_the_same(backend):
     run = gpt2_tiny.train(SHORT_CFG, SHORT_STEPS, backend=backend)
     expected = gpt2_tiny.train(SHORT_CFG, SHORT_STEPS, backend="reference")
