@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import portable_ops
@@ -146,5 +146,68 @@ def test_a_refusal_names_the_param_as_the_user_holds_it(backend):
         with forced_strict(backend), pytest.raises(
                 ValueError, match=rf'^param_groups\[{g}\]\["params"\]\[{i}\]\.grad is torch.sparse_coo'):
             opt.step()
+
+    prop()
+
+
+grid_calls = st.fixed_dictionaries({
+    "b": st.integers(1, 6), "hkv": st.integers(1, 3), "group": st.integers(1, 3), "sq": st.integers(1, 20),
+    "skv": st.integers(1, 24), "causal": st.booleans(), "window": st.sampled_from([None, (3, None), (5, 2)]),
+    "softcap": st.sampled_from([None, 4.0]), "cap": st.integers(2, 5),
+})
+
+
+@pytest.mark.skipif("triton" not in CPU_BACKENDS, reason="needs triton in the interpreter")
+def test_any_call_past_a_lowered_grid_cap_equals_the_reference(monkeypatch):
+    """With CUDA's grid cap lowered to a handful of programs, any dense call (batch, GQA group, lengths, mask,
+    softcap) folds its pairs and gives the reference's output and gradients: past the cap is never a
+    fallback, nor a different answer."""
+    plans = sys.modules["portable_ops.backends.triton.attention_plans"]
+
+    @examples("triton")
+    @given(call=grid_calls)
+    def prop(call):
+        pairs = call["b"] * call["hkv"] * call["group"]
+        assume(call["b"] * call["hkv"] > call["cap"] and pairs <= call["cap"] ** 2)  # past the cap, within the fold
+        monkeypatch.setattr(plans, "MAX_GRID_Y", call["cap"])
+        for module, memo in ((plans, "fwd_plans"), (plans, "bwd_plans"), (attention_module, "_memo"),
+                             (portable_ops.dispatch, "_memo")):
+            monkeypatch.setattr(module, memo, {})  # each example's cap is its own: nothing planned under another
+        g = torch.Generator().manual_seed(call["b"] * 7 + call["sq"])
+        shapes = [(call["b"], call["hkv"] * call["group"], call["sq"], 16)] + [(call["b"], call["hkv"], call["skv"],
+                                                                               16)] * 2
+        inputs = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in shapes]
+        options = dict(causal=call["causal"], window=call["window"], softcap=call["softcap"])
+        results = []
+        for backend in ("triton", "reference"):
+            q, k, v = (t.clone().to(torch.float32).requires_grad_() for t in inputs)
+            with forced_strict(backend):
+                out = portable_ops.attention(q, k, v, **options)
+                grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+            results.append((out, *grads))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+    prop()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_inference_caches_are_refused_alike_outside_inference_mode(backend):
+    """Whatever the batch, the new tokens and the page size, appending to an inference-mode cache outside
+    inference mode is refused on every backend with one message, and nothing is written."""
+    @examples(backend)
+    @given(b=st.integers(1, 3), sn=st.integers(1, 3), page=st.sampled_from([1, 4, 16]))
+    def prop(b, sn, page):
+        pages = b * (-(-(sn + 2) // page))
+        with torch.inference_mode():
+            caches = [torch.randn(pages, page, 2, 8) for _ in range(2)]
+        table = torch.arange(pages, dtype=torch.int32).reshape(b, -1)
+        lens = torch.full((b,), 2, dtype=torch.int32)
+        new = [torch.randn(b, sn, 2, 8) for _ in range(2)]
+        before = [c.clone() for c in caches]
+        with portable_ops.use_backend(backend), torch.no_grad(), pytest.raises(
+                RuntimeError, match="was made under torch.inference_mode"):
+            portable_ops.paged_kv_append(*caches, table, lens, *new)
+        assert all(torch.equal(c, w) for c, w in zip(caches, before))
 
     prop()
