@@ -295,3 +295,23 @@ def test_optimizer_and_norm_over_one_tensor_past_2_31_on_gpu(gpu_to_itself):
     for name, got, want in zip(("param", "exp_avg", "exp_avg_sq"), (state[0], *state[2:4]), (ref[0], *ref[2:4])):
         torch.testing.assert_close(got[0][ends].double().cpu(), want[0].to(torch.bfloat16).double(), atol=2e-2,
                                    rtol=2e-2, msg=name)
+
+
+@on_cpu
+def test_any_far_view_gives_the_references_answer(buffer):
+    """Whichever dim steps past 2^31 (batch, heads, rows), whatever the GQA group, lengths and mask: the triton
+    kernels read and write the far elements the reference does."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=4, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(far=st.integers(0, 2), group=st.integers(1, 2), sq=st.integers(2, 6), skv=st.integers(2, 6),
+           causal=st.booleans(), softcap=st.sampled_from([None, 5.0]))
+    def prop(far, group, sq, skv, causal, softcap):
+        q_shape, kv_shape = (2, 2 * group, sq, D), (2, 2, skv, D)
+        q, k, v = (_view(buffer, shape, far, slot, slot) for slot, shape in enumerate((q_shape, kv_shape, kv_shape)))
+        dout = _view(buffer, q_shape, far, 3, 3)
+        _assert_close(*_both(lambda: _attention_with_grads(q, k, v, dout, causal=causal, softcap=softcap)))
+
+    prop()
