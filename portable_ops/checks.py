@@ -10,12 +10,12 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-import weakref
 from typing import Sequence
 
 import numpy as np
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
+
+from .index_values import check_values_once
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -501,12 +501,20 @@ def check_paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v
                          f"{tuple(k_cache.shape[2:])}")
     _check_page_tables(block_table, cache_seqlens, k_new.shape[0], k_new.device)
     check_not_differentiated("paged_kv_append", k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
-    if not torch.is_inference_mode_enabled():  # torch's rule for every in-place write, kernels' raw pointers included
-        for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if t.is_inference():
-                raise RuntimeError(f"paged_kv_append: {arg} was made under torch.inference_mode(), and torch lets "
-                                   f"an inference tensor be written in place only inside it: append under "
-                                   f"torch.inference_mode() too")
+    if not torch.compiler.is_compiling():  # dynamo can't trace inference mode: the custom op checks as it runs
+        check_caches_writable(k_cache, v_cache)
+
+
+def check_caches_writable(k_cache, v_cache) -> None:
+    """torch's rule for every in-place write, kernels' raw pointers included: an inference tensor is written only
+    inside inference mode."""
+    if torch.is_inference_mode_enabled():
+        return
+    for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.is_inference():
+            raise RuntimeError(f"paged_kv_append: {arg} was made under torch.inference_mode(), and torch lets an "
+                               f"inference tensor be written in place only inside it: append under "
+                               f"torch.inference_mode() too")
 
 
 def check_not_differentiated(op: str, **tensors) -> None:
@@ -567,50 +575,3 @@ def check_page_values(block_table, cache_seqlens, *, page_size: int, num_pages: 
 
     check_values_once((block_table, cache_seqlens),
                       ("append" if append else "attention", page_size, num_pages, new_tokens, window_left), check)
-
-
-# Value checks already passed: tensor -> {params: (versions, the other tensors)}. Keyed by identity (a
-# weakref.WeakKeyDictionary compares tensors with ==), weakly, so a dropped tensor takes its entry with it.
-_checked_values = WeakIdKeyDictionary()
-_CHECKS_PER_TENSOR = 16  # params a tensor is checked under (a decode step: attention and append, per length)
-
-
-def values_readable(t: torch.Tensor) -> bool:
-    """Whether a check may read ``t``'s values now: not while torch.compile traces (fake tensors hold no
-    values; the custom op checks when the graph runs), not during CUDA graph capture (a read would break
-    it), not on the meta device."""
-    if torch.compiler.is_compiling() or t.device.type == "meta":
-        return False
-    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-
-
-def read_values(t: torch.Tensor) -> np.ndarray:
-    """The one device-to-host read of a value check."""
-    return t.detach().cpu().numpy()
-
-
-def check_values_once(tensors: tuple[torch.Tensor, ...], params: tuple, check) -> None:
-    """``check(*arrays)`` on the values of ``tensors`` (numpy, one device-to-host read per distinct tensor),
-    unless it passed before on these same tensors, unmodified since (their version counters), with the
-    same ``params``. So the usual loop, one ``cu_seqlens`` (or block table) per step passed to every
-    layer, reads once per step, not per layer. Inference tensors have no version counter: they are read
-    every call."""
-    if not values_readable(tensors[0]):
-        return
-    tracked = not any(t.is_inference() for t in tensors)
-    if tracked:
-        versions = tuple(t._version for t in tensors)
-        record = _checked_values.get(tensors[0], {}).get(params)
-        if (record is not None and record[0] == versions
-                and all(ref() is t for ref, t in zip(record[1], tensors[1:]))):
-            return
-    arrays: dict[int, np.ndarray] = {}
-    for t in tensors:
-        if id(t) not in arrays:
-            arrays[id(t)] = read_values(t)
-    check(*(arrays[id(t)] for t in tensors))
-    if tracked:
-        records = _checked_values.setdefault(tensors[0], {})
-        if len(records) >= _CHECKS_PER_TENSOR:
-            records.clear()
-        records[params] = (versions, tuple(weakref.ref(t) for t in tensors[1:]))

@@ -79,6 +79,7 @@ def _(q, k_cache, v_cache, block_table, cache_seqlens, scale, window_left, windo
 @torch.library.custom_op("portable_ops::paged_kv_append", mutates_args=("k_cache", "v_cache"))
 def _paged_kv_append_op(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                         cache_seqlens: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+    checks.check_caches_writable(k_cache, v_cache)
     _check_page_values_for_append(k_cache, block_table, cache_seqlens, k_new)
     _append(dict(k_cache=k_cache, v_cache=v_cache, block_table=block_table, cache_seqlens=cache_seqlens, k_new=k_new,
                  v_new=v_new))

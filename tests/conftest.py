@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from portable_ops import dispatch
+from portable_ops import dispatch, index_values
 from portable_ops.conformance.runner import default_device
 
 
@@ -78,3 +78,12 @@ def checked_kernels(monkeypatch):
         if backend is not None and "adam" in backend.ops:
             impl = backend.ops["adam"]
             monkeypatch.setitem(backend.ops, "adam", dataclasses.replace(impl, run=_checked_adam(impl.run)))
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """The tensors value checks read back from the device, in order."""
+    seen = []
+    original = index_values.read_values
+    monkeypatch.setattr(index_values, "read_values", lambda t: seen.append(t) or original(t))
+    return seen

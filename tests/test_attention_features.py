@@ -1,4 +1,4 @@
-"""Sliding windows, softcapping, packed (varlen) sequences and paged KV caches (issue 12).
+"""Sliding windows, softcapping and packed (varlen) sequences (paged KV caches: tests/test_paged_attention.py).
 
 Each feature is compared with a computation written here from its definition: masks from Python loops
 over query and key positions, the softcap as ``softcap * tanh(s / softcap)``, packed sequences one at a
@@ -17,55 +17,15 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import assert_bit_identical, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import portable_ops
-from portable_ops.conformance.runner import default_device
-from portable_ops import checks, dispatch
-from portable_ops.conformance import CASES, run_case, usable_backends
-from portable_ops.conformance.runner import RELEASED, forced_strict
-
-F64 = torch.float64
-BACKENDS = usable_backends()
-NOT_REFERENCE = [b for b in BACKENDS if b != "reference"]
-# kernel backends without packed sequences and paged caches (their Backend.declined says so), and with
-DECLINING = [b for b in NOT_REFERENCE if "attention_varlen_fwd" in dispatch.get_backend(b).declined]
-TAKING = [b for b in NOT_REFERENCE if b not in DECLINING]
-
-
-# ----------------------------------------------------------------------------- the definitions, written here
-
-def definition_mask(sq, skv, causal, window):
-    """Which keys query i sees, from the definition: position p = i + skv - sq; p - left <= j <= p + right;
-    causal: j <= p."""
-    left, right = window or (None, None)
-    mask = torch.zeros(sq, skv, dtype=torch.bool)
-    for i in range(sq):
-        p = i + skv - sq
-        for j in range(skv):
-            mask[i, j] = ((left is None or j >= p - left) and (right is None or j <= p + right)
-                          and (not causal or j <= p))
-    return mask
-
-
-def definition(q, k, v, causal=False, scale=None, window=None, softcap=None):
-    """Dense attention ``[B, H, S, D]`` from its definition; rows that see no key are zeros."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    scores = (q @ k.transpose(-1, -2)) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    if softcap:
-        scores = softcap * torch.tanh(scores / softcap)
-    mask = definition_mask(q.shape[-2], k.shape[-2], causal, window)
-    probs = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1).nan_to_num(0.0)
-    return probs @ v
-
-
-def qkv(b=2, hq=4, hkv=2, sq=9, skv=9, d=8, dtype=F64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    make = lambda h, s: torch.randn(b, h, s, d, generator=g, dtype=dtype).requires_grad_()  # noqa: E731
-    return make(hq, sq), make(hkv, skv), make(hkv, skv)
+from attention_definitions import (DECLINING, F64, NOT_REFERENCE, TAKING, definition, packed, paged_cache,
+                                   per_sequence, qkv)
+from portable_ops import dispatch
+from portable_ops.conformance import CASES, run_case
+from portable_ops.conformance.runner import default_device, forced_strict
 
 
 def assert_same_with_gradients(ours, theirs, inputs, tol=1e-10):
@@ -230,24 +190,6 @@ def test_masks_a_backend_has_still_run_there(backend):
 
 # ----------------------------------------------------------------------------- packed sequences
 
-def packed(lens_q, lens_k, hq=4, hkv=2, d=8, dtype=F64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(sum(lens_q), hq, d, generator=g, dtype=dtype).requires_grad_()
-    k, v = (torch.randn(sum(lens_k), hkv, d, generator=g, dtype=dtype).requires_grad_() for _ in range(2))
-    offsets = lambda lens: torch.tensor([0, *np.cumsum(lens).tolist()], dtype=torch.int32)  # noqa: E731
-    return q, k, v, offsets(lens_q), offsets(lens_k)
-
-
-def per_sequence(q, k, v, lens_q, lens_k, **options):
-    """The definition of each sequence's attention in turn, concatenated."""
-    outs, q0, k0 = [], 0, 0
-    for lq, lk in zip(lens_q, lens_k):
-        dense = [t.transpose(0, 1)[None] for t in (q[q0:q0 + lq], k[k0:k0 + lk], v[k0:k0 + lk])]
-        outs.append(definition(*dense, **options)[0].transpose(0, 1))
-        q0, k0 = q0 + lq, k0 + lk
-    return torch.cat(outs)
-
-
 VARLEN = {
     "ragged": ((17, 0, 33, 5), (17, 0, 33, 5)),
     "cross lengths": ((5, 0, 12, 9), (20, 7, 12, 4)),  # the last sequence has more queries than keys
@@ -349,15 +291,6 @@ def test_bad_varlen_input_is_refused_by_name_before_anything_runs(name, fake_bac
     assert not calls
 
 
-@pytest.fixture
-def reads(monkeypatch):
-    """The tensors value checks read back from the device, in order."""
-    seen = []
-    original = checks.read_values
-    monkeypatch.setattr(checks, "read_values", lambda t: seen.append(t) or original(t))
-    return seen
-
-
 def test_offsets_are_read_once_per_version(reads):
     """The training loop's case: one cu_seqlens per step, passed to every layer (here as both q's and k's)."""
     q, k, v, cu, _ = packed((3, 4), (3, 4))
@@ -402,248 +335,6 @@ def test_other_backends_decline_varlen_with_the_reason(backend):
     assert choice.backend == "reference" and choice.rejected[backend] == [expected]
     with forced_strict(backend), pytest.raises(portable_ops.BackendUnavailableError, match=re.escape(expected)):
         portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 4, 4)
-
-
-# ----------------------------------------------------------------------------- paged KV cache
-
-def paged_cache(lens, page_size, hkv=2, d=8, dtype=F64, seed=0, spare=3):
-    """k/v caches with each sequence's pages drawn from a shuffled pool; the table's unused entries -1."""
-    g = torch.Generator().manual_seed(seed)
-    pages = [-(-n // page_size) for n in lens]
-    pool = torch.randperm(sum(pages) + spare, generator=g)
-    table = torch.full((len(lens), max(pages) + 1), -1, dtype=torch.int32)
-    start = 0
-    for b, n in enumerate(pages):
-        table[b, :n] = pool[start:start + n]
-        start += n
-    caches = [torch.randn(len(pool), page_size, hkv, d, generator=g, dtype=dtype) for _ in range(2)]
-    return *caches, table, torch.tensor(lens, dtype=torch.int32)
-
-
-def gathered(cache, table, b, length, page_size):
-    """Sequence b's tokens, position by position: ``[1, H, length, D]``."""
-    rows = [cache[int(table[b, j // page_size]), j % page_size] for j in range(length)]
-    return (torch.stack(rows) if rows else cache.new_zeros(0, *cache.shape[2:])).transpose(0, 1)[None]
-
-
-@pytest.mark.parametrize("page_size", [1, 4, 16])
-@pytest.mark.parametrize("sq", [1, 3])
-@pytest.mark.parametrize("options", [dict(), dict(window=(5, None)), dict(softcap=5.0, scale=2.0),
-                                     dict(window=(0, 3), softcap=30.0)], ids=["plain", "window", "softcap", "both"])
-def test_paged_attention_is_dense_causal_attention_on_the_gathered_cache(page_size, sq, options):
-    lens = [sq, 23, 40, 7]
-    k_cache, v_cache, table, seqlens = paged_cache(lens, page_size, hkv=2)
-    q = torch.randn(len(lens), sq, 4, 8, dtype=F64)
-    out = portable_ops.paged_attention(q, k_cache, v_cache, table, seqlens, **options)
-    assert out.shape == q.shape and out.is_contiguous()
-    for b, length in enumerate(lens):
-        keys = [gathered(c, table, b, length, page_size) for c in (k_cache, v_cache)]
-        want = definition(q[b].transpose(0, 1)[None], *keys, causal=True, **options)
-        torch.testing.assert_close(out[b], want[0].transpose(0, 1), atol=1e-12, rtol=1e-12)
-
-
-def test_paged_attention_with_an_empty_sequence_and_more_queries_than_tokens():
-    k_cache, v_cache, table, _ = paged_cache([6, 2], 4)
-    q = torch.randn(2, 3, 4, 8, dtype=F64)
-    out = portable_ops.paged_attention(q, k_cache, v_cache, table, torch.tensor([0, 2], dtype=torch.int32))
-    assert torch.equal(out[0], torch.zeros_like(out[0]))  # no token: no key
-    assert torch.equal(out[1, 0], torch.zeros_like(out[1, 0]))  # query 0 sits at position -1
-    assert out[1, 1:].abs().sum() > 0
-
-
-def test_pages_wholly_before_the_window_are_never_read():
-    """A cache may release the pages a sliding window has left behind: their table entries may be anything.
-    Here a page number far past the pool, which any read would fail on (-1 would not: it indexes the last
-    page)."""
-    k_cache, v_cache, table, seqlens = paged_cache([40], 4)
-    q = torch.randn(1, 2, 4, 8, dtype=F64)
-    want = portable_ops.paged_attention(q, k_cache, v_cache, table, seqlens, window=(6, None))
-    table[0, :8] = RELEASED  # positions 0-31; the window starts at 40 - 2 - 6 = 32
-    torch.testing.assert_close(portable_ops.paged_attention(q, k_cache, v_cache, table, seqlens, window=(6, None)),
-                               want)
-    with pytest.raises(ValueError, match=rf"block_table\[0, 7\] is {RELEASED}, not a page of the cache .* positions "
-                                         rf"31 to 31"):
-        portable_ops.paged_attention(q, k_cache, v_cache, table, seqlens, window=(7, None))
-
-
-def test_append_then_attend_is_a_decode_step():
-    lens = [5, 16, 30]
-    k_cache, v_cache, table, seqlens = paged_cache([n + 2 for n in lens], 4, dtype=torch.float32)
-    g = torch.Generator().manual_seed(3)
-    k_new, v_new = (torch.randn(3, 2, 2, 8, generator=g) for _ in range(2))
-    before = snapshot([k_cache, v_cache])
-    with torch.no_grad():
-        portable_ops.paged_kv_append(k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32), k_new, v_new)
-    expected = [c.clone() for c in before]
-    for b, n in enumerate(lens):
-        for t in range(2):
-            page, offset = int(table[b, (n + t) // 4]), (n + t) % 4
-            expected[0][page, offset], expected[1][page, offset] = k_new[b, t], v_new[b, t]
-    assert_bit_identical(expected, [k_cache, v_cache])  # those slots written, every other bit as it was
-    q = torch.randn(3, 2, 4, 8, generator=g)
-    out = portable_ops.paged_attention(q, k_cache, v_cache, table, seqlens)
-    for b, n in enumerate(lens):
-        keys = [gathered(c, table, b, n + 2, 4) for c in (k_cache, v_cache)]
-        torch.testing.assert_close(out[b], portable_ops.attention(q[b].transpose(0, 1)[None], *keys,
-                                                                  causal=True)[0].transpose(0, 1))
-
-
-def bad_append():
-    """name -> (a function of the good arguments (a list) making them bad, error, message)."""
-    def changed(i, value):
-        return lambda args: args[:i] + [value(args)] + args[i + 1:]
-
-    def table_entry(value, b=1, j=1):
-        def bad(args):
-            table = args[2].clone()
-            table[b, j] = value
-            return table
-        return bad
-
-    return {
-        "a page past the pool": (changed(2, table_entry(99)), ValueError,
-                                 r"block_table\[1, 1\] is 99, not a page of the cache \(it has \d+\); sequence 1 "
-                                 r"writes positions 5 to 6 there"),
-        "a released page": (changed(2, table_entry(-1)), ValueError, r"block_table\[1, 1\] is -1, not a page"),
-        "past the table": (changed(3, lambda a: torch.tensor([5, 11], dtype=torch.int32)), ValueError,
-                           r"cache_seqlens\[1\] \+ 2 new tokens = 13 exceeds the 12 positions block_table holds "
-                           r"\(3 pages of 4\)"),
-        "negative length": (changed(3, lambda a: torch.tensor([-1, 3], dtype=torch.int32)), ValueError,
-                            r"cache_seqlens\[0\] is -1; lengths must be >= 0"),
-        "two sequences, one slot": (lambda a: a[:2] + [torch.tensor([[0, 1, 2], [3, 1, 5]], dtype=torch.int32),
-                                                       torch.tensor([3, 4], dtype=torch.int32)] + a[4:],
-                                    ValueError, "token 1 of sequence 0 and token 0 of sequence 1 would both be written "
-                                                "to page 1, slot 0"),
-        "new k/v in another dtype": (lambda a: a[:4] + [a[4].float(), a[5].float()], TypeError,
-                                     "k_cache has dtype torch.float64 but k_new has torch.float32; the cache keeps"),
-        "v_new in another dtype": (changed(5, lambda a: a[5].float()), TypeError,
-                                   "v_new is torch.float32 on cpu but k_new is torch.float64"),
-        "v_new of another shape": (changed(5, lambda a: a[5][:, :1]), ValueError, "v_new has shape"),
-        "k_new of other heads": (changed(4, lambda a: a[4][:, :, :1]), ValueError,
-                                 r"k_new has shape \(2, 2, 1, 8\)|v_new has shape"),
-        "caches differ": (changed(1, lambda a: a[1][:, :2]), ValueError, "k_cache has shape .* but v_cache has"),
-        "an int64 table": (changed(2, lambda a: a[2].long()), TypeError, "block_table has dtype torch.int64; expected "
-                                                                         r"torch.int32 \[batch, max_pages\]"),
-        "a 1-d table": (changed(2, lambda a: a[2][0]), ValueError, "block_table must have 2 dimensions"),
-        "lengths of another batch": (changed(3, lambda a: a[3][:1]), ValueError,
-                                     "cache_seqlens has batch 1 but q has batch 2"),
-        "lengths elsewhere": (changed(3, lambda a: a[3].to("meta")), ValueError, "cache_seqlens is on meta"),
-        "k_new needing grad": (changed(4, lambda a: a[4].clone().requires_grad_()), RuntimeError,
-                               r"paged_kv_append is not differentiable \(inference only\), but k_new requires grad"),
-        "page size 0": (changed(0, lambda a: a[0][:, :0]), ValueError, "k_cache has shape|page_size 0"),
-    }
-
-
-BAD_APPEND = bad_append()
-
-
-@pytest.mark.parametrize("name", BAD_APPEND)
-def test_a_refused_append_leaves_the_caches_bit_identical(name):
-    k_cache, v_cache, table, _ = paged_cache([6, 6], 4, spare=4)
-    g = torch.Generator().manual_seed(1)
-    k_new, v_new = (torch.randn(2, 2, 2, 8, generator=g, dtype=F64) for _ in range(2))
-    args = [k_cache, v_cache, table, torch.tensor([3, 5], dtype=torch.int32), k_new, v_new]
-    make, error, message = BAD_APPEND[name]
-    bad = make(args)
-    before = snapshot([k_cache, v_cache])
-    with pytest.raises(error, match=message):
-        portable_ops.paged_kv_append(*bad)
-    assert_bit_identical(before, [k_cache, v_cache])
-    portable_ops.paged_kv_append(*args)  # the good call goes through
-    assert not torch.equal(before[0], k_cache)
-
-
-BAD_PAGED = {
-    "q needing grad": (lambda a: {**a, "q": a["q"].clone().requires_grad_()}, RuntimeError,
-                       r"paged_attention is not differentiable \(inference only\), but q requires grad: call it under "
-                       r"torch.no_grad\(\)"),
-    "q of 3 dims": (lambda a: {**a, "q": a["q"][0]}, ValueError,
-                    r"q must have 4 dimensions \[batch, seq, heads, head_dim\]"),
-    "cache in another dtype": (lambda a: {**a, "k_cache": a["k_cache"].float(), "v_cache": a["v_cache"].float()},
-                               TypeError, "k_cache has dtype torch.float32 but q has torch.float64"),
-    "heads": (lambda a: {**a, "q": a["q"][:, :, :3]}, ValueError, "q has 3 heads, k_cache and v_cache have 2"),
-    "head dims": (lambda a: {**a, "q": a["q"][..., :4]}, ValueError, "k_cache has head_dim 8 but q has head_dim 4"),
-    "a page past the pool": (lambda a: {**a, "block_table": a["block_table"] + 100}, ValueError,
-                             r"block_table\[0, 0\] is 1\d\d, not a page of the cache"),
-    "longer than the table": (lambda a: {**a, "cache_seqlens": torch.tensor([6, 17], dtype=torch.int32)},
-                              ValueError, r"cache_seqlens\[1\] is 17, which exceeds the 16 positions block_table "
-                                          r"holds \(4 pages of 4\)"),
-    "a released page": (lambda a: {**a, "cache_seqlens": torch.tensor([6, 13], dtype=torch.int32)}, ValueError,
-                        r"block_table\[1, 3\] is -1, not a page of the cache \(it has \d+\); sequence 1 reads "
-                        r"positions 12 to 12 there"),
-    "bad window": (lambda a: {**a, "window": (-1, None)}, ValueError, "use None for an unbounded side"),
-    "bad softcap": (lambda a: {**a, "softcap": -3.0}, ValueError, "softcap must be >= 0.0"),
-}
-
-
-@pytest.mark.parametrize("name", BAD_PAGED)
-def test_bad_paged_attention_input_is_refused_by_name(name, fake_backend):
-    calls = []
-    stand_in = fake_backend("triton", ops=("paged_attention",))
-    stand_in.ops["paged_attention"] = dispatch.OpImpl(run=lambda **call: calls.append(call))
-    k_cache, v_cache, table, seqlens = paged_cache([6, 9], 4)
-    args = dict(q=torch.randn(2, 1, 4, 8, dtype=F64), k_cache=k_cache, v_cache=v_cache, block_table=table,
-                cache_seqlens=seqlens)
-    make, error, message = BAD_PAGED[name]
-    with portable_ops.use_backend("triton"), pytest.raises(error, match=message):
-        portable_ops.paged_attention(**make(args))
-    assert not calls
-
-
-def test_a_decode_loop_reads_the_tables_once_per_step(reads):
-    """Per step: append (one read of the tables), then attention in every layer (one more read: the check
-    differs), then the lengths grow in place, which is a new version."""
-    k_cache, v_cache, table, seqlens = paged_cache([12, 12], 4)
-    seqlens -= 2
-    with torch.no_grad():
-        for _step in range(2):
-            for _layer in range(3):
-                new = torch.randn(2, 1, 2, 8, dtype=F64)
-                portable_ops.paged_kv_append(k_cache, v_cache, table, seqlens, new, new)
-            seqlens += 1
-            for _layer in range(3):
-                portable_ops.paged_attention(torch.randn(2, 1, 4, 8, dtype=F64), k_cache, v_cache, table, seqlens)
-    assert len(reads) == 2 * 2 * 2  # steps x (append, attention) x (table, lengths)
-    with pytest.raises(ValueError, match=r"cache_seqlens\[0\] \+ 5 new tokens = 17 exceeds the 16 positions"):
-        portable_ops.paged_kv_append(k_cache, v_cache, table, seqlens, *(torch.zeros(2, 5, 2, 8, dtype=F64),) * 2)
-
-
-@pytest.mark.parametrize("backend", TAKING)
-def test_kernel_backends_take_varlen_and_paged_ops(backend, monkeypatch):
-    """explain and strict mode see packed and paged calls run on the backend, with the definition's values."""
-    monkeypatch.setattr(dispatch, "_warned", set())
-    device = default_device(backend)
-    q, k, v, cu_q, cu_k = (t.to(device) for t in packed((3, 4), (3, 4), dtype=torch.float32))
-    k_cache, v_cache, table, seqlens = (t.to(device) for t in paged_cache([6, 9], 4, dtype=torch.float32))
-    pq, new = torch.randn(2, 1, 4, 8, device=device), torch.randn(2, 1, 2, 8, device=device)
-    with portable_ops.use_backend(backend):
-        for op, args in (("attention_varlen", (q, k, v, cu_q, cu_k, 4, 4)),
-                         ("paged_attention", (pq, k_cache, v_cache, table, seqlens)),
-                         ("paged_kv_append", (k_cache, v_cache, table, seqlens - 1, new, new))):
-            assert portable_ops.explain(op, *args).backend == backend, op
-    with forced_strict(backend):
-        out = portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 4, 4, causal=True)
-        paged_out = portable_ops.paged_attention(pq, k_cache, v_cache, table, seqlens)
-    with portable_ops.use_backend("reference"):
-        torch.testing.assert_close(out, portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 4, 4, causal=True))
-        torch.testing.assert_close(paged_out, portable_ops.paged_attention(pq, k_cache, v_cache, table, seqlens))
-
-
-@pytest.mark.parametrize("backend", DECLINING)
-def test_other_backends_decline_paged_ops_with_the_reason(backend):
-    k_cache, v_cache, table, seqlens = paged_cache([6, 9], 4, dtype=torch.float32)
-    q, new = torch.randn(2, 1, 4, 8), torch.randn(2, 1, 2, 8)
-    with portable_ops.use_backend(backend):
-        for op, args, feature in (
-                ("paged_attention", (q, k_cache, v_cache, table, seqlens), "attention over a paged KV cache"),
-                ("paged_kv_append", (k_cache, v_cache, table, seqlens - 1, new, new), "appending to a paged KV cache")):
-            choice = portable_ops.explain(op, *args)
-            assert choice.backend == "reference"
-            assert choice.rejected[backend] == [f"{feature} ({op}): not in the {backend} kernels yet"]
-    before = snapshot([k_cache, v_cache])
-    with forced_strict(backend), pytest.raises(portable_ops.BackendUnavailableError, match="appending to a paged"):
-        portable_ops.paged_kv_append(k_cache, v_cache, table, seqlens - 1, new, new)
-    assert_bit_identical(before, [k_cache, v_cache])
 
 
 # ----------------------------------------------------------------------------- properties

@@ -13,47 +13,17 @@ import triton
 import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from triton_attention_checks import DEVICE, attn, check_against_reference, inputs, ref_attn
+
 import portable_ops
 from portable_ops import dispatch, layout
-from portable_ops.conformance import GRADIENT_FACTOR, tolerance
+from portable_ops.conformance import tolerance
 
 pytestmark = pytest.mark.skipif(dispatch.unavailable_reason("triton") is not None, reason="triton not installed")
 
-attn = importlib.import_module("portable_ops.backends.triton.attention")
 plans = importlib.import_module("portable_ops.backends.triton.attention_plans")
 configs = importlib.import_module("portable_ops.backends.triton.attention_configs")
-ref_attn = importlib.import_module("portable_ops.backends.reference.attention")
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _inputs(b, hq, hkv, sq, skv, d, dtype=torch.float16, seed=0, heads_inner=False):
-    """q, k, v ``[B, H, S, D]``; ``heads_inner``: transposed out of ``[B, S, H, D]``, as transformers make them."""
-    g = torch.Generator().manual_seed(seed)
-
-    def make(h, s):
-        if heads_inner:
-            return torch.randn(b, s, h, d, generator=g).to(dtype).to(DEVICE).transpose(1, 2)
-        return torch.randn(b, h, s, d, generator=g).to(dtype).to(DEVICE)
-
-    return make(hq, sq), make(hkv, skv), make(hkv, skv)
-
-
-def _check(q, k, v, causal, scale, dout=None):
-    """Forward and backward of the triton backend against the float64 reference."""
-    out, lse = attn.attention_fwd(q, k, v, causal=causal, scale=scale)
-    q64, k64, v64 = (t.double().cpu() for t in (q, k, v))
-    ref_out, ref_lse = ref_attn.attention_fwd(q64, k64, v64, causal=causal, scale=scale)
-    tol = tolerance("attention", q.dtype)
-    torch.testing.assert_close(out.double().cpu(), ref_out, **tol._asdict())
-    torch.testing.assert_close(lse.double().cpu(), ref_lse, **tol._asdict())
-    if dout is None:
-        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(q.dtype).to(DEVICE)
-    grads = attn.attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale)
-    ref_grads = ref_attn.attention_bwd(q64, k64, v64, ref_out, ref_lse, dout.double().cpu(), causal=causal, scale=scale)
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
-        torch.testing.assert_close(got.double().cpu(), want, **tol.scaled(GRADIENT_FACTOR)._asdict(), msg=name)
-    return out, lse, grads
+sm90 = importlib.import_module("portable_ops.backends.triton.attention_sm90")
 
 
 def test_inputs_whose_row_major_copies_agree_keep_their_own_output_layouts(monkeypatch):
@@ -66,240 +36,9 @@ def test_inputs_whose_row_major_copies_agree_keep_their_own_output_layouts(monke
     inner = [torch.randn(1, 16, 2, 32, generator=g)[..., ::2].to(DEVICE).transpose(1, 2) for _ in range(3)]
     for _ in range(2):
         for q, k, v in (plain, inner):
-            out, lse, grads = _check(q, k, v, causal=False, scale=0.25)
+            out, lse, grads = check_against_reference(q, k, v, causal=False, scale=0.25)
             assert out.stride() == layout.strides_like(q)
             assert [t.stride() for t in grads] == [layout.strides_like(t) for t in (q, k, v)]
-
-
-# ----------------------------------------------------------------------------- the Hopper forward
-
-sm90 = importlib.import_module("portable_ops.backends.triton.attention_sm90")
-launch_mod = importlib.import_module("portable_ops.backends.triton.launch")
-ON_SM90 = DEVICE.type == "cuda" and not sm90.supports(*_inputs(1, 1, 1, 128, 128, 64, torch.bfloat16), False,
-                                                      (8192, 8192, 64, 1))
-
-
-@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU and a Triton with Gluon (the Hopper forward)")
-@pytest.mark.parametrize("b,hq,hkv,sq,skv,d,causal,heads_inner,dtype,scale", [
-    (2, 4, 4, 256, 256, 64, False, False, torch.bfloat16, None),  # two key tiles, slots reused at D 128
-    (1, 8, 2, 1000, 1000, 128, True, True, torch.float16, None),  # GQA, transposed, ragged, many tiles
-    (2, 4, 1, 300, 777, 128, True, True, torch.bfloat16, -0.3),  # bottom-right causal, negative scale
-    (1, 2, 2, 100, 100, 64, True, False, torch.float16, None),  # the second warpgroup's rows past Sq
-    (3, 6, 3, 129, 200, 128, False, False, torch.bfloat16, 0.0),  # a ragged key tail; uniform weights
-    (1, 2, 2, 65, 4097, 64, False, True, torch.float16, None),  # Sq just over decode's, 33 key tiles
-    (2, 8, 2, 333, 517, 128, False, True, torch.bfloat16, None),  # the unmasked D 128 backward: GQA, ragged
-    (3, 4, 2, 200, 333, 64, False, True, torch.bfloat16, None),  # D 64 unmasked: 192-row tiles, the second ragged
-    # persistent, and two of the second tile's three consumers wholly past Sq; a negative scale
-    (40, 8, 2, 200, 200, 64, False, True, torch.bfloat16, -0.3),
-    # persistent grids, each program taking many work tiles: separate O buffers (D 64) and O through Q (D 128);
-    # fewer key tiles than ring slots, so a tile's ring positions start mid-ring
-    (40, 8, 2, 520, 520, 64, False, True, torch.bfloat16, None),
-    (24, 8, 8, 1000, 1000, 128, False, False, torch.float16, None),
-    (300, 4, 4, 130, 130, 128, False, True, torch.bfloat16, None),
-    (30, 8, 4, 700, 700, 128, True, True, torch.bfloat16, None),  # causal: tiles of every weight, taken as freed
-    # D 64, each program taking many work tiles, so each Q tile is freed after its last S and reloaded: causal
-    # (tiles of one to five key tiles, the first with none unmasked); one key tile a work tile (both loops of
-    # the consumer empty); every key tile unmasked
-    (24, 8, 2, 520, 520, 64, True, True, torch.bfloat16, None),
-    (64, 8, 2, 200, 128, 64, False, True, torch.bfloat16, None),
-    (40, 8, 2, 256, 256, 64, False, True, torch.bfloat16, None),
-    # D 256 (64-key tiles, O through Q; the backward is the tl.* one): ragged, GQA, bottom-right causal, persistent
-    (2, 4, 2, 300, 333, 256, True, True, torch.bfloat16, None),
-    (1, 2, 2, 200, 1000, 256, False, False, torch.float16, -0.3),
-    (40, 4, 4, 130, 130, 256, False, True, torch.bfloat16, None),
-])
-def test_hopper_forward_against_float64(b, hq, hkv, sq, skv, d, causal, heads_inner, dtype, scale):
-    q, k, v = _inputs(b, hq, hkv, sq, skv, d, dtype, heads_inner=heads_inner)
-    assert not sm90.supports(q, k, v, causal, layout.strides_like(q))  # the case reaches the Gluon kernel
-    _check(q, k, v, causal, 1 / math.sqrt(d) if scale is None else scale)
-    torch.cuda.synchronize()
-    # every launch's last program has set its stream's work-tile counter back for the next launch
-    assert all(not counter.any() for counter in sm90._TILE_COUNTERS.values())
-    backward = next(p for key, p in plans.bwd_plans.items() if key[:2] == (q.shape, q.stride()))
-    # and its backward too, at the head dims the Hopper backward takes
-    assert (backward.hopper is not None) == (d in sm90.BWD_HEAD_DIMS)
-
-
-@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU and a Triton with Gluon (the Hopper forward)")
-def test_hopper_forward_relaunches_over_other_tensors():
-    """One plan, launched directly after its first call, over tensors at other addresses and over the
-    first tensors again with new contents: each result is the current inputs' (the encoded TMA
-    descriptors are kept per base address, launch.py)."""
-    first = _inputs(1, 4, 2, 384, 384, 128, torch.bfloat16, seed=1, heads_inner=True)
-    second = _inputs(1, 4, 2, 384, 384, 128, torch.bfloat16, seed=2, heads_inner=True)
-    for q, k, v in (first, second, first, second):
-        _check(q, k, v, True, 0.1)
-        for t in (q, k, v):
-            t.mul_(-1)
-    launch = next(p.hopper.launch for p in plans.fwd_plans.values() if p.hopper is not None and p.hopper.args[3] == 384)
-    compiled = next(iter(launch.compiled.values()))
-    if launch_mod.TRITON_RELEASE == (3, 6):  # the release whose launcher the cached-descriptor path was read from
-        assert compiled.entry is not None and all(len(m) >= 2 for m in compiled.tensor_maps[:3])
-
-
-@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU and a Triton with Gluon (the Hopper forward)")
-def test_hopper_forward_on_two_streams_at_once():
-    """Persistent launches running at the same time on two streams each count their own work tiles
-    (one counter per stream): each result is the one the same launch gives alone."""
-    cases = [_inputs(24, 8, 8, 600, 600, 64, torch.bfloat16, seed=seed) for seed in (1, 2)]
-    alone = [attn.attention_fwd(q, k, v, causal=True, scale=0.125)[0] for q, k, v in cases]
-    streams = [torch.cuda.Stream() for _ in cases]
-    torch.cuda.synchronize()
-    together = []
-    for _ in range(3):
-        for (q, k, v), stream in zip(cases, streams):
-            with torch.cuda.stream(stream):
-                together.append(attn.attention_fwd(q, k, v, causal=True, scale=0.125)[0])
-    torch.cuda.synchronize()
-    assert all(torch.equal(out, alone[i % 2]) for i, out in enumerate(together))
-
-
-@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU and a Triton with Gluon (the Hopper forward)")
-def test_hopper_forward_in_cuda_graphs_replayed_in_any_order():
-    """Each capture zero-fills a work-tile counter of its own: two graphs captured on one stream give
-    the eager results replayed in either order, the second before the first has ever run."""
-    cases = [_inputs(24, 8, 8, 600, 600, 64, torch.bfloat16, seed=seed) for seed in (3, 4)]
-    eager = [attn.attention_fwd(q, k, v, causal=True, scale=0.125)[0] for q, k, v in cases]
-    graphs, outs = [], []
-    for q, k, v in cases:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs.append(attn.attention_fwd(q, k, v, causal=True, scale=0.125)[0])
-        graphs.append(graph)
-    for order in ((1, 0), (0, 1, 1)):
-        for i in order:
-            outs[i].zero_()
-            graphs[i].replay()
-            torch.cuda.synchronize()
-            assert torch.equal(outs[i], eager[i])
-
-
-@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU and a Triton with Gluon (the Hopper forward)")
-def test_hopper_forward_under_compile_reduce_overhead():
-    """torch.compile's CUDA graphs (cudagraph trees, which check that their memory pool holds only
-    tensors they track) around a call that reaches the persistent forward."""
-    q, k, v = _inputs(24, 8, 8, 600, 600, 64, torch.bfloat16, seed=5)
-    compiled = torch.compile(lambda q, k, v: portable_ops.attention(q, k, v, causal=True) * 2, mode="reduce-overhead")
-    want = portable_ops.attention(q, k, v, causal=True) * 2
-    for _ in range(4):
-        got = compiled(q, k, v)
-        assert torch.equal(got, want)
-
-
-def test_hopper_forward_grid_is_persistent_only_for_short_rows(monkeypatch):
-    """One program per SM where rows read at most 8192 x 128 keys x head dim, one per tile past that;
-    a tile is 64 rows for each consumer warpgroup (three at D 64 unmasked, else two)."""
-    monkeypatch.setattr(sm90, "_multiprocessors", lambda device: 132)
-
-    def grid(b, h, s, d, causal=True):
-        q = torch.empty(b, h, s, d, device="meta")
-        return sm90.programs(q, q, causal)
-
-    assert grid(16, 16, 1024, 128) == 132
-    assert grid(1, 16, 16384, 64) == 132 and grid(1, 16, 16384, 128) == 16 * 128
-    assert grid(1, 16, 16385, 64) == 16 * 129
-    assert grid(1, 2, 300, 64) == 2 * 3  # fewer tiles than SMs: one program each
-    for release, consumers in (((3, 6), 3), ((3, 9), 2)):  # three consumers only where they were timed
-        monkeypatch.setattr(sm90, "TRITON_RELEASE", release)
-        assert sm90.config(64, False).consumers == consumers and sm90.config(64, True).consumers == 2
-        assert grid(1, 16, 16385, 64, False) == 16 * -(-16385 // (64 * consumers))
-        assert grid(1, 2, 300, 64, False) == 2 * -(-300 // (64 * consumers))
-
-
-def test_hopper_backward_bands_fill_the_gpu_about_once_and_divide_the_pairs():
-    """Unmasked: one (batch, KV head) pair a band (every program has the same work). Causal: the divisor
-    of the pairs whose programs come nearest one wave, within half to twice it, else one pair."""
-    assert sm90.band(32, 64, False, 132) == 1
-    # 16k-token batches (the timed ones): 16, 8, 4, 2, 1, 1 pairs at 1k-32k keys, 16 or 64 pairs in all
-    for pairs in (16, 64):
-        assert [sm90.band(s // 128, pairs, True, 132) for s in (1024, 2048, 4096, 8192, 16384, 32768)] == \
-            [16, 8, 4, 2, 1, 1]
-    assert sm90.band(16, 11, True, 132) == 11  # 1.3 waves: the nearest divisor within twice one
-    assert sm90.band(8, 61, True, 132) == 1  # 61 pairs (3.7 waves) or 1: neither within, the old order
-    assert sm90.band(32, 36, True, 132) == 4 and sm90.band(32, 13, True, 132) == 1
-    assert sm90.band(4, 2, True, 132) == 2 and sm90.band(1, 1, True, 132) == 1  # under half a wave: one band
-    for blocks, pairs in ((1, 1), (5, 12), (64, 100), (3, 1000), (512, 7)):
-        c = sm90.band(blocks, pairs, True, 132)
-        assert pairs % c == 0 and (c == 1 or c * blocks <= 2 * 132)
-
-
-@pytest.mark.skipif(not ON_SM90, reason="needs an sm_90 GPU and a Triton with Gluon (the Hopper backward)")
-@pytest.mark.parametrize("band", [1, 3, 5, 100])
-def test_hopper_backward_in_bands_that_do_not_divide_the_pairs(band, monkeypatch):
-    """The kernel takes any band: the last one short (3 or 5 of 8 pairs), or one wider than every pair."""
-    monkeypatch.setattr(sm90, "band", lambda *args, **kwargs: band)
-    monkeypatch.setattr(plans, "bwd_plans", {})  # plans with this band stay in the test
-    q, k, v = _inputs(2, 8, 4, 300, 700, 128, torch.bfloat16, heads_inner=True)
-    _check(q, k, v, True, 1 / math.sqrt(128))
-    plan = next(p for key, p in plans.bwd_plans.items() if key[:2] == (q.shape, q.stride()))
-    assert plan.hopper is not None and plan.hopper.args[-1] == band
-
-
-def test_hopper_forward_declines_with_reasons():
-    q, k, v = _inputs(1, 2, 2, 128, 128, 64, torch.bfloat16)
-    stride = layout.strides_like(q)
-    reasons = " | ".join(sm90.supports(q.float(), k.float(), v.float(), False, stride) +
-                         sm90.supports(q[..., :16], k[..., :16], v[..., :16], True, stride) +
-                         # rows 136 bytes apart: not a multiple of 16
-                         sm90.supports(torch.zeros(1, 2, 128, 68, dtype=q.dtype, device=DEVICE)[..., :64], k, v, False,
-                                       stride) +
-                         sm90.supports(q, k[:, :1].expand(1, 2, 128, 64), v, False, stride) +
-                         sm90.supports(q, k[:, :, :64], v[:, :, :64], True, stride))
-    if sm90.gluon is None:
-        assert reasons == "this Triton has no Gluon | " * 4 + "this Triton has no Gluon"
-        return
-    for reason in ("only float16/bfloat16", "head_dim 16 is not one of (64, 128, 256)", "k is broadcast",
-                   "causal with Sq > Skv", "q's strides or base are not 16-byte aligned"):
-        assert reason in reasons, reasons
-    if DEVICE.type == "cpu":
-        assert "not an sm_90 GPU" in reasons
-    for causal in (False, True):  # every mask the forward takes at D 64, the backward takes too
-        assert not any("faster" in r for r in sm90.supports_backward(q, k, v, q, causal, (stride,) * 3))
-    wide = _inputs(1, 2, 2, 128, 128, 256, torch.bfloat16)  # the forward's alone
-    assert not any("head_dim" in r for r in sm90.supports(*wide, True, layout.strides_like(wide[0])))
-    assert any("head_dim 256: the Hopper backward takes (64, 128)" in r
-               for r in sm90.supports_backward(*wide, wide[0], True, (layout.strides_like(wide[0]),) * 3))
-    backward = " | ".join(sm90.supports_backward(q, k, v, q.float(), True, (stride,) * 3) +
-                          sm90.supports_backward(q, k, v, q[:, :1].expand(q.shape), True, (stride,) * 3))
-    for reason in ("dout has dtype torch.float32", "dout is broadcast"):
-        assert reason in backward, backward
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert "deterministic" in " ".join(sm90.supports_backward(q, k, v, q, True, (stride,) * 3))
-    finally:
-        torch.use_deterministic_algorithms(was)
-
-
-def test_backward_plans_tell_aligned_bases_apart():
-    """TMA needs 16-byte aligned bases and a stride check can't see them: a dO at an odd address,
-    with the shape and strides of an earlier aligned one, gets its own plan (on Hopper, the tl.*
-    kernels) instead of the aligned call's."""
-    q, k, v = _inputs(1, 2, 2, 96, 96, 64, torch.float16)
-    out, lse = attn.attention_fwd(q, k, v, causal=True, scale=0.125)
-    store = torch.randn(out.numel() + 1, generator=torch.Generator().manual_seed(3)).to(q.dtype).to(DEVICE)
-    aligned, odd = store[:-1].view(out.shape), store[1:].view(out.shape)
-    plans.bwd_plans.clear()
-    first = attn.attention_bwd(q, k, v, out, lse, aligned, causal=True, scale=0.125)
-    second = attn.attention_bwd(q, k, v, out, lse, odd, causal=True, scale=0.125)
-    assert sorted(key[-1] for key in plans.bwd_plans) == [False, True]
-    assert not torch.equal(first[0], second[0])
-
-
-def test_batch_times_heads_over_the_grid_limit_folds_over_the_grids_third_dim(monkeypatch):
-    """CUDA caps a grid's second dimension (batch x heads here) at 65535: a larger call's pairs fold over
-    the third, into outputs in the layout the whole call would have had (tests/test_triton_grid_limits.py
-    takes every kernel past it)."""
-    monkeypatch.setattr(plans, "MAX_GRID_Y", 8)
-    monkeypatch.setattr(plans, "fwd_plans", {})
-    monkeypatch.setattr(plans, "bwd_plans", {})
-    q, k, v = _inputs(3, 4, 2, 20, 20, 16, heads_inner=True, seed=5)
-    out, _, grads = _check(q, k, v, True, 0.25)
-    assert out.stride() == layout.strides_like(q) and grads[1].stride() == layout.strides_like(k)
-    (plan,) = plans.fwd_plans.values()
-    assert plan.fwd.grid[1:] == (6, 2) and plan.fwd.options["FOLD"]
-    monkeypatch.setattr(plans, "MAX_GRID_Y", 3)
-    assert "12 batch x heads: a launch takes at most 9" in " ".join(attn.attention_supports({"q": q, "k": k, "v": v}))
 
 
 # ----------------------------------------------------------------------------- head dims
@@ -319,19 +58,19 @@ def test_batch_times_heads_over_the_grid_limit_folds_over_the_grids_third_dim(mo
     (130, False, 1, 1, 17, 23),  # 128 + 16 with 14 masked
 ])
 def test_every_head_dim_forward_and_backward(d, causal, hq, hkv, sq, skv):
-    q, k, v = _inputs(1, hq, hkv, sq, skv, d, seed=d)
+    q, k, v = inputs(1, hq, hkv, sq, skv, d, seed=d)
     assert attn.attention_supports({"q": q, "k": k, "v": v, "scale": 0.1}) == []
-    _check(q, k, v, causal, 1 / math.sqrt(d))
+    check_against_reference(q, k, v, causal, 1 / math.sqrt(d))
 
 
 @pytest.mark.parametrize("d", [40, 80, 192])
 def test_odd_head_dims_decode_packed_gqa_and_split_keys(d):
     # 4 query heads x 2 tokens share a program (GQA-packed); 1100 keys split across programs
-    q, k, v = _inputs(1, 8, 2, 2, 1100, d, seed=d)
+    q, k, v = inputs(1, 8, 2, 2, 1100, d, seed=d)
     plan_block_m, plan_block_n = configs.tile_config("fwd", q, q.shape[2], k.shape[2], k.shape[1], True, "ieee",
                                               launch=None)[:2]
     assert configs.key_splits(1, 2, 8, 1100, plan_block_m, plan_block_n) > 1 or DEVICE.type == "cuda"
-    _check(q, k, v, True, 1 / math.sqrt(d))
+    check_against_reference(q, k, v, True, 1 / math.sqrt(d))
 
 
 def test_head_split_covers_each_head_dim_with_at_most_two_power_of_two_chunks():
@@ -358,15 +97,15 @@ def test_head_dims_past_256_fall_back_with_a_reason():
 
 @pytest.mark.parametrize("d", [64, 80])
 def test_outputs_follow_the_layout_rule_and_transposed_inputs_are_read_in_place(d):
-    q, k, v = _inputs(2, 4, 2, 33, 33, d, seed=1, heads_inner=True)
+    q, k, v = inputs(2, 4, 2, 33, 33, d, seed=1, heads_inner=True)
     g = torch.Generator().manual_seed(3)
     dout = torch.randn(2, 33, 4, d, generator=g).half().to(DEVICE).transpose(1, 2)  # as autograd hands it back
-    out, lse, (dq, dk, dv) = _check(q, k, v, True, 0.125, dout=dout)
+    out, lse, (dq, dk, dv) = check_against_reference(q, k, v, True, 0.125, dout=dout)
     for result, like in ((out, q), (dq, q), (dk, k), (dv, v)):
         assert result.stride() == layout.strides_like(like) == like.stride()
     assert lse.is_contiguous() and lse.dtype == torch.float32
-    contiguous = _inputs(2, 4, 2, 33, 33, d, seed=1)
-    out2, _, grads2 = _check(*contiguous, True, 0.125, dout=dout.contiguous())
+    contiguous = inputs(2, 4, 2, 33, 33, d, seed=1)
+    out2, _, grads2 = check_against_reference(*contiguous, True, 0.125, dout=dout.contiguous())
     assert out2.is_contiguous() and all(t.is_contiguous() for t in grads2)
 
 
@@ -376,8 +115,8 @@ def test_sliced_from_a_fused_qkv_projection_and_strided_dout():
     q, k, v = (t.view(b, s, h, d).transpose(1, 2) for t in qkv.split(h * d, dim=-1))
     assert q.stride(2) == 3 * h * d
     wide = torch.randn(b, h, s, 2 * d, generator=torch.Generator().manual_seed(5)).half().to(DEVICE)
-    _check(q, k, v, True, 0.2, dout=wide[..., ::2])  # a last-dim stride of 2: copied, still right
-    out, lse, _ = _check(q, k, v, False, 0.2, dout=wide[..., :d])  # rows strided: read in place
+    check_against_reference(q, k, v, True, 0.2, dout=wide[..., ::2])  # a last-dim stride of 2: copied, still right
+    out, lse, _ = check_against_reference(q, k, v, False, 0.2, dout=wide[..., :d])  # rows strided: read in place
     assert out.stride() == layout.strides_like(q)
 
 
@@ -386,15 +125,15 @@ def test_rows_at_any_alignment():
     g = torch.Generator().manual_seed(10)
     q, k, v = (torch.randn(1, 2, 23, 41, generator=g).half().to(DEVICE)[..., :40] for _ in range(3))  # rows 41 apart
     assert plans.stride_unit(plans.kernel_strides(q.shape, q.stride())) == 1
-    _check(q, k, v, True, 0.2)
+    check_against_reference(q, k, v, True, 0.2)
     assert plans.stride_unit(plans.kernel_strides((2, 4, 33, 40), (5280, 1320, 40, 1))) == 8
     # a size-one dim's stride is never stepped, so it does not count
     assert plans.stride_unit(plans.kernel_strides((1, 4, 33, 64), (7, 2112, 64, 1))) == 16
 
 
 def test_split_key_decode_writes_through_the_output_strides():
-    q, k, v = _inputs(1, 2, 1, 1, 1100, 64, seed=6, heads_inner=True)
-    out, _, _ = _check(q, k, v, True, 0.125)
+    q, k, v = inputs(1, 2, 1, 1, 1100, 64, seed=6, heads_inner=True)
+    out, _, _ = check_against_reference(q, k, v, True, 0.125)
     assert out.stride() == layout.strides_like(q)
 
 
@@ -405,7 +144,7 @@ def test_decode_over_a_batch_that_fills_the_gpu(sq):
     dense against float64 and paged (16-token pages, shuffled) against the dense call."""
     hkv = 8
     b = configs.DECODE_NARROW_PER_SM * configs.multiprocessors(torch.cuda.current_device()) // hkv + 1
-    q, k, v = _inputs(b, 32, hkv, sq, 333, 128, torch.bfloat16, seed=11)
+    q, k, v = inputs(b, 32, hkv, sq, 333, 128, torch.bfloat16, seed=11)
     out, _ = attn.attention_fwd(q, k, v, causal=True, scale=128 ** -0.5)
     plan = next(p for key, p in plans.fwd_plans.items() if key[:3] == (q.shape, q.stride(), k.shape))
     assert plan.splits == 1
@@ -430,27 +169,27 @@ def test_decode_over_a_batch_that_fills_the_gpu(sq):
 # ----------------------------------------------------------------------------- scale
 
 def test_zero_scale_is_the_uniform_average_of_the_visible_values():
-    q, k, v = _inputs(1, 2, 1, 20, 12, 32, seed=7)
-    out, lse, _ = _check(q, k, v, True, 0.0)  # rows 0..7 see no key
+    q, k, v = inputs(1, 2, 1, 20, 12, 32, seed=7)
+    out, lse, _ = check_against_reference(q, k, v, True, 0.0)  # rows 0..7 see no key
     v32 = v.float().cpu()[:, [0, 0]]
     for i in range(8, 20):
         torch.testing.assert_close(out[0, :, i].float().cpu(), v32[0, :, : i - 7].mean(1), atol=2e-3, rtol=2e-3)
     assert torch.isneginf(lse[0, :, :8]).all() and not out[0, :, :8].cpu().any()
-    _check(*_inputs(1, 2, 2, 1, 300, 64, seed=8), False, 0.0)  # split-key decode
+    check_against_reference(*inputs(1, 2, 2, 1, 300, 64, seed=8), False, 0.0)  # split-key decode
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_negative_scale(causal):
-    q, k, v = _inputs(1, 4, 2, 45, 45, 64, seed=9)
-    _check(q, k, v, causal, -0.3)
-    _check(q, k, v, causal, 0.3)  # the same layout with a positive scale after a negative one
+    q, k, v = inputs(1, 4, 2, 45, 45, 64, seed=9)
+    check_against_reference(q, k, v, causal, -0.3)
+    check_against_reference(q, k, v, causal, 0.3)  # the same layout with a positive scale after a negative one
 
 
 @pytest.mark.parametrize("b,hq,hkv,sq,skv", [(0, 2, 1, 5, 7), (1, 0, 0, 5, 7), (1, 2, 1, 0, 7), (1, 2, 1, 5, 0),
                                             (1, 2, 1, 1, 0)])
 def test_empty_inputs_give_empty_or_zero_outputs(b, hq, hkv, sq, skv):
     """The public API answers these itself; the backend takes them without crashing all the same."""
-    q, k, v = _inputs(b, hq, hkv, sq, skv, 40)
+    q, k, v = inputs(b, hq, hkv, sq, skv, 40)
     out, lse = attn.attention_fwd(q, k, v, causal=False, scale=0.1)
     assert out.shape == q.shape and lse.shape == q.shape[:3]
     assert not out.cpu().any() and torch.isneginf(lse).all()  # rows that see no key
@@ -483,7 +222,7 @@ def no_launches():
 @pytest.mark.parametrize("heads_inner", [False, True])
 @pytest.mark.parametrize("skv", [64, 1100])  # split-key decode needs a few more allocations
 def test_a_call_only_allocates_and_launches(no_launches, heads_inner, skv, monkeypatch):
-    q, k, v = _inputs(2, 4, 2, 1 if skv > 1000 else 64, skv, 80, heads_inner=heads_inner)
+    q, k, v = inputs(2, 4, 2, 1 if skv > 1000 else 64, skv, 80, heads_inner=heads_inner)
     out, lse = attn.attention_fwd(q, k, v, causal=True, scale=0.1)  # builds the plans
     dout = torch.ones_like(out)
     attn.attention_bwd(q, k, v, out, lse, dout, causal=True, scale=0.1)
@@ -506,7 +245,7 @@ def restore_fp32_precision():
 
 def test_float32_tiles_multiply_as_torch_float32_matmuls_do(restore_fp32_precision):
     """IEEE float32 by default (torch's "highest"), TF32 once the user allows it; each its own plan."""
-    q, k, v = _inputs(1, 2, 2, 64, 64, 32, torch.float32)
+    q, k, v = inputs(1, 2, 2, 64, 64, 32, torch.float32)
     exact, _ = ref_attn.attention_fwd(q.double(), k.double(), v.double(), causal=True, scale=3.0)
     # a large scale makes the softmax sharp, which magnifies any error in the scores
     ieee, _ = attn.attention_fwd(q, k, v, causal=True, scale=3.0)
@@ -526,7 +265,7 @@ def test_float32_tiles_multiply_as_torch_float32_matmuls_do(restore_fp32_precisi
 def test_float32_inference_reads_the_precision_switch_on_every_call(restore_fp32_precision):
     """portable_ops.attention memoises an inference call's plan, but never a float32 one: each call
     multiplies as the switch says when it runs."""
-    q, k, v = _inputs(1, 2, 2, 64, 64, 32, torch.float32)
+    q, k, v = inputs(1, 2, 2, 64, 64, 32, torch.float32)
     with torch.no_grad(), portable_ops.use_backend("triton"):
         got = {}
         for precision in ("ieee", "tf32", "ieee"):
@@ -599,7 +338,7 @@ def test_to_dtype_rounds_float32_to_bf16_bit_for_bit_like_torch():
 def test_bf16_attention_outputs_and_gradients_round_to_nearest(bf16_stores):
     """By the bias only: where a float32 sum cancels to near zero, its error is more than an ulp of the
     tiny result, but not in one direction."""
-    q, k, v = _inputs(1, 4, 2, 64, 64, 64, dtype=torch.bfloat16, seed=11)
+    q, k, v = inputs(1, 4, 2, 64, 64, 64, dtype=torch.bfloat16, seed=11)
     scale = 0.125
     out, lse = attn.attention_fwd(q, k, v, causal=True, scale=scale)
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(12)).bfloat16().to(DEVICE)
@@ -612,7 +351,7 @@ def test_bf16_attention_outputs_and_gradients_round_to_nearest(bf16_stores):
     _assert_rounded_to_nearest(_ulps_toward_zero(out, ref_out), bf16_stores)
     for got, want in zip(grads, ref_grads):
         _assert_rounded_to_nearest(_ulps_toward_zero(got, want), bf16_stores)
-    split = _inputs(1, 2, 1, 1, 1100, 64, dtype=torch.bfloat16, seed=13)  # the split-key combine's store
+    split = inputs(1, 2, 1, 1, 1100, 64, dtype=torch.bfloat16, seed=13)  # the split-key combine's store
     ref_split, _ = ref_attn.attention_fwd(*(t.double().cpu() for t in split), causal=True, scale=scale)
     got_split, _ = attn.attention_fwd(*split, causal=True, scale=scale)
     _assert_rounded_to_nearest(_ulps_toward_zero(got_split, ref_split), bf16_stores)
