@@ -101,3 +101,18 @@ def test_a_call_that_failed_leaves_no_memo_behind(fake_backend, grad):
         out = portable_ops.attention(q, k, v)
     assert len(attention._memo) == len(before) + 1
     torch.testing.assert_close(out, portable_ops.attention(q, k, v))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_append_bumps_the_caches_versions(backend):
+    """A graph that saved a cache refuses its backward once an append wrote the cache, on every backend, kernels
+    that write through raw pointers included."""
+    device = default_device(backend)
+    (k_cache, v_cache), table, lens = paged_cache(device)
+    w = torch.ones_like(k_cache, requires_grad=True)
+    loss = (w * k_cache).sum()  # saves k_cache for w's gradient
+    with portable_ops.use_backend(backend), torch.no_grad():
+        portable_ops.paged_kv_append(k_cache, v_cache, table, lens, *(torch.ones(2, 1, 2, 8, device=device)
+                                                                       for _ in range(2)))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -169,6 +169,7 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     # a skipped step keeps its count: add 1 - (found_inf != 0)
     counted = 1.0 if found_inf is None else (found_inf == 0).to(torch.float32)
     torch._foreach_add_(state_steps, counted)
+    launched = 0
     try:
         dummy = state_steps[0]
         lr_is_tensor = isinstance(lr, torch.Tensor)
@@ -184,8 +185,10 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
                 LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None,
                 HAS_FOUND_INF=found_inf is not None, HAS_CLIP=clip_coef is not None, ALIGNED=t.aligned,
                 num_warps=launch.num_warps)
+            launched += 1
     except BaseException:
-        torch._foreach_add_(state_steps, -counted)  # a launch that failed leaves the counts as they were
+        if not launched:  # nothing written yet: the counts go back too (a later launch's failure can't be undone)
+            torch._foreach_add_(state_steps, -counted)
         if written is not None:
             mt.forget(written)
         raise

@@ -183,3 +183,5 @@ def paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new):
                                           *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3],
                                           *v_cache.stride()[:3], block_table.stride(0), hkv, PAGE=k_cache.shape[1],
                                           D=d, BLOCK_D=triton.next_power_of_2(d), FOLD=folds > 1)
+    # the kernel writes through raw pointers: tell autograd, as torch's in-place ops would
+    torch.autograd.graph.increment_version([k_cache, v_cache])
