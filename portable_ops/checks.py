@@ -364,8 +364,11 @@ def window_bounds(window) -> tuple[int | None, int | None]:
         if side < 0:
             raise ValueError(f"window[{i}] must be >= 0, got {side}; use None for an unbounded side "
                              f"(FlashAttention's -1)")
-        bounds.append(side)
+        bounds.append(min(side, WIDEST_WINDOW))
     return bounds[0], bounds[1]
+
+
+WIDEST_WINDOW = 2**62  # past any sequence: a wider side means the same, and stays an int64 for every backend
 
 
 def softcap_value(softcap) -> float | None:

@@ -116,3 +116,19 @@ def test_an_append_bumps_the_caches_versions(backend):
                                                                        for _ in range(2)))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_window_or_max_seqlen_past_any_sequence_means_what_the_longest_would(backend):
+    """A window side of 10**30 is an unbounded side, and a max_seqlen of 10**12 the longest sequence, on every
+    backend: no overflow in one, no grid sized by it in another."""
+    device = default_device(backend)
+    q, k, v = (torch.randn(1, h, 6, 16, device=device) for h in (2, 1, 1))
+    with forced_strict(backend):
+        torch.testing.assert_close(portable_ops.attention(q, k, v, causal=True, window=(10**30, None)),
+                                   portable_ops.attention(q, k, v, causal=True))
+    packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
+    with portable_ops.use_backend(backend):  # nki declines packed sequences: its fallback answers
+        torch.testing.assert_close(portable_ops.attention_varlen(*packed, cu, cu, 10**12, 10**12, causal=True),
+                                   portable_ops.attention_varlen(*packed, cu, cu, 4, 4, causal=True))

@@ -72,7 +72,7 @@ def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
 def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, scale,
                          window=None, softcap=None):
     """``q [Tq, H, D]`` -> (out ``[Tq, H, D]`` contiguous, lse ``[H, Tq]``), one launch for every sequence."""
-    seqs = Sequences("varlen", cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, tokens=q.shape[0])
+    seqs = _varlen_sequences(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     offsets = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous())  # the kernels step them by one
     out, lse = _forward_call(*_as_batch(q, k, v), causal, scale, window, softcap, _as_batch_strides(q), seqs,
                              (*offsets, q, q))
@@ -88,6 +88,13 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, w
     out, _ = _forward_call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), True, scale, window,
                            softcap, (sq * h * d, d, h * d, 1), seqs, (q, q, cache_seqlens.contiguous(), block_table))
     return layout.unviewed(out.transpose(1, 2))
+
+
+def _varlen_sequences(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k) -> Sequences:
+    """The packed call's sequences; a ``max_seqlen`` past every token is cut to the tokens (the same call: no
+    sequence is longer), since the grid is sized by it."""
+    return Sequences("varlen", cu_seqlens_q.shape[0] - 1, min(max_seqlen_q, q.shape[0]), min(max_seqlen_k, k.shape[0]),
+                     tokens=q.shape[0])
 
 
 def _as_batch(*packed):
@@ -127,7 +134,7 @@ def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softca
 def attention_varlen_bwd(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                          causal, scale, window=None, softcap=None):
     """Gradients ``[T, H, D]``, contiguous, of :func:`attention_varlen_fwd`."""
-    seqs = Sequences("varlen", cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k, tokens=q.shape[0])
+    seqs = _varlen_sequences(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     strides = tuple(_as_batch_strides(t) for t in (q, k, v))
     grads = _backward_call(*_as_batch(q, k, v, out), lse[None], *_as_batch(dout), causal, scale, window, softcap,
                            strides, seqs, (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()))
