@@ -313,7 +313,11 @@ def _number_option(arg: str, value, compiling: bool):
     """``scale`` or ``softcap`` as the backends take it; under torch.compile a symbolic float, a numpy number (a
     tensor to dynamo, whose value can't always be read while tracing) or a one-element tensor is passed on as a
     float or a tensor, its value checked when the custom op runs."""
-    value = torch.as_tensor(value) if compiling and isinstance(value, np.ndarray) else plain(value)
+    if compiling and isinstance(value, np.ndarray):  # a numpy number is a tensor to dynamo: traced, not read
+        value = torch.as_tensor(value)
+    elif compiling and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)  # an int dynamo made dynamic is read here: one graph per value, as a float's
+    value = plain(value)
     if isinstance(value, torch.Tensor) and value.requires_grad:
         raise TypeError(_NOT_DIFFERENTIABLE_IN.format(arg))
     if compiling and (isinstance(value, float) or isinstance(value, torch.Tensor) and value.numel() == 1):

@@ -79,3 +79,16 @@ def test_option_types_compile_whole(backend, name, op):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert sum(counters["graph_break"].values()) == 0
     assert counters["stats"]["unique_graphs"] == 2
+
+
+@pytest.mark.parametrize("name", ["scale", "softcap"])
+def test_a_python_int_option_that_changes_between_calls_compiles_whole(name):
+    """An int that dynamo makes dynamic on its second value is read as a float's is: one graph per value, no
+    break under fullgraph, the eager values."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 8, 16, generator=g) for h in (2, 1, 1))
+    compiled = torch.compile(lambda q, k, v, x: portable_ops.attention(q, k, v, **{name: x}), fullgraph=True,
+                             backend="aot_eager")
+    for x in (1, 2, 3):
+        torch.testing.assert_close(compiled(q, k, v, x), portable_ops.attention(q, k, v, **{name: x}))
+    assert sum(counters["graph_break"].values()) == 0
