@@ -2,6 +2,8 @@ import dataclasses
 
 import pytest
 import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
 
 from portable_ops import dispatch, index_values
 from portable_ops.conformance.runner import default_device
@@ -87,3 +89,12 @@ def reads(monkeypatch):
     original = index_values.read_values
     monkeypatch.setattr(index_values, "read_values", lambda t: seen.append(t) or original(t))
     return seen
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and counters of this test alone: graph breaks and graphs counted from zero."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()

@@ -17,6 +17,7 @@ from portable_ops.conformance import usable_backends
 from portable_ops.conformance.runner import default_device, forced_strict
 
 BACKENDS = usable_backends()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def inputs(kind, device, dtype=torch.float32, b=2, s=9, hq=4, hkv=2, d=32, seed=0):
@@ -33,14 +34,6 @@ def inputs(kind, device, dtype=torch.float32, b=2, s=9, hq=4, hkv=2, d=32, seed=
 
 
 LAYOUTS = ["contiguous", "transposed", "sliced"]
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def test_layout_rule_follows_the_inputs():

@@ -15,6 +15,8 @@ from portable_ops import dispatch
 from portable_ops.conformance import usable_backends
 from portable_ops.conformance.runner import default_device, forced_strict
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 OPTIONS = {
     "numpy float scale": dict(scale=1 / np.sqrt(16)),
     "0-d array scale": dict(scale=np.array(0.3)),
@@ -26,14 +28,6 @@ OPTIONS = {
     "tensors and numpy together": dict(scale=torch.tensor([0.3]), softcap=np.float64(2.0),
                                        window=(None, np.int64(2))),
 }
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def dense(device, s, g):
