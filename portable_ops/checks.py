@@ -29,9 +29,9 @@ def _name(arg: str, i: int | None) -> str:
 
 
 def plain(value):
-    """A numpy scalar or 0-d array as the Python value it holds; anything else unchanged. Under torch.compile a
-    numeric one's value is read at trace time (the graph specialises on it, as on a Python number); a numpy
-    bool's can't be read there (nor can SDPA's ``is_causal``), so it breaks the graph."""
+    """A numpy scalar or 0-d array as the Python value it holds; anything else unchanged. Under torch.compile an
+    int64's or float64's value is read at trace time (the graph specialises on it, as on a Python number); other
+    numpy ints and bools can't be read there (nor can SDPA's ``is_causal``), so they break the graph."""
     if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
         return value.item()
     return value
