@@ -2,8 +2,6 @@ import dataclasses
 
 import pytest
 import torch
-import torch._dynamo
-from torch._dynamo.utils import counters
 
 from portable_ops import dispatch, index_values
 from portable_ops.conformance.runner import default_device
@@ -93,7 +91,11 @@ def reads(monkeypatch):
 
 @pytest.fixture
 def fresh_dynamo():
-    """Dynamo's caches and counters of this test alone: graph breaks and graphs counted from zero."""
+    """Dynamo's caches and counters of this test alone: graph breaks and graphs counted from zero. Imported here,
+    not at the top: torch._dynamo imports triton, which must come after the backend switched its interpreter on."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
     counters.clear()
     yield
