@@ -10,23 +10,26 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 
 import torch
 
 
 def _dtensor_type():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return ()
-    return DTensor
+    """DTensor, or () while torch.distributed.tensor is not imported: no DTensor exists before it is, and
+    importing it here would cost every ``import portable_ops`` most of its time."""
+    global _DTENSOR
+    if not _DTENSOR:
+        # absent: not imported yet, or torch built without distributed; no DTensor yet: still importing
+        _DTENSOR = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", ())
+    return _DTENSOR
 
 
-_DTENSOR = _dtensor_type()  # resolved once: this is asked of every tensor of every step
+_DTENSOR = ()  # resolved once found: this is asked of every tensor of every step
 
 
 def is_dtensor(t) -> bool:
-    return isinstance(t, _DTENSOR)
+    return isinstance(t, _dtensor_type())
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -44,7 +47,8 @@ def global_norm(grads, norm_type: float, local_norm) -> torch.Tensor:
     """
     # The common case, plain tensors on one device, decided by C-level passes over the list: this
     # runs on every clipped optimizer step, over hundreds of grads.
-    plain = not _DTENSOR or not any(issubclass(kind, _DTENSOR) for kind in set(map(type, grads)))
+    dtensor = _dtensor_type()
+    plain = not dtensor or not any(issubclass(kind, dtensor) for kind in set(map(type, grads)))
     if plain and len(set(map(_device, grads))) == 1:
         return local_norm(list(grads), norm_type)
     groups: dict[tuple, list] = {}
