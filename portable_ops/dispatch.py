@@ -195,6 +195,12 @@ class Choice:
         return (f"portable_ops.{self.op}: '{self.preferred}' can't take this call ({'; '.join(self.reasons)}); "
                 f"running '{self.backend}'")
 
+    def strict_message(self) -> str:
+        """Why strict mode refused the fallback, and how to allow it."""
+        return (f"portable_ops.{self.op}: call refused under strict mode (PORTABLE_OPS_STRICT is on): "
+                f"'{self.preferred}' can't take it ({'; '.join(self.reasons)}); set PORTABLE_OPS_STRICT=0 or unset "
+                f"it to let the call fall back to '{self.backend}'")
+
     def __str__(self) -> str:
         lines = [f"{self.op} on {self.device}: runs on '{self.backend}'"]
         if self.is_fallback:
@@ -324,6 +330,15 @@ def _reasons(name: str, op: str, call: Call, device: torch.device | None) -> lis
     return reasons or backend.reasons(op, call)
 
 
+def _unusable_reasons(name: str, device: torch.device | None) -> list[str]:
+    """Why backend ``name`` can't run in this process (not installed, failed to load) or on ``device``'s tensors,
+    whatever the op; empty when forcing it could run it."""
+    reason = unavailable_reason(name)
+    if reason is not None:
+        return [reason]
+    return _backends[name].device_reasons(device) if device is not None else []
+
+
 def choose(op: str, call: Call, device: torch.device | None, prefer: str | None = None) -> Choice:
     """Pick the backend for ``op(**call)``, keeping the reasons of every backend passed over."""
     order = preference(device, prefer)
@@ -340,8 +355,9 @@ def choose(op: str, call: Call, device: torch.device | None, prefer: str | None 
     for name in BACKEND_NAMES:
         if name in order:
             continue
-        if name in _import_errors:
-            choice.rejected[name] = [_import_errors[name]]
+        unusable = _unusable_reasons(name, device)
+        if unusable:  # suggest forcing only a backend that could run here
+            choice.rejected[name] = unusable
         elif order[0] != FALLBACK or forced_backend():
             choice.rejected[name] = [f"'{order[0]}' is forced"]
         else:
@@ -366,13 +382,12 @@ def select(op: str, call: Call, device: torch.device | None, prefer: str | None 
     """:func:`choose`, then warn once (or raise under ``PORTABLE_OPS_STRICT=1``) if it fell back."""
     choice = choose(op, call, device, prefer)
     if choice.is_fallback:
-        message = choice.fallback_message()
         if strict():
-            raise BackendUnavailableError(message + " -- refused because PORTABLE_OPS_STRICT=1", choice)
+            raise BackendUnavailableError(choice.strict_message(), choice)
         key = (op, choice.preferred, "; ".join(choice.reasons))
         if key not in _warned:
             _warned.add(key)
-            warnings.warn(message, FallbackWarning, stacklevel=_callers_level())
+            warnings.warn(choice.fallback_message(), FallbackWarning, stacklevel=_callers_level())
     return choice
 
 
