@@ -98,12 +98,20 @@ def checkout_commit() -> str | None:
         return None
 
 
+def triton_version() -> str | None:
+    """The version of the Triton this process imports; None without one (the CPU smoke run needs none)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
 def device_info() -> dict:
     """What a result was measured on: device, date, versions and the checkout's commit."""
     device = torch.cuda.get_device_properties(0).name if torch.cuda.is_available() else f"CPU ({platform.machine()})"
     return {"device": device, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "python": platform.python_version(), "triton": __import__("triton").__version__,
-            "commit": checkout_commit()}
+            "python": platform.python_version(), "triton": triton_version(), "commit": checkout_commit()}
 
 
 def write(name: str, rows: list[dict], info: dict, out_dir: str | pathlib.Path) -> pathlib.Path:
