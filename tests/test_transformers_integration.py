@@ -231,23 +231,23 @@ def generate(model, backend, ids, **options):
     return out.sequences, torch.stack(out.scores)
 
 
-GENERATE_CASES = ([("llama", "none", b) for b in BACKENDS] + [("mistral", "left", "reference"),
-                                                             ("gemma2", "left", "reference"),
-                                                             ("llama", "static", "reference")])
+# (family, prompt length, left-padded, static cache): the prompt plus 6 new tokens pass the window of 5, so decoding
+# slides it; a static cache's tail is empty until filled, a static sliding cache of 5 fills past a prompt of 3.
+GENERATE_CASES = ([("llama", 8, False, False, b) for b in BACKENDS]
+                  + [(family, 8, True, False, "reference") for family in ("mistral", "gemma2")]
+                  + [("llama", 8, True, True, "reference"), ("gemma2", 3, True, True, "reference")])
 
 
-@pytest.mark.parametrize("family, padding, backend", GENERATE_CASES)
-def test_greedy_generation_matches_eager(family, padding, backend):
-    if padding == "left":
+@pytest.mark.parametrize("family, prompt, left_padded, static, backend", GENERATE_CASES)
+def test_greedy_generation_matches_eager(family, prompt, left_padded, static, backend):
+    if left_padded:
         varlen_backend(backend)
     eager, ours = models(family)
-    ids = tokens(2, 8)  # 8 + 6 tokens: past the window of 5, so decoding slides it
-    options = {}
-    if padding == "left":
-        options["attention_mask"] = torch.ones_like(ids).index_fill(1, torch.tensor([0, 1, 2]), 0)
-        options["attention_mask"][1] = 1
-    if padding == "static":
-        options["cache_implementation"] = "static"
+    ids = tokens(2, prompt)
+    options = dict(cache_implementation="static") if static else {}
+    if left_padded:
+        options["attention_mask"] = torch.ones_like(ids)
+        options["attention_mask"][0, :2] = 0
     theirs, their_scores = generate(eager, None, ids, **options)
     mine, my_scores = generate(ours, backend, ids, **options)
     assert torch.equal(mine, theirs)
