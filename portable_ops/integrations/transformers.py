@@ -208,8 +208,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         _refuse(module, f"dropout={dropout} while training", "portable_ops attention has no dropout; "
                 "set the config's attention_dropout to 0")
     if value.shape[-1] != query.shape[-1]:
-        _refuse(module, f"a value head dim of {value.shape[-1]} under a query/key head dim of {query.shape[-1]}",
-                "portable_ops attention needs one head dim for q, k and v (multi-head latent attention is not "
+        _refuse(module, f"value of head dim {value.shape[-1]} (query and key: {query.shape[-1]})",
+                "portable_ops attention takes one head dim for q, k and v (multi-head latent attention is not "
                 "supported yet)")
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         _refuse(module, "is_causal=False", "only causal attention is mapped (transformers' masks for it "
@@ -240,10 +240,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             f"portable_ops attention: attention_mask of shape {tuple(attention_mask.shape)} (a mask given to the "
             "model ready-made): only 2-D padding masks are mapped")
     if attention_mask.dtype != torch.bool:  # transformers' packed-sequence index, from build_mask()
-        if cu_seq_lens_q is not None:
-            raise ValueError("portable_ops attention: cu_seq_lens_q/k given and transformers also found packed "
-                             "sequences in position_ids; pass one of them")
         cu, longest = _once("packing", _packing, attention_mask)
+        if cu_seq_lens_q is not None:  # a flattening collator gives both: they must tell the same sequences
+            cu_q, cu_k = _int32(cu_seq_lens_q), _int32(cu_seq_lens_k)
+            if not _once("agrees", lambda _, a, b: bool(torch.equal(cu, a) and torch.equal(cu, b)),
+                         attention_mask, cu_q, cu_k):
+                raise ValueError("portable_ops attention: cu_seq_lens_q/k mark other sequences than the restarts of "
+                                 "position_ids, from which transformers built its packed-sequence mask")
         return _packed(query, key, value, cu, cu, longest, longest, options), None
     if cu_seq_lens_q is not None:
         raise ValueError("portable_ops attention: cu_seq_lens_q/k given with a padding attention_mask; pass one")
