@@ -304,6 +304,8 @@ def test_what_has_no_mapping_is_refused_naming_the_argument():
         attention_forward(Attention(), q, k, v, None, is_causal=False)
     with pytest.raises(NotImplementedError, match="position_bias"):
         attention_forward(Attention(), q, k, v, None, position_bias=torch.zeros(1, 1, 4, 4))
+    with pytest.raises(ValueError, match="attention_mask is a 2-D torch.int64 mask"):
+        attention_forward(Attention(), q, k, v, torch.ones(1, 4, dtype=torch.long))
     hole = torch.tensor([[True, False, True, True]])
     with pytest.raises(NotImplementedError, match="sliding_window with an attention_mask that has padding between"):
         attention_forward(Attention(), q, k, v, hole, sliding_window=2)

@@ -135,43 +135,52 @@ def _int32(cu):
 
 # ----------------------------------------------------------------------------- the mask function
 
-def _mask_pieces(mask_function):
-    """The pieces of a transformers mask function, through ``and_masks``: "causal", "window" and the packed
-    sequence index tensor. Anything else is refused: dropping it would attend where eager does not."""
+def _mask_pieces(mask_function, pieces):
+    """Add what a transformers mask function is made of (through ``and_masks``) to ``pieces``: "causal", and
+    "packed" with transformers' sequence index per token; a sliding window passes (the attention function gets
+    it as ``sliding_window``). Anything else is refused: dropping it would attend where eager does not."""
     from transformers import masking_utils
 
     if mask_function is masking_utils.causal_mask_function:
-        return ["causal"]
+        pieces["causal"] = True
+        return pieces
     closure = dict(zip(mask_function.__code__.co_freevars,
                        (cell.cell_contents for cell in mask_function.__closure__ or ())))
     kind = getattr(mask_function, "__qualname__", repr(mask_function))
     if kind == "and_masks.<locals>.and_mask":
-        return [piece for part in closure["mask_functions"] for piece in _mask_pieces(part)]
-    if kind == "sliding_window_overlay.<locals>.inner_mask":
-        return ["window"]
-    if kind == "packed_sequence_mask_function.<locals>.inner_mask":
-        return [closure["packed_sequence_mask"]]
-    what = ("bidirectional (non-causal) attention" if mask_function is masking_utils.bidirectional_mask_function
-            else f"{kind} (an extra mask function: chunked attention, bidirectional blocks or an or/and overlay)")
-    raise NotImplementedError(
-        f"portable_ops attention: transformers asked for a mask with {what} in mask_function; portable_ops maps "
-        "causal masks with sliding windows, padding and packed sequences. Use attn_implementation='eager' or "
-        "'sdpa' for this model")
+        for part in closure["mask_functions"]:
+            _mask_pieces(part, pieces)
+    elif kind == "sliding_window_overlay.<locals>.inner_mask":
+        pass  # the attention function gets the window as sliding_window
+    elif kind == "packed_sequence_mask_function.<locals>.inner_mask":
+        pieces["packed"] = closure["packed_sequence_mask"]
+    else:
+        what = ("bidirectional (non-causal) attention" if mask_function is masking_utils.bidirectional_mask_function
+                else f"{kind} (an extra mask function: chunked attention, bidirectional blocks or an or/and overlay)")
+        raise NotImplementedError(
+            f"portable_ops attention: transformers asked for a mask with {what} in mask_function; portable_ops maps "
+            "causal masks with sliding windows, padding and packed sequences. Use attn_implementation='eager' or "
+            "'sdpa' for this model")
+    return pieces
+
+
+# The sequence index tensors build_mask handed out: a 2-D integer mask is read as packed sequences only if it is one.
+_sequence_ids = WeakIdKeyDictionary()
 
 
 def build_mask(batch_size, kv_length, kv_offset=0, mask_function=None, attention_mask=None, q_length=None,
-                   q_offset=None, cache_position=None, **kwargs):
+               q_offset=None, cache_position=None, **kwargs):
     """What transformers hands each layer's attention as ``attention_mask``: None (no padding), the 2-D bool
     padding mask ``[B, kv_length]`` (or shorter: a static cache's filled part), or for packed sequences
     transformers' sequence index per token ``[B, S]`` (int64). transformers 5.0 passes ``cache_position``,
     later releases ``q_length`` and ``q_offset``."""
-    pieces = _mask_pieces(mask_function)
+    pieces = _mask_pieces(mask_function, {})
     if "causal" not in pieces:
         raise NotImplementedError("portable_ops attention: transformers asked for a mask without causal_mask_function "
                                   "in mask_function (bidirectional attention); only causal attention is mapped")
-    packed = [piece for piece in pieces if isinstance(piece, torch.Tensor)]
-    if packed:
-        return packed[0]
+    if "packed" in pieces:
+        _sequence_ids[pieces["packed"]] = None
+        return pieces["packed"]
     if attention_mask is not None:
         attention_mask = attention_mask[:, -kv_length:]
         # All valid over every key: nothing to unpad (a static cache's shorter mask still cuts its unfilled tail)
@@ -239,7 +248,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         raise NotImplementedError(
             f"portable_ops attention: attention_mask of shape {tuple(attention_mask.shape)} (a mask given to the "
             "model ready-made): only 2-D padding masks are mapped")
-    if attention_mask.dtype != torch.bool:  # transformers' packed-sequence index, from build_mask()
+    if attention_mask in _sequence_ids:
         cu, longest = _once("packing", _packing, attention_mask)
         if cu_seq_lens_q is not None:  # a flattening collator gives both: they must tell the same sequences
             cu_q, cu_k = _int32(cu_seq_lens_q), _int32(cu_seq_lens_k)
@@ -248,6 +257,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                 raise ValueError("portable_ops attention: cu_seq_lens_q/k mark other sequences than the restarts of "
                                  "position_ids, from which transformers built its packed-sequence mask")
         return _packed(query, key, value, cu, cu, longest, longest, options), None
+    if attention_mask.dtype != torch.bool:
+        raise ValueError(f"portable_ops attention: attention_mask is a 2-D {attention_mask.dtype} mask that "
+                         "transformers' mask interface did not prepare (this model hands the mask to attention as "
+                         "given); pass a bool padding mask")
     if cu_seq_lens_q is not None:
         raise ValueError("portable_ops attention: cu_seq_lens_q/k given with a padding attention_mask; pass one")
     return _padded(module, query, key, value, attention_mask, options), None
