@@ -41,7 +41,9 @@ def _transformers():
     """transformers, checked to be a release this integration supports."""
     try:
         import transformers
-    except ImportError as error:
+    except ModuleNotFoundError as error:
+        if error.name != "transformers":  # installed, but something it imports is not: that error says what
+            raise
         raise ImportError(f"portable_ops.integrations.transformers needs {SUPPORTED} (checked with {CHECKED_WITH}), "
                           "which is not installed: pip install 'transformers>=5.0'") from error
     major = re.match(r"\d+", transformers.__version__)
