@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from portable_ops.backends.reference import attention as reference
+from portable_ops.definitions import attention as reference
 from portable_ops.backends.triton import attention, attention_plans
 
 from portable_ops.bench.common import device_info, steady_ms, table

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.errors import OutOfResources
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from portable_ops.backends.reference import attention as reference
+from portable_ops.definitions import attention as reference
 from portable_ops.backends.triton import attention, attention_plans, attention_sm90 as new
 from portable_ops.backends.triton import _sm90_before as old
 from backward_ab import _inputs as inputs

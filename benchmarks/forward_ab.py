@@ -16,7 +16,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from portable_ops.backends.reference import attention as reference
+from portable_ops.definitions import attention as reference
 from portable_ops.backends.triton import attention_sm90 as new
 from portable_ops.backends.triton import _sm90_before as old
 from backward_ab import _inputs as inputs  # bf16 q/k/v on the GPU, [B, S, H, D]-transposed or not

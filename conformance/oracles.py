@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch.optim.adam import adam as torch_adam
 
-from portable_ops.backends.reference.adam import adam as reference_adam
-from portable_ops.backends.reference.attention import attention_bwd as reference_attention_bwd
-from portable_ops.backends.reference.attention import attention_fwd as reference_attention_fwd
+from portable_ops.definitions.adam import adam as reference_adam
+from portable_ops.definitions.attention import attention_bwd as reference_attention_bwd
+from portable_ops.definitions.attention import attention_fwd as reference_attention_fwd
 
 F64 = torch.float64
 

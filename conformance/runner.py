@@ -37,10 +37,10 @@ import torch
 
 import portable_ops
 from portable_ops import dispatch, env
-from portable_ops.backends.reference.attention_varlen import attention_varlen_bwd as reference_varlen_bwd
-from portable_ops.backends.reference.attention_varlen import attention_varlen_fwd as reference_varlen_fwd
-from portable_ops.backends.reference.grad_norm import grad_norm as reference_grad_norm
-from portable_ops.backends.reference.paged import paged_attention as reference_paged_attention
+from portable_ops.definitions.attention_varlen import attention_varlen_bwd as reference_varlen_bwd
+from portable_ops.definitions.attention_varlen import attention_varlen_fwd as reference_varlen_fwd
+from portable_ops.definitions.grad_norm import grad_norm as reference_grad_norm
+from portable_ops.definitions.paged import paged_attention as reference_paged_attention
 from portable_ops.ops import families
 
 from .cases import CASES, Case

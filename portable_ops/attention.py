@@ -9,7 +9,7 @@ Three thin autograd wrappers run the same two functions, :func:`forward` and :fu
 * eager calls: :class:`EagerAttention`, an old-style ``autograd.Function`` (the custom ops'
   dispatcher costs ~80 us a call with autograd on; ``setup_context``-style functions bind their
   arguments through ``inspect`` on every call, ~50 us). Its backward supports
-  ``create_graph=True`` by differentiating the reference definition again. Packed attention
+  ``create_graph=True`` by differentiating the definition again. Packed attention
   (``portable_ops/attention_varlen.py``) runs through the same class.
 * torch.compile: the ``torch.library`` custom ops ``portable_ops::attention_fwd`` / ``_bwd``,
   opaque to the graph, whose fake implementations allocate what the real ones return
@@ -30,7 +30,7 @@ import torch
 from torch.autograd import forward_ad
 
 from . import checks, dispatch, layout
-from .backends.reference import attention as reference
+from .definitions import attention as definition
 from .dispatch import forced_backend, get_backend, select_by_layout
 
 
@@ -113,7 +113,7 @@ def backward(q, k, v, out, lse, dout, causal, scale, window=None, softcap=None, 
 
 
 def _definition(q, k, v, causal, scale, window, softcap):
-    return reference.attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)[0]
+    return definition.attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)[0]
 
 
 class Variant:
@@ -126,7 +126,7 @@ class Variant:
     def __init__(self, forward: Callable, backward: Callable, definition: Callable, index_tensors: int = 0):
         self.forward = forward  # (q, k, v, *options) -> (out, lse)
         self.backward = backward  # (q, k, v, out, lse, dout, *options, prefer=...) -> (dq, dk, dv)
-        self.definition = definition  # (q, k, v, *options) -> out: the reference, differentiable twice
+        self.definition = definition  # (q, k, v, *options) -> out: the definition, differentiable twice
         self.index_tensors = index_tensors
 
 
@@ -145,7 +145,7 @@ DENSE = Variant(forward, backward, _definition)
 
 def _differentiated_again(definition, q, k, v, dout, options, needs_grad):
     """First derivatives that are themselves differentiable (``create_graph=True``): the kernels'
-    backward is not, so the reference definition is differentiated instead, one block of queries
+    backward is not, so the definition is differentiated instead, one block of queries
     at a time (its autograd graph keeps every block's probabilities: O(Sq x Skv) memory)."""
     inputs = [t for t, needed in zip((q, k, v), needs_grad) if needed]
     with torch.enable_grad(), autocast_off(q.device.type):
@@ -290,7 +290,7 @@ class _FuncAttention(torch.autograd.Function):
         q, k, v, lse = ctx.saved_tensors
         causal, scale, window, softcap = ctx.options
         with autocast_off(q.device.type):
-            return reference.attention_jvp(q, k, v, lse, tq, tk, tv, causal=causal, scale=scale, window=window,
+            return definition.attention_jvp(q, k, v, lse, tq, tk, tv, causal=causal, scale=scale, window=window,
                                            softcap=softcap), None
 
     @staticmethod

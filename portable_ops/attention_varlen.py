@@ -14,7 +14,7 @@ import torch
 from . import checks
 from .attention import (EagerAttention, Options, Variant, autocast_inputs, call_layout, degenerate, lse_dtype,
                         refuse_transforms, register_autograd, run_op, window_args, window_of)
-from .backends.reference import attention_varlen as reference
+from .definitions import attention_varlen as definition
 
 
 def attention_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
@@ -48,8 +48,8 @@ def backward(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
 
 def _definition(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap):
-    return reference.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                          causal=causal, scale=scale, window=window, softcap=softcap)[0]
+    return definition.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                           causal=causal, scale=scale, window=window, softcap=softcap)[0]
 
 
 VARLEN = Variant(forward, backward, _definition, index_tensors=2)

@@ -93,18 +93,43 @@ def test_rows_that_see_no_key_are_zero_with_zero_gradient():
     assert torch.isfinite(dq).all()
 
 
-def test_reference_holds_one_block_of_scores_at_a_time(monkeypatch):
+def test_definition_holds_one_block_of_scores_at_a_time(monkeypatch):
+    from portable_ops.definitions import attention as definition
+
+    monkeypatch.setattr(definition, "SCORE_BUDGET", 2 * 2 * 40)  # a handful of rows per block
+    widest = []
+    original = definition._scores
+    monkeypatch.setattr(definition, "_scores", lambda *a: widest.append(a[0].shape[-2]) or original(*a))
+    q, k, v = qkv(sq=33, skv=40)
+    scale = q.shape[-1] ** -0.5
+    out, lse = definition.attention_fwd(q, k, v, causal=True, scale=scale)
+    definition.attention_bwd(q, k, v, out, lse, torch.ones_like(out), causal=True, scale=scale)
+    assert len(widest) > 10 and max(widest) * 2 * 2 * 40 <= definition.SCORE_BUDGET * 2
+    torch.testing.assert_close(out, math_attention(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("sq, skv, window", [(33, 40, None), (40, 40, (5, 3)), (40, 33, (7, 0))])
+def test_reference_masks_one_block_of_queries_at_a_time(monkeypatch, sq, skv, window):
+    """Bottom-right causal with Sq != Skv, and windows, run the fused kernel one query block at a time
+    under a mask of that block's size, never one of Sq x Skv."""
     from portable_ops.backends.reference import attention as reference
 
-    monkeypatch.setattr(reference, "SCORE_BUDGET", 2 * 2 * 40)  # a handful of rows per block
-    widest = []
-    original = reference._scores
-    monkeypatch.setattr(reference, "_scores", lambda *a: widest.append(a[0].shape[-2]) or original(*a))
-    q, k, v = qkv(sq=33, skv=40)
-    out = portable_ops.attention(q, k, v, causal=True)
-    torch.autograd.grad(out.sum(), (q, k, v))
-    assert len(widest) > 10 and max(widest) * 2 * 2 * 40 <= reference.SCORE_BUDGET * 2
-    torch.testing.assert_close(out, math_attention(q, k, v, causal=True))
+    monkeypatch.setattr(reference, "MASK_BUDGET", 8 * 16)
+    masks = []
+    kernel = reference.FUSED_KERNELS["cpu"]
+    spy = kernel._replace(forward=lambda *a: masks.append(a[4].shape) or kernel.forward(*a),
+                          backward=lambda *a: masks.append(a[7].shape) or kernel.backward(*a))
+    monkeypatch.setitem(reference.FUSED_KERNELS, "cpu", spy)
+    q, k, v = qkv(sq=sq, skv=skv)
+    with portable_ops.use_backend("reference"):
+        out = portable_ops.attention(q, k, v, causal=True, window=window)
+        grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert len(masks) > 4 and all(rows * keys <= reference.MASK_BUDGET for rows, keys in masks)
+    from attention_definitions import definition
+
+    expected = definition(q, k, v, causal=True, window=window)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(grads, torch.autograd.grad(expected.sum(), (q, k, v)))
 
 
 # ----------------------------------------------------------------------------- edge values, every backend

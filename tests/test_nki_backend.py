@@ -17,11 +17,11 @@ from portable_ops import dispatch
 from portable_ops.conformance import GRADIENT_FACTOR, tolerance
 from portable_ops.backends import nki as nki_backend
 from portable_ops.backends.nki import compat, emulator, runtime
-from portable_ops.backends.reference.adam import adam as reference_adam
-from portable_ops.backends.reference.attention import attention_bwd as reference_bwd
-from portable_ops.backends.reference.attention import attention_fwd as reference_fwd
-from portable_ops.backends.reference.attention import visible
-from portable_ops.backends.reference.grad_norm import grad_norm as reference_grad_norm
+from portable_ops.definitions.adam import adam as reference_adam
+from portable_ops.definitions.attention import attention_bwd as reference_bwd
+from portable_ops.definitions.attention import attention_fwd as reference_fwd
+from portable_ops.definitions.attention import visible
+from portable_ops.definitions.grad_norm import grad_norm as reference_grad_norm
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 OPS = nki_backend.BACKEND.ops

@@ -360,7 +360,7 @@ def test_bf16_attention_outputs_and_gradients_round_to_nearest(bf16_stores):
 def test_bf16_adam_params_over_float32_state_round_to_nearest(bf16_stores):
     import portable_ops
 
-    ref_adam = importlib.import_module("portable_ops.backends.reference.adam")
+    ref_adam = importlib.import_module("portable_ops.definitions.adam")
     g = torch.Generator().manual_seed(14)
     n = 20000
     params = [torch.randn(n, generator=g).bfloat16().to(DEVICE)]

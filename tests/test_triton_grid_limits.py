@@ -22,9 +22,9 @@ pytestmark = pytest.mark.skipif(dispatch.unavailable_reason("triton") is not Non
 
 attn = importlib.import_module("portable_ops.backends.triton.attention")
 plans = importlib.import_module("portable_ops.backends.triton.attention_plans")
-ref_attn = importlib.import_module("portable_ops.backends.reference.attention")
-ref_varlen = importlib.import_module("portable_ops.backends.reference.attention_varlen")
-ref_paged = importlib.import_module("portable_ops.backends.reference.paged")
+ref_attn = importlib.import_module("portable_ops.definitions.attention")
+ref_varlen = importlib.import_module("portable_ops.definitions.attention_varlen")
+ref_paged = importlib.import_module("portable_ops.definitions.paged")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LIMIT = 4  # the cap the CPU tests lower CUDA's to

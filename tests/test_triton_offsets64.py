@@ -35,8 +35,8 @@ TOL = dict(atol=4e-3, rtol=4e-3)  # float16 outputs of two float32 computations
 GRAD_TOL = dict(atol=3e-2, rtol=8e-3)
 
 
-ref_adam = importlib.import_module("portable_ops.backends.reference.adam")
-ref_norm = importlib.import_module("portable_ops.backends.reference.grad_norm")
+ref_adam = importlib.import_module("portable_ops.definitions.adam")
+ref_norm = importlib.import_module("portable_ops.definitions.grad_norm")
 
 
 def _triton_module(name):  # imported where used: it needs triton

@@ -19,9 +19,9 @@ from portable_ops.conformance import GRADIENT_FACTOR, tolerance
 import importlib
 
 # the package re-exports each op's function under its module's name: import the modules themselves
-ref_adam_mod = importlib.import_module("portable_ops.backends.reference.adam")
-ref_attn = importlib.import_module("portable_ops.backends.reference.attention")
-ref_norm_mod = importlib.import_module("portable_ops.backends.reference.grad_norm")
+ref_adam_mod = importlib.import_module("portable_ops.definitions.adam")
+ref_attn = importlib.import_module("portable_ops.definitions.attention")
+ref_norm_mod = importlib.import_module("portable_ops.definitions.grad_norm")
 
 pytestmark = pytest.mark.skipif(dispatch.unavailable_reason("triton") is not None, reason="triton not installed")
 

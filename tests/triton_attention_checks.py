@@ -8,7 +8,7 @@ import torch
 from portable_ops.conformance import GRADIENT_FACTOR, tolerance
 
 attn = importlib.import_module("portable_ops.backends.triton.attention")
-ref_attn = importlib.import_module("portable_ops.backends.reference.attention")
+ref_attn = importlib.import_module("portable_ops.definitions.attention")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -1,7 +1,9 @@
-"""The reference backend: plain PyTorch on any device, written to be read.
+"""The reference backend: PyTorch alone, on any device, with torch's fastest kernels for the call.
 
-It accepts every call the public API lets through, so it is where every other
-backend falls back to, and run in float64 it is the conformance suite's oracle.
+It accepts every call the public API lets through, so it is where every other backend falls back
+to. Each op runs the kernel torch itself would pick on the device (fused SDPA kernels, the fused
+Adam, ``_foreach_norm``) where the call maps onto one, and the readable definition
+(``portable_ops.definitions``, also the conformance oracle) where it does not.
 """
 
 from portable_ops.dispatch import EVERY_DEVICE_TYPE, Backend, OpImpl
@@ -15,7 +17,7 @@ from .paged import paged_attention, paged_kv_append
 BACKEND = Backend(
     name="reference",
     devices=(EVERY_DEVICE_TYPE,),
-    description="plain PyTorch, any device",
+    description="PyTorch alone, any device",
     ops={
         "adam": OpImpl(run=adam),
         "grad_norm": OpImpl(run=grad_norm),

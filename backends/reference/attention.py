@@ -1,164 +1,200 @@
-"""Attention forward, backward and forward-mode derivative in plain PyTorch, one block of queries
-at a time.
+"""Dense attention through torch's own fused kernels: the ones ``F.scaled_dot_product_attention``
+picks on this device, called through the aten ops that also return the log-sum-exp and take it
+back in the backward.
 
-Conventions every backend shares: ``lse`` is the natural-log log-sum-exp of the scaled, capped,
-masked scores per query row (float32, float64 for float64 inputs). Masks are aligned to the bottom
-right: query ``i`` sits at key position ``p = i + Skv - Sq``; ``causal`` hides keys ``j > p``, and
-``window = (left, right)`` hides keys outside ``p - left <= j <= p + right`` (None: that side
-unbounded); :func:`visible` is the one definition. ``softcap`` replaces each scaled score ``s`` by
-``softcap * tanh(s / softcap)`` before the mask. A row that sees no key outputs zeros, has
-``lse = -inf`` and gets zero gradient.
-
-Grouped-query attention is computed without repeating K and V: the ``G = Hq / Hkv`` query heads
-of a KV head are stacked as ``G * Sq`` rows against that head's keys. Rows are taken in blocks
-sized so that one block's scores hold at most ``SCORE_BUDGET`` elements, so a call that falls
-back here costs time, never a whole ``Sq x Skv`` matrix of memory. The forward is built from
-differentiable torch ops: run with autograd on, it is also the definition that double backward
-and every torch.func transform differentiate. Packed (varlen) and paged attention are this dense
-attention applied per sequence (``attention_varlen.py``, ``paged.py``).
-"""
+A call maps onto them when the device type has such a kernel for its dtype (:data:`FUSED_KERNELS`),
+it has no softcap and its scale is above zero. Masks are the definition's (``visible``): a plain
+or square causal call runs as one kernel call; a window, or causal with ``Sq != Skv``
+(bottom-right), runs one query block at a time against the keys that block can see, under an
+additive mask of that block's size, so memory never grows as ``Sq x Skv``. Every other call (a
+softcap, a device with no fused kernel, an empty tensor, mixed dtypes) runs the definition,
+which is blocked too."""
 
 from __future__ import annotations
 
+import math
+from typing import Callable, NamedTuple
+
 import torch
 
-from portable_ops.layout import as_layout_of
+from portable_ops.definitions import attention as definition
+from portable_ops.layout import as_layout_of, empty_like
 
-SCORE_BUDGET = 1 << 24  # elements of one block's scores (64 MiB in float32)
-
-
-def opmath(t):
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+MASK_BUDGET = 1 << 22  # elements of one query block's additive mask
+MIN_BLOCK_ROWS = 128
 
 
-def _rows(t, hkv):
-    """``[B, Hq, S, D]`` -> ``[B, Hkv, G * S, D]``: the query heads of each KV head as one stack of rows."""
-    b, hq, s, d = t.shape
-    return t.reshape(b, hkv, (hq // hkv) * s, d)
+class FusedKernel(NamedTuple):
+    """One device type's fused attention: ``forward(q, k, v, is_causal, mask, scale) -> (out, lse)`` and
+    ``backward(dout, q, k, v, out, lse, is_causal, mask, scale) -> (dq, dk, dv)``, top-left causal, GQA
+    taken as it comes (``k``, ``v`` with fewer heads than ``q``), and the dtypes it takes."""
+
+    forward: Callable
+    backward: Callable
+    dtypes: tuple[torch.dtype, ...]
 
 
-def _heads(t, hq):
-    """The inverse of :func:`_rows` (also for ``[B, Hkv, G * S]`` row vectors)."""
-    b, hkv, rows = t.shape[:3]
-    return t.reshape(b, hq, rows * hkv // hq, *t.shape[3:])
+def _cpu_forward(q, k, v, is_causal, mask, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask,
+                                                                     scale=scale)
 
 
-def _blocks(rows, b, hkv, skv):
-    """``(start, end)`` blocks of rows; one empty block when there are no rows, so that every result
-    (an empty one included) is a concatenation of blocks."""
-    step = max(1, SCORE_BUDGET // max(1, b * hkv * skv))
-    return [(start, min(rows, start + step)) for start in range(0, max(rows, 1), step)]
+def _cpu_backward(dout, q, k, v, out, lse, is_causal, mask, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
 
 
-def visible(q_pos, k_pos, causal, window):
-    """Which keys each query sees, ``[len(q_pos), len(k_pos)]`` booleans from the queries' and keys'
-    positions, or None when every key is visible."""
+def _groups_repeated(q, k, v):
+    """``k``, ``v`` with each KV head repeated for its query heads (the CUDA kernel takes equal head counts)."""
+    groups = q.shape[1] // k.shape[1]
+    return (k, v) if groups == 1 else (k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1))
+
+
+def _groups_summed(d, hkv):
+    """The inverse of :func:`_groups_repeated` for a gradient: each KV head's query-head copies summed."""
+    b, hq, s, dim = d.shape
+    return d if hq == hkv else d.view(b, hkv, hq // hkv, s, dim).sum(2)
+
+
+def _cuda_bias(mask, q):
+    """The additive mask as the CUDA kernel takes it: broadcast to ``[B, H, Sq, Skv]``, each row starting
+    at a multiple of 16 elements (SDPA pads it the same way)."""
+    if mask is None:
+        return None
+    rows, skv = mask.shape
+    padded = mask.new_zeros(rows, -(-skv // 16) * 16)
+    padded[:, :skv] = mask
+    return padded[:, :skv].expand(q.shape[0], q.shape[1], rows, skv)
+
+
+def _cuda_forward(q, k, v, is_causal, mask, scale):
+    k, v = _groups_repeated(q, k, v)
+    mask = _cuda_bias(mask, q)
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, 0.0, is_causal,
+                                                                            scale=scale)
+    return out, lse[..., :q.shape[2]]
+
+
+def _cuda_backward(dout, q, k, v, out, lse, is_causal, mask, scale):
+    hkv = k.shape[1]
+    k, v = _groups_repeated(q, k, v)
+    mask = _cuda_bias(mask, q)
+    seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: the RNG state is unused
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, mask, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False], is_causal,
+        scale=scale)
+    return dq, _groups_summed(dk, hkv), _groups_summed(dv, hkv)
+
+
+FUSED_KERNELS = {
+    "cpu": FusedKernel(_cpu_forward, _cpu_backward, (torch.float32, torch.float64, torch.bfloat16, torch.float16)),
+    "cuda": FusedKernel(_cuda_forward, _cuda_backward, (torch.float32, torch.bfloat16, torch.float16)),
+}
+
+
+class Block(NamedTuple):
+    """Query rows ``rows`` and the key span ``keys`` they can see, with the additive mask over that span
+    (None: every key of the span is visible, or, with ``is_causal``, the kernel's top-left causal mask)
+    and which of the rows see at least one key (None: all of them)."""
+
+    rows: slice
+    keys: slice
+    mask: torch.Tensor | None
+    is_causal: bool
+    seeing: torch.Tensor | None
+
+
+def _fused_kernel(q, scale, softcap, *tensors, lse=None):
+    """The device's fused kernel where it computes this call, else None. It takes tensors of one dtype (a
+    backward may see q's ``.data`` swapped since the forward). A scale of zero or below is left to the
+    definition: the CPU kernel gives NaN for it in float16."""
+    kernel = FUSED_KERNELS.get(q.device.type)
+    if kernel is None or softcap is not None or scale <= 0 or q.dtype not in kernel.dtypes:
+        return None
+    if q.numel() == 0 or any(t.numel() == 0 or t.dtype != q.dtype for t in tensors):
+        return None
+    if lse is not None and lse.dtype != definition.opmath(q):
+        return None
+    return kernel
+
+
+def _blocks(q, k, causal, window):
+    """The query blocks a call runs as, each with its key span and mask."""
+    sq, skv = q.shape[2], k.shape[2]
+    if window is None and (not causal or sq == skv):
+        return [Block(slice(0, sq), slice(0, skv), None, causal, None)]
     left, right = window or (None, None)
     if causal:
         right = 0 if right is None else min(right, 0)
-    if left is None and right is None:
-        return None
-    offset = k_pos[None, :] - q_pos[:, None]  # how far after the query's position each key sits
-    seen = torch.ones_like(offset, dtype=torch.bool)
-    if left is not None:
-        seen &= offset >= -left
-    if right is not None:
-        seen &= offset <= right
-    return seen
-
-
-def _scores(q_rows, k, start, sq, causal, scale, window=None, softcap=None):
-    """Scaled, capped, masked scores of rows ``start ..`` of the stacked queries against every key, and
-    ``tanh(s / softcap)`` of the scaled scores ``s`` for the softcap's chain rule (None without one)."""
-    scores = (q_rows @ k.transpose(-1, -2)) * scale
-    tanh = None
-    if softcap is not None:
-        tanh = torch.tanh(scores / softcap)
-        scores = softcap * tanh
-    skv = k.shape[-2]
-    q_pos = torch.arange(start, start + q_rows.shape[-2], device=q_rows.device) % sq + (skv - sq)
-    seen = visible(q_pos, torch.arange(skv, device=q_rows.device), causal, window)
-    if seen is not None:
-        scores = scores.masked_fill(~seen, float("-inf"))
-    return scores, tanh
-
-
-def _probabilities(scores, lse):
-    """exp(scores - lse), zero on rows that see no key (lse = -inf there)."""
-    return torch.exp(scores - torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)[..., None])
-
-
-def _through_softcap(d_scores, tanh):
-    """A derivative by the capped scores taken back to the scaled ones: ``d/ds softcap tanh(s / softcap)
-    = 1 - tanh^2``; finite where the mask hid a key (tanh is taken before the mask)."""
-    return d_scores if tanh is None else d_scores * (1 - tanh * tanh)
-
-
-def _opmath_rows(q, k, v):
-    dtype, hkv = opmath(q), k.shape[1]
-    return _rows(q.to(dtype), hkv), k.to(dtype), v.to(dtype)
+    shift = skv - sq  # query i sits at key position i + shift
+    if left is None or right is None:
+        step = MASK_BUDGET // skv
+    else:
+        span = min(skv, left + right + 1)  # keys one query sees; a block of n rows sees n + span - 1
+        fits = (math.isqrt((span - 1) ** 2 + 4 * MASK_BUDGET) - (span - 1)) // 2
+        # blocks about as tall as the window: the kernel computes the masked keys too
+        step = min(fits, max(span, MIN_BLOCK_ROWS))
+    step = max(1, min(sq, step))
+    blocks = []
+    for start in range(0, sq, step):
+        end = min(sq, start + step)
+        first = 0 if left is None else max(0, start + shift - left)
+        last = skv if right is None else min(skv, end - 1 + shift + right + 1)
+        if last <= first:
+            blocks.append(Block(slice(start, end), slice(0, 0), None, False, None))
+            continue
+        seen = definition.visible(torch.arange(start, end, device=q.device) + shift,
+                                  torch.arange(first, last, device=q.device), causal, window)
+        mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
+        blocks.append(Block(slice(start, end), slice(first, last), mask, False, seen.any(-1)))
+    return blocks
 
 
 def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
-    hq, sq = q.shape[1], q.shape[2]
-    q_rows, k32, v32 = _opmath_rows(q, k, v)
-    b, hkv, rows = q_rows.shape[:3]
-    outs, lses = [], []
-    for start, end in _blocks(rows, b, hkv, k.shape[2]):
-        scores, _ = _scores(q_rows[:, :, start:end], k32, start, sq, causal, scale, window, softcap)
-        lse = torch.logsumexp(scores, dim=-1)
-        outs.append(_probabilities(scores, lse) @ v32)
-        lses.append(lse)
-    out = _heads(torch.cat(outs, dim=2), hq).to(q.dtype)
-    return as_layout_of(out, q), _heads(torch.cat(lses, dim=2), hq)
+    kernel = _fused_kernel(q, scale, softcap, k, v)
+    if kernel is None:
+        return definition.attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
+    blocks = _blocks(q, k, causal, window)
+    if len(blocks) == 1 and blocks[0].seeing is None:
+        out, lse = kernel.forward(q, k, v, causal, None, scale)
+        return as_layout_of(out, q), lse.contiguous()
+    out = empty_like(q).zero_()
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=definition.opmath(q), device=q.device)
+    for block in blocks:
+        if block.keys.stop == block.keys.start:
+            continue
+        keys = block.keys
+        out_b, lse_b = kernel.forward(q[:, :, block.rows], k[:, :, keys], v[:, :, keys], block.is_causal, block.mask,
+                                      scale)
+        if block.seeing is not None:
+            out_b = out_b * block.seeing[:, None]
+            lse_b = lse_b.masked_fill(~block.seeing, float("-inf"))
+        out[:, :, block.rows] = out_b
+        lse[:, :, block.rows] = lse_b
+    return out, lse
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None):
-    hq, sq = q.shape[1], q.shape[2]
-    q_rows, k32, v32 = _opmath_rows(q, k, v)
-    b, hkv, rows = q_rows.shape[:3]
-    dtype = q_rows.dtype
-    do_rows = _rows(dout.to(dtype), hkv)
-    delta = (do_rows * _rows(out.to(dtype), hkv)).sum(-1)
-    lse_rows = _rows(lse.to(dtype)[..., None], hkv)[..., 0]
-    dq = torch.empty_like(q_rows)
-    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
-    for start, end in _blocks(rows, b, hkv, k.shape[2]):
-        q_blk, do_blk = q_rows[:, :, start:end], do_rows[:, :, start:end]
-        scores, tanh = _scores(q_blk, k32, start, sq, causal, scale, window, softcap)
-        p = _probabilities(scores, lse_rows[:, :, start:end])
-        dv += p.transpose(-1, -2) @ do_blk
-        ds = _through_softcap(p * (do_blk @ v32.transpose(-1, -2) - delta[:, :, start:end, None]), tanh)
-        dq[:, :, start:end] = (ds @ k32) * scale
-        dk += (ds.transpose(-1, -2) @ q_blk) * scale
-    return (as_layout_of(_heads(dq, hq).to(q.dtype), q), as_layout_of(dk.to(k.dtype), k),
-            as_layout_of(dv.to(v.dtype), v))
-
-
-def attention_jvp(q, k, v, lse, tq, tk, tv, *, causal, scale, window=None, softcap=None):
-    """The forward-mode derivative: the tangent of ``out`` along tangents ``tq, tk, tv`` of the
-    inputs (None for none). With ``dS = scale (tQ K^T + Q tK^T)`` (times ``1 - tanh^2`` under a
-    softcap) and ``c = rowsum(P * dS)``, ``t_out = P tV + (P * (dS - c)) V``."""
-    hq, sq = q.shape[1], q.shape[2]
-    q_rows, k32, v32 = _opmath_rows(q, k, v)
-    b, hkv, rows = q_rows.shape[:3]
-    dtype = q_rows.dtype
-    tq_rows = None if tq is None else _rows(tq.to(dtype), hkv)
-    tk32, tv32 = (None if t is None else t.to(dtype) for t in (tk, tv))
-    lse_rows = _rows(lse.to(dtype)[..., None], hkv)[..., 0]
-    t_outs = []
-    for start, end in _blocks(rows, b, hkv, k.shape[2]):
-        q_blk = q_rows[:, :, start:end]
-        scores, tanh = _scores(q_blk, k32, start, sq, causal, scale, window, softcap)
-        p = _probabilities(scores, lse_rows[:, :, start:end])
-        ds = torch.zeros_like(p)
-        if tq_rows is not None:
-            ds = ds + tq_rows[:, :, start:end] @ k32.transpose(-1, -2)
-        if tk32 is not None:
-            ds = ds + q_blk @ tk32.transpose(-1, -2)
-        ds = _through_softcap(ds * scale, tanh)
-        t_out = (p * (ds - (p * ds).sum(-1, keepdim=True))) @ v32
-        if tv32 is not None:
-            t_out = t_out + p @ tv32
-        t_outs.append(t_out)
-    return _heads(torch.cat(t_outs, dim=2), hq).to(q.dtype)
+    kernel = _fused_kernel(q, scale, softcap, k, v, out, dout, lse=lse)
+    if kernel is None:
+        return definition.attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale, window=window,
+                                        softcap=softcap)
+    # A row that sees no key has lse -inf; the kernels take exp(score - lse) with its masked scores -inf.
+    lse = lse.masked_fill(lse == float("-inf"), 0.0)
+    blocks = _blocks(q, k, causal, window)
+    if len(blocks) == 1 and blocks[0].seeing is None:
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal, None, scale)
+        return as_layout_of(dq, q), as_layout_of(dk, k), as_layout_of(dv, v)
+    dq = empty_like(q).zero_()
+    dk = torch.zeros(k.shape, dtype=definition.opmath(k), device=k.device)
+    dv = torch.zeros(v.shape, dtype=definition.opmath(v), device=v.device)
+    for block in blocks:
+        if block.keys.stop == block.keys.start:
+            continue
+        rows, keys = block.rows, block.keys
+        dq_b, dk_b, dv_b = kernel.backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                           out[:, :, rows], lse[:, :, rows], block.is_causal, block.mask, scale)
+        dq[:, :, rows] = dq_b
+        dk[:, :, keys] += dk_b
+        dv[:, :, keys] += dv_b
+    return dq, as_layout_of(dk.to(k.dtype), k), as_layout_of(dv.to(v.dtype), v)

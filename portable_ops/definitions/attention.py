@@ -1,0 +1,164 @@
+"""Attention forward, backward and forward-mode derivative in plain PyTorch, one block of queries
+at a time.
+
+Conventions every backend shares: ``lse`` is the natural-log log-sum-exp of the scaled, capped,
+masked scores per query row (float32, float64 for float64 inputs). Masks are aligned to the bottom
+right: query ``i`` sits at key position ``p = i + Skv - Sq``; ``causal`` hides keys ``j > p``, and
+``window = (left, right)`` hides keys outside ``p - left <= j <= p + right`` (None: that side
+unbounded); :func:`visible` is the one definition. ``softcap`` replaces each scaled score ``s`` by
+``softcap * tanh(s / softcap)`` before the mask. A row that sees no key outputs zeros, has
+``lse = -inf`` and gets zero gradient.
+
+Grouped-query attention is computed without repeating K and V: the ``G = Hq / Hkv`` query heads
+of a KV head are stacked as ``G * Sq`` rows against that head's keys. Rows are taken in blocks
+sized so that one block's scores hold at most ``SCORE_BUDGET`` elements, so a call that falls
+back here costs time, never a whole ``Sq x Skv`` matrix of memory. The forward is built from
+differentiable torch ops: run with autograd on, it is also the definition that double backward
+and every torch.func transform differentiate. Packed (varlen) and paged attention are this dense
+attention applied per sequence (``attention_varlen.py``, ``paged.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from portable_ops.layout import as_layout_of
+
+SCORE_BUDGET = 1 << 24  # elements of one block's scores (64 MiB in float32)
+
+
+def opmath(t):
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _rows(t, hkv):
+    """``[B, Hq, S, D]`` -> ``[B, Hkv, G * S, D]``: the query heads of each KV head as one stack of rows."""
+    b, hq, s, d = t.shape
+    return t.reshape(b, hkv, (hq // hkv) * s, d)
+
+
+def _heads(t, hq):
+    """The inverse of :func:`_rows` (also for ``[B, Hkv, G * S]`` row vectors)."""
+    b, hkv, rows = t.shape[:3]
+    return t.reshape(b, hq, rows * hkv // hq, *t.shape[3:])
+
+
+def _blocks(rows, b, hkv, skv):
+    """``(start, end)`` blocks of rows; one empty block when there are no rows, so that every result
+    (an empty one included) is a concatenation of blocks."""
+    step = max(1, SCORE_BUDGET // max(1, b * hkv * skv))
+    return [(start, min(rows, start + step)) for start in range(0, max(rows, 1), step)]
+
+
+def visible(q_pos, k_pos, causal, window):
+    """Which keys each query sees, ``[len(q_pos), len(k_pos)]`` booleans from the queries' and keys'
+    positions, or None when every key is visible."""
+    left, right = window or (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if left is None and right is None:
+        return None
+    offset = k_pos[None, :] - q_pos[:, None]  # how far after the query's position each key sits
+    seen = torch.ones_like(offset, dtype=torch.bool)
+    if left is not None:
+        seen &= offset >= -left
+    if right is not None:
+        seen &= offset <= right
+    return seen
+
+
+def _scores(q_rows, k, start, sq, causal, scale, window=None, softcap=None):
+    """Scaled, capped, masked scores of rows ``start ..`` of the stacked queries against every key, and
+    ``tanh(s / softcap)`` of the scaled scores ``s`` for the softcap's chain rule (None without one)."""
+    scores = (q_rows @ k.transpose(-1, -2)) * scale
+    tanh = None
+    if softcap is not None:
+        tanh = torch.tanh(scores / softcap)
+        scores = softcap * tanh
+    skv = k.shape[-2]
+    q_pos = torch.arange(start, start + q_rows.shape[-2], device=q_rows.device) % sq + (skv - sq)
+    seen = visible(q_pos, torch.arange(skv, device=q_rows.device), causal, window)
+    if seen is not None:
+        scores = scores.masked_fill(~seen, float("-inf"))
+    return scores, tanh
+
+
+def _probabilities(scores, lse):
+    """exp(scores - lse), zero on rows that see no key (lse = -inf there)."""
+    return torch.exp(scores - torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)[..., None])
+
+
+def _through_softcap(d_scores, tanh):
+    """A derivative by the capped scores taken back to the scaled ones: ``d/ds softcap tanh(s / softcap)
+    = 1 - tanh^2``; finite where the mask hid a key (tanh is taken before the mask)."""
+    return d_scores if tanh is None else d_scores * (1 - tanh * tanh)
+
+
+def _opmath_rows(q, k, v):
+    dtype, hkv = opmath(q), k.shape[1]
+    return _rows(q.to(dtype), hkv), k.to(dtype), v.to(dtype)
+
+
+def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
+    hq, sq = q.shape[1], q.shape[2]
+    q_rows, k32, v32 = _opmath_rows(q, k, v)
+    b, hkv, rows = q_rows.shape[:3]
+    outs, lses = [], []
+    for start, end in _blocks(rows, b, hkv, k.shape[2]):
+        scores, _ = _scores(q_rows[:, :, start:end], k32, start, sq, causal, scale, window, softcap)
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(_probabilities(scores, lse) @ v32)
+        lses.append(lse)
+    out = _heads(torch.cat(outs, dim=2), hq).to(q.dtype)
+    return as_layout_of(out, q), _heads(torch.cat(lses, dim=2), hq)
+
+
+def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None):
+    hq, sq = q.shape[1], q.shape[2]
+    q_rows, k32, v32 = _opmath_rows(q, k, v)
+    b, hkv, rows = q_rows.shape[:3]
+    dtype = q_rows.dtype
+    do_rows = _rows(dout.to(dtype), hkv)
+    delta = (do_rows * _rows(out.to(dtype), hkv)).sum(-1)
+    lse_rows = _rows(lse.to(dtype)[..., None], hkv)[..., 0]
+    dq = torch.empty_like(q_rows)
+    dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+    for start, end in _blocks(rows, b, hkv, k.shape[2]):
+        q_blk, do_blk = q_rows[:, :, start:end], do_rows[:, :, start:end]
+        scores, tanh = _scores(q_blk, k32, start, sq, causal, scale, window, softcap)
+        p = _probabilities(scores, lse_rows[:, :, start:end])
+        dv += p.transpose(-1, -2) @ do_blk
+        ds = _through_softcap(p * (do_blk @ v32.transpose(-1, -2) - delta[:, :, start:end, None]), tanh)
+        dq[:, :, start:end] = (ds @ k32) * scale
+        dk += (ds.transpose(-1, -2) @ q_blk) * scale
+    return (as_layout_of(_heads(dq, hq).to(q.dtype), q), as_layout_of(dk.to(k.dtype), k),
+            as_layout_of(dv.to(v.dtype), v))
+
+
+def attention_jvp(q, k, v, lse, tq, tk, tv, *, causal, scale, window=None, softcap=None):
+    """The forward-mode derivative: the tangent of ``out`` along tangents ``tq, tk, tv`` of the
+    inputs (None for none). With ``dS = scale (tQ K^T + Q tK^T)`` (times ``1 - tanh^2`` under a
+    softcap) and ``c = rowsum(P * dS)``, ``t_out = P tV + (P * (dS - c)) V``."""
+    hq, sq = q.shape[1], q.shape[2]
+    q_rows, k32, v32 = _opmath_rows(q, k, v)
+    b, hkv, rows = q_rows.shape[:3]
+    dtype = q_rows.dtype
+    tq_rows = None if tq is None else _rows(tq.to(dtype), hkv)
+    tk32, tv32 = (None if t is None else t.to(dtype) for t in (tk, tv))
+    lse_rows = _rows(lse.to(dtype)[..., None], hkv)[..., 0]
+    t_outs = []
+    for start, end in _blocks(rows, b, hkv, k.shape[2]):
+        q_blk = q_rows[:, :, start:end]
+        scores, tanh = _scores(q_blk, k32, start, sq, causal, scale, window, softcap)
+        p = _probabilities(scores, lse_rows[:, :, start:end])
+        ds = torch.zeros_like(p)
+        if tq_rows is not None:
+            ds = ds + tq_rows[:, :, start:end] @ k32.transpose(-1, -2)
+        if tk32 is not None:
+            ds = ds + q_blk @ tk32.transpose(-1, -2)
+        ds = _through_softcap(ds * scale, tanh)
+        t_out = (p * (ds - (p * ds).sum(-1, keepdim=True))) @ v32
+        if tv32 is not None:
+            t_out = t_out + p @ tv32
+        t_outs.append(t_out)
+    return _heads(torch.cat(t_outs, dim=2), hq).to(q.dtype)
