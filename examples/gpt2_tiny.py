@@ -164,7 +164,7 @@ def train(cfg: Config, steps: int, device="cpu", backend: str | None = None, use
     dtype = getattr(torch, cfg.dtype)
     model = GPT(cfg, use_torch).to(device, dtype)
     if use_torch:
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=torch.device(device).type == "cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, fused=torch.device(device).type in ("cpu", "cuda"))
     else:
         opt = portable_ops.optim.AdamW(model.parameters(), lr=cfg.lr, max_grad_norm=cfg.max_grad_norm)
     losses, start = [], time.perf_counter()

@@ -180,7 +180,10 @@ class Choice:
     backend: str
     device: torch.device | None
     preferred: str
-    rejected: dict[str, list[str]] = field(default_factory=dict)
+    order: tuple[str, ...] = ()  # the backends to try, best first
+    tried: dict[str, list[str]] = field(default_factory=dict)  # those tried before ``backend``, and why not
+    forced: bool = False
+    _untried: dict[str, list[str]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_fallback(self) -> bool:
@@ -189,7 +192,15 @@ class Choice:
     @property
     def reasons(self) -> list[str]:
         """Why the preferred backend did not take the call (empty when it did)."""
-        return self.rejected.get(self.preferred, [])
+        return self.tried.get(self.preferred, [])
+
+    @property
+    def rejected(self) -> dict[str, list[str]]:
+        """Why each backend but ``backend`` did not run the call: those tried, then the others (worked out
+        when asked: every optimizer step chooses, and only explain and the messages read them)."""
+        if self._untried is None:
+            self._untried = _untried_reasons(self)
+        return {**self.tried, **self._untried}
 
     def fallback_message(self) -> str:
         return (f"portable_ops.{self.op}: '{self.preferred}' can't take this call ({'; '.join(self.reasons)}); "
@@ -342,27 +353,35 @@ def _unusable_reasons(name: str, device: torch.device | None) -> list[str]:
 def choose(op: str, call: Call, device: torch.device | None, prefer: str | None = None) -> Choice:
     """Pick the backend for ``op(**call)``, keeping the reasons of every backend passed over."""
     order = preference(device, prefer)
-    choice = Choice(op=op, backend=FALLBACK, device=device, preferred=order[0])
+    choice = Choice(op=op, backend=FALLBACK, device=device, preferred=order[0], order=tuple(order),
+                    forced=order[0] != FALLBACK or forced_backend() is not None)
     for name in order:
         reasons = _reasons(name, op, call, device)
         if not reasons:
             choice.backend = name
             break
-        choice.rejected[name] = reasons
-    if choice.backend in choice.rejected:
-        raise ValueError(f"{op}: no backend can run this call: " + "; ".join(choice.rejected[FALLBACK]))
-    kind = device.type if device is not None else "these"
-    for name in BACKEND_NAMES:
-        if name in order:
-            continue
-        unusable = _unusable_reasons(name, device)
-        if unusable:  # suggest forcing only a backend that could run here
-            choice.rejected[name] = unusable
-        elif order[0] != FALLBACK or forced_backend():
-            choice.rejected[name] = [f"'{order[0]}' is forced"]
-        else:
-            choice.rejected[name] = [f"not the default for {kind} tensors (force it with use_backend({name!r}))"]
+        choice.tried[name] = reasons
+    if choice.backend in choice.tried:
+        raise ValueError(f"{op}: no backend can run this call: " + "; ".join(choice.tried[FALLBACK]))
     return choice
+
+
+def _untried_reasons(choice: Choice) -> dict[str, list[str]]:
+    """Why each backend :func:`choose` would not try was not used: it can't run here, or another was forced or is
+    the default (then forcing it is suggested)."""
+    kind = choice.device.type if choice.device is not None else "these"
+    untried = {}
+    for name in BACKEND_NAMES:
+        if name in choice.order:
+            continue
+        unusable = _unusable_reasons(name, choice.device)
+        if unusable:  # suggest forcing only a backend that could run here
+            untried[name] = unusable
+        elif choice.forced:
+            untried[name] = [f"'{choice.preferred}' is forced"]
+        else:
+            untried[name] = [f"not the default for {kind} tensors (force it with use_backend({name!r}))"]
+    return untried
 
 
 def _callers_level() -> int:

@@ -2,11 +2,15 @@
 ``torch.optim.AdamW(fused=True)`` runs).
 
 The kernel divides the grads by ``grad_scale`` in float32 and writes them back unscaled; the op
-leaves the caller's grads as they were, so a call with a grad scale or a clip hands the kernel
-copies, the clip folded into the scale.
+leaves the caller's grads as they were. So with a grad scale or a clip (folded into the scale),
+float32 and float64 grads are scaled into new tensors first (one ``_foreach_mul``, the pass
+``clip_grad_norm_`` makes in place), and half-precision ones are copied for the kernel to unscale.
 """
 
 from __future__ import annotations
+
+import itertools
+import operator
 
 import torch
 from torch.optim.adam import adam as torch_adam
@@ -17,19 +21,22 @@ FUSED_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+_dtype = operator.attrgetter("dtype")
+_device = operator.attrgetter("device")
+
+
 def _fused_takes(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad):
+    """Whether the kernel takes the call; C-level passes over the lists, as this runs on every step."""
     device = params[0].device
     if device.type not in FUSED_DEVICE_TYPES:
         return False
+    dtypes = list(map(_dtype, params))
+    if not set(dtypes) <= set(FUSED_DTYPES) or set(map(_dtype, state_steps)) != {torch.float32}:
+        return False
     moments = (grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) if amsgrad else (grads, exp_avgs, exp_avg_sqs)
-    for i, p in enumerate(params):
-        if p.dtype not in FUSED_DTYPES or p.device != device:
-            return False
-        if any(m[i].dtype != p.dtype or m[i].device != device for m in moments):
-            return False
-        if state_steps[i].dtype != torch.float32 or state_steps[i].device != device:
-            return False
-    return True
+    if any(list(map(_dtype, m)) != dtypes for m in moments):
+        return False
+    return {device} == set(map(_device, itertools.chain(params, state_steps, *moments)))
 
 
 def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad, beta1, beta2,
@@ -47,8 +54,10 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     if clip_coef is not None:
         clip_coef = clip_coef.to(device, torch.float32)
         grad_scale = clip_coef.reciprocal() if grad_scale is None else grad_scale / clip_coef
-    if grad_scale is not None:
-        grads = [g.clone() for g in grads]
+    if grad_scale is not None and set(map(_dtype, params)) <= {torch.float32, torch.float64}:
+        grads, grad_scale = torch._foreach_mul(grads, grad_scale.reciprocal()), None
+    elif grad_scale is not None:
+        grads = [g.clone() for g in grads]  # a half grad is unscaled in the kernel's float32, not rounded first
     if found_inf is not None:
         found_inf = found_inf.to(device, torch.float32)
     max_exp_avg_sqs = max_exp_avg_sqs if amsgrad else []

@@ -104,14 +104,14 @@ class Block(NamedTuple):
     seeing: torch.Tensor | None
 
 
-def _fused_kernel(q, scale, softcap, *tensors, lse=None):
-    """The device's fused kernel where it computes this call, else None. It takes tensors of one dtype (a
-    backward may see q's ``.data`` swapped since the forward). A scale of zero or below is left to the
-    definition: the CPU kernel gives NaN for it in float16."""
+def _fused_kernel(q, scale, softcap, tensors, lse=None):
+    """The device's fused kernel where it computes this call, else None. It takes ``tensors`` all of q's
+    dtype (a backward may see q's ``.data`` swapped since the forward). A scale of zero or below is left
+    to the definition: the CPU kernel gives NaN for it in float16."""
     kernel = FUSED_KERNELS.get(q.device.type)
-    if kernel is None or softcap is not None or scale <= 0 or q.dtype not in kernel.dtypes:
+    if kernel is None or softcap is not None or scale <= 0 or q.dtype not in kernel.dtypes or q.numel() == 0:
         return None
-    if q.numel() == 0 or any(t.numel() == 0 or t.dtype != q.dtype for t in tensors):
+    if {t.dtype for t in tensors} != {q.dtype} or not all(t.numel() for t in tensors):
         return None
     if lse is not None and lse.dtype != definition.opmath(q):
         return None
@@ -121,11 +121,11 @@ def _fused_kernel(q, scale, softcap, *tensors, lse=None):
 def _blocks(q, k, causal, window):
     """The query blocks a call runs as, each with its key span and mask."""
     sq, skv = q.shape[2], k.shape[2]
-    if window is None and (not causal or sq == skv):
-        return [Block(slice(0, sq), slice(0, skv), None, causal, None)]
     left, right = window or (None, None)
     if causal:
         right = 0 if right is None else min(right, 0)
+    if left is None and (right is None or (right == 0 and sq == skv)):
+        return [Block(slice(0, sq), slice(0, skv), None, right == 0, None)]
     shift = skv - sq  # query i sits at key position i + shift
     if left is None or right is None:
         step = MASK_BUDGET // skv
@@ -151,7 +151,7 @@ def _blocks(q, k, causal, window):
 
 
 def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
-    kernel = _fused_kernel(q, scale, softcap, k, v)
+    kernel = _fused_kernel(q, scale, softcap, (k, v))
     if kernel is None:
         return definition.attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
     blocks = _blocks(q, k, causal, window)
@@ -163,24 +163,20 @@ def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
     for block in blocks:
         if block.keys.stop == block.keys.start:
             continue
-        keys = block.keys
-        out_b, lse_b = kernel.forward(q[:, :, block.rows], k[:, :, keys], v[:, :, keys], block.is_causal, block.mask,
-                                      scale)
-        if block.seeing is not None:
-            out_b = out_b * block.seeing[:, None]
-            lse_b = lse_b.masked_fill(~block.seeing, float("-inf"))
+        out_b, lse_b = kernel.forward(q[:, :, block.rows], k[:, :, block.keys], v[:, :, block.keys], block.is_causal,
+                                      block.mask, scale)
+        out_b = out_b * block.seeing[:, None]  # the kernel's rows that see no key: zero, as the definition's
+        lse_b = lse_b.masked_fill(~block.seeing, float("-inf"))
         out[:, :, block.rows] = out_b
         lse[:, :, block.rows] = lse_b
     return out, lse
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None):
-    kernel = _fused_kernel(q, scale, softcap, k, v, out, dout, lse=lse)
+    kernel = _fused_kernel(q, scale, softcap, (k, v, out, dout), lse=lse)
     if kernel is None:
         return definition.attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale, window=window,
                                         softcap=softcap)
-    # A row that sees no key has lse -inf; the kernels take exp(score - lse) with its masked scores -inf.
-    lse = lse.masked_fill(lse == float("-inf"), 0.0)
     blocks = _blocks(q, k, causal, window)
     if len(blocks) == 1 and blocks[0].seeing is None:
         dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal, None, scale)
@@ -192,8 +188,10 @@ def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softca
         if block.keys.stop == block.keys.start:
             continue
         rows, keys = block.rows, block.keys
+        # a row that sees no key has lse -inf; the kernel takes exp(score - lse) with its scores -inf
+        lse_b = lse[:, :, rows].masked_fill(~block.seeing, 0.0)
         dq_b, dk_b, dv_b = kernel.backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                           out[:, :, rows], lse[:, :, rows], block.is_causal, block.mask, scale)
+                                           out[:, :, rows], lse_b, block.is_causal, block.mask, scale)
         dq[:, :, rows] = dq_b
         dk[:, :, keys] += dk_b
         dv[:, :, keys] += dv_b

@@ -17,7 +17,6 @@ def grad_norm(grads, norm_type):
         grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), dtype=dtype)
-    norms = []
-    for (device, _), ([group], _) in _group_tensors_by_device_and_dtype([grads]).items():
-        norms.extend(t.to(grads[0].device) for t in torch._foreach_norm(group, norm_type, dtype=dtype))
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    norms = [torch.stack(torch._foreach_norm(group, norm_type, dtype=dtype)).to(grads[0].device)
+             for [group], _ in _group_tensors_by_device_and_dtype([grads]).values()]
+    return torch.linalg.vector_norm(torch.cat(norms), norm_type)
