@@ -1,8 +1,10 @@
-"""python -m portable_ops.bench train|optimizer|clip|attention|decode|features|attention-host|nki [--out DIR]
+"""python -m portable_ops.bench train|optimizer|clip|attention|decode|features|hf|attention-host|nki [--out DIR]
 
 Times portable_ops against PyTorch's own kernels in the same run, on the GPU, prints a table,
 and writes JSON and a plot into DIR (default docs/perf). ``train`` is the headline: a Llama-style
-model trained with each stack, eager and compiled (portable_ops/bench/train.py).
+model trained with each stack, eager and compiled (portable_ops/bench/train.py). ``hf`` trains
+transformers' Llama and Mistral with each of its attention implementations and with portable_ops'
+through the integration (portable_ops/bench/hf.py); ``hf --tiny`` is a CPU smoke run.
 ``attention --head-dims 40,80,96,192`` times those head dims and their next powers of two, with
 each odd one's TFLOP/s as a fraction of its power of two's (``of pow2``). Two need no GPU:
 ``attention-host`` measures the triton backend's host time per call with no-op launches, and
@@ -31,6 +33,9 @@ COLUMNS = {
     "features": ["feature", "variant", "dir", "shape", "ms", "TFLOP/s", "steady ms", "steady TFLOP/s", "us",
                  "contiguous_us", "of_contiguous", "error"],
     "train": [],  # its own tables: portable_ops.bench.train.report
+    "hf": ["model", "mode", "attention", "tokens/s", "tokens/s min", "tokens/s max", "vs best transformers", "ms/step",
+           "warm-up s", "peak GiB", "final loss", "loss - sdpa's", "max |loss - sdpa's|",
+           "transformers' own loss spread", "error"],
 }
 
 
@@ -103,7 +108,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="docs/perf")
     parser.add_argument("--quick", action="store_true", help="fewer attention shapes")
     parser.add_argument("--tiny", action="store_true",
-                        help="train: every shape shrunk to a few seconds of CPU (a smoke run, not a measurement)")
+                        help="train, hf: every shape shrunk to a few seconds of CPU (a smoke run, not a measurement)")
     parser.add_argument("--head-dims", type=_ints, default=None,
                         help="attention head dims, e.g. 40,64,80,96,128,192,256 (each odd one's next power of two is "
                              "added)")
@@ -112,10 +117,10 @@ def main(argv=None) -> int:
                         help="train: a comma-separated subset of its shapes, by number from 1 or by name "
                              "(default: all of them)")
     args = parser.parse_args(argv)
-    applies = {"--quick": "attention", "--head-dims": "attention", "--seqs": "attention", "--tiny": "train",
+    applies = {"--quick": "attention", "--head-dims": "attention", "--seqs": "attention", "--tiny": "train or hf",
                "--shapes": "train"}
     for option, bench in applies.items():
-        if getattr(args, option[2:].replace("-", "_")) not in (None, False) and args.bench != bench:
+        if getattr(args, option[2:].replace("-", "_")) not in (None, False) and args.bench not in bench.split(" or "):
             parser.error(f"{option} applies to the {bench} benchmark, not {args.bench}")
     try:  # before minutes of timing, not when the results are written
         cli.writable_folder("--out", args.out)
@@ -132,9 +137,18 @@ def main(argv=None) -> int:
         print("CPU host time per call with no-op kernel launches (not GPU time)" if rows[0]["device"] == "cpu"
               else "host time per call with no-op kernel launches")
         return 0
-    if not torch.cuda.is_available() and not (args.bench == "train" and args.tiny):
+    if not torch.cuda.is_available() and not (args.bench in ("train", "hf") and args.tiny):
         print("the benchmarks time CUDA kernels against torch's; no CUDA device here", file=sys.stderr)
         return 2
+    if args.bench == "hf":
+        from . import hf
+
+        rows, info = hf.run_cli(args.tiny)
+        path = write("hf", rows, info, args.out)
+        print(table(rows, COLUMNS["hf"]))
+        print(f"{info['device']}, {info['date']}, commit {info['commit']}, torch {info['torch']}, "
+              f"triton {info['triton']}, transformers {info['transformers']}; wrote {path}")
+        return 0
     if args.bench == "train":
         from . import train
 
