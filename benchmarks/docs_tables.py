@@ -126,6 +126,45 @@ def train() -> str:
         provenance("train", results["info"])])
 
 
+# --- Hugging Face transformers through the integration ---------------------------------------------------
+
+def _hf_shape(shape: dict) -> str:
+    window = f", sliding window {shape['window']}" if shape.get("window") else ""
+    return (f"hidden {shape['hidden']}, {shape['layers']} layers, {shape['heads']}/{shape['kv_heads']} heads, "
+            f"intermediate {shape['intermediate']}, vocab {shape['vocab']}, seq {shape['seq']}, "
+            f"batch {shape['batch']}{window}")
+
+
+def hf() -> str:
+    results = load("hf")
+    info = results["info"]
+    rows = []
+    for r in results["rows"]:
+        name = f"**{r['attention']}**" if r["attention"] == "portable_ops" else r["attention"]
+        if "tokens/s" not in r:  # the variant failed; the bench recorded why
+            rows.append([r["model"], r["mode"], name, "failed: " + r["error"].replace("|", "\\|")] + ["-"] * 6)
+            continue
+        versus = f"{ratio(r['vs best transformers'])} ({r['best transformers']})"
+        gap, widest = r.get("loss - sdpa's"), r.get("max |loss - sdpa's|")
+        rows.append([r["model"], r["mode"], name, f"{r['tokens/s']:,.0f}",
+                     f"{r['tokens/s min']:,.0f} to {r['tokens/s max']:,.0f}",
+                     f"**{versus}**" if r["attention"] == "portable_ops" else versus,
+                     "-" if r.get("peak GiB") is None else f"{r['peak GiB']:.1f}", f"{r['final loss']:.3f}",
+                     "-" if gap is None else f"{gap:+.3f}", "-" if widest is None else f"{widest:.3f}"])
+    spread = {r["model"]: r.get("transformers' own loss spread") for r in results["rows"] if "tokens/s" in r}
+    shapes = "; ".join(f"{name}: {_hf_shape(shape)}" for name, shape in info["shapes"].items())
+    autocast = "bf16 autocast" if info.get("autocast") else "no autocast"
+    return "\n\n".join([
+        table(["model", "mode", "attention", "tokens/s (median)", "range over rounds", "vs best transformers",
+               "peak GiB", "final loss", "minus sdpa's", "largest gap to sdpa"], rows),
+        (f"{shapes}; fp32 parameters, {autocast}. {info['warm-up steps']} warm-up steps per variant, then "
+         f"{info['rounds']} rounds of {info['timed steps per round']} timed steps, the variants of a model and mode "
+         "in turn. transformers' own loss spread, the largest gap over all steps between two runs of its "
+         "implementations: " + ", ".join(f"{m} {'-' if v is None else f'{v:.3f}'}" for m, v in spread.items())
+         + "."),
+        f"transformers {info['transformers']}. " + provenance("hf", info)])
+
+
 # --- the optimizer and the clip ---------------------------------------------------------------------------
 
 def optimizer() -> str:
@@ -289,7 +328,7 @@ def nki() -> str:
 
 RENDERERS: dict[str, Callable[[], str]] = {
     "headline": headline, "train": train, "optimizer": optimizer, "clip": clip, "attention": attention,
-    "decode": decode, "features": features, "nki": nki}
+    "decode": decode, "features": features, "nki": nki, "hf": hf}
 
 
 def render(text: str) -> str:
