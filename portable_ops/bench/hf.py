@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import gc
 import platform
+import re
 import time
 from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
@@ -111,6 +112,18 @@ def _held_bytes(tensors) -> int:
     return sum(storages.values())
 
 
+def _compiled(model, name: str):
+    """``torch.compile`` of a call of ``model`` through a code object of this variant's own. Dynamo keeps its
+    compiled entries per code object and tries the last one hit first: through ``torch.compile(model)`` every
+    transformers model enters at one shared function, and the entry of a variant whose graph breaks early,
+    guarded on little, is taken by the next model of the class (sound, but that model then runs in pieces)."""
+    def forward(**inputs):
+        return model(**inputs)
+
+    forward.__code__ = forward.__code__.replace(co_name="forward_" + re.sub(r"\W", "_", name))
+    return torch.compile(forward)
+
+
 class Variant:
     """One (model, attention implementation, mode): its model, optimizer, lr schedule and step."""
 
@@ -119,16 +132,17 @@ class Variant:
         transformers = _transformers()
         self.attention, self.mode, self.device, self.data, self.autocast = attention, mode, device, data, autocast
         self.ours = attention not in TRANSFORMERS_IMPLEMENTATIONS
-        self.model = transformers.AutoModelForCausalLM.from_config(config(shape), attn_implementation=attention)
+        with torch.device(device):  # initialised where it runs (faster), then overwritten with the common weights
+            self.model = transformers.AutoModelForCausalLM.from_config(config(shape), attn_implementation=attention)
         self.model.load_state_dict(weights)
-        self.model.to(device).train()
+        self.model.train()
         params = list(self.model.parameters())
         if self.ours:
             self.opt = portable_ops.optim.AdamW(params, max_grad_norm=MAX_GRAD_NORM, **HYPER)
         else:
             self.opt = torch.optim.AdamW(params, fused=device.type == "cuda", **HYPER)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / LR_WARMUP_STEPS))
-        self.forward = torch.compile(self.model) if mode == "compiled" else self.model
+        self.forward = _compiled(self.model, attention) if mode == "compiled" else self.model
         self.losses: list[torch.Tensor] = []
 
     def step(self):
@@ -160,20 +174,33 @@ def _initial(shape: Shape, steps: int, device: torch.device) -> tuple[dict, list
     return weights, [tokens for tokens, _ in batches(cfg, steps, device, SEED)]
 
 
+def _compilations() -> tuple[int, int]:
+    """Dynamo's counts so far in this process: graphs compiled, graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
 def _measure_group(shape: Shape, mode: str, attentions: list[str], weights: dict, data: list, device, autocast,
                    warmup: int, timed: int, rounds: int, progress) -> list[dict]:
     """Warm every variant up, then time them in turns; one row per variant."""
+    torch._dynamo.reset()  # each (model, mode) compiles as a fresh process would
     variants, rows = [], {}
     for attention in attentions:
         row = rows[attention] = {"attention": attention, "mode": mode}
         try:
             variant = Variant(shape, attention, mode, weights, data, device, autocast)
+            graphs, breaks = _compilations()
             _sync(device)
             start = time.perf_counter()
             for _ in range(warmup):
                 variant.step()
             _sync(device)
             row["warm-up s"] = time.perf_counter() - start
+            if mode == "compiled":
+                now = _compilations()
+                row["graphs"], row["graph breaks"] = now[0] - graphs, now[1] - breaks
+                row["graphs compiled while timed"] = 0
             variants.append(variant)
         except Exception as error:  # one implementation failing (a kernel, a compile) leaves the others' figures
             variant = None
@@ -192,12 +219,15 @@ def _measure_group(shape: Shape, mode: str, attentions: list[str], weights: dict
                 _sync(device)
                 others = torch.cuda.memory_allocated(device) - variant.held_bytes()
                 torch.cuda.reset_peak_memory_stats(device)
+            graphs = _compilations()[0]
             _sync(device)
             start = time.perf_counter()
             for _ in range(timed):
                 variant.step()
             _sync(device)
             times[variant.attention].append(time.perf_counter() - start)
+            if mode == "compiled":  # a recompile here would be timed: the row says so
+                rows[variant.attention]["graphs compiled while timed"] += _compilations()[0] - graphs
             if device.type == "cuda":  # as if it were alone: less the other variants' weights and state
                 peaks[variant.attention] = max(peaks[variant.attention],
                                                torch.cuda.max_memory_allocated(device) - others)
@@ -253,9 +283,9 @@ def run_hf(shapes: dict[str, Shape] | None = None, device=None, modes=None, atte
     modes = modes or (MODES if device.type == "cuda" else ("eager",))
     attentions = attentions or implementations(device)
     autocast = device.type == "cuda" if autocast is None else autocast
-    rows = []
+    rows, start = [], time.perf_counter()
     for name, shape in shapes.items():
-        progress(f"{name}: {asdict(shape)}")
+        progress(f"{name}: {asdict(shape)} ({time.perf_counter() - start:.0f} s in)")
         weights, data = _initial(shape, warmup + rounds * timed, device)
         model_rows = []
         for mode in modes:
