@@ -34,8 +34,8 @@ COLUMNS = {
                  "contiguous_us", "of_contiguous", "error"],
     "train": [],  # its own tables: portable_ops.bench.train.report
     "hf": ["model", "mode", "attention", "tokens/s", "tokens/s min", "tokens/s max", "vs best transformers", "ms/step",
-           "warm-up s", "peak GiB", "final loss", "loss - sdpa's", "max |loss - sdpa's|",
-           "transformers' own loss spread", "error"],
+           "warm-up s", "graphs", "graph breaks", "graphs compiled while timed", "peak GiB", "final loss",
+           "loss - sdpa's", "max |loss - sdpa's|", "transformers' own loss spread", "error"],
 }
 
 
