@@ -142,13 +142,15 @@ def hf() -> str:
     for r in results["rows"]:
         name = f"**{r['attention']}**" if r["attention"] == "portable_ops" else r["attention"]
         if "tokens/s" not in r:  # the variant failed; the bench recorded why
-            rows.append([r["model"], r["mode"], name, "failed: " + r["error"].replace("|", "\\|")] + ["-"] * 6)
+            rows.append([r["model"], r["mode"], name, "failed: " + r["error"].replace("|", "\\|")] + ["-"] * 7)
             continue
         versus = f"{ratio(r['vs best transformers'])} ({r['best transformers']})"
         gap, widest = r.get("loss - sdpa's"), r.get("max |loss - sdpa's|")
+        graphs = "-" if "graphs" not in r else f"{r['graphs']} / {r['graph breaks']}" + (
+            f", {r['graphs compiled while timed']} more while timed" if r["graphs compiled while timed"] else "")
         rows.append([r["model"], r["mode"], name, f"{r['tokens/s']:,.0f}",
                      f"{r['tokens/s min']:,.0f} to {r['tokens/s max']:,.0f}",
-                     f"**{versus}**" if r["attention"] == "portable_ops" else versus,
+                     f"**{versus}**" if r["attention"] == "portable_ops" else versus, graphs,
                      "-" if r.get("peak GiB") is None else f"{r['peak GiB']:.1f}", f"{r['final loss']:.3f}",
                      "-" if gap is None else f"{gap:+.3f}", "-" if widest is None else f"{widest:.3f}"])
     spread = {r["model"]: r.get("transformers' own loss spread") for r in results["rows"] if "tokens/s" in r}
@@ -156,7 +158,7 @@ def hf() -> str:
     autocast = "bf16 autocast" if info.get("autocast") else "no autocast"
     return "\n\n".join([
         table(["model", "mode", "attention", "tokens/s (median)", "range over rounds", "vs best transformers",
-               "peak GiB", "final loss", "minus sdpa's", "largest gap to sdpa"], rows),
+               "graphs / breaks", "peak GiB", "final loss", "minus sdpa's", "largest gap to sdpa"], rows),
         (f"{shapes}; fp32 parameters, {autocast}. {info['warm-up steps']} warm-up steps per variant, then "
          f"{info['rounds']} rounds of {info['timed steps per round']} timed steps, the variants of a model and mode "
          "in turn. transformers' own loss spread, the largest gap over all steps between two runs of its "
