@@ -328,9 +328,53 @@ def nki() -> str:
                         provenance("nki", results["info"])])
 
 
+# --- the reference backend against torch's best ------------------------------------------------------------
+
+def _ms(value: float) -> str:
+    return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 100 else f"{value:.0f}"
+
+
+def fallback() -> str:
+    results = load("fallback")
+    rows, missed, against = [], [], {}
+    timed = [r for r in results["rows"] if r.get("ratio") is not None]
+    for r in results["rows"]:
+        if r.get("ratio") is None:  # not run: gpt2_tiny outside a checkout
+            rows.append([r["op"], f"skipped: {r.get('note', r['case'])}", r["dtype"]] + ["-"] * 6)
+            continue
+        met = r["met"]
+        cell = ratio(r["ratio"])
+        rows.append([r["op"], r["case"], r["dtype"], _ms(r["ours ms"]), _ms(r["torch ms"]),
+                     cell if met else f"**{cell}**", r["target"].replace(">=", "at least").replace("<=", "at most"),
+                     f"{ratio(r['ratio min'])} to {ratio(r['ratio max'])}", "yes" if met else "**no**"])
+        if not met:
+            missed.append(f"{r['op']} ({r['case']}, {r['dtype']}): {cell}")
+        family = "attention" if r["op"].startswith("attention") else r["op"]
+        against.setdefault(family, {})[r["torch"]] = None
+    gpt2 = next((r for r in timed if r["op"] == "gpt2_tiny train"), None)
+    rounds = sorted({r["rounds"] for r in timed if r is not gpt2})
+    compared = "; ".join(f"{op}, {' / '.join(calls)}" for op, calls in against.items())
+    method = (f"Against: {compared}. Each row is timed in {' or '.join(map(str, rounds))} rounds, the two sides "
+              "taking turns call by call and leading in alternate rounds; a round gives each side's median call. "
+              "Shown: each side's median over rounds (ms a call), the median of the rounds' ratios (ours over "
+              "torch's time) and their range.")
+    if gpt2:
+        pairs = f"{gpt2['rounds']} pair{'s' if gpt2['rounds'] != 1 else ''}"
+        method += (f" gpt2_tiny: {pairs} of {gpt2['iters']}-step runs, each stack's median ms a step (from "
+                   "tokens/s) and the median of ours over torch's tokens/s.")
+    verdict = f"{sum(r['met'] for r in timed)} of {len(timed)} rows meet their target"
+    verdict += f"; missed: {'; '.join(missed)}." if missed else "."
+    notes = [method, verdict]
+    if results["info"].get("uncommitted"):
+        notes.append("The run's checkout had changes not in its commit, to: "
+                     + ", ".join(f"`{path}`" for path in results["info"]["uncommitted"]) + ".")
+    return "\n\n".join([table(["op", "case", "dtype", "ours ms", "torch ms", "ours / torch", "target",
+                                "range over rounds", "met"], rows), *notes, provenance("fallback", results["info"])])
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
     "headline": headline, "train": train, "optimizer": optimizer, "clip": clip, "attention": attention,
-    "decode": decode, "features": features, "nki": nki, "hf": hf}
+    "decode": decode, "features": features, "nki": nki, "hf": hf, "fallback": fallback}
 
 
 def render(text: str) -> str:

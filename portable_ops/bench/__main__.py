@@ -1,4 +1,5 @@
-"""python -m portable_ops.bench train|optimizer|clip|attention|decode|features|hf|attention-host|nki [--out DIR]
+"""python -m portable_ops.bench train|optimizer|clip|attention|decode|features|hf|attention-host|nki|fallback
+    [--out DIR]
 
 Times portable_ops against PyTorch's own kernels in the same run, on the GPU, prints a table,
 and writes JSON and a plot into DIR (default docs/perf). ``train`` is the headline: a Llama-style
@@ -6,10 +7,12 @@ model trained with each stack, eager and compiled (portable_ops/bench/train.py).
 transformers' Llama and Mistral with each of its attention implementations and with portable_ops'
 through the integration (portable_ops/bench/hf.py); ``hf --tiny`` is a CPU smoke run.
 ``attention --head-dims 40,80,96,192`` times those head dims and their next powers of two, with
-each odd one's TFLOP/s as a fraction of its power of two's (``of pow2``). Two need no GPU:
-``attention-host`` measures the triton backend's host time per call with no-op launches, and
+each odd one's TFLOP/s as a fraction of its power of two's (``of pow2``). Three need no GPU:
+``attention-host`` measures the triton backend's host time per call with no-op launches,
 ``nki`` estimates the NKI kernels' time on Trn2/Trn3 from the emulator's counts
-(portable_ops/bench/nki.py).
+(portable_ops/bench/nki.py), and ``fallback`` times each op with the backend forced to ``reference``
+against torch's fastest call for the same work, on CUDA when available, else the CPU (``--device``
+picks; ``--quick``: fewer, shorter rounds; portable_ops/bench/fallback.py).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ COLUMNS = {
     "hf": ["model", "mode", "attention", "tokens/s", "tokens/s min", "tokens/s max", "vs best transformers", "ms/step",
            "warm-up s", "graphs", "graph breaks", "graphs compiled while timed", "peak GiB", "final loss",
            "loss - sdpa's", "max |loss - sdpa's|", "transformers' own loss spread", "error"],
+    "fallback": ["op", "case", "dtype", "device", "ours ms", "torch ms", "ratio", "target", "spread"],
 }
 
 
@@ -106,7 +110,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m portable_ops.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("bench", choices=sorted([*COLUMNS, "nki"]))
     parser.add_argument("--out", default="docs/perf")
-    parser.add_argument("--quick", action="store_true", help="fewer attention shapes")
+    parser.add_argument("--quick", action="store_true",
+                        help="attention: fewer shapes; fallback: fewer, shorter rounds")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="fallback: where to run (default: cuda when available, else cpu)")
     parser.add_argument("--tiny", action="store_true",
                         help="train, hf: every shape shrunk to a few seconds of CPU (a smoke run, not a measurement)")
     parser.add_argument("--head-dims", type=_ints, default=None,
@@ -117,8 +124,8 @@ def main(argv=None) -> int:
                         help="train: a comma-separated subset of its shapes, by number from 1 or by name "
                              "(default: all of them)")
     args = parser.parse_args(argv)
-    applies = {"--quick": "attention", "--head-dims": "attention", "--seqs": "attention", "--tiny": "train or hf",
-               "--shapes": "train"}
+    applies = {"--quick": "attention or fallback", "--head-dims": "attention", "--seqs": "attention",
+               "--tiny": "train or hf", "--shapes": "train", "--device": "fallback"}
     for option, bench in applies.items():
         if getattr(args, option[2:].replace("-", "_")) not in (None, False) and args.bench not in bench.split(" or "):
             parser.error(f"{option} applies to the {bench} benchmark, not {args.bench}")
@@ -136,6 +143,19 @@ def main(argv=None) -> int:
         print(table(rows, COLUMNS[args.bench]))
         print("CPU host time per call with no-op kernel launches (not GPU time)" if rows[0]["device"] == "cpu"
               else "host time per call with no-op kernel launches")
+        return 0
+    if args.bench == "fallback":
+        from .fallback import fallback_info, pick_device, run_fallback
+
+        try:
+            device = pick_device(args.device)
+        except ValueError as exc:
+            parser.error(str(exc))
+        rows = run_fallback(device, quick=args.quick, log=lambda line: print(line, file=sys.stderr, flush=True))
+        info = fallback_info(device)
+        path = write(args.bench, rows, info, args.out)  # the table is the figure: no plot
+        print(table(rows, COLUMNS[args.bench]))
+        print(f"{info['device']}, {info['date']}, commit {info['commit']}, torch {info['torch']}; wrote {path}")
         return 0
     if not torch.cuda.is_available() and not (args.bench in ("train", "hf") and args.tiny):
         print("the benchmarks time CUDA kernels against torch's; no CUDA device here", file=sys.stderr)
