@@ -1,11 +1,18 @@
-"""Adam / AdamW / AMSGrad through torch's fused multi-tensor kernel for the device (what
-``torch.optim.AdamW(fused=True)`` runs).
+"""Adam / AdamW / AMSGrad through torch's multi-tensor kernels: its fused kernel (what
+``torch.optim.AdamW(fused=True)`` runs), except for float32 and float64 off the CPU, where its
+foreach kernels run (``foreach=True``). torch's fused CUDA kernel writes NaN to ``exp_avg`` where a
+grad is infinite and the definition keeps the infinity; its foreach kernels compute the
+definition's values, but half-precision ones in half precision, where the definition and the fused
+kernel compute in float32.
 
-The kernel divides the grads by ``grad_scale`` in float32 and writes them back unscaled; the op
-leaves the caller's grads as they were. So with a grad scale or a clip (folded into the scale),
-float32 and float64 grads are scaled into new tensors first (one ``_foreach_mul``, the pass
-``clip_grad_norm_`` makes in place), and half-precision ones are copied for the kernel to unscale.
-"""
+The kernels take a call whose tensors agree, index by index, in device and dtype (the optimizer's
+state in the param's dtype), with float32 step counts beside the params. They leave the caller's
+grads as they were: the fused kernel would unscale them in place, so a grad scale or a clip (folded
+into the scale) goes to float32 and float64 grads as one ``_foreach_mul`` into new tensors (the pass
+``clip_grad_norm_`` makes in place), and to copies of half-precision grads that the fused kernel
+unscales in float32. A call the kernels don't take (a ``state_dtype`` unlike the param's, say) runs
+the definition; so does a float32 call off the CPU with a ``found_inf`` or a tensor ``lr``, which
+the foreach kernels don't take."""
 
 from __future__ import annotations
 
@@ -17,21 +24,21 @@ from torch.optim.adam import adam as torch_adam
 
 from portable_ops.definitions.adam import adam as definition
 
-FUSED_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
-FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
+KERNEL_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+WIDE = {torch.float32, torch.float64}
 
 _dtype = operator.attrgetter("dtype")
 _device = operator.attrgetter("device")
 
 
-def _fused_takes(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad):
-    """Whether the kernel takes the call; C-level passes over the lists, as this runs on every step."""
+def _kernels_take(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad):
+    """Whether the kernels take the call's tensors; C-level passes over the lists, as this runs every step."""
     device = params[0].device
-    if device.type not in FUSED_DEVICE_TYPES:
+    if device.type not in KERNEL_DEVICE_TYPES:
         return False
     dtypes = list(map(_dtype, params))
-    if not set(dtypes) <= set(FUSED_DTYPES) or set(map(_dtype, state_steps)) != {torch.float32}:
+    if not set(dtypes) <= set(KERNEL_DTYPES) or set(map(_dtype, state_steps)) != {torch.float32}:
         return False
     moments = (grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) if amsgrad else (grads, exp_avgs, exp_avg_sqs)
     if any(list(map(_dtype, m)) != dtypes for m in moments):
@@ -44,7 +51,10 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
          clip_coef=None):
     options = dict(amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
                    maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
-    if not params or not _fused_takes(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad):
+    take = bool(params) and _kernels_take(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad)
+    wide = take and set(map(_dtype, params)) <= WIDE
+    fused = take and (params[0].device.type == "cpu" or not wide)
+    if not fused and not (take and found_inf is None and not isinstance(lr, torch.Tensor)):
         definition(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, grad_scale=grad_scale,
                    found_inf=found_inf, clip_coef=clip_coef, **options)
         return
@@ -54,14 +64,14 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     if clip_coef is not None:
         clip_coef = clip_coef.to(device, torch.float32)
         grad_scale = clip_coef.reciprocal() if grad_scale is None else grad_scale / clip_coef
-    if grad_scale is not None and set(map(_dtype, params)) <= {torch.float32, torch.float64}:
+    if grad_scale is not None and wide:
         grads, grad_scale = torch._foreach_mul(grads, grad_scale.reciprocal()), None
     elif grad_scale is not None:
         grads = [g.clone() for g in grads]  # a half grad is unscaled in the kernel's float32, not rounded first
     if found_inf is not None:
         found_inf = found_inf.to(device, torch.float32)
     max_exp_avg_sqs = max_exp_avg_sqs if amsgrad else []
-    torch_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, fused=True, grad_scale=grad_scale,
-               found_inf=found_inf, **options)
+    torch_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, fused=fused, foreach=not fused,
+               grad_scale=grad_scale, found_inf=found_inf, **options)
     # the fused kernel writes without bumping version counters; autograd must see a saved param change
     torch.autograd.graph.increment_version([*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs])

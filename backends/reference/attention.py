@@ -2,13 +2,13 @@
 picks on this device, called through the aten ops that also return the log-sum-exp and take it
 back in the backward.
 
-A call maps onto them when the device type has such a kernel for its dtype (:data:`FUSED_KERNELS`),
-it has no softcap and its scale is above zero. Masks are the definition's (``visible``): a plain
-or square causal call runs as one kernel call; a window, or causal with ``Sq != Skv``
-(bottom-right), runs one query block at a time against the keys that block can see, under an
-additive mask of that block's size, so memory never grows as ``Sq x Skv``. Every other call (a
-softcap, a device with no fused kernel, an empty tensor, mixed dtypes) runs the definition,
-which is blocked too."""
+A call maps onto them when the device type has such a kernel for its dtype and head dim
+(:data:`FUSED_KERNELS`), it has no softcap and its scale is above zero. A plain or square causal
+call runs as one kernel call. Where the kernel takes an additive mask (the CPU's), a window or
+causal with ``Sq != Skv`` (bottom-right; masks are the definition's ``visible``) runs one query
+block at a time against the keys that block can see, under a mask of that block's size, so memory
+never grows as ``Sq x Skv``. Every other call (a softcap, a mask the kernel does not take, a
+device with no fused kernel, an empty tensor, mixed dtypes) runs the definition, blocked too."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import math
 from typing import Callable, NamedTuple
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from portable_ops.definitions import attention as definition
 from portable_ops.layout import as_layout_of, empty_like
@@ -27,11 +28,14 @@ MIN_BLOCK_ROWS = 128
 class FusedKernel(NamedTuple):
     """One device type's fused attention: ``forward(q, k, v, is_causal, mask, scale) -> (out, lse)`` and
     ``backward(dout, q, k, v, out, lse, is_causal, mask, scale) -> (dq, dk, dv)``, top-left causal, GQA
-    taken as it comes (``k``, ``v`` with fewer heads than ``q``), and the dtypes it takes."""
+    taken as it comes (``k``, ``v`` with fewer heads than ``q``); the dtypes it takes, whether it takes an
+    additive mask, and ``takes(tensors)``: whether it takes these tensors' head dim and strides."""
 
     forward: Callable
     backward: Callable
     dtypes: tuple[torch.dtype, ...]
+    masks: bool
+    takes: Callable
 
 
 def _cpu_forward(q, k, v, is_causal, mask, scale):
@@ -45,7 +49,7 @@ def _cpu_backward(dout, q, k, v, out, lse, is_causal, mask, scale):
 
 
 def _groups_repeated(q, k, v):
-    """``k``, ``v`` with each KV head repeated for its query heads (the CUDA kernel takes equal head counts)."""
+    """``k``, ``v`` with each KV head repeated for its query heads (the CUDA kernels take equal head counts)."""
     groups = q.shape[1] // k.shape[1]
     return (k, v) if groups == 1 else (k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1))
 
@@ -56,51 +60,87 @@ def _groups_summed(d, hkv):
     return d if hq == hkv else d.view(b, hkv, hq // hkv, s, dim).sum(2)
 
 
-def _cuda_bias(mask, q):
-    """The additive mask as the CUDA kernel takes it: broadcast to ``[B, H, Sq, Skv]``, each row starting
-    at a multiple of 16 elements (SDPA pads it the same way)."""
-    if mask is None:
-        return None
-    rows, skv = mask.shape
-    padded = mask.new_zeros(rows, -(-skv // 16) * 16)
-    padded[:, :skv] = mask
-    return padded[:, :skv].expand(q.shape[0], q.shape[1], rows, skv)
+def _unit_stride(*tensors):
+    """The tensors with their last dim dense, as the CUDA kernels read them (SDPA copies the same way)."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
+def _cuda_kernel(q, k, v, is_causal, scale):
+    """The kernel SDPA picks for these tensors (k, v with q's head count): cuDNN's, FlashAttention-2, or the
+    memory-efficient one for whatever else reaches here."""
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale)
+    return {int(SDPBackend.CUDNN_ATTENTION): "cudnn", int(SDPBackend.FLASH_ATTENTION): "flash"}.get(choice,
+                                                                                                   "efficient")
 
 
 def _cuda_forward(q, k, v, is_causal, mask, scale):
+    q, k, v = _unit_stride(q, k, v)
     k, v = _groups_repeated(q, k, v)
-    mask = _cuda_bias(mask, q)
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, 0.0, is_causal,
+    kernel = _cuda_kernel(q, k, v, is_causal, scale)
+    if kernel == "cudnn":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False,
+                                                                          scale=scale)
+        return out, lse.view(lse.shape[:3])
+    if kernel == "flash":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+        return out, lse
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal,
                                                                             scale=scale)
     return out, lse[..., :q.shape[2]]
 
 
 def _cuda_backward(dout, q, k, v, out, lse, is_causal, mask, scale):
+    """The backward of the kernel the forward ran (the same pick for the same tensors). None of them reads
+    its RNG state without dropout; they get empty stand-ins."""
     hkv = k.shape[1]
+    dout, q, k, v = _unit_stride(dout, q, k, v)
     k, v = _groups_repeated(q, k, v)
-    mask = _cuda_bias(mask, q)
-    seed = offset = torch.zeros((), dtype=torch.int64, device=q.device)  # no dropout: the RNG state is unused
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, mask, out, lse.contiguous(), seed, offset, 0.0, [True, True, True, False], is_causal,
-        scale=scale)
+    if out.stride() != dout.stride():  # the kernels read out with dout's strides
+        out = torch.empty_like(dout).copy_(out)
+    lse = lse.contiguous()
+    sq, skv = q.shape[2], k.shape[2]
+    kernel = _cuda_kernel(q, k, v, is_causal, scale)
+    if kernel == "cudnn":
+        seed = torch.empty(0, dtype=torch.int64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse[..., None], seed, seed, None, None, None, sq, skv, 0.0, is_causal, scale=scale)
+    elif kernel == "flash":
+        rng_state = torch.empty(2, dtype=torch.uint64, device=q.device)
+        unused = torch.empty((), dtype=torch.uint64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, None, None, sq, skv, 0.0, is_causal, rng_state, unused, scale=scale)
+    else:
+        # each head's lse at a stride of Sq rounded up to 32, as the forward wrote it; +inf rows add nothing
+        padded = lse.new_full((*lse.shape[:-1], -(-sq // 32) * 32), float("inf"))
+        padded[..., :sq] = lse
+        unused = torch.empty(0, device=q.device)
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, k, v, None, out, padded[..., :sq], unused, unused, 0.0, [True, True, True, False], is_causal,
+            scale=scale)
     return dq, _groups_summed(dk, hkv), _groups_summed(dv, hkv)
 
 
+def _cuda_takes(tensors):
+    head_dim = tensors[0].shape[-1]
+    return head_dim % 8 == 0 and head_dim <= 256
+
+
 FUSED_KERNELS = {
-    "cpu": FusedKernel(_cpu_forward, _cpu_backward, (torch.float32, torch.float64, torch.bfloat16, torch.float16)),
-    "cuda": FusedKernel(_cuda_forward, _cuda_backward, (torch.float32, torch.bfloat16, torch.float16)),
+    "cpu": FusedKernel(_cpu_forward, _cpu_backward, (torch.float32, torch.float64, torch.bfloat16, torch.float16),
+                       masks=True, takes=lambda tensors: True),
+    # the CUDA kernels' backward with an additive mask disagreed with the definition: masked calls run it
+    "cuda": FusedKernel(_cuda_forward, _cuda_backward, (torch.float32, torch.bfloat16, torch.float16), masks=False,
+                        takes=_cuda_takes),
 }
 
 
 class Block(NamedTuple):
-    """Query rows ``rows`` and the key span ``keys`` they can see, with the additive mask over that span
-    (None: every key of the span is visible, or, with ``is_causal``, the kernel's top-left causal mask)
-    and which of the rows see at least one key (None: all of them)."""
+    """Query rows ``rows`` and the key span ``keys`` they see, with the additive mask over that span and
+    which of the rows see at least one key; an empty span for rows that see none."""
 
     rows: slice
     keys: slice
     mask: torch.Tensor | None
-    is_causal: bool
     seeing: torch.Tensor | None
 
 
@@ -113,19 +153,31 @@ def _fused_kernel(q, scale, softcap, tensors, lse=None):
         return None
     if {t.dtype for t in tensors} != {q.dtype} or not all(t.numel() for t in tensors):
         return None
-    if lse is not None and lse.dtype != definition.opmath(q):
+    if not kernel.takes((q, *tensors)) or (lse is not None and lse.dtype != definition.opmath(q)):
         return None
     return kernel
 
 
-def _blocks(q, k, causal, window):
-    """The query blocks a call runs as, each with its key span and mask."""
-    sq, skv = q.shape[2], k.shape[2]
+def _sides(causal, window):
+    """How far before and after its own position a query sees (None: unbounded), causal folded in."""
     left, right = window or (None, None)
     if causal:
         right = 0 if right is None else min(right, 0)
-    if left is None and (right is None or (right == 0 and sq == skv)):
-        return [Block(slice(0, sq), slice(0, skv), None, right == 0, None)]
+    return left, right
+
+
+def _whole(q, k, causal, window):
+    """``is_causal`` for a call the kernel runs whole (no window; causal when square), else None."""
+    left, right = _sides(causal, window)
+    if left is None and (right is None or (right == 0 and q.shape[2] == k.shape[2])):
+        return right == 0
+    return None
+
+
+def _blocks(q, k, causal, window):
+    """The query blocks a masked call runs as, each with its key span and mask."""
+    sq, skv = q.shape[2], k.shape[2]
+    left, right = _sides(causal, window)
     shift = skv - sq  # query i sits at key position i + shift
     if left is None or right is None:
         step = MASK_BUDGET // skv
@@ -141,57 +193,55 @@ def _blocks(q, k, causal, window):
         first = 0 if left is None else max(0, start + shift - left)
         last = skv if right is None else min(skv, end - 1 + shift + right + 1)
         if last <= first:
-            blocks.append(Block(slice(start, end), slice(0, 0), None, False, None))
+            blocks.append(Block(slice(start, end), slice(0, 0), None, None))
             continue
         seen = definition.visible(torch.arange(start, end, device=q.device) + shift,
                                   torch.arange(first, last, device=q.device), causal, window)
         mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
-        blocks.append(Block(slice(start, end), slice(first, last), mask, False, seen.any(-1)))
+        blocks.append(Block(slice(start, end), slice(first, last), mask, seen.any(-1)))
     return blocks
 
 
 def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
     kernel = _fused_kernel(q, scale, softcap, (k, v))
-    if kernel is None:
-        return definition.attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
-    blocks = _blocks(q, k, causal, window)
-    if len(blocks) == 1 and blocks[0].seeing is None:
-        out, lse = kernel.forward(q, k, v, causal, None, scale)
+    is_causal = None if kernel is None else _whole(q, k, causal, window)
+    if is_causal is not None:
+        out, lse = kernel.forward(q, k, v, is_causal, None, scale)
         return as_layout_of(out, q), lse.contiguous()
+    if kernel is None or not kernel.masks:
+        return definition.attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
     out = empty_like(q).zero_()
     lse = torch.full(q.shape[:3], float("-inf"), dtype=definition.opmath(q), device=q.device)
-    for block in blocks:
-        if block.keys.stop == block.keys.start:
+    for block in _blocks(q, k, causal, window):
+        if block.mask is None:
             continue
-        out_b, lse_b = kernel.forward(q[:, :, block.rows], k[:, :, block.keys], v[:, :, block.keys], block.is_causal,
+        out_b, lse_b = kernel.forward(q[:, :, block.rows], k[:, :, block.keys], v[:, :, block.keys], False,
                                       block.mask, scale)
-        out_b = out_b * block.seeing[:, None]  # the kernel's rows that see no key: zero, as the definition's
-        lse_b = lse_b.masked_fill(~block.seeing, float("-inf"))
-        out[:, :, block.rows] = out_b
-        lse[:, :, block.rows] = lse_b
+        out[:, :, block.rows] = out_b * block.seeing[:, None]  # the kernel's rows that see no key: zero
+        lse[:, :, block.rows] = lse_b.masked_fill(~block.seeing, float("-inf"))
     return out, lse
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None):
     kernel = _fused_kernel(q, scale, softcap, (k, v, out, dout), lse=lse)
-    if kernel is None:
+    is_causal = None if kernel is None else _whole(q, k, causal, window)
+    if is_causal is not None:
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, is_causal, None, scale)
+        return as_layout_of(dq, q), as_layout_of(dk, k), as_layout_of(dv, v)
+    if kernel is None or not kernel.masks:
         return definition.attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale, window=window,
                                         softcap=softcap)
-    blocks = _blocks(q, k, causal, window)
-    if len(blocks) == 1 and blocks[0].seeing is None:
-        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal, None, scale)
-        return as_layout_of(dq, q), as_layout_of(dk, k), as_layout_of(dv, v)
     dq = empty_like(q).zero_()
     dk = torch.zeros(k.shape, dtype=definition.opmath(k), device=k.device)
     dv = torch.zeros(v.shape, dtype=definition.opmath(v), device=v.device)
-    for block in blocks:
-        if block.keys.stop == block.keys.start:
+    for block in _blocks(q, k, causal, window):
+        if block.mask is None:
             continue
         rows, keys = block.rows, block.keys
         # a row that sees no key has lse -inf; the kernel takes exp(score - lse) with its scores -inf
         lse_b = lse[:, :, rows].masked_fill(~block.seeing, 0.0)
         dq_b, dk_b, dv_b = kernel.backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                           out[:, :, rows], lse_b, block.is_causal, block.mask, scale)
+                                           out[:, :, rows], lse_b, False, block.mask, scale)
         dq[:, :, rows] = dq_b
         dk[:, :, keys] += dk_b
         dv[:, :, keys] += dv_b
