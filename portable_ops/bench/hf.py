@@ -210,6 +210,8 @@ def _measure_group(shape: Shape, mode: str, attentions: list[str], weights: dict
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    if not variants:
+        return list(rows.values())
     times = {v.attention: [] for v in variants}
     peaks = {v.attention: 0 for v in variants}
     tokens = shape.batch * shape.seq
@@ -312,10 +314,12 @@ def protocol(shapes: dict[str, Shape], warmup: int, timed: int, rounds: int, aut
             "timed steps per round": timed, "rounds": rounds, "autocast": "bf16" if autocast else None}
 
 
-def run_cli(tiny_run: bool) -> tuple[list[dict], dict]:
-    """The CLI's ``hf`` benchmark: the rows and what to record with them (``--tiny``: on CPU)."""
+def run_cli(tiny_run: bool, models=None) -> tuple[list[dict], dict]:
+    """The CLI's ``hf`` benchmark: the rows and what to record with them (``--tiny``: on CPU). ``models``, a
+    subset of SHAPES' names, splits a run over processes (``benchmarks/merge_results.py`` joins the files)."""
     device = torch.device("cpu" if tiny_run or not torch.cuda.is_available() else "cuda")
-    shapes = {name: tiny(shape) for name, shape in SHAPES.items()} if tiny_run else SHAPES
+    shapes = {name: SHAPES[name] for name in models or SHAPES}
+    shapes = {name: tiny(shape) for name, shape in shapes.items()} if tiny_run else shapes
     steps = (2, 2, 2) if tiny_run else (WARMUP_STEPS, TIMED_STEPS, ROUNDS)
     autocast = device.type == "cuda"
     rows = run_hf(shapes, device, None, None, *steps, autocast)
