@@ -154,7 +154,7 @@ def hf() -> str:
                      "-" if r.get("peak GiB") is None else f"{r['peak GiB']:.1f}", f"{r['final loss']:.3f}",
                      "-" if gap is None else f"{gap:+.3f}", "-" if widest is None else f"{widest:.3f}"])
     spread = {r["model"]: r.get("transformers' own loss spread") for r in results["rows"] if "tokens/s" in r}
-    shapes = "; ".join(f"{name}: {_hf_shape(shape)}" for name, shape in info["shapes"].items())
+    shapes = "; ".join(f"{name}: {_hf_shape(shape)}" for name, shape in info["shapes"].items() if name in spread)
     autocast = "bf16 autocast" if info.get("autocast") else "no autocast"
     return "\n\n".join([
         table(["model", "mode", "attention", "tokens/s (median)", "range over rounds", "vs best transformers",

@@ -318,9 +318,9 @@ def run_cli(tiny_run: bool, models=None) -> tuple[list[dict], dict]:
     """The CLI's ``hf`` benchmark: the rows and what to record with them (``--tiny``: on CPU). ``models``, a
     subset of SHAPES' names, splits a run over processes (``benchmarks/merge_results.py`` joins the files)."""
     device = torch.device("cpu" if tiny_run or not torch.cuda.is_available() else "cuda")
-    shapes = {name: SHAPES[name] for name in models or SHAPES}
-    shapes = {name: tiny(shape) for name, shape in shapes.items()} if tiny_run else shapes
+    shapes = {name: tiny(shape) for name, shape in SHAPES.items()} if tiny_run else SHAPES
     steps = (2, 2, 2) if tiny_run else (WARMUP_STEPS, TIMED_STEPS, ROUNDS)
     autocast = device.type == "cuda"
-    rows = run_hf(shapes, device, None, None, *steps, autocast)
+    rows = run_hf({name: shapes[name] for name in models or shapes}, device, None, None, *steps, autocast)
+    # every model's shape, run here or not: the files of a split run then merge with one info
     return rows, {**info(device), **protocol(shapes, *steps, autocast)}
