@@ -175,7 +175,7 @@ def test_a_case_filter_matching_nothing_is_a_usage_error(capsys, monkeypatch):
     assert "--case 'no_such_case' matches none of the" in err
 
 
-@pytest.mark.parametrize("argv, message", [(["nki", "--tiny"], "--tiny applies to the train benchmark, not nki"),
+@pytest.mark.parametrize("argv, message", [(["nki", "--tiny"], "--tiny applies to the train or hf benchmark, not nki"),
                                            (["train", "--seqs", "7"], "--seqs applies to the attention benchmark"),
                                            (["optimizer", "--shapes", "1"], "--shapes applies to the train")])
 def test_bench_refuses_options_of_another_benchmark(argv, message, capsys):
