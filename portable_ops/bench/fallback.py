@@ -63,7 +63,7 @@ class Plan:
     gpt2_shrunk: bool = False
 
 
-PLANS = {"full": Plan(7, 0.25, 3, 200, 0.5, 3, 150), "quick": Plan(3, 0.12, 3, 100, 0.2, 1, 60),
+PLANS = {"full": Plan(7, 0.2, 3, 200, 0.5, 3, 150), "quick": Plan(3, 0.12, 3, 100, 0.2, 1, 60),
          "tiny": Plan(2, 0.0, 1, 2, 0.0, 1, 12, gpt2_shrunk=True)}
 
 
@@ -107,12 +107,17 @@ def pick_device(device: str | None = None) -> torch.device:
 
 def fallback_info(device: torch.device) -> dict:
     """:func:`device_info` naming the device the rows ran on (the CPU, with its thread count, even where CUDA
-    is present), and the code the commit does not hold: tracked files changed in the checkout."""
+    is present), and the code the commit does not hold: tracked files changed in the checkout, but for
+    documents and results."""
     info = device_info()
     if device.type == "cpu":
         info["device"] = f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
-    info["uncommitted"] = uncommitted_files()
+    changed = uncommitted_files()
+    info["uncommitted"] = None if changed is None else [f for f in changed if not f.endswith(NOT_CODE)]
     return info
+
+
+NOT_CODE = (".md", ".json", ".png", ".txt")
 
 
 def uncommitted_files() -> list[str] | None:
