@@ -6,7 +6,7 @@ definition's values, but half-precision ones in half precision, where the defini
 kernel compute in float32.
 
 The kernels take a call whose tensors agree, index by index, in device and dtype (the optimizer's
-state in the param's dtype), with float32 step counts beside the params. They leave the caller's
+state in the param's dtype), all contiguous, with float32 step counts beside the params. They leave the caller's
 grads as they were: the fused kernel would unscale them in place, so a grad scale or a clip (folded
 into the scale) goes to float32 and float64 grads as one ``_foreach_mul`` into new tensors (the pass
 ``clip_grad_norm_`` makes in place), and to copies of half-precision grads that the fused kernel
@@ -43,7 +43,9 @@ def _kernels_take(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_s
     moments = (grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs) if amsgrad else (grads, exp_avgs, exp_avg_sqs)
     if any(list(map(_dtype, m)) != dtypes for m in moments):
         return False
-    return {device} == set(map(_device, itertools.chain(params, state_steps, *moments)))
+    tensors = list(itertools.chain(params, *moments))
+    # the fused kernel walks each tensor's memory as if dense: a strided view would be misread or overwritten
+    return {device} == set(map(_device, tensors + state_steps)) and all(map(torch.Tensor.is_contiguous, tensors))
 
 
 def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad, beta1, beta2,

@@ -38,12 +38,19 @@ class FusedKernel(NamedTuple):
     takes: Callable
 
 
+def _unit_stride(*tensors):
+    """The tensors with their last dim dense, as torch's kernels read them (SDPA copies the same way)."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
+
+
 def _cpu_forward(q, k, v, is_causal, mask, scale):
+    q, k, v = _unit_stride(q, k, v)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask,
                                                                      scale=scale)
 
 
 def _cpu_backward(dout, q, k, v, out, lse, is_causal, mask, scale):
+    dout, q, k, v, out = _unit_stride(dout, q, k, v, out)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
 
@@ -58,11 +65,6 @@ def _groups_summed(d, hkv):
     """The inverse of :func:`_groups_repeated` for a gradient: each KV head's query-head copies summed."""
     b, hq, s, dim = d.shape
     return d if hq == hkv else d.view(b, hkv, hq // hkv, s, dim).sum(2)
-
-
-def _unit_stride(*tensors):
-    """The tensors with their last dim dense, as the CUDA kernels read them (SDPA copies the same way)."""
-    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
 
 def _cuda_kernel(q, k, v, is_causal, scale):
