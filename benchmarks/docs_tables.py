@@ -334,6 +334,17 @@ def _ms(value: float) -> str:
     return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 100 else f"{value:.0f}"
 
 
+def _calls(calls: dict) -> str:
+    """The torch calls of one op: the first, then each other as what it adds and the cases (by their first
+    word) that take it."""
+    first, *others = calls
+    text = first
+    for call in others:
+        added = call.removeprefix(first).lstrip(", ") if call.startswith(first) else call
+        text += f" ({added} for {', '.join(calls[call])})"
+    return text
+
+
 def fallback() -> str:
     results = load("fallback")
     rows, missed, against = [], [], {}
@@ -350,10 +361,10 @@ def fallback() -> str:
         if not met:
             missed.append(f"{r['op']} ({r['case']}, {r['dtype']}): {cell}")
         family = "attention" if r["op"].startswith("attention") else r["op"]
-        against.setdefault(family, {})[r["torch"]] = None
+        against.setdefault(family, {}).setdefault(r["torch"], {})[r["case"].split()[0]] = None
     gpt2 = next((r for r in timed if r["op"] == "gpt2_tiny train"), None)
     rounds = sorted({r["rounds"] for r in timed if r is not gpt2})
-    compared = "; ".join(f"{op}, {' / '.join(calls)}" for op, calls in against.items())
+    compared = "; ".join(f"{op}, {_calls(calls)}" for op, calls in against.items())
     method = (f"Against: {compared}. Each row is timed in {' or '.join(map(str, rounds))} rounds, the two sides "
               "taking turns call by call and leading in alternate rounds; a round gives each side's median call. "
               "Shown: each side's median over rounds (ms a call), the median of the rounds' ratios (ours over "
