@@ -6,13 +6,13 @@ definition's values, but half-precision ones in half precision, where the defini
 kernel compute in float32.
 
 The kernels take a call whose tensors agree, index by index, in device and dtype (the optimizer's
-state in the param's dtype), all contiguous, with float32 step counts beside the params. They leave the caller's
-grads as they were: the fused kernel would unscale them in place, so a grad scale or a clip (folded
-into the scale) goes to float32 and float64 grads as one ``_foreach_mul`` into new tensors (the pass
-``clip_grad_norm_`` makes in place), and to copies of half-precision grads that the fused kernel
-unscales in float32. A call the kernels don't take (a ``state_dtype`` unlike the param's, say) runs
-the definition; so does a float32 call off the CPU with a ``found_inf`` or a tensor ``lr``, which
-the foreach kernels don't take."""
+state in the param's dtype), all contiguous, with float32 step counts beside the params. They leave
+the caller's grads as they were: the kernels scale copies of them instead (torch's fused kernel
+unscales its grads in place, in float32), a clip folded into the grad scale. The copies' buffers are
+kept for the next step with grads of the same layout, as allocating them every step costs more than
+the step. A call the kernels don't take (a ``state_dtype`` unlike the param's, say) runs the
+definition; so does a float32 call off the CPU with a ``found_inf`` or a tensor ``lr``, which the
+foreach kernels don't take."""
 
 from __future__ import annotations
 
@@ -48,6 +48,17 @@ def _kernels_take(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_s
     return {device} == set(map(_device, tensors + state_steps)) and all(map(torch.Tensor.is_contiguous, tensors))
 
 
+_copies: dict = {}  # the last scaled call's grad copies, by layout: allocating them every step costs page faults
+
+
+def _copies_of(grads):
+    """``(layout, copies of grads)``, into the last scaled call's buffers where the layout is the same."""
+    layout = tuple((g.shape, g.dtype, g.device) for g in grads)
+    buffers = _copies.get(layout) or [torch.empty_like(g, memory_format=torch.contiguous_format) for g in grads]
+    torch._foreach_copy_(buffers, grads)
+    return layout, buffers
+
+
 def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad, beta1, beta2,
          lr, weight_decay, eps, maximize, decoupled_weight_decay, grad_scale=None, found_inf=None,
          clip_coef=None):
@@ -66,10 +77,13 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     if clip_coef is not None:
         clip_coef = clip_coef.to(device, torch.float32)
         grad_scale = clip_coef.reciprocal() if grad_scale is None else grad_scale / clip_coef
-    if grad_scale is not None and wide:
-        grads, grad_scale = torch._foreach_mul(grads, grad_scale.reciprocal()), None
-    elif grad_scale is not None:
-        grads = [g.clone() for g in grads]  # a half grad is unscaled in the kernel's float32, not rounded first
+    copies = None
+    if grad_scale is not None:
+        copies = _copies_of(grads)
+        grads = copies[1]
+        if not fused:  # foreach takes no grad_scale, and runs only wide dtypes here
+            torch._foreach_mul_(grads, grad_scale.reciprocal())
+            grad_scale = None
     if found_inf is not None:
         found_inf = found_inf.to(device, torch.float32)
     max_exp_avg_sqs = max_exp_avg_sqs if amsgrad else []
@@ -77,3 +91,6 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
                grad_scale=grad_scale, found_inf=found_inf, **options)
     # the fused kernel writes without bumping version counters; autograd must see a saved param change
     torch.autograd.graph.increment_version([*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs])
+    if copies is not None:
+        _copies.clear()
+        _copies[copies[0]] = copies[1]

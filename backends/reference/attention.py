@@ -4,11 +4,12 @@ back in the backward.
 
 A call maps onto them when the device type has such a kernel for its dtype and head dim
 (:data:`FUSED_KERNELS`), it has no softcap and its scale is above zero. A plain or square causal
-call runs as one kernel call. Where the kernel takes an additive mask (the CPU's), a window or
-causal with ``Sq != Skv`` (bottom-right; masks are the definition's ``visible``) runs one query
-block at a time against the keys that block can see, under a mask of that block's size, so memory
-never grows as ``Sq x Skv``. Every other call (a softcap, a mask the kernel does not take, a
-device with no fused kernel, an empty tensor, mixed dtypes) runs the definition, blocked too."""
+call, and a single query (decode) against the span of keys it sees, run as one kernel call. Where
+the kernel takes an additive mask (the CPU's), a window or causal with ``Sq != Skv`` (bottom-right;
+masks are the definition's ``visible``) runs one query block at a time against the keys that block
+can see, under a mask of that block's size, so memory never grows as ``Sq x Skv``. Every other call
+(a softcap, a mask the kernel does not take, a device with no fused kernel, an empty tensor, mixed
+dtypes) runs the definition, blocked too."""
 
 from __future__ import annotations
 
@@ -68,17 +69,18 @@ def _groups_summed(d, hkv):
 
 
 def _cuda_kernel(q, k, v, is_causal, scale):
-    """The kernel SDPA picks for these tensors (k, v with q's head count): cuDNN's, FlashAttention-2, or the
-    memory-efficient one for whatever else reaches here."""
-    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale)
+    """The kernel SDPA picks for these tensors: cuDNN's (which takes GQA as it comes), FlashAttention-2, or
+    the memory-efficient one for whatever else reaches here (those two get k, v repeated for GQA)."""
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     return {int(SDPBackend.CUDNN_ATTENTION): "cudnn", int(SDPBackend.FLASH_ATTENTION): "flash"}.get(choice,
                                                                                                    "efficient")
 
 
 def _cuda_forward(q, k, v, is_causal, mask, scale):
     q, k, v = _unit_stride(q, k, v)
-    k, v = _groups_repeated(q, k, v)
     kernel = _cuda_kernel(q, k, v, is_causal, scale)
+    if kernel != "cudnn":
+        k, v = _groups_repeated(q, k, v)
     if kernel == "cudnn":
         out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False,
                                                                           scale=scale)
@@ -96,12 +98,13 @@ def _cuda_backward(dout, q, k, v, out, lse, is_causal, mask, scale):
     its RNG state without dropout; they get empty stand-ins."""
     hkv = k.shape[1]
     dout, q, k, v = _unit_stride(dout, q, k, v)
-    k, v = _groups_repeated(q, k, v)
+    kernel = _cuda_kernel(q, k, v, is_causal, scale)
+    if kernel != "cudnn":
+        k, v = _groups_repeated(q, k, v)
     if out.stride() != dout.stride():  # the kernels read out with dout's strides
         out = torch.empty_like(dout).copy_(out)
     lse = lse.contiguous()
     sq, skv = q.shape[2], k.shape[2]
-    kernel = _cuda_kernel(q, k, v, is_causal, scale)
     if kernel == "cudnn":
         seed = torch.empty(0, dtype=torch.int64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
@@ -169,10 +172,17 @@ def _sides(causal, window):
 
 
 def _whole(q, k, causal, window):
-    """``is_causal`` for a call the kernel runs whole (no window; causal when square), else None."""
+    """``(is_causal, keys)`` for a call the kernel runs whole over the keys ``keys``, without a mask: no window
+    (causal when square), or one query (decode), which sees one span of keys; else None."""
+    sq, skv = q.shape[2], k.shape[2]
     left, right = _sides(causal, window)
-    if left is None and (right is None or (right == 0 and q.shape[2] == k.shape[2])):
-        return right == 0
+    if left is None and (right is None or (right == 0 and sq == skv)):
+        return right == 0, slice(0, skv)
+    if sq == 1:
+        first = 0 if left is None else max(0, skv - 1 - left)
+        last = skv if right is None else min(skv, skv + right)
+        if last > first:
+            return False, slice(first, last)
     return None
 
 
@@ -206,9 +216,10 @@ def _blocks(q, k, causal, window):
 
 def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
     kernel = _fused_kernel(q, scale, softcap, (k, v))
-    is_causal = None if kernel is None else _whole(q, k, causal, window)
-    if is_causal is not None:
-        out, lse = kernel.forward(q, k, v, is_causal, None, scale)
+    whole = None if kernel is None else _whole(q, k, causal, window)
+    if whole is not None:
+        is_causal, keys = whole
+        out, lse = kernel.forward(q, k[:, :, keys], v[:, :, keys], is_causal, None, scale)
         return as_layout_of(out, q), lse.contiguous()
     if kernel is None or not kernel.masks:
         return definition.attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
@@ -224,12 +235,22 @@ def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
     return out, lse
 
 
+def _over_keys(d, t, keys):
+    """A key gradient over the span ``keys`` as one over all of ``t``'s keys, in ``t``'s layout."""
+    if keys == slice(0, t.shape[2]):
+        return as_layout_of(d, t)
+    whole = empty_like(t, dtype=d.dtype).zero_()
+    whole[:, :, keys] = d
+    return whole
+
+
 def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None):
     kernel = _fused_kernel(q, scale, softcap, (k, v, out, dout), lse=lse)
-    is_causal = None if kernel is None else _whole(q, k, causal, window)
-    if is_causal is not None:
-        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, is_causal, None, scale)
-        return as_layout_of(dq, q), as_layout_of(dk, k), as_layout_of(dv, v)
+    whole = None if kernel is None else _whole(q, k, causal, window)
+    if whole is not None:
+        is_causal, keys = whole
+        dq, dk, dv = kernel.backward(dout, q, k[:, :, keys], v[:, :, keys], out, lse, is_causal, None, scale)
+        return as_layout_of(dq, q), _over_keys(dk, k, keys), _over_keys(dv, v, keys)
     if kernel is None or not kernel.masks:
         return definition.attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale, window=window,
                                         softcap=softcap)
