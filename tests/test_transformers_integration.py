@@ -320,3 +320,67 @@ def test_a_mask_portable_ops_cant_express_is_refused(mask_function, what):
     with pytest.raises(NotImplementedError, match=f"mask_function|{what}") as error:
         build_mask(batch_size=1, q_length=4, kv_length=4, q_offset=0, mask_function=mask_function)
     assert what in str(error.value)
+
+
+# ----------------------------------------------------------------------------- torch.compile and host reads
+
+def compiled_counts(model, **inputs):
+    """(graphs, graph breaks, logits) of ``torch.compile`` (Dynamo, eager backend: the counts are Dynamo's) of a
+    function calling ``model``, from a fresh Dynamo, with a backward as in training."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def forward(**kwargs):
+        return model(**kwargs)
+
+    with forced_strict("reference"):
+        out = torch.compile(forward, backend="eager")(**inputs)
+        out.loss.backward()
+    counts = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    torch._dynamo.reset()
+    return counts, out.logits.detach()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+@pytest.mark.parametrize("use_cache", [None, False], ids=["cache_default", "no_cache"])
+def test_the_training_call_compiles_as_sdpa_does(family, use_cache, calls):
+    eager, ours = models(family)
+    sdpa = FAMILIES[family][0](FAMILIES[family][1](**BASE, **FAMILIES[family][2], attn_implementation="sdpa"))
+    sdpa.load_state_dict(eager.state_dict())
+    ids = tokens(2, 12)
+    inputs = dict(input_ids=ids, labels=ids, **({} if use_cache is None else dict(use_cache=use_cache)))
+    theirs, _ = compiled_counts(sdpa, **inputs)
+    mine, logits = compiled_counts(ours, **inputs)
+    assert mine == theirs
+    assert set(calls) == {"attention"}  # portable_ops' dense attention ran in every layer
+    torch.testing.assert_close(logits, eager(**inputs).logits.detach(), atol=TOL.atol, rtol=TOL.rtol)
+
+
+def test_packed_position_ids_under_compile_are_refused_not_run_dense():
+    _, ours = models("mistral")
+    ids = tokens(2, 12)
+    for use_cache in (None, False):  # compiled, transformers' packed mask can't be read without leaving the graph
+        with pytest.raises(Exception, match="position_ids restart"):
+            compiled_counts(ours, input_ids=ids, labels=ids, position_ids=packed_positions(), use_cache=use_cache)
+
+
+def test_an_unpadded_forward_reads_nothing_on_the_host(monkeypatch):
+    """Each of these is a device-to-host copy (a sync) on a GPU; the integration does none for an unpadded batch.
+    The CPU takes the CUDA path here (an asynchronous assert, not a host read: on the CPU a read costs nothing)."""
+    from portable_ops.integrations import transformers as integration
+
+    monkeypatch.setattr(integration, "_ASYNC_CHECKED", ("cuda", "cpu"))
+    _, ours = models("mistral")
+    ids = tokens(2, 12)
+    ours(input_ids=ids, labels=ids)  # first calls may set things up
+    reads = []
+    for name in ("item", "__bool__", "tolist", "__int__", "__float__", "__index__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _n=name, _f=original: reads.append(_n) or _f(self, *a))
+    ours(input_ids=ids, labels=ids)
+    assert reads == []
+    with pytest.raises(RuntimeError, match="position_ids restart"):  # the check still runs, in the assert
+        ours(input_ids=ids, position_ids=packed_positions())

@@ -16,6 +16,7 @@ sequences, ``cu_seq_lens_q/k``). What it can't map exactly is refused with an er
 from __future__ import annotations
 
 import re
+import types
 import weakref
 
 import torch
@@ -86,7 +87,10 @@ _derived = WeakIdKeyDictionary()
 
 def _once(what, compute, *tensors):
     """``compute(*tensors)``, remembered while these very tensors are unmodified (their version counters);
-    inference tensors have none and are read every call. ``compute`` must not return views of ``tensors[0]``."""
+    inference tensors have none and are read every call. ``compute`` must not return views of ``tensors[0]``.
+    Under ``torch.compile`` nothing is remembered: the graph computes it (the cache can't be traced)."""
+    if torch.compiler.is_compiling():
+        return compute(*tensors)
     tracked = not any(t.is_inference() for t in tensors)
     if tracked:
         versions = tuple(t._version for t in tensors)
@@ -126,9 +130,33 @@ def _packing(sequence_ids):
     return cu, int(cu.diff().max())
 
 
-def _restarts(position_ids):
-    """Whether position ids restart inside a row (transformers' rule for packed sequences: a step other than +1)."""
-    return bool((position_ids.diff(dim=-1) != 1).any())
+_RESTARTS = ("portable_ops attention: position_ids restart inside a row (packed sequences) where portable_ops runs "
+             "one sequence per row: with a cache (use_cache defaults to True) or an attention_mask transformers builds "
+             "no packed-sequence mask (eager would attend across the sequences, FlashAttention would not), and under "
+             "torch.compile the integration can't unpack inside the graph. Pass cu_seq_lens_q/k and max_length_q/k, "
+             "or run eagerly with use_cache=False and no attention_mask")
+
+_CU_DISAGREE = ("portable_ops attention: cu_seq_lens_q/k mark other sequences than the restarts of position_ids, "
+                "from which transformers built its packed-sequence mask")
+
+
+# Devices whose tensors are checked by an asynchronous assert instead of a host read (which would wait for them)
+_ASYNC_CHECKED = ("cuda",)
+
+
+def _refuse_unless(ok, message):
+    """Raise ``ValueError(message)`` unless the one-element bool tensor ``ok`` is true, without waiting for the
+    device: checked inside the graph under compile and on the GPU stream on CUDA (a device-side assert there)."""
+    if torch.compiler.is_compiling() or ok.device.type in _ASYNC_CHECKED:
+        torch._assert_async(ok, message)
+    elif not ok:  # the CPU (no wait) and devices without an asynchronous assert
+        raise ValueError(message)
+
+
+def _no_restarts(position_ids):
+    """Refuse position ids that restart inside a row (transformers' rule for packed sequences: a step other than
+    +1)."""
+    _refuse_unless((position_ids.diff(dim=-1) == 1).all(), _RESTARTS)
 
 
 def _int32(cu):
@@ -136,6 +164,11 @@ def _int32(cu):
 
 
 # ----------------------------------------------------------------------------- the mask function
+
+def _captured(function, name):
+    """The value a nested function captured as ``name``; read only where needed (Dynamo can't read every closure)."""
+    return function.__closure__[function.__code__.co_freevars.index(name)].cell_contents
+
 
 def _mask_pieces(mask_function, pieces):
     """Add what a transformers mask function is made of (through ``and_masks``) to ``pieces``: "causal", and
@@ -146,19 +179,22 @@ def _mask_pieces(mask_function, pieces):
     if mask_function is masking_utils.causal_mask_function:
         pieces["causal"] = True
         return pieces
-    closure = dict(zip(mask_function.__code__.co_freevars,
-                       (cell.cell_contents for cell in mask_function.__closure__ or ())))
-    kind = getattr(mask_function, "__qualname__", repr(mask_function))
-    if kind == "and_masks.<locals>.and_mask":
-        for part in closure["mask_functions"]:
+    # Not getattr with a default nor hasattr: under Dynamo both miss a nested function's __qualname__
+    kind = mask_function.__qualname__ if isinstance(mask_function, types.FunctionType) else None
+    if kind == "and_masks.<locals>.and_mask" and torch.compiler.is_compiling():
+        # Dynamo can't read a closure: the parts are taken to be transformers' window and packing (docs say so)
+        pieces["causal"] = True
+    elif kind == "and_masks.<locals>.and_mask":
+        for part in _captured(mask_function, "mask_functions"):
             _mask_pieces(part, pieces)
     elif kind == "sliding_window_overlay.<locals>.inner_mask":
         pass  # the attention function gets the window as sliding_window
     elif kind == "packed_sequence_mask_function.<locals>.inner_mask":
-        pieces["packed"] = closure["packed_sequence_mask"]
+        pieces["packed"] = _captured(mask_function, "packed_sequence_mask")
     else:
         what = ("bidirectional (non-causal) attention" if mask_function is masking_utils.bidirectional_mask_function
-                else f"{kind} (an extra mask function: chunked attention, bidirectional blocks or an or/and overlay)")
+                else f"{kind or repr(mask_function)} (an extra mask function: chunked attention, bidirectional blocks "
+                   "or an or/and overlay)")
         raise NotImplementedError(
             f"portable_ops attention: transformers asked for a mask with {what} in mask_function; portable_ops maps "
             "causal masks with sliding windows, padding and packed sequences. Use attn_implementation='eager' or "
@@ -180,6 +216,9 @@ def build_mask(batch_size, kv_length, kv_offset=0, mask_function=None, attention
     if "causal" not in pieces:
         raise NotImplementedError("portable_ops attention: transformers asked for a mask without causal_mask_function "
                                   "in mask_function (bidirectional attention); only causal attention is mapped")
+    if torch.compiler.is_compiling() and getattr(kwargs.get("config"), "attention_chunk_size", None):
+        raise NotImplementedError("portable_ops attention: under torch.compile the mask of a model with "
+                                  "config.attention_chunk_size (chunked attention) can't be checked; it is not mapped")
     if "packed" in pieces:
         _sequence_ids[pieces["packed"]] = None
         return pieces["packed"]
@@ -238,13 +277,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         if cu_seq_lens_q is not None:
             return _packed(query, key, value, _int32(cu_seq_lens_q), _int32(cu_seq_lens_k), int(max_length_q),
                            int(max_length_k), options), None
-        if (isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and query.shape[2] > 1
-                and _once("restarts", _restarts, position_ids)):
-            raise ValueError(
-                "portable_ops attention: position_ids restart inside a row (packed sequences) but transformers built "
-                "no packed-sequence mask, which it does only when neither attention_mask nor past_key_values is "
-                "given: eager would attend across the sequences, FlashAttention would not. Pass use_cache=False "
-                "and no attention_mask to pack, or cu_seq_lens_q/k and max_length_q/k")
+        if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and query.shape[2] > 1:
+            _once("restarts", _no_restarts, position_ids)
         return _dense(query, key, value, options), None
     if attention_mask.dim() != 2:
         raise NotImplementedError(
@@ -256,8 +290,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             cu_q, cu_k = _int32(cu_seq_lens_q), _int32(cu_seq_lens_k)
             if not _once("agrees", lambda _, a, b: bool(torch.equal(cu, a) and torch.equal(cu, b)),
                          attention_mask, cu_q, cu_k):
-                raise ValueError("portable_ops attention: cu_seq_lens_q/k mark other sequences than the restarts of "
-                                 "position_ids, from which transformers built its packed-sequence mask")
+                raise ValueError(_CU_DISAGREE)
         return _packed(query, key, value, cu, cu, longest, longest, options), None
     if attention_mask.dtype != torch.bool:
         raise ValueError(f"portable_ops attention: attention_mask is a 2-D {attention_mask.dtype} mask that "
