@@ -384,3 +384,16 @@ def test_an_unpadded_forward_reads_nothing_on_the_host(monkeypatch):
     assert reads == []
     with pytest.raises(RuntimeError, match="position_ids restart"):  # the check still runs, in the assert
         ours(input_ids=ids, position_ids=packed_positions())
+
+
+def test_a_device_side_refusal_fits_the_asserts_message_limit(monkeypatch):
+    """CUDA's asynchronous assert refuses a message of 255 characters or more (a RuntimeError in every forward)."""
+    from portable_ops.integrations import transformers as integration
+
+    monkeypatch.setattr(integration, "_ASYNC_CHECKED", ("cuda", "cpu"))
+    messages = []
+    monkeypatch.setattr(torch, "_assert_async", lambda ok, message="": messages.append(message))
+    _, ours = models("llama")
+    ids = tokens(2, 12)
+    ours(input_ids=ids, labels=ids)
+    assert messages and all(len(m) <= integration.ASSERT_MESSAGE_LIMIT < 255 for m in messages)

@@ -144,11 +144,16 @@ _CU_DISAGREE = ("portable_ops attention: cu_seq_lens_q/k mark other sequences th
 _ASYNC_CHECKED = ("cuda",)
 
 
+# The longest message a device-side assert takes (CUDA refuses longer ones); the full text is in integrations.md
+ASSERT_MESSAGE_LIMIT = 254
+
+
 def _refuse_unless(ok, message):
     """Raise ``ValueError(message)`` unless the one-element bool tensor ``ok`` is true, without waiting for the
-    device: checked inside the graph under compile and on the GPU stream on CUDA (a device-side assert there)."""
+    device: checked inside the graph under compile and on the GPU stream on CUDA (a device-side assert there,
+    with the message cut to what it takes)."""
     if torch.compiler.is_compiling() or ok.device.type in _ASYNC_CHECKED:
-        torch._assert_async(ok, message)
+        torch._assert_async(ok, message[:ASSERT_MESSAGE_LIMIT])
     elif not ok:  # the CPU (no wait) and devices without an asynchronous assert
         raise ValueError(message)
 
