@@ -9,13 +9,6 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 
-def _norm_dtype(grad_dtype, norm_type, dtype):
-    """The dtype ``_foreach_norm`` returns each tensor's norm in: the grads' own for half precision, as
-    ``clip_grad_norm_`` takes it (each norm accumulates in float32 either way, and asking for float32
-    copies the grads first), except for the 0-"norm", a count that half precision can't hold."""
-    return None if grad_dtype in (torch.float16, torch.bfloat16) and norm_type != 0 else dtype
-
-
 def grad_norm(grads, norm_type):
     """The ``norm_type``-norm of all of ``grads`` taken together, as a float32 (float64 for float64) scalar;
     a zero-size grad is skipped for the max and min norms, as in the definition."""
@@ -24,6 +17,8 @@ def grad_norm(grads, norm_type):
         grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), dtype=dtype)
-    norms = [torch.stack(torch._foreach_norm(group, norm_type, dtype=_norm_dtype(group[0].dtype, norm_type, dtype)))
-             .to(grads[0].device, dtype) for [group], _ in _group_tensors_by_device_and_dtype([grads]).values()]
+    # float32 norms even of half-precision grads (clip_grad_norm_ rounds each to the grads' dtype, which the
+    # clip's float32 result can't afford), at the cost of the kernel converting the grads first
+    norms = [torch.stack(torch._foreach_norm(group, norm_type, dtype=dtype)).to(grads[0].device)
+             for [group], _ in _group_tensors_by_device_and_dtype([grads]).values()]
     return torch.linalg.vector_norm(torch.cat(norms), norm_type)
