@@ -18,6 +18,7 @@ compiled graph expects are the strides it gets.
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
 
 
 def heads_inner(t: torch.Tensor) -> bool:
@@ -53,5 +54,7 @@ def unviewed(result: torch.Tensor) -> torch.Tensor:
     """``result``, or, where it is a view (of a temporary, or of a kernel's buffer seen another way), the
     same memory as a tensor of its own (no copy): an output must be one, as SDPA's is, or an in-place op
     on one made under ``no_grad`` is refused once grad mode is back on. A view autograd tracks (the
-    reference differentiated twice) is kept."""
-    return result.detach() if result._is_view() and not result.requires_grad else result
+    definition differentiated twice, or forward-mode under ``torch.func.jvp``) is kept."""
+    if result._is_view() and not result.requires_grad and forward_ad.unpack_dual(result).tangent is None:
+        return result.detach()
+    return result

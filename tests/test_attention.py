@@ -525,3 +525,16 @@ def test_an_unknown_forced_backend_fails_only_where_dispatch_runs(monkeypatch):
         portable_ops.attention(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4))
     with pytest.raises(ValueError, match="PORTABLE_OPS_BACKEND='cuda'"):
         portable_ops.attention(*(torch.randn(1, 2, 3, 8) for _ in range(3)))
+
+
+def test_the_definition_carries_forward_mode_tangents():
+    """torch.func.jvp through the definition itself (its outputs pass through layout.unviewed): the tangent is
+    the finite difference's, not dropped with a detached view."""
+    from portable_ops.definitions import attention as definition
+
+    q, k, v = (t.detach() for t in qkv(sq=4, skv=6))
+    tangent = torch.randn_like(q)
+    forward = lambda q: definition.attention_fwd(q, k, v, causal=True, scale=0.3)[0]  # noqa: E731
+    _, tangent_out = torch.func.jvp(forward, (q,), (tangent,))
+    eps = 1e-6
+    torch.testing.assert_close(tangent_out, (forward(q + eps * tangent) - forward(q - eps * tangent)) / (2 * eps))
