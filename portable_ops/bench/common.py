@@ -19,6 +19,12 @@ def median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
+def sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def median_ms(fn, warmup: int = 5, iters: int = 30) -> float:
     """Median wall time of ``fn()`` on the current CUDA stream, from CUDA events, in milliseconds."""
     for _ in range(warmup):

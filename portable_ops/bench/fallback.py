@@ -30,6 +30,7 @@ import importlib.util
 import math
 import pathlib
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -198,15 +199,9 @@ def interleaved(ours, theirs, plan: Plan, device: torch.device) -> dict:
         mine.append(a)
         torch_ms.append(b)
         ratios.append(a / b)
-    return {"ours ms": _middle(mine), "torch ms": _middle(torch_ms), "ratio": _middle(ratios),
+    return {"ours ms": statistics.median(mine), "torch ms": statistics.median(torch_ms),
+            "ratio": statistics.median(ratios),
             "ratio min": min(ratios), "ratio max": max(ratios), "rounds": plan.rounds, "iters": iters}
-
-
-def _middle(values: list[float]) -> float:
-    """The median; of an even count, the mean of the middle two (two rounds give their mean)."""
-    s = sorted(values)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
 
 
 def spread(lo: float, hi: float) -> str:
@@ -406,8 +401,8 @@ def gpt2_row(device: torch.device, plan: Plan, path: pathlib.Path = EXAMPLE) -> 
         mine.append(runs[False])
         theirs.append(runs[True])
         ratios.append(runs[False] / runs[True])
-    ours_tps, torch_tps = _middle(mine), _middle(theirs)
-    ratio = _middle(ratios)
+    ours_tps, torch_tps = statistics.median(mine), statistics.median(theirs)
+    ratio = statistics.median(ratios)
     return {**base, "case": f"d{cfg.d_model}, {cfg.layers} layers, batch {cfg.batch}x{cfg.seq}, {steps} steps",
             "ours ms": tokens / ours_tps * 1e3, "torch ms": tokens / torch_tps * 1e3, "ratio": ratio,
             "ratio min": min(ratios), "ratio max": max(ratios), "spread": spread(min(ratios), max(ratios)),

@@ -37,7 +37,7 @@ import torch
 
 import portable_ops
 
-from .common import median
+from .common import median, sync
 from .llama import batches
 from .train import HYPER, LR_WARMUP_STEPS, MAX_GRAD_NORM
 
@@ -98,11 +98,6 @@ def implementations(device: torch.device) -> list[str]:
     if device.type == "cuda" and is_torch_flex_attn_available():
         found.append("flex_attention")
     return [*found, register()]
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _held_bytes(tensors) -> int:
@@ -191,11 +186,11 @@ def _measure_group(shape: Shape, mode: str, attentions: list[str], weights: dict
         try:
             variant = Variant(shape, attention, mode, weights, data, device, autocast)
             graphs, breaks = _compilations()
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             for _ in range(warmup):
                 variant.step()
-            _sync(device)
+            sync(device)
             row["warm-up s"] = time.perf_counter() - start
             if mode == "compiled":
                 now = _compilations()
@@ -218,15 +213,15 @@ def _measure_group(shape: Shape, mode: str, attentions: list[str], weights: dict
     for r in range(rounds):
         for variant in variants[r % len(variants):] + variants[:r % len(variants)]:
             if device.type == "cuda":
-                _sync(device)
+                sync(device)
                 others = torch.cuda.memory_allocated(device) - variant.held_bytes()
                 torch.cuda.reset_peak_memory_stats(device)
             graphs = _compilations()[0]
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             for _ in range(timed):
                 variant.step()
-            _sync(device)
+            sync(device)
             times[variant.attention].append(time.perf_counter() - start)
             if mode == "compiled":  # a recompile here would be timed: the row says so
                 rows[variant.attention]["graphs compiled while timed"] += _compilations()[0] - graphs

@@ -34,7 +34,7 @@ import torch
 
 import portable_ops
 
-from .common import host_ms, median
+from .common import host_ms, median, sync
 from .llama import Llama, LlamaConfig, batches
 
 # The two shapes, then a long-sequence one (head dim 128, 8k tokens per sequence).
@@ -81,11 +81,6 @@ def _optimizer(stack, model):
     if stack != "portable_ops":
         return torch.optim.AdamW(model.parameters(), fused=model.embed.weight.is_cuda, **HYPER)
     return portable_ops.optim.AdamW(model.parameters(), max_grad_norm=MAX_GRAD_NORM, **HYPER)
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 class Run:
@@ -152,7 +147,7 @@ def step_host_ms(run: Run, steps: int) -> dict:
         times["step"].append((last - start) * 1e3)
         if run.device.type == "cuda":
             waited |= slept.query()
-        _sync(run.device)
+        sync(run.device)
     if waited:
         return {"host ms/step": "waited"}
     return {"host ms/step": median(times.pop("step")),
@@ -174,7 +169,7 @@ def _device_time(run: Run, steps: int) -> dict:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             run.step()
-        _sync(run.device)
+        sync(run.device)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy, end = 0.0, float("-inf")
     for start, stop in sorted((e.time_range.start, e.time_range.end) for e in kernels):
@@ -191,15 +186,15 @@ def measure(cfg: LlamaConfig, stack: str, mode: str, device: torch.device, timed
     run = Run(cfg, stack, mode, device, WARMUP_STEPS + timed_steps + profiled_steps + host_steps)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(WARMUP_STEPS):
         run.step()
-    _sync(device)
+    sync(device)
     warm = time.perf_counter()
     for _ in range(timed_steps):
         run.step()
-    _sync(device)
+    sync(device)
     ms = (time.perf_counter() - warm) * 1e3 / timed_steps
     row = {"shape": None, "stack": stack, "mode": mode, "ms/step": ms,
            "tokens/s": cfg.batch * cfg.seq / (ms / 1e3),
