@@ -30,7 +30,7 @@ class FusedKernel(NamedTuple):
     """One device type's fused attention: ``forward(q, k, v, is_causal, mask, scale) -> (out, lse)`` and
     ``backward(dout, q, k, v, out, lse, is_causal, mask, scale) -> (dq, dk, dv)``, top-left causal, GQA
     taken as it comes (``k``, ``v`` with fewer heads than ``q``); the dtypes it takes, whether it takes an
-    additive mask, and ``takes(tensors)``: whether it takes these tensors' head dim and strides."""
+    additive mask, and ``takes(tensors)``: whether it takes these tensors' head dim."""
 
     forward: Callable
     backward: Callable
@@ -57,7 +57,8 @@ def _cpu_backward(dout, q, k, v, out, lse, is_causal, mask, scale):
 
 
 def _groups_repeated(q, k, v):
-    """``k``, ``v`` with each KV head repeated for its query heads (the CUDA kernels take equal head counts)."""
+    """``k``, ``v`` with each KV head repeated for its query heads (FlashAttention-2's and the memory-efficient
+    kernel's aten ops take equal head counts)."""
     groups = q.shape[1] // k.shape[1]
     return (k, v) if groups == 1 else (k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1))
 
@@ -79,12 +80,11 @@ def _cuda_kernel(q, k, v, is_causal, scale):
 def _cuda_forward(q, k, v, is_causal, mask, scale):
     q, k, v = _unit_stride(q, k, v)
     kernel = _cuda_kernel(q, k, v, is_causal, scale)
-    if kernel != "cudnn":
-        k, v = _groups_repeated(q, k, v)
     if kernel == "cudnn":
         out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False,
                                                                           scale=scale)
         return out, lse.view(lse.shape[:3])
+    k, v = _groups_repeated(q, k, v)
     if kernel == "flash":
         out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
         return out, lse
