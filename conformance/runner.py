@@ -82,8 +82,9 @@ class Comparison:
     oracles: set = field(default_factory=set)
 
     def check(self, oracle: str, label: str, out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float,
-              slack: torch.Tensor | float = 0.0):
-        """Pass where ``|out - ref| <= atol + rtol * |ref| + slack`` elementwise."""
+              slack: torch.Tensor | float = 0.0, nonfinite_alike: bool = False):
+        """Pass where ``|out - ref| <= atol + rtol * |ref| + slack`` elementwise, NaN matching NaN and an infinity
+        itself; with ``nonfinite_alike``, any non-finite value matches any other."""
         self.oracles.add(oracle)
         out, ref = out.detach().to("cpu", F64), ref.detach().to("cpu", F64)
         if out.shape != ref.shape:
@@ -91,7 +92,10 @@ class Comparison:
             return
         both_nan = out.isnan() & ref.isnan()
         same_inf = out.isinf() & (out == ref)
-        err = torch.where(both_nan | same_inf, torch.zeros_like(out), (out - ref).abs())
+        alike = both_nan | same_inf
+        if nonfinite_alike:
+            alike |= ~out.isfinite() & ~ref.isfinite()
+        err = torch.where(alike, torch.zeros_like(out), (out - ref).abs())
         err = torch.nan_to_num(err, nan=math.inf)
         if err.numel():
             self.max_abs = max(self.max_abs, err.max().item())
@@ -177,6 +181,9 @@ def _scalar(value, device, dtype=torch.float32):
 
 # ----------------------------------------------------------------------------- adam
 
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
 def run_adam(case: Case, backend: str, device: torch.device, oracles: list[str], result: Comparison):
     p, dtype = case.params, case.dtype
     gen = torch.Generator().manual_seed(case.seed)
@@ -216,7 +223,10 @@ def run_adam(case: Case, backend: str, device: torch.device, oracles: list[str],
                     slack = 0.0
                     if label == "param" and not skip:
                         slack = UPDATE_RTOL * torch.nan_to_num((ref - before[0][i]).abs(), nan=0.0, posinf=0.0)
-                    result.check(oracle, f"step {step + 1} {label}[{i}]", out, ref, *tol, slack=slack)
+                    # the kind of a non-finite moment is not part of the contract: torch's fused CUDA kernel
+                    # leaves NaN where a non-finite grad gives the definition an infinity
+                    result.check(oracle, f"step {step + 1} {label}[{i}]", out, ref, *tol, slack=slack,
+                                 nonfinite_alike=label in _MOMENTS)
 
 
 # ----------------------------------------------------------------------------- clip

@@ -155,7 +155,8 @@ class Adam(torch.optim.Optimizer):
         return by_device, new_state, False
 
     def _calls(self, grad_scale, found_inf):
-        """(params, checked functional call) for every (group, device), and the state to create for new params.
+        """(params, checked functional call, whether its lists are the cached ones) for every (group, device), and
+        the state to create for new params.
 
         DTensor parameters (FSDP2) contribute their local shards: the step is elementwise.
         """
@@ -177,7 +178,7 @@ class Adam(torch.optim.Optimizer):
                         maximize=group["maximize"], decoupled_weight_decay=self.decoupled_weight_decay,
                         grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device),
                         state_dtype=group["state_dtype"], checked_layouts=lists["layouts"] if checked else None)
-                calls.append((lists["keys"], call))
+                calls.append((lists["keys"], call, checked))
         return calls, new_state
 
     @torch.no_grad()
@@ -194,16 +195,18 @@ class Adam(torch.optim.Optimizer):
         max_grad_norm = self._max_grad_norm()
         calls, new_state = self._calls(grad_scale, found_inf)
         moved_steps = []  # torch keeps `step` on the CPU unless fused; ours lives with its param
-        for keys, call in calls:
+        for keys, call, cached in calls:
+            if cached:  # their steps were moved when the lists were cached
+                continue
             steps = call["state_steps"]  # the call's own list (adam_call copies it)
             for i, p in enumerate(keys):
                 if steps[i].device != call["params"][i].device:
                     steps[i] = steps[i].to(call["params"][i].device, torch.float32)
                     moved_steps.append((p, steps[i]))
-        kernels = [dispatch("adam", call, call["params"][0].device) for _, call in calls]
+        kernels = [dispatch("adam", call, call["params"][0].device) for _, call, _ in calls]
         if max_grad_norm is not None and calls:
-            coef = self._clip_coefficient([p.grad for keys, _ in calls for p in keys], max_grad_norm, grad_scale)
-            for _, call in calls:
+            coef = self._clip_coefficient([p.grad for keys, _, _ in calls for p in keys], max_grad_norm, grad_scale)
+            for _, call, _ in calls:
                 call["clip_coef"] = coef.to(call["params"][0].device)
         self.state.update(new_state)
         for p, step in moved_steps:
@@ -215,7 +218,7 @@ class Adam(torch.optim.Optimizer):
             for lists in by_device.values():
                 lists["steps"] = [self.state[p]["step"] for p in lists["keys"]]
             self._lists_cache[key] = (flags, with_grad, states, by_device)
-        for kernel, (_, call) in zip(kernels, calls):
+        for kernel, (_, call, _) in zip(kernels, calls):
             kernel.run(**call)
         return loss
 
