@@ -116,10 +116,10 @@ def test_reference_masks_one_block_of_queries_at_a_time(monkeypatch, sq, skv, wi
 
     monkeypatch.setattr(reference, "MASK_BUDGET", 8 * 16)
     masks = []
-    kernel = reference.FUSED_KERNELS["cpu"]
-    spy = kernel._replace(forward=lambda *a: masks.append(a[4].shape) or kernel.forward(*a),
-                          backward=lambda *a: masks.append(a[7].shape) or kernel.backward(*a))
-    monkeypatch.setitem(reference.FUSED_KERNELS, "cpu", spy)
+    kernel = reference.CPU_KERNEL
+    spy = reference.Kernel(forward=lambda *a: masks.append(a[4].shape) or kernel.forward(*a),
+                           backward=lambda *a: masks.append(a[7].shape) or kernel.backward(*a))
+    monkeypatch.setitem(reference.FUSED_KERNELS, "cpu", reference.FUSED_KERNELS["cpu"]._replace(pick=lambda *_: spy))
     q, k, v = qkv(sq=sq, skv=skv)
     with portable_ops.use_backend("reference"):
         out = portable_ops.attention(q, k, v, causal=True, window=window)

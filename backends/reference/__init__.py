@@ -9,7 +9,7 @@ Adam, ``_foreach_norm``) where the call maps onto one, and the readable definiti
 from portable_ops.dispatch import EVERY_DEVICE_TYPE, Backend, OpImpl
 
 from .adam import adam
-from .attention import attention_bwd, attention_fwd
+from .attention import attention_bwd, attention_fwd, prepare_attention_bwd, prepare_attention_fwd
 from .attention_varlen import attention_varlen_bwd, attention_varlen_fwd
 from .grad_norm import grad_norm
 from .paged import paged_attention, paged_kv_append
@@ -21,8 +21,8 @@ BACKEND = Backend(
     ops={
         "adam": OpImpl(run=adam),
         "grad_norm": OpImpl(run=grad_norm),
-        "attention_fwd": OpImpl(run=attention_fwd),
-        "attention_bwd": OpImpl(run=attention_bwd),
+        "attention_fwd": OpImpl(run=attention_fwd, prepare=prepare_attention_fwd),
+        "attention_bwd": OpImpl(run=attention_bwd, prepare=prepare_attention_bwd),
         "attention_varlen_fwd": OpImpl(run=attention_varlen_fwd),
         "attention_varlen_bwd": OpImpl(run=attention_varlen_bwd),
         "paged_attention": OpImpl(run=paged_attention),

@@ -13,6 +13,7 @@ dtypes) runs the definition, blocked too."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, NamedTuple
 
@@ -22,18 +23,26 @@ from torch.nn.attention import SDPBackend
 from portable_ops.definitions import attention as definition
 from portable_ops.layout import as_layout_of, empty_like
 
+aten = torch.ops.aten
 MASK_BUDGET = 1 << 22  # elements of one query block's additive mask
 MIN_BLOCK_ROWS = 128
 
 
-class FusedKernel(NamedTuple):
-    """One device type's fused attention: ``forward(q, k, v, is_causal, mask, scale) -> (out, lse)`` and
+class Kernel(NamedTuple):
+    """One fused attention kernel: ``forward(q, k, v, is_causal, mask, scale) -> (out, lse)`` and
     ``backward(dout, q, k, v, out, lse, is_causal, mask, scale) -> (dq, dk, dv)``, top-left causal, GQA
-    taken as it comes (``k``, ``v`` with fewer heads than ``q``); the dtypes it takes, whether it takes an
-    additive mask, and ``takes(tensors)``: whether it takes these tensors' head dim."""
+    taken as it comes (``k``, ``v`` with fewer heads than ``q``), each tensor's last dim dense."""
 
     forward: Callable
     backward: Callable
+
+
+class FusedKernel(NamedTuple):
+    """One device type's fused attention: ``pick(q, k, v, is_causal, scale)``, the :class:`Kernel` for these
+    tensors (last dims dense) and options; the dtypes it takes, whether it takes an additive mask, and
+    ``takes(tensors)``: whether it takes these tensors' head dim."""
+
+    pick: Callable
     dtypes: tuple[torch.dtype, ...]
     masks: bool
     takes: Callable
@@ -45,20 +54,56 @@ def _unit_stride(*tensors):
 
 
 def _cpu_forward(q, k, v, is_causal, mask, scale):
-    q, k, v = _unit_stride(q, k, v)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask,
-                                                                     scale=scale)
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
 
 
 def _cpu_backward(dout, q, k, v, out, lse, is_causal, mask, scale):
-    dout, q, k, v, out = _unit_stride(dout, q, k, v, out)
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, is_causal, attn_mask=mask, scale=scale)
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, is_causal,
+                                                                     attn_mask=mask, scale=scale)
+
+
+CPU_KERNEL = Kernel(_cpu_forward, _cpu_backward)
+
+
+@functools.cache
+def _stand_ins(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The RNG state arguments of the CUDA kernels' backward, which none of them reads without dropout."""
+    return (torch.empty(0, dtype=torch.int64, device=device), torch.empty(2, dtype=torch.uint64, device=device),
+            torch.empty((), dtype=torch.uint64, device=device))
+
+
+def _out_as(out, dout):
+    """``out`` with ``dout``'s strides, as the CUDA kernels' backward reads it."""
+    return out if out.stride() == dout.stride() else torch.empty_like(dout).copy_(out)
+
+
+def _cudnn_forward(q, k, v, is_causal, mask, scale):
+    out, lse, *_ = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False, scale=scale)
+    return out, lse.view(lse.shape[:3])
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, is_causal, mask, scale):
+    seed = _stand_ins(q.device)[0]
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, _out_as(out, dout), lse.contiguous()[..., None], seed, seed, None, None, None, q.shape[2],
+        k.shape[2], 0.0, is_causal, scale=scale)
+
+
+def _flash_forward(q, k, v, is_causal, mask, scale):
+    out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+    return out, lse
+
+
+def _flash_backward(dout, q, k, v, out, lse, is_causal, mask, scale):
+    _, rng_state, unused = _stand_ins(q.device)
+    return aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, _out_as(out, dout), lse.contiguous(), None, None, q.shape[2], k.shape[2], 0.0, is_causal,
+        rng_state, unused, scale=scale)
 
 
 def _groups_repeated(q, k, v):
-    """``k``, ``v`` with each KV head repeated for its query heads (FlashAttention-2's and the memory-efficient
-    kernel's aten ops take equal head counts)."""
+    """``k``, ``v`` with each KV head repeated for its query heads (the memory-efficient kernel's aten ops take
+    equal head counts)."""
     groups = q.shape[1] // k.shape[1]
     return (k, v) if groups == 1 else (k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1))
 
@@ -69,60 +114,44 @@ def _groups_summed(d, hkv):
     return d if hq == hkv else d.view(b, hkv, hq // hkv, s, dim).sum(2)
 
 
-def _cuda_kernel(q, k, v, is_causal, scale):
-    """The kernel SDPA picks for these tensors: cuDNN's (which takes GQA as it comes), FlashAttention-2, or
-    the memory-efficient one for whatever else reaches here (those two get k, v repeated for GQA)."""
-    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-    return {int(SDPBackend.CUDNN_ATTENTION): "cudnn", int(SDPBackend.FLASH_ATTENTION): "flash"}.get(choice,
-                                                                                                   "efficient")
-
-
-def _cuda_forward(q, k, v, is_causal, mask, scale):
-    q, k, v = _unit_stride(q, k, v)
-    kernel = _cuda_kernel(q, k, v, is_causal, scale)
-    if kernel == "cudnn":
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False,
-                                                                          scale=scale)
-        return out, lse.view(lse.shape[:3])
+def _efficient_forward(q, k, v, is_causal, mask, scale):
     k, v = _groups_repeated(q, k, v)
-    if kernel == "flash":
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
-        return out, lse
-    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal,
-                                                                            scale=scale)
+    out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal, scale=scale)
     return out, lse[..., :q.shape[2]]
 
 
-def _cuda_backward(dout, q, k, v, out, lse, is_causal, mask, scale):
-    """The backward of the kernel the forward ran (the same pick for the same tensors). None of them reads
-    its RNG state without dropout; they get empty stand-ins."""
-    hkv = k.shape[1]
-    dout, q, k, v = _unit_stride(dout, q, k, v)
-    kernel = _cuda_kernel(q, k, v, is_causal, scale)
-    if kernel != "cudnn":
-        k, v = _groups_repeated(q, k, v)
-    if out.stride() != dout.stride():  # the kernels read out with dout's strides
-        out = torch.empty_like(dout).copy_(out)
-    lse = lse.contiguous()
-    sq, skv = q.shape[2], k.shape[2]
-    if kernel == "cudnn":
-        seed = torch.empty(0, dtype=torch.int64, device=q.device)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse[..., None], seed, seed, None, None, None, sq, skv, 0.0, is_causal, scale=scale)
-    elif kernel == "flash":
-        rng_state = torch.empty(2, dtype=torch.uint64, device=q.device)
-        unused = torch.empty((), dtype=torch.uint64, device=q.device)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, None, None, sq, skv, 0.0, is_causal, rng_state, unused, scale=scale)
-    else:
-        # each head's lse at a stride of Sq rounded up to 32, as the forward wrote it; +inf rows add nothing
-        padded = lse.new_full((*lse.shape[:-1], -(-sq // 32) * 32), float("inf"))
-        padded[..., :sq] = lse
-        unused = torch.empty(0, device=q.device)
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout, q, k, v, None, out, padded[..., :sq], unused, unused, 0.0, [True, True, True, False], is_causal,
-            scale=scale)
+def _heads_inner(t):
+    """``t`` laid out as ``[B, S, H, D]`` in memory, as the memory-efficient kernel's forward writes its out: its
+    backward misreads a half-precision out in any other layout."""
+    b, h, s, d = t.shape
+    strides = (s * h * d, d, h * d, 1)
+    return t if t.stride() == strides else torch.empty_strided(t.shape, strides, dtype=t.dtype,
+                                                               device=t.device).copy_(t)
+
+
+def _efficient_backward(dout, q, k, v, out, lse, is_causal, mask, scale):
+    hkv, sq = k.shape[1], q.shape[2]
+    k, v = _groups_repeated(q, k, v)
+    # each head's lse at a stride of Sq rounded up to 32, as the forward wrote it; +inf rows add nothing
+    padded = lse.new_full((*lse.shape[:-1], -(-sq // 32) * 32), float("inf"))
+    padded[..., :sq] = lse
+    unused = torch.empty(0, device=q.device)
+    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, _heads_inner(out), padded[..., :sq], unused, unused, 0.0, [True, True, True, False],
+        is_causal, scale=scale)
     return dq, _groups_summed(dk, hkv), _groups_summed(dv, hkv)
+
+
+# cuDNN's and FlashAttention-2's aten ops take GQA as it comes; the memory-efficient kernel's get k, v repeated
+CUDA_KERNELS = {int(SDPBackend.CUDNN_ATTENTION): Kernel(_cudnn_forward, _cudnn_backward),
+                int(SDPBackend.FLASH_ATTENTION): Kernel(_flash_forward, _flash_backward)}
+EFFICIENT_KERNEL = Kernel(_efficient_forward, _efficient_backward)
+
+
+def _cuda_pick(q, k, v, is_causal, scale):
+    """The kernel SDPA picks for these tensors (the backward's pick is the forward's: the same tensors)."""
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return CUDA_KERNELS.get(choice, EFFICIENT_KERNEL)
 
 
 def _cuda_takes(tensors):
@@ -131,11 +160,10 @@ def _cuda_takes(tensors):
 
 
 FUSED_KERNELS = {
-    "cpu": FusedKernel(_cpu_forward, _cpu_backward, (torch.float32, torch.float64, torch.bfloat16, torch.float16),
+    "cpu": FusedKernel(lambda *_: CPU_KERNEL, (torch.float32, torch.float64, torch.bfloat16, torch.float16),
                        masks=True, takes=lambda tensors: True),
     # the CUDA kernels' backward with an additive mask disagreed with the definition: masked calls run it
-    "cuda": FusedKernel(_cuda_forward, _cuda_backward, (torch.float32, torch.bfloat16, torch.float16), masks=False,
-                        takes=_cuda_takes),
+    "cuda": FusedKernel(_cuda_pick, (torch.float32, torch.bfloat16, torch.float16), masks=False, takes=_cuda_takes),
 }
 
 
@@ -215,24 +243,46 @@ def _blocks(q, k, causal, window):
 
 
 def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
-    kernel = _fused_kernel(q, scale, softcap, (k, v))
-    whole = None if kernel is None else _whole(q, k, causal, window)
+    fused = _fused_kernel(q, scale, softcap, (k, v))
+    whole = None if fused is None else _whole(q, k, causal, window)
     if whole is not None:
         is_causal, keys = whole
-        out, lse = kernel.forward(q, k[:, :, keys], v[:, :, keys], is_causal, None, scale)
+        q_u, k_u, v_u = _unit_stride(q, k[:, :, keys], v[:, :, keys])
+        out, lse = fused.pick(q_u, k_u, v_u, is_causal, scale).forward(q_u, k_u, v_u, is_causal, None, scale)
         return as_layout_of(out, q), lse.contiguous()
-    if kernel is None or not kernel.masks:
+    if fused is None or not fused.masks:
         return definition.attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
     out = empty_like(q).zero_()
     lse = torch.full(q.shape[:3], float("-inf"), dtype=definition.opmath(q), device=q.device)
+    q_u, k_u, v_u = _unit_stride(q, k, v)
     for block in _blocks(q, k, causal, window):
         if block.mask is None:
             continue
-        out_b, lse_b = kernel.forward(q[:, :, block.rows], k[:, :, block.keys], v[:, :, block.keys], False,
-                                      block.mask, scale)
+        q_b, k_b, v_b = q_u[:, :, block.rows], k_u[:, :, block.keys], v_u[:, :, block.keys]
+        out_b, lse_b = fused.pick(q_b, k_b, v_b, False, scale).forward(q_b, k_b, v_b, False, block.mask, scale)
         out[:, :, block.rows] = out_b * block.seeing[:, None]  # the kernel's rows that see no key: zero
         lse[:, :, block.rows] = lse_b.masked_fill(~block.seeing, float("-inf"))
     return out, lse
+
+
+def prepare_attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
+    """``attention_fwd`` for every call of this one's layout and options (``OpImpl.prepare``): ``run(q, k, v)``,
+    its checks and span of keys found here, once (the kernel is picked per call, as SDPA's switches may change)."""
+    fused = _fused_kernel(q, scale, softcap, (k, v))
+    whole = None if fused is None else _whole(q, k, causal, window)
+    if whole is None:
+        return functools.partial(attention_fwd, causal=causal, scale=scale, window=window, softcap=softcap)
+    is_causal, keys = whole
+    every_key = keys == slice(0, k.shape[2])
+
+    def run(q, k, v):
+        if not every_key:
+            k, v = k[:, :, keys], v[:, :, keys]
+        q_u, k_u, v_u = _unit_stride(q, k, v)
+        out, lse = fused.pick(q_u, k_u, v_u, is_causal, scale).forward(q_u, k_u, v_u, is_causal, None, scale)
+        return as_layout_of(out, q), lse.contiguous()
+
+    return run
 
 
 def _over_keys(d, t, keys):
@@ -245,15 +295,18 @@ def _over_keys(d, t, keys):
 
 
 def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None):
-    kernel = _fused_kernel(q, scale, softcap, (k, v, out, dout), lse=lse)
-    whole = None if kernel is None else _whole(q, k, causal, window)
+    fused = _fused_kernel(q, scale, softcap, (k, v, out, dout), lse=lse)
+    whole = None if fused is None else _whole(q, k, causal, window)
     if whole is not None:
         is_causal, keys = whole
-        dq, dk, dv = kernel.backward(dout, q, k[:, :, keys], v[:, :, keys], out, lse, is_causal, None, scale)
+        q_u, k_u, v_u, out, dout = _unit_stride(q, k[:, :, keys], v[:, :, keys], out, dout)
+        kernel = fused.pick(q_u, k_u, v_u, is_causal, scale)
+        dq, dk, dv = kernel.backward(dout, q_u, k_u, v_u, out, lse, is_causal, None, scale)
         return as_layout_of(dq, q), _over_keys(dk, k, keys), _over_keys(dv, v, keys)
-    if kernel is None or not kernel.masks:
+    if fused is None or not fused.masks:
         return definition.attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale, window=window,
                                         softcap=softcap)
+    q_u, k_u, v_u, out, dout = _unit_stride(q, k, v, out, dout)
     dq = empty_like(q).zero_()
     dk = torch.zeros(k.shape, dtype=definition.opmath(k), device=k.device)
     dv = torch.zeros(v.shape, dtype=definition.opmath(v), device=v.device)
@@ -261,11 +314,37 @@ def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softca
         if block.mask is None:
             continue
         rows, keys = block.rows, block.keys
+        q_b, k_b, v_b = q_u[:, :, rows], k_u[:, :, keys], v_u[:, :, keys]
         # a row that sees no key has lse -inf; the kernel takes exp(score - lse) with its scores -inf
         lse_b = lse[:, :, rows].masked_fill(~block.seeing, 0.0)
-        dq_b, dk_b, dv_b = kernel.backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                           out[:, :, rows], lse_b, False, block.mask, scale)
+        dq_b, dk_b, dv_b = fused.pick(q_b, k_b, v_b, False, scale).backward(
+            dout[:, :, rows], q_b, k_b, v_b, out[:, :, rows], lse_b, False, block.mask, scale)
         dq[:, :, rows] = dq_b
         dk[:, :, keys] += dk_b
         dv[:, :, keys] += dv_b
     return dq, as_layout_of(dk.to(k.dtype), k), as_layout_of(dv.to(v.dtype), v)
+
+
+def prepare_attention_bwd(q, k, v, *, causal, scale, window=None, softcap=None):
+    """``attention_bwd`` for every call whose q, k and v have this one's layout and whose options are these
+    (``OpImpl.prepare``): ``run(q, k, v, out, lse, dout)``, its checks and span of keys found here, once; an
+    out, lse or dout of another dtype than the forward gives (a ``.data`` swap) takes the checked path."""
+    fused = _fused_kernel(q, scale, softcap, (k, v))
+    whole = None if fused is None else _whole(q, k, causal, window)
+    general = functools.partial(attention_bwd, causal=causal, scale=scale, window=window, softcap=softcap)
+    if whole is None:
+        return general
+    is_causal, keys = whole
+    every_key = keys == slice(0, k.shape[2])
+    dtype, lse_dtype = q.dtype, definition.opmath(q)
+
+    def run(q, k, v, out, lse, dout):
+        if out.dtype != dtype or dout.dtype != dtype or lse.dtype != lse_dtype:
+            return general(q, k, v, out, lse, dout)
+        k_s, v_s = (k, v) if every_key else (k[:, :, keys], v[:, :, keys])
+        q_u, k_u, v_u, out, dout = _unit_stride(q, k_s, v_s, out, dout)
+        kernel = fused.pick(q_u, k_u, v_u, is_causal, scale)
+        dq, dk, dv = kernel.backward(dout, q_u, k_u, v_u, out, lse, is_causal, None, scale)
+        return as_layout_of(dq, q), _over_keys(dk, k, keys), _over_keys(dv, v, keys)
+
+    return run
