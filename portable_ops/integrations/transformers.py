@@ -59,8 +59,9 @@ def register(name: str = "portable_ops") -> str:
     """Register portable_ops' attention and mask functions with transformers under ``name`` and return the name,
     to pass as ``attn_implementation`` (``from_pretrained(..., attn_implementation=register())``, or
     ``model.set_attn_implementation(register())``). Calling it again is harmless."""
+    global _masking_utils
     _transformers()
-    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers import AttentionInterface, AttentionMaskInterface, masking_utils
 
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
@@ -75,7 +76,12 @@ def register(name: str = "portable_ops") -> str:
                              f"to {registered.__module__}.{registered.__qualname__}; choose another")
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, build_mask)
+    _masking_utils = masking_utils
     return name
+
+
+# transformers.masking_utils, once register() has run: imported inside a compiled call, it broke the graph on CUDA
+_masking_utils = None
 
 
 # ----------------------------------------------------------------------------- values read once per tensor
@@ -179,8 +185,7 @@ def _mask_pieces(mask_function, pieces):
     """Add what a transformers mask function is made of (through ``and_masks``) to ``pieces``: "causal", and
     "packed" with transformers' sequence index per token; a sliding window passes (the attention function gets
     it as ``sliding_window``). Anything else is refused: dropping it would attend where eager does not."""
-    from transformers import masking_utils
-
+    masking_utils = _masking_utils
     if mask_function is masking_utils.causal_mask_function:
         pieces["causal"] = True
         return pieces
