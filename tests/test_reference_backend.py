@@ -1,5 +1,6 @@
 """The reference backend's fast paths against the definitions: layouts torch's kernels don't read as given."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -38,3 +39,29 @@ def test_attention_with_a_strided_head_dim_matches_sdpa():
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(out, expected)
     torch.testing.assert_close(grads, torch.autograd.grad(expected.sum(), (q, k, v)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+def test_cuda_attention_matches_sdpa_under_each_kernel_sdpa_can_pick(kernel, dtype, heads):
+    """Each SDPA kernel through its aten ops, GQA as each takes it and out in the layout each backward reads."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    hq, hkv = heads
+    q = torch.randn(2, hq, 257, 64, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, hkv, 257, 64, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    dout = torch.randn_like(q)
+    with sdpa_kernel(getattr(SDPBackend, kernel)):
+        try:
+            expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        except RuntimeError:
+            pytest.skip(f"SDPA's {kernel} does not take this call here")
+        with portable_ops.use_backend("reference"):
+            out = portable_ops.attention(q, k, v, causal=True)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(grads, torch.autograd.grad(expected, (q, k, v), dout)):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
