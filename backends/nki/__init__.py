@@ -46,5 +46,6 @@ BACKEND = Backend(
     },
     runtime_reasons=_runtime_reasons,
     description="NKI kernels for Trainium2/3",
-    declined=("attention_varlen_fwd", "attention_varlen_bwd", "paged_attention", "paged_kv_append"),
+    declined=("attention_varlen_fwd", "attention_varlen_bwd", "paged_attention", "paged_kv_append", "rms_norm_fwd",
+              "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd"),
 )
