@@ -4,8 +4,8 @@ A case names an op family (``portable_ops.ops.families()``: ``adam``, ``clip_gra
 ``attention_varlen``, ``paged_attention``, ``rms_norm``, ``layer_norm``), a seed, its parameters and a dtype.
 Inputs are drawn from the seed on the CPU and moved to the backend's device, so every backend sees the same
 numbers. Tolerances come from tolerances.py, by family and dtype: a value passes when
-``|out - ref| <= atol + rtol * |ref|`` elementwise, against each oracle. Adam cases with ``state_dtype`` in their params keep
-the moments in that dtype and check them with its tolerance.
+``|out - ref| <= atol + rtol * |ref|`` elementwise, against each oracle. Adam cases with ``state_dtype`` in
+their params keep the moments in that dtype and check them with its tolerance.
 
 A ``long`` case (attention at 16k and 32k keys) is checked on ``sampled_rows`` only, blocks of query
 rows (runner.py says why that is exact), and is run only where its backend's tensors are on an
