@@ -52,7 +52,7 @@ def norm_eps(op: str, eps, dtype: torch.dtype) -> float:
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"{op}: eps must be a float (or None), got {type(eps).__name__}")
     eps = float(eps)
-    if not math.isfinite(eps) or eps < 0:
+    if not 0 <= eps < math.inf:  # NaN fails it too (comparisons, not math.isfinite, trace under torch.compile)
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps}")
     return eps
 
