@@ -1,9 +1,9 @@
 """RMSNorm and LayerNorm as torch runs them: its fused kernels where it has them, the definition elsewhere.
 
 LayerNorm is ``torch.native_layer_norm`` and its ATen backward (what ``F.layer_norm`` and its autograd run),
-but for the backward of half-precision rows on the CPU (whose weight gradient ATen sums in that precision, not
-float32 as this op promises) and of a weight whose dtype is not x's (ATen's backward takes one dtype): those run
-the definition. RMSNorm is ATen's ``_fused_rms_norm`` (what ``F.rms_norm`` runs on CUDA and CPU in
+but for the backward of half-precision rows off CUDA (on the CPU ATen sums their weight gradient in that
+precision, not float32 as this op promises) and of a weight whose dtype is not x's (ATen's backward takes one
+dtype): those run the definition. RMSNorm is ATen's ``_fused_rms_norm`` (what ``F.rms_norm`` runs on CUDA and CPU in
 recent torch) forward, and its fused backward on CUDA; on other devices, and on a torch without those
 ops, the definition (``portable_ops/definitions/norms.py``), plain torch ops, as ``F.rms_norm``'s own
 composite is there.
@@ -52,8 +52,9 @@ def layer_norm_fwd(x, residual, weight, bias, eps):
 
 
 def layer_norm_bwd(x, weight, mean, rstd, dout, dh, has_bias):
-    # ATen's backward takes one dtype, and on the CPU sums a half-precision dweight in that precision
-    if (weight is not None and weight.dtype != x.dtype) or (x.device.type == "cpu" and x.dtype in _HALF):
+    # ATen's backward takes one dtype, and on the CPU sums a half-precision dweight in that precision (CUDA's in
+    # float32; other device types are not known to)
+    if (weight is not None and weight.dtype != x.dtype) or (x.device.type != "cuda" and x.dtype in _HALF):
         return norm_bwd(x, weight, mean, rstd, dout, dh, rms=False, has_bias=has_bias)
     # ATen reads the bias only to know it has one (its gradient is dout's column sums): a placeholder stands in
     stand_in = x.new_empty(x.shape[-1:]) if has_bias else None
