@@ -107,35 +107,39 @@ class _EagerNorm(torch.autograd.Function):
     def forward(ctx, x, residual, weight, bias, how):
         rms, eps = how
         out, h, mean, rstd = forward(rms, x, residual, weight, bias, eps)
-        ctx.save_for_backward(h if h is not None else x, weight, bias, mean, rstd, x, residual)
+        # what was normalised (the sum, an output, with a residual): x and residual themselves are not kept
+        ctx.save_for_backward(h if h is not None else x, weight, bias, mean, rstd)
         ctx.rms, ctx.eps, ctx.prefer, ctx.has_residual = rms, eps, forced_backend(), residual is not None
         ctx.set_materialize_grads(False)
         return (out, h) if h is not None else out
 
     @staticmethod
     def backward(ctx, dout, dh=None):
-        saved, weight, bias, mean, rstd, x, residual = ctx.saved_tensors
+        saved, weight, bias, mean, rstd = ctx.saved_tensors
         if dout is None and dh is None:
             return None, None, None, None, None
-        if torch.is_grad_enabled():  # create_graph=True: differentiate the definition again
-            return (*_differentiated_again(ctx, x, residual, weight, bias, dout, dh), None)
         if dout is None:  # only the sum's gradient arrived: the norm's output was not used
             return dh, dh if ctx.has_residual else None, None, None, None
-        dx, dweight, dbias = backward(ctx.rms, saved, weight, mean, rstd, dout, dh, bias is not None, ctx.prefer)
-        return dx, dx if ctx.has_residual else None, _param_grad(dweight, weight), _param_grad(dbias, bias), None
+        if torch.is_grad_enabled():  # create_graph=True: differentiate the definition again
+            dx, dweight, dbias = _differentiated_again(ctx, saved, weight, bias, dout, dh)
+        else:
+            dx, dweight, dbias = backward(ctx.rms, saved, weight, mean, rstd, dout, dh, bias is not None, ctx.prefer)
+            dweight, dbias = _param_grad(dweight, weight), _param_grad(dbias, bias)
+        return dx, dx if ctx.has_residual else None, dweight, dbias, None
 
 
-def _differentiated_again(ctx, x, residual, weight, bias, dout, dh):
-    needed = [t for t, need in zip((x, residual, weight, bias), ctx.needs_input_grad[:4])
-              if t is not None and need]
+def _differentiated_again(ctx, saved, weight, bias, dout, dh):
+    """First derivatives that are themselves differentiable: the definition's, taken at what was normalised
+    (the sum, an output of the forward, through which a second derivative reaches x and residual)."""
+    given = [t if t is not None and t.requires_grad else None for t in (saved, weight, bias)]
     with torch.enable_grad():
-        result = _definition(ctx.rms, x, residual, weight, bias, ctx.eps)
-        outs, grads_out = ((result[0], result[1]), (dout, dh)) if ctx.has_residual else ((result,), (dout,))
-        pairs = [(o, g) for o, g in zip(outs, grads_out) if g is not None]
-        grads = torch.autograd.grad([o for o, _ in pairs], needed, [g for _, g in pairs], create_graph=True,
-                                    allow_unused=True)
-    by_input = dict(zip(map(id, needed), grads))
-    return tuple(by_input.get(id(t)) if t is not None else None for t in (x, residual, weight, bias))
+        out = _definition(ctx.rms, saved, None, weight, bias, ctx.eps)
+        wanted = [t for t in given if t is not None]
+        grads = iter(torch.autograd.grad(out, wanted, dout, create_graph=True, allow_unused=True))
+    dx, dweight, dbias = (next(grads) if t is not None else None for t in given)
+    if dx is None:
+        dx = torch.zeros_like(saved)
+    return (dx if dh is None else dx + dh), dweight, dbias
 
 
 # ----------------------------------------------------------------------------- torch.compile

@@ -265,3 +265,23 @@ def test_the_reference_is_the_default_on_cpu_and_strict_mode_names_the_decline(m
     monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
     with portable_ops.use_backend("nki"), pytest.raises(dispatch.BackendUnavailableError, match="over 5120"):
         portable_ops.rms_norm(torch.randn(2, 6000))
+
+
+def test_gradcheck_and_gradgradcheck_through_the_fused_residual_in_float64():
+    x, r, w, b = (t.detach().double().requires_grad_() for t in _inputs((3, 7), torch.device("cpu")))
+    assert torch.autograd.gradcheck(lambda x, r, w: portable_ops.rms_norm(x, w, residual=r), (x, r, w))
+    assert torch.autograd.gradgradcheck(lambda x, r, w, b: portable_ops.layer_norm(x, w, b, residual=r),
+                                        (x, r, w, b))
+
+
+def test_nki_kernels_at_their_largest_row_fit_sbuf_with_every_option():
+    """``MAX_D`` is what SBUF holds: every option on, in count-only mode (the emulator enforces the capacity)."""
+    from portable_ops.backends.nki import emulator
+    from portable_ops.backends.nki.norms import MAX_D
+    ops = dispatch.get_backend("nki").ops
+    x, w = torch.zeros(130, MAX_D, device="meta"), torch.zeros(MAX_D, device="meta")
+    stats = torch.zeros(130, device="meta")
+    with emulator.count_only(), emulator.count_instructions() as counted:
+        ops["layer_norm_fwd"].run(x=x, residual=x, weight=w, bias=w, eps=1e-5)
+        ops["layer_norm_bwd"].run(x=x, weight=w, mean=stats, rstd=stats, dout=x, dh=x, has_bias=True)
+    assert counted.sbuf_peak_bytes <= 224 * 1024

@@ -15,8 +15,9 @@ gives +inf, NaN gives NaN. (Below 2^-236 the result is that of 2^-236: reachable
 
 Backward: per row tile, ``dx = rstd * (w*dy - xhat * mean(w*dy*xhat) - mean(w*dy))`` (the last term LayerNorm's
 alone), plus the gradient that reached the residual sum; the weight and bias gradients are the column sums of
-``dy * xhat`` and ``dy`` over the rows, each tile's reduced across its partitions on GpSimd
-(``tensor_partition_reduce``) and added to a float32 accumulator in tile order: deterministic, no atomics.
+``dy * xhat`` and ``dy`` over the rows, added tile after tile into float32 ``[128, D]`` accumulators and
+reduced across the partitions once at the end (``tensor_partition_reduce``, GpSimd): a fixed order,
+deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -82,18 +83,21 @@ def _load(src, r0, rows, d):
     return tile
 
 
-def _statistics(t, rows, d, eps, rms):
-    """``(mean, rstd)`` ``[rows, 1]`` columns of a float32 row tile (mean None for RMSNorm); ``t`` is left
-    centred (minus its mean) for LayerNorm."""
-    mean = None
+def _statistics(src, rows, d, eps, rms):
+    """``(mean, rstd)`` ``[rows, 1]`` float32 columns of a row tile (mean None for RMSNorm), both sums the Scalar
+    Engine's activations with their add-reduction (the Vector Engine and GpSimd keep the weight and bias): the
+    row's sum, then the sum of squares of ``src - mean`` (the square's bias the negated mean)."""
+    mean = neg_mean = None
+    squares = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)  # the activations' element-wise output
     if not rms:
         total = _column(rows)
-        nisa.tensor_reduce(dst=total, op=nl.add, data=t, axis=1, keepdims=True)
-        mean = _column(rows)
+        nisa.activation(dst=squares, op=nl.copy, data=src, reduce_op=nl.add, reduce_res=total,
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        mean, neg_mean = _column(rows), _column(rows)
         nisa.tensor_scalar(dst=mean, data=total, op0=nl.multiply, operand0=1.0 / d)
-        nisa.tensor_scalar(dst=t, data=t, op0=nl.subtract, operand0=mean)
-    squares, sum_sq = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf), _column(rows)
-    nisa.activation(dst=squares, op=nl.square, data=t, reduce_op=nl.add, reduce_res=sum_sq,
+        nisa.tensor_scalar(dst=neg_mean, data=total, op0=nl.multiply, operand0=-1.0 / d)
+    sum_sq = _column(rows)
+    nisa.activation(dst=squares, op=nl.square, data=src, bias=neg_mean, reduce_op=nl.add, reduce_res=sum_sq,
                     reduce_cmd=nisa.reduce_cmd.reset_reduce)
     var = _column(rows)
     nisa.tensor_scalar(dst=var, data=sum_sq, op0=nl.multiply, operand0=1.0 / d, op1=nl.add, operand1=eps)
@@ -103,7 +107,9 @@ def _statistics(t, rows, d, eps, rms):
 @nki.jit
 def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True):
     """``(out, [h], [mean], rstd)`` of contiguous rows ``x [M, D]``: h with a residual, mean for LayerNorm;
-    statistics ``[M, 1]`` float32."""
+    statistics ``[M, 1]`` float32. The element-wise work is spread over the engines: the residual add on GpSimd,
+    the statistics and the normalisation on the Scalar Engine, the weight on whichever of GpSimd and the Vector
+    Engine the residual left free, the bias on the other."""
     m, d = x.shape
     out = nl.ndarray((m, d), dtype=x.dtype, buffer=nl.shared_hbm)
     h_out = nl.ndarray((m, d), dtype=x.dtype, buffer=nl.shared_hbm) if residual is not None else None
@@ -112,22 +118,29 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
     most = min(PMAX, m)
     w = _broadcast(weight, most, d) if weight is not None else None
     b = _broadcast(bias, most, d) if bias is not None else None
+    weight_engine, bias_engine = ((nisa.engine.vector, nisa.engine.gpsimd) if residual is not None
+                                  else (nisa.engine.gpsimd, nisa.engine.vector))
     for r0 in range(0, m, PMAX):
         rows = min(PMAX, m - r0)
-        t = _load(x, r0, rows, d)
+        src = _load(x, r0, rows, d)
         if residual is not None:
-            r = _load(residual, r0, rows, d)
             h = nl.ndarray((rows, d), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=h, data1=t, data2=r, op=nl.add)  # rounds once to x's dtype
+            nisa.tensor_tensor(dst=h, data1=src, data2=_load(residual, r0, rows, d), op=nl.add,
+                               engine=nisa.engine.gpsimd)  # rounds once to x's dtype
             nisa.dma_copy(dst=h_out[r0:r0 + rows, 0:d], src=h)
-            nisa.tensor_copy(dst=t, src=h)  # the sum as returned is what is normalised
-        mean, rstd = _statistics(t, rows, d, eps, rms)
-        nisa.tensor_scalar(dst=t, data=t, op0=nl.multiply, operand0=rstd)
+            src = h  # the sum as returned is what is normalised
+        mean, rstd = _statistics(src, rows, d, eps, rms)
+        y = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
+        if rms:
+            nisa.tensor_scalar(dst=y, data=src, op0=nl.multiply, operand0=rstd, engine=nisa.engine.scalar)
+        else:
+            nisa.tensor_scalar(dst=y, data=src, op0=nl.subtract, operand0=mean, op1=nl.multiply, operand1=rstd,
+                               engine=nisa.engine.scalar)
         if w is not None:
-            nisa.tensor_tensor(dst=t, data1=t, data2=w[0:rows, 0:d], op=nl.multiply)
+            nisa.tensor_tensor(dst=y, data1=y, data2=w[0:rows, 0:d], op=nl.multiply, engine=weight_engine)
         if b is not None:
-            nisa.tensor_tensor(dst=t, data1=t, data2=b[0:rows, 0:d], op=nl.add)
-        nisa.dma_copy(dst=out[r0:r0 + rows, 0:d], src=t)  # rounds once to x's dtype
+            nisa.tensor_tensor(dst=y, data1=y, data2=b[0:rows, 0:d], op=nl.add, engine=bias_engine)
+        nisa.dma_copy(dst=out[r0:r0 + rows, 0:d], src=y)  # rounds once to x's dtype
         nisa.dma_copy(dst=rstd_out[r0:r0 + rows, 0:1], src=rstd)
         if mean is not None:
             nisa.dma_copy(dst=mean_out[r0:r0 + rows, 0:1], src=mean)
@@ -137,56 +150,63 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
 @nki.jit
 def norm_bwd_kernel(x, rstd, dout, weight=None, mean=None, dh=None, rms=True, bias_grad=False):
     """``(dx, [dweight], [dbias])`` of contiguous rows ``x [M, D]`` (what was normalised) from the saved
-    ``[M, 1]`` statistics; dweight with a weight, dbias with ``bias_grad``, ``[1, D]`` float32."""
+    ``[M, 1]`` statistics; dweight with a weight, dbias with ``bias_grad``, ``[1, D]`` float32. Engines: xhat,
+    ``sum(w*dy)`` and the last scaling on the Scalar Engine; ``w*dy``, ``dy*xhat`` and the bias's accumulation on
+    GpSimd; ``sum(xhat*w*dy)`` and dx's combination on the Vector Engine."""
     m, d = x.shape
     dx_out = nl.ndarray((m, d), dtype=x.dtype, buffer=nl.shared_hbm)
     dw_out = nl.ndarray((1, d), dtype=nl.float32, buffer=nl.shared_hbm) if weight is not None else None
     db_out = nl.ndarray((1, d), dtype=nl.float32, buffer=nl.shared_hbm) if bias_grad else None
     w = _broadcast(weight, min(PMAX, m), d) if weight is not None else None
-    acc_w = nl.zeros((1, d), dtype=nl.float32, buffer=nl.sbuf) if weight is not None else None
-    acc_b = nl.zeros((1, d), dtype=nl.float32, buffer=nl.sbuf) if bias_grad else None
+    # per-partition column sums, added tile after tile; reduced across the partitions once, at the end
+    most = min(PMAX, m)
+    acc_w = nl.zeros((most, d), dtype=nl.float32, buffer=nl.sbuf) if weight is not None else None
+    acc_b = nl.zeros((most, d), dtype=nl.float32, buffer=nl.sbuf) if bias_grad else None
     for r0 in range(0, m, PMAX):
         rows = min(PMAX, m - r0)
-        xhat, dy = _load(x, r0, rows, d), _load(dout, r0, rows, d)
+        xt, dy = _load(x, r0, rows, d), _load(dout, r0, rows, d)
         rs = _column(rows)
         nisa.dma_copy(dst=rs, src=rstd[r0:r0 + rows, 0:1])
+        xhat = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
         if rms:
-            nisa.tensor_scalar(dst=xhat, data=xhat, op0=nl.multiply, operand0=rs)
+            nisa.tensor_scalar(dst=xhat, data=xt, op0=nl.multiply, operand0=rs, engine=nisa.engine.scalar)
         else:
             mu = _column(rows)
             nisa.dma_copy(dst=mu, src=mean[r0:r0 + rows, 0:1])
-            nisa.tensor_scalar(dst=xhat, data=xhat, op0=nl.subtract, operand0=mu, op1=nl.multiply, operand1=rs)
+            nisa.tensor_scalar(dst=xhat, data=xt, op0=nl.subtract, operand0=mu, op1=nl.multiply, operand1=rs,
+                               engine=nisa.engine.scalar)
         wdy = dy
         if w is not None:
             wdy = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=wdy, data1=dy, data2=w[0:rows, 0:d], op=nl.multiply)
+            nisa.tensor_tensor(dst=wdy, data1=dy, data2=w[0:rows, 0:d], op=nl.multiply, engine=nisa.engine.gpsimd)
         prod, c = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf), _column(rows)
-        nisa.tensor_tensor(dst=prod, data1=xhat, data2=wdy, op=nl.multiply, engine=nisa.engine.gpsimd)
+        nisa.tensor_tensor(dst=prod, data1=xhat, data2=wdy, op=nl.multiply)
         nisa.tensor_reduce(dst=c, op=nl.add, data=prod, axis=1, keepdims=True, negate=True)
         nisa.tensor_scalar(dst=c, data=c, op0=nl.multiply, operand0=1.0 / d)
         dx = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
         nisa.scalar_tensor_tensor(dst=dx, data=xhat, op0=nl.multiply, operand0=c, op1=nl.add, operand1=wdy)
-        if not rms:  # minus mean(w * dy), then times rstd
-            nisa.tensor_reduce(dst=c, op=nl.add, data=wdy, axis=1, keepdims=True, negate=True)
-            nisa.tensor_scalar(dst=c, data=c, op0=nl.multiply, operand0=1.0 / d)
-            nisa.tensor_scalar(dst=dx, data=dx, op0=nl.add, operand0=c, op1=nl.multiply, operand1=rs)
-        else:
-            nisa.tensor_scalar(dst=dx, data=dx, op0=nl.multiply, operand0=rs)
+        if rms:
+            nisa.tensor_scalar(dst=dx, data=dx, op0=nl.multiply, operand0=rs, engine=nisa.engine.scalar)
+        else:  # minus mean(w * dy), then times rstd; the sum from the Scalar Engine's add-reduction
+            nisa.activation(dst=prod, op=nl.copy, data=wdy, reduce_op=nl.add, reduce_res=c,
+                            reduce_cmd=nisa.reduce_cmd.reset_reduce)
+            nisa.tensor_scalar(dst=c, data=c, op0=nl.multiply, operand0=-1.0 / d)
+            nisa.tensor_scalar(dst=dx, data=dx, op0=nl.add, operand0=c, op1=nl.multiply, operand1=rs,
+                               engine=nisa.engine.scalar)
         if dh is not None:
-            nisa.tensor_tensor(dst=dx, data1=dx, data2=_load(dh, r0, rows, d), op=nl.add)
+            nisa.tensor_tensor(dst=dx, data1=dx, data2=_load(dh, r0, rows, d), op=nl.add, engine=nisa.engine.gpsimd)
         nisa.dma_copy(dst=dx_out[r0:r0 + rows, 0:d], src=dx)  # rounds once to x's dtype
-        part = nl.ndarray((1, d), dtype=nl.float32, buffer=nl.sbuf)
         if acc_w is not None:
             nisa.tensor_tensor(dst=prod, data1=dy, data2=xhat, op=nl.multiply, engine=nisa.engine.gpsimd)
-            nisa.tensor_partition_reduce(dst=part, op=nl.add, data=prod)
-            nisa.tensor_tensor(dst=acc_w, data1=acc_w, data2=part, op=nl.add)
+            nisa.tensor_tensor(dst=acc_w[0:rows, 0:d], data1=acc_w[0:rows, 0:d], data2=prod, op=nl.add)
         if acc_b is not None:
-            nisa.tensor_partition_reduce(dst=part, op=nl.add, data=dy)
-            nisa.tensor_tensor(dst=acc_b, data1=acc_b, data2=part, op=nl.add)
-    if acc_w is not None:
-        nisa.dma_copy(dst=dw_out, src=acc_w)
-    if acc_b is not None:
-        nisa.dma_copy(dst=db_out, src=acc_b)
+            nisa.tensor_tensor(dst=acc_b[0:rows, 0:d], data1=acc_b[0:rows, 0:d], data2=dy, op=nl.add,
+                               engine=nisa.engine.gpsimd)
+    for acc, grad_out in ((acc_w, dw_out), (acc_b, db_out)):
+        if acc is not None:
+            total = nl.ndarray((1, d), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_partition_reduce(dst=total, op=nl.add, data=acc)
+            nisa.dma_copy(dst=grad_out, src=total)
     return tuple(o for o in (dx_out, dw_out, db_out) if o is not None)
 
 
