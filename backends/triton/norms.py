@@ -21,7 +21,8 @@ from .adam import _TL_DTYPE
 from .interpreter import INTERPRETED, to_dtype
 from .launch import in_compile_env
 
-MAX_D = 16384  # a row is one block of registers
+MAX_D = 8192  # a row is one block of registers: at 16384 the forward spills (sm_90, 16 or 32 warps)
+W_RESIDENT_BLOCK = 4096  # the backward keeps the weight in registers up to this block; wider rows spill with it
 COLUMN_BLOCK = 256
 INTERPRETER_PROGRAMS = 4  # backward programs on CPU tensors: a few, so the partials' second step is exercised
 
@@ -59,12 +60,12 @@ def _norm_fwd_kernel(X, R, W, B, OUT, H, MEAN, RSTD, stride_xm, stride_xd, strid
 def _norm_bwd_kernel(X, W, MEAN, RSTD, DY, DH, DX, DW_PART, DB_PART, stride_xm, stride_xd, stride_ym, stride_yd,
                      stride_hm, stride_hd, M, D, rows_per_program,
                      DTYPE: tl.constexpr, HAS_W: tl.constexpr, HAS_DH: tl.constexpr, BIAS_GRAD: tl.constexpr,
-                     RMS: tl.constexpr, BLOCK_D: tl.constexpr):
+                     RMS: tl.constexpr, BLOCK_D: tl.constexpr, W_RESIDENT: tl.constexpr):
     program = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < D
-    if HAS_W:
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_W and W_RESIDENT:
+        w_kept = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_D], dtype=tl.float32)
     db = tl.zeros([BLOCK_D], dtype=tl.float32)
     first = program * rows_per_program
@@ -78,13 +79,17 @@ def _norm_bwd_kernel(X, W, MEAN, RSTD, DY, DH, DX, DW_PART, DB_PART, stride_xm, 
         else:
             xhat = tl.where(mask, (x - tl.load(MEAN + row)) * rstd, 0.0)
         if HAS_W:
-            wdy = dy * w
+            if W_RESIDENT:
+                wdy = dy * w_kept
+            else:  # wide rows: the weight read again (from cache) each row, its registers left to the row's values
+                wdy = dy * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         else:
             wdy = dy
-        dx = wdy - xhat * (tl.sum(xhat * wdy, axis=0) / D)
-        if not RMS:
-            dx = dx - tl.sum(wdy, axis=0) / D
-        dx = dx * rstd
+        c1 = tl.sum(xhat * wdy, axis=0) / D
+        if RMS:
+            dx = (wdy - xhat * c1) * rstd
+        else:
+            dx = (wdy - xhat * c1 - tl.sum(wdy, axis=0) / D) * rstd
         if HAS_DH:
             dx += tl.load(DH + row * stride_hm + cols * stride_hd, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + row * D + cols, to_dtype(dx, DTYPE), mask=mask)
@@ -164,7 +169,8 @@ def _norm_bwd(x, weight, mean, rstd, dout, dh, rms, has_bias):
                    dw_part if dw_part is not None else rstd, db_part if db_part is not None else rstd,
                    x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), g.stride(0), g.stride(1), m, d,
                    rows_per_program, DTYPE=_TL_DTYPE[x.dtype], HAS_W=weight is not None, HAS_DH=dh is not None,
-                   BIAS_GRAD=has_bias, RMS=rms, BLOCK_D=block, num_warps=_warps(block))
+                   BIAS_GRAD=has_bias, RMS=rms, BLOCK_D=block, W_RESIDENT=block <= W_RESIDENT_BLOCK,
+                   num_warps=_warps(block))
     dweight = _column_sums(dw_part) if dw_part is not None else None
     dbias = _column_sums(db_part) if db_part is not None else None
     return dx, dweight, dbias
