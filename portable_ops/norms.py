@@ -25,7 +25,6 @@ from .dispatch import forced_backend
 # Device types whose autocast puts layer_norm and rms_norm on its float32 list (ATen's AT_FORALL_FP32, which
 # CUDA's autocast registers): half inputs are cast to float32 there. CPU autocast lists neither: inputs as given.
 FP32_UNDER_AUTOCAST = ("cuda",)
-_EMPTY = torch.empty(0)
 
 
 def autocast_inputs(x, residual, weight, bias):
@@ -39,8 +38,9 @@ def autocast_inputs(x, residual, weight, bias):
 
 
 def norm_call(op, x, residual, weight, bias, eps):
-    """Check one call's arguments (after autocast's casts) and return them as the backends take them, but for
-    x and residual in their own shapes (:func:`forward` folds them into rows)."""
+    """Check one call's arguments, then apply autocast's casts and torch's promotion of a residual of another
+    dtype, and return them as the backends take them, but for x and residual in their own shapes
+    (:func:`forward` folds them into rows)."""
     norm_checks.check_norm(op, x, residual, weight, bias)
     x, residual, weight, bias = autocast_inputs(x, residual, weight, bias)
     if residual is not None and residual.dtype != x.dtype:  # torch's x + residual: the promoted dtype
@@ -74,7 +74,8 @@ def forward(rms, x, residual, weight, bias, eps):
 
 
 def backward(rms, x, weight, mean, rstd, dout, dh, has_bias, prefer=None):
-    """``(dx, dweight, dbias)``, the last two float32 (None where there is no such parameter), from the backend
+    """``(dx, dweight, dbias)``, the last two float32 or the parameter's dtype (None where there is no such
+    parameter), from the backend
     chosen for this call; ``prefer``: the backend forced when the forward ran, which the backward keeps."""
     call = dict(x=_rows(x), weight=weight)
     if not rms:
