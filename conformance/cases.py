@@ -1,11 +1,11 @@
 """The shared case catalogue: the same cases for every backend.
 
 A case names an op family (``portable_ops.ops.families()``: ``adam``, ``clip_grad_norm_``, ``attention``,
-``attention_varlen``, ``paged_attention``), a seed, its parameters and a dtype. Inputs are drawn from the
-seed on the CPU and moved to the backend's device, so every backend sees the same numbers. Tolerances
-come from tolerances.py, by family and dtype: a value passes when ``|out - ref| <= atol + rtol * |ref|``
-elementwise, against each oracle. Adam cases with ``state_dtype`` in their params keep
-the moments in that dtype and check them with its tolerance.
+``attention_varlen``, ``paged_attention``, ``rms_norm``, ``layer_norm``), a seed, its parameters and a dtype.
+Inputs are drawn from the seed on the CPU and moved to the backend's device, so every backend sees the same
+numbers. Tolerances come from tolerances.py, by family and dtype: a value passes when
+``|out - ref| <= atol + rtol * |ref|`` elementwise, against each oracle. Adam cases with ``state_dtype`` in
+their params keep the moments in that dtype and check them with its tolerance.
 
 A ``long`` case (attention at 16k and 32k keys) is checked on ``sampled_rows`` only, blocks of query
 rows (runner.py says why that is exact), and is run only where its backend's tensors are on an
@@ -272,5 +272,11 @@ def _paged_cases() -> list[Case]:
             for dtype in dtypes]
 
 
+def _norm_cases() -> list[Case]:
+    from .norm_cases import NORM_CASES  # its own module: it imports Case from here
+
+    return NORM_CASES
+
+
 CASES: list[Case] = (_adam_cases() + _clip_cases() + _attention_cases() + _window_softcap_cases() + _varlen_cases()
-                     + _paged_cases())
+                     + _paged_cases() + _norm_cases())

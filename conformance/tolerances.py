@@ -29,6 +29,8 @@ class Tolerance(NamedTuple):
 # suite's float64 oracle is re-seeded from the backend's state every step). Attention: fp32 allows
 # TF32 matrix units; half types round P before P@V.
 _ATTENTION = {F32: Tolerance(2e-3, 2e-3), F16: Tolerance(4e-3, 4e-3), BF16: Tolerance(3e-2, 3e-2)}
+# Norms: float32 statistics over one row, then one rounding of the output to the case's dtype.
+_NORMS = {F32: Tolerance(1e-5, 1e-5), F16: Tolerance(2e-3, 2e-3), BF16: Tolerance(1.6e-2, 1.6e-2)}
 _TABLE = {
     "adam": {F32: Tolerance(1e-6, 1e-5), F16: Tolerance(1e-5, 2e-3), BF16: Tolerance(1e-4, 1.6e-2)},
     "clip_grad_norm_": {F32: Tolerance(1e-6, 1e-5), F16: Tolerance(1e-4, 2e-3), BF16: Tolerance(1e-3, 1.6e-2)},
@@ -36,6 +38,8 @@ _TABLE = {
     # Packed and paged attention are dense attention per sequence: the same tolerances.
     "attention_varlen": _ATTENTION,
     "paged_attention": _ATTENTION,
+    "rms_norm": _NORMS,
+    "layer_norm": _NORMS,
 }
 if set(_TABLE) != set(families()):  # a family of portable_ops/ops.py without tolerances, or the reverse
     raise ImportError(f"tolerances for {sorted(_TABLE)}; portable_ops/ops.py's families are {sorted(families())}")
@@ -46,7 +50,8 @@ if set(_TABLE) != set(families()):  # a family of portable_ops/ops.py without to
 # (backends/triton/interpreter.py), so a truncating store fails this.
 _ONE_ROUNDING = {F16: Tolerance(1e-7, 1e-3), BF16: Tolerance(1e-7, 4e-3)}
 
-# Gradients of attention sum over a whole sequence: a few times the forward's error.
+# Gradients of attention sum over a whole sequence, a norm's over its row and (weight, bias) its rows: a few
+# times the forward's error.
 GRADIENT_FACTOR = 4.0
 
 

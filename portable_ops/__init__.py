@@ -1,8 +1,8 @@
 """portable-ops: the same Python call runs the fastest correct kernel on whatever hardware holds the tensors.
 
 Public API: ``optim.Adam``, ``optim.AdamW``, ``functional.adam``, ``clip_grad_norm_``,
-``attention``, ``attention_varlen``, ``paged_attention``, ``paged_kv_append``, ``use_backend``,
-``explain``. Backends: ``triton`` (CUDA), ``nki``
+``attention``, ``attention_varlen``, ``paged_attention``, ``paged_kv_append``, ``rms_norm``,
+``layer_norm``, ``nn.RMSNorm``, ``nn.LayerNorm``, ``use_backend``, ``explain``. Backends: ``triton`` (CUDA), ``nki``
 (Trainium), ``reference`` (plain PyTorch, any device).
 """
 
@@ -16,12 +16,13 @@ import torch as _torch
 if not _torch.cuda.is_available():
     _os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from . import functional, optim  # noqa: E402
+from . import functional, nn, optim  # noqa: E402
 from .attention import attention  # noqa: E402
 from .attention_varlen import attention_varlen  # noqa: E402
 from .clip import clip_grad_norm_  # noqa: E402
 from .dispatch import BackendUnavailableError, FallbackWarning, use_backend  # noqa: E402
 from .explain import explain  # noqa: E402
+from .norms import layer_norm, rms_norm  # noqa: E402
 from .paged import paged_attention, paged_kv_append  # noqa: E402
 
 if _torch.accelerator.is_available():
@@ -34,5 +35,6 @@ if _torch.accelerator.is_available():
 
 __version__ = "0.1.0"
 
-__all__ = ["optim", "functional", "attention", "attention_varlen", "paged_attention", "paged_kv_append",
-           "clip_grad_norm_", "use_backend", "explain", "BackendUnavailableError", "FallbackWarning"]
+__all__ = ["optim", "functional", "nn", "attention", "attention_varlen", "paged_attention", "paged_kv_append",
+           "rms_norm", "layer_norm", "clip_grad_norm_", "use_backend", "explain", "BackendUnavailableError",
+           "FallbackWarning"]

@@ -9,6 +9,7 @@ from .attention_varlen import attention_varlen, attention_varlen_call
 from .clip import clip_grad_norm_, grad_norm_call, grads_of
 from .dispatch import Choice, choose
 from .functional import adam, adam_call
+from .norms import layer_norm, norm_call, rms_norm
 from .ops import public_ops
 from .paged import paged_attention, paged_attention_call, paged_kv_append, paged_kv_append_call
 
@@ -24,8 +25,17 @@ _CALLS = {
     "paged_kv_append": (paged_kv_append, lambda a: paged_kv_append_call(**a)),
     "adam": (adam, lambda a: adam_call(**{k: v for k, v in a.items() if k in _ADAM_CALL_ARGS})),
     "clip_grad_norm_": (clip_grad_norm_, lambda a: grad_norm_call(grads_of(a["parameters"]), a["norm_type"])),
+    "rms_norm": (rms_norm, lambda a: _rows(norm_call("rms_norm", a["x"], a["residual"], a["weight"], None, a["eps"]))),
+    "layer_norm": (layer_norm, lambda a: _rows(norm_call("layer_norm", a["x"], a["residual"], a["weight"], a["bias"],
+                                                         a["eps"]))),
 }
 _PUBLIC_OPS = public_ops()
+
+
+def _rows(call):
+    """A norm's checked call as its backends take it: x and residual folded into rows ``[M, D]``."""
+    return {k: v.reshape(-1, v.shape[-1]) if k in ("x", "residual") and v is not None else v for k, v in call.items()}
+
 if set(_CALLS) != set(_PUBLIC_OPS):  # an op added to the table without its call here, or the reverse
     raise ImportError(f"explain builds calls of {sorted(_CALLS)}; portable_ops/ops.py's public ops are "
                       f"{sorted(_PUBLIC_OPS)}")
@@ -36,7 +46,8 @@ def explain(op, *args, **kwargs) -> Choice:
     """The backend that ``op(*args, **kwargs)`` would run on, with every other backend's reasons.
 
     ``op`` is a public function (``portable_ops.attention``, ``attention_varlen``, ``paged_attention``,
-    ``paged_kv_append``, ``portable_ops.functional.adam``, ``portable_ops.clip_grad_norm_``) or its name.
+    ``paged_kv_append``, ``rms_norm``, ``layer_norm``, ``portable_ops.functional.adam``,
+    ``portable_ops.clip_grad_norm_``) or its name.
     The arguments are checked as the call would check them (offsets' and page tables' values included);
     nothing is computed. The returned :class:`~portable_ops.dispatch.Choice` prints as a readable report.
     """
@@ -45,7 +56,7 @@ def explain(op, *args, **kwargs) -> Choice:
         raise ValueError(f"explain: unknown op {op!r}; expected one of {', '.join(_PUBLIC_OPS)} or its function")
     function, build = _CALLS[name]
     call = build(_bound(name, function, args, kwargs))
-    tensors = call.get("params") or call.get("grads") or [call.get("q", call.get("k_new"))]
+    tensors = call.get("params") or call.get("grads") or [call.get("q", call.get("k_new", call.get("x")))]
     device = tensors[0].device if tensors and tensors[0] is not None else None
     return choose(_PUBLIC_OPS[name], call, device)
 

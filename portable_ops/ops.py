@@ -68,6 +68,15 @@ OPS: dict[str, Op] = {
     "paged_kv_append": Op(public="paged_kv_append", description="appending to a paged KV cache",
                           family="paged_attention", tensors=("k_cache", "v_cache", "k_new", "v_new"),
                           head_dim=lambda call: call["k_new"].shape[-1]),
+    # Rows ``x [M, D]`` (the leading dims folded), normalised over D; dweight and dbias come back float32.
+    "rms_norm_fwd": Op(public="rms_norm", description="RMSNorm", family="rms_norm", backward="rms_norm_bwd",
+                       tensors=("x", "residual", "weight")),
+    "rms_norm_bwd": Op(public="rms_norm", description="RMSNorm's gradients", family="rms_norm",
+                       tensors=("x", "weight", "dout", "dh")),
+    "layer_norm_fwd": Op(public="layer_norm", description="LayerNorm", family="layer_norm",
+                         backward="layer_norm_bwd", tensors=("x", "residual", "weight", "bias")),
+    "layer_norm_bwd": Op(public="layer_norm", description="LayerNorm's gradients", family="layer_norm",
+                         tensors=("x", "weight", "dout", "dh")),
 }
 
 

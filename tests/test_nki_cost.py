@@ -102,3 +102,16 @@ def test_bench_nki_says_what_bounds_attention(bench_rows):
     assert len(attention) == 4
     for row in attention:  # docs/backends/nki.md explains why: per-128-key-block bookkeeping on VectorE
         assert row["Trn2 bound"] == "vector" and row["Trn2 x floor"] > 1.3
+
+
+def test_bench_nki_prices_the_norms_forward_near_its_floor_and_says_what_bounds_the_backward(bench_rows):
+    norms = {r["kernel"].split(" bf16")[0]: r for r in bench_rows if "Norm" in r["kernel"]}
+    assert set(norms) == {"RMSNorm + residual fwd", "RMSNorm bwd", "LayerNorm fwd", "LayerNorm bwd"}
+    for name, row in norms.items():
+        assert row["launches"] == 1, name
+        if name == "RMSNorm + residual fwd":  # a pre-norm block's call: bound by its four tensors' DMA
+            assert row["Trn2 x floor"] <= 1.3 and row["Trn2 bound"] == "dma", (name, row)
+        elif name == "LayerNorm fwd":  # two tensors' DMA against three Scalar Engine streams a tile
+            assert row["Trn2 x floor"] <= 2.0 and row["Trn2 bound"] == "scalar", (name, row)
+        else:  # docs/backends/nki.md: three two-tile products and two accumulations a tile, over VectorE and GpSimd
+            assert row["Trn2 bound"] == "vector", (name, row["Trn2 bound"])

@@ -268,3 +268,21 @@ def test_instruction_counts_per_engine():
     assert stats.dma_bytes_in == 4 * 128 * 1500 * 4 + hp.numel() * 4
     assert stats.dma_bytes_out == 3 * 128 * 1500 * 4
     assert stats.elements["vector"] == 3 * 2 * 128 * 1500 // 128  # three two-input instructions per element
+
+
+def test_rsqrt_takes_only_its_input_domain():
+    """The Scalar Engine's rsqrt takes [2^-116, 2^118]: 0, past the top, inf and NaN are refused."""
+    @jit
+    def kernel(x):
+        out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        t = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=t, src=x)
+        nisa.activation(dst=t, op=nl.rsqrt, data=t)
+        nisa.dma_copy(dst=out, src=t)
+        return out
+
+    inside = torch.tensor([[2.0 ** -116, 1.0, 2.0 ** 118]])
+    torch.testing.assert_close(kernel(inside), torch.rsqrt(inside))
+    for value in (0.0, 2.0 ** 119, float("inf"), float("nan")):
+        with pytest.raises(EmulatorError, match="engine-domain"):
+            kernel(torch.tensor([[1.0, value]]))

@@ -44,11 +44,11 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
     import re
     import tempfile
 
-    configs, fwd_kernels, bwd_kernels, attention_sm90, sm90_fwd, sm90_bwd, adam, grad_norm = (
+    configs, fwd_kernels, bwd_kernels, attention_sm90, sm90_fwd, sm90_bwd, adam, grad_norm, norms = (
         _kernel_module(name, backend_dir) for name in ("attention_configs", "attention_fwd_kernels",
                                                        "attention_bwd_kernels", "attention_sm90",
                                                        "attention_sm90_fwd_kernels", "attention_sm90_bwd_kernels",
-                                                       "adam", "grad_norm"))
+                                                       "adam", "grad_norm", "norms"))
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -202,6 +202,29 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                 types_ = {"partials": "*fp32", "n": "i32", "out": "*fp32"}
                 row.update(run(grad_norm._final_kernel, types_, dict(BLOCK=grad_norm.FINAL_BLOCK, INF=spec["inf"]), 4,
                                3, False))
+            elif kind in ("rms_fwd", "ln_fwd", "rms_bwd", "ln_bwd"):  # every option on, at row width d
+                flags = dict(DTYPE=dtypes[spec["dtype"]], RMS=kind.startswith("rms"), BLOCK_D=triton.next_power_of_2(d))
+                warps = norms._warps(flags["BLOCK_D"])
+                x, pointers = f"*{spec['dtype']}", ("W", "B", "MEAN", "RSTD", "DW_PART", "DB_PART")
+                if kind.endswith("fwd"):
+                    types_ = {name: "*fp32" if name in pointers else x for name in ("X", "R", "W", "B", "OUT", "H",
+                                                                                      "MEAN", "RSTD")}
+                    types_.update({n: "i32" for n in ("stride_xm", "stride_rm", "D")}, eps="fp32")
+                    # rows of unit column stride, which a launch specialises to the constant 1 (the usual case)
+                    consts = dict(flags, HAS_RES=True, HAS_W=True, HAS_B=True, stride_xd=1, stride_rd=1)
+                    row.update(run(norms._norm_fwd_kernel, types_, consts, warps, 1, False))
+                else:
+                    types_ = {name: "*fp32" if name in pointers else x for name in ("X", "W", "MEAN", "RSTD", "DY",
+                                                                                      "DH", "DX", "DW_PART",
+                                                                                      "DB_PART")}
+                    types_.update({n: "i32" for n in ("stride_xm", "stride_ym", "stride_hm", "M", "D",
+                                                      "rows_per_program")})
+                    consts = dict(flags, HAS_W=True, HAS_DH=True, BIAS_GRAD=True, stride_xd=1, stride_yd=1,
+                                  stride_hd=1, W_RESIDENT=flags["BLOCK_D"] <= norms.W_RESIDENT_BLOCK)
+                    row.update(run(norms._norm_bwd_kernel, types_, consts, warps, 1, False))
+            elif kind == "column_sum":
+                row.update(run(norms._column_sum_kernel, {"PART": "*fp32", "OUT": "*fp32", "P": "i32", "D": "i32"},
+                               dict(BLOCK=norms.COLUMN_BLOCK), 4, 1, False))
             else:
                 types_ = {"addresses": "*i64", "chunk_tensor": "*i32", "chunk_start": "*i64", "numels": "*i64",
                           "n_tensors": "i32", "step_addresses": "*i64", "lr_ptr": "*fp32", "lr_value": "fp32",
@@ -366,3 +389,22 @@ else:
         assert not errors, errors
         for r in rows:
             assert r["nan_max"] == r.get("inf", r.get("amsgrad")), r
+
+    def test_rms_and_layer_norm_kernels_compile_for_sm90_without_atomics_spilling_only_past_4096():
+        """Every option on (residual, weight, bias, the sum's gradient), rows of unit column stride, at a model's
+        width and up to MAX_D: the weight and bias gradients are partial sums and a second launch, never atomics.
+        The forward spills nothing; the backward nothing up to 4096 columns, and past them (a block of 8192,
+        where the row's values, its float32 dweight and dbias sums and their addresses pass 128 registers a
+        thread) a little, recorded here so it can't grow unnoticed (3.9: 64 to 112 bytes)."""
+        from portable_ops.backends.triton.norms import MAX_D
+
+        specs = [{"kernel": kind, "d": d, "dtype": dtype} for kind in ("rms_fwd", "ln_fwd", "rms_bwd", "ln_bwd")
+                 for d, dtype in ((4096, "bf16"), (4099, "fp16"), (MAX_D, "fp32"))]
+        specs.append({"kernel": "column_sum"})
+        rows = _run(specs)
+        errors = [r for r in rows if "error" in r]
+        assert not errors, errors
+        for r in rows:
+            wide_backward = r["kernel"].endswith("bwd") and r["d"] > 4096
+            assert r["spills"] <= (128 if wide_backward else 0), r
+            assert r["atomics"] == 0 and r["shared"] <= SHARED_LIMIT, r

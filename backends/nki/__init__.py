@@ -1,4 +1,4 @@
-"""The NKI backend: Adam/AdamW/AMSGrad, two-phase global norm and flash attention as NKI kernels
+"""The NKI backend: Adam/AdamW/AMSGrad, two-phase global norm, flash attention and RMSNorm/LayerNorm as NKI kernels
 for AWS Trainium2/Trainium3 (NKI 0.7, Neuron SDK 2.33, the ``nki.*`` namespace).
 
 Where the kernels run (``runtime.py``):
@@ -22,6 +22,7 @@ from . import compat
 from .adam import adam, adam_supports
 from .attention import MAX_HEAD_DIM, attention_bwd, attention_fwd, attention_supports
 from .grad_norm import grad_norm
+from .norms import layer_norm_bwd, layer_norm_fwd, norm_supports, rms_norm_bwd, rms_norm_fwd
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # NeuronCore engines have no float64
 
@@ -43,6 +44,10 @@ BACKEND = Backend(
         "grad_norm": OpImpl(run=grad_norm, dtypes=DTYPES, features=()),  # norm types 2 and inf
         "attention_fwd": OpImpl(run=attention_fwd, **_ATTENTION),
         "attention_bwd": OpImpl(run=attention_bwd, **_ATTENTION),
+        "rms_norm_fwd": OpImpl(run=rms_norm_fwd, supports=norm_supports, dtypes=DTYPES),
+        "rms_norm_bwd": OpImpl(run=rms_norm_bwd, supports=norm_supports, dtypes=DTYPES),
+        "layer_norm_fwd": OpImpl(run=layer_norm_fwd, supports=norm_supports, dtypes=DTYPES),
+        "layer_norm_bwd": OpImpl(run=layer_norm_bwd, supports=norm_supports, dtypes=DTYPES),
     },
     runtime_reasons=_runtime_reasons,
     description="NKI kernels for Trainium2/3",

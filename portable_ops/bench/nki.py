@@ -2,7 +2,8 @@
 
 Rows: the AdamW step over the optimizer bench's 292-tensor GPT-2-medium list (fp32, AMSGrad,
 bf16 params with fp32 state), the global 2-norm of its grads (the clip: the clip coefficient
-itself is fused into the step), and attention forward and backward at S=4096, D=128, bf16.
+itself is fused into the step), attention forward and backward at S=4096, D=128, bf16, and RMSNorm (with
+the fused residual add) and LayerNorm forward and backward over 4096 rows of 4096, bf16.
 
 How: each kernel runs in the project's NKI emulator in count-only mode (``meta`` tensors: every
 instruction is checked and counted, no arithmetic, no memory), through the same host code a
@@ -40,6 +41,7 @@ F32, BF16 = torch.float32, torch.bfloat16
 OPTIMIZER = [("AdamW fp32", F32, F32, False), ("AdamW AMSGrad fp32", F32, F32, True),
              ("AdamW bf16 params, fp32 state", BF16, F32, False)]
 ATTENTION = dict(B=1, H=16, S=4096, D=128)
+NORM = dict(M=4096, D=4096)  # rows x hidden size: a 4096-token batch of a 4096-wide model, bf16
 ADAMW = dict(beta1=0.9, beta2=0.999, lr=1e-4, weight_decay=0.01, eps=1e-8, maximize=False,
              decoupled_weight_decay=True)
 
@@ -82,6 +84,23 @@ def _workloads(device):
         rows.append((f"{label} bwd", B * H,
                      lambda call=call: _ops()["attention_bwd"].run(out=o, lse=lse, dout=do, **call),
                      (8 * S * D * 2 * B * H, 2.5 * flops * B * H)))
+    m, d = NORM.values()
+    x, residual, dout = (torch.zeros(m, d, dtype=BF16, device=device) for _ in range(3))
+    weight, bias = torch.zeros(d, dtype=BF16, device=device), torch.zeros(d, dtype=BF16, device=device)
+    stats = torch.zeros(m, device=device)
+    moved = m * d * 2  # bytes of one bf16 [M, D] tensor
+    rows += [
+        (f"RMSNorm + residual fwd bf16 M={m} D={d}", 1,
+         lambda: _ops()["rms_norm_fwd"].run(x=x, residual=residual, weight=weight, eps=1e-6), (4 * moved, 0)),
+        (f"RMSNorm bwd bf16 M={m} D={d}", 1,
+         lambda: _ops()["rms_norm_bwd"].run(x=x, weight=weight, rstd=stats, dout=dout, dh=None), (3 * moved, 0)),
+        (f"LayerNorm fwd bf16 M={m} D={d}", 1,
+         lambda: _ops()["layer_norm_fwd"].run(x=x, residual=None, weight=weight, bias=bias, eps=1e-5),
+         (2 * moved, 0)),
+        (f"LayerNorm bwd bf16 M={m} D={d}", 1,
+         lambda: _ops()["layer_norm_bwd"].run(x=x, weight=weight, mean=stats, rstd=stats, dout=dout, dh=None,
+                                              has_bias=True), (3 * moved, 0)),
+    ]
     return rows
 
 

@@ -310,7 +310,10 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
 
     def value():
         x = data.read() * s
-        out = nl.ACTIVATION[op](x if b is None else x + b)
+        x = x if b is None else x + b
+        if op is nl.rsqrt:
+            _check_rsqrt_domain(x)
+        out = nl.ACTIVATION[op](x)
         regs = _reduce_regs
         if cmd in (type(cmd).reset, type(cmd).reset_reduce):
             regs[:p] = 0
@@ -323,6 +326,19 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     if reduce_res is not None:
         reduce_res.assign(lambda: _reduce_regs[:p].clone().reshape(reduce_res.shape))
         core.record("scalar", "accumulator_read", 1)  # ActReadAccumulator: a second instruction
+
+
+# The Scalar Engine's rsqrt takes inputs in [2^-116, 2^118] (NKI ISA, activation functions' input domains).
+RSQRT_DOMAIN = (2.0 ** -116, 2.0 ** 118)
+
+
+def _check_rsqrt_domain(x):
+    low, high = RSQRT_DOMAIN
+    outside = ~((x >= low) & (x <= high))  # NaN is outside too
+    if bool(outside.any()):
+        bad = x[outside].flatten()[0].item()
+        reject("engine-domain", f"activation: rsqrt's input {bad!r} is outside the Scalar Engine's domain "
+               f"[2^-116, 2^118]; bring it into range first")
 
 
 def reciprocal(dst, data, name=None):

@@ -1,0 +1,260 @@
+"""RMSNorm and LayerNorm, forward and backward, as NKI kernels (the residual add fused into the forward).
+
+Layout: rows on the partitions, up to 128 per tile, the normalised dim ``D`` along the free axis whole
+(``D <= MAX_D``, so a row's statistics are free-axis reductions: ``tensor_reduce`` on the Vector Engine, the
+sum of squares as the Scalar Engine's ``square`` activation with its add-reduction). Tiles load into float32
+(the DMA converts), the engines compute in float32, and the stores round once to the output's dtype.
+The residual sum is rounded to x's dtype on chip before it is normalised and stored, so the norm sees what is
+returned. The weight and bias are loaded once per launch onto every partition in use.
+
+``rstd = rsqrt(var + eps)`` on the Scalar Engine, whose ``rsqrt`` takes inputs in [2^-116, 2^118] only (the
+emulator rejects others, as the hardware's domain is): each row's value is scaled by a power of two into that
+range (2^-120 above it, 2^120 below it), its rsqrt scaled back by the square root of that power, exactly, and
+the values no scaling can bring in are set apart by predicated copies, to torch's answers: +inf gives 0, 0
+gives +inf, NaN gives NaN. (Below 2^-236 the result is that of 2^-236: reachable only with ``eps < 2^-236``.)
+
+Backward: per row tile, ``dx = rstd * (w*dy - xhat * mean(w*dy*xhat) - mean(w*dy))`` (the last term LayerNorm's
+alone), plus the gradient that reached the residual sum; the weight and bias gradients are the column sums of
+``dy * xhat`` and ``dy`` over the rows, added tile after tile into float32 ``[128, D]`` accumulators and
+reduced across the partitions once at the end (``tensor_partition_reduce``, GpSimd): a fixed order,
+deterministic, no atomics.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .compat import nki, nisa, nl
+from .runtime import launch
+
+PMAX = 128
+MAX_D = 5120  # a row tile and its temporaries, D float32 each, fit SBUF (224 KiB a partition on Trn2)
+RSQRT_LOW, RSQRT_HIGH = 2.0 ** -116, 2.0 ** 118  # the Scalar Engine's rsqrt input domain
+
+
+def _column(rows):
+    return nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+
+
+def _flag(v, rows, op, value):
+    """A uint8 ``[rows, 1]`` predicate: 1 where ``v <op> value``."""
+    pred = nl.ndarray((rows, 1), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=pred, data=v, op0=op, operand0=value)
+    return pred
+
+
+def _rsqrt(v, rows):
+    """``rsqrt(v)`` of a ``[rows, 1]`` float32 column (v >= 0, inf or NaN), the Scalar Engine's rsqrt fed only
+    inputs in its domain (module docstring)."""
+    big = _flag(v, rows, nl.greater, RSQRT_HIGH)
+    small = _flag(v, rows, nl.less, RSQRT_LOW)
+    scale_in, scale_out = _column(rows), _column(rows)
+    for scale, down, up in ((scale_in, 2.0 ** -120, 2.0 ** 120), (scale_out, 2.0 ** -60, 2.0 ** 60)):
+        nisa.memset(dst=scale, value=1.0)  # powers of two, selected: exact, where 1 + f * (2^-120 - 1) is not
+        nisa.tensor_copy_predicated(dst=scale, src=down, predicate=big)
+        nisa.tensor_copy_predicated(dst=scale, src=up, predicate=small)
+    scaled = _column(rows)
+    nisa.tensor_tensor(dst=scaled, data1=v, data2=scale_in, op=nl.multiply)
+    nan = nl.ndarray((rows, 1), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=nan, data1=v, data2=v, op=nl.not_equal)
+    nisa.tensor_copy_predicated(dst=scaled, src=1.0, predicate=nan)  # what max/min do with NaN is undocumented
+    nisa.tensor_scalar(dst=scaled, data=scaled, op0=nl.maximum, operand0=RSQRT_LOW, op1=nl.minimum,
+                       operand1=RSQRT_HIGH)
+    r = _column(rows)
+    nisa.activation(dst=r, op=nl.rsqrt, data=scaled)
+    nisa.tensor_tensor(dst=r, data1=r, data2=scale_out, op=nl.multiply)
+    nisa.tensor_copy_predicated(dst=r, src=0.0, predicate=_flag(v, rows, nl.equal, math.inf))
+    nisa.tensor_copy_predicated(dst=r, src=math.inf, predicate=_flag(v, rows, nl.equal, 0.0))
+    nisa.tensor_copy_predicated(dst=r, src=math.nan, predicate=nan)
+    return r
+
+
+def _broadcast(vector, rows, d):
+    """A ``[D]`` HBM vector on each of ``rows`` partitions, float32."""
+    tile = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
+    for p in range(rows):
+        nisa.dma_copy(dst=tile[p:p + 1, 0:d], src=vector.reshape((1, d)))
+    return tile
+
+
+def _load(src, r0, rows, d):
+    tile = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=src[r0:r0 + rows, 0:d])  # the DMA converts to float32
+    return tile
+
+
+def _statistics(src, rows, d, eps, rms):
+    """``(mean, rstd)`` ``[rows, 1]`` float32 columns of a row tile (mean None for RMSNorm), both sums the Scalar
+    Engine's activations with their add-reduction (the Vector Engine and GpSimd keep the weight and bias): the
+    row's sum, then the sum of squares of ``src - mean`` (the square's bias the negated mean)."""
+    mean = neg_mean = None
+    squares = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)  # the activations' element-wise output
+    if not rms:
+        total = _column(rows)
+        nisa.activation(dst=squares, op=nl.copy, data=src, reduce_op=nl.add, reduce_res=total,
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        mean, neg_mean = _column(rows), _column(rows)
+        nisa.tensor_scalar(dst=mean, data=total, op0=nl.multiply, operand0=1.0 / d)
+        nisa.tensor_scalar(dst=neg_mean, data=total, op0=nl.multiply, operand0=-1.0 / d)
+    sum_sq = _column(rows)
+    nisa.activation(dst=squares, op=nl.square, data=src, bias=neg_mean, reduce_op=nl.add, reduce_res=sum_sq,
+                    reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    var = _column(rows)
+    nisa.tensor_scalar(dst=var, data=sum_sq, op0=nl.multiply, operand0=1.0 / d, op1=nl.add, operand1=eps)
+    return mean, _rsqrt(var, rows)
+
+
+@nki.jit
+def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True):
+    """``(out, [h], [mean], rstd)`` of contiguous rows ``x [M, D]``: h with a residual, mean for LayerNorm;
+    statistics ``[M, 1]`` float32. The element-wise work is spread over the engines: the residual add on GpSimd,
+    the statistics and the normalisation on the Scalar Engine, the weight on whichever of GpSimd and the Vector
+    Engine the residual left free, the bias on the other."""
+    m, d = x.shape
+    out = nl.ndarray((m, d), dtype=x.dtype, buffer=nl.shared_hbm)
+    h_out = nl.ndarray((m, d), dtype=x.dtype, buffer=nl.shared_hbm) if residual is not None else None
+    mean_out = None if rms else nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    rstd_out = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    most = min(PMAX, m)
+    w = _broadcast(weight, most, d) if weight is not None else None
+    b = _broadcast(bias, most, d) if bias is not None else None
+    weight_engine, bias_engine = ((nisa.engine.vector, nisa.engine.gpsimd) if residual is not None
+                                  else (nisa.engine.gpsimd, nisa.engine.vector))
+    for r0 in range(0, m, PMAX):
+        rows = min(PMAX, m - r0)
+        src = _load(x, r0, rows, d)
+        if residual is not None:
+            h = nl.ndarray((rows, d), dtype=x.dtype, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=h, data1=src, data2=_load(residual, r0, rows, d), op=nl.add,
+                               engine=nisa.engine.gpsimd)  # rounds once to x's dtype
+            nisa.dma_copy(dst=h_out[r0:r0 + rows, 0:d], src=h)
+            src = h  # the sum as returned is what is normalised
+        mean, rstd = _statistics(src, rows, d, eps, rms)
+        y = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
+        if rms:
+            nisa.tensor_scalar(dst=y, data=src, op0=nl.multiply, operand0=rstd, engine=nisa.engine.scalar)
+        else:
+            nisa.tensor_scalar(dst=y, data=src, op0=nl.subtract, operand0=mean, op1=nl.multiply, operand1=rstd,
+                               engine=nisa.engine.scalar)
+        if w is not None:
+            nisa.tensor_tensor(dst=y, data1=y, data2=w[0:rows, 0:d], op=nl.multiply, engine=weight_engine)
+        if b is not None:
+            nisa.tensor_tensor(dst=y, data1=y, data2=b[0:rows, 0:d], op=nl.add, engine=bias_engine)
+        nisa.dma_copy(dst=out[r0:r0 + rows, 0:d], src=y)  # rounds once to x's dtype
+        nisa.dma_copy(dst=rstd_out[r0:r0 + rows, 0:1], src=rstd)
+        if mean is not None:
+            nisa.dma_copy(dst=mean_out[r0:r0 + rows, 0:1], src=mean)
+    return tuple(o for o in (out, h_out, mean_out, rstd_out) if o is not None)
+
+
+@nki.jit
+def norm_bwd_kernel(x, rstd, dout, weight=None, mean=None, dh=None, rms=True, bias_grad=False):
+    """``(dx, [dweight], [dbias])`` of contiguous rows ``x [M, D]`` (what was normalised) from the saved
+    ``[M, 1]`` statistics; dweight with a weight, dbias with ``bias_grad``, ``[1, D]`` float32. Engines: xhat,
+    ``sum(w*dy)`` and the last scaling on the Scalar Engine; ``w*dy``, ``dy*xhat`` and the bias's accumulation on
+    GpSimd; ``sum(xhat*w*dy)`` and dx's combination on the Vector Engine."""
+    m, d = x.shape
+    dx_out = nl.ndarray((m, d), dtype=x.dtype, buffer=nl.shared_hbm)
+    dw_out = nl.ndarray((1, d), dtype=nl.float32, buffer=nl.shared_hbm) if weight is not None else None
+    db_out = nl.ndarray((1, d), dtype=nl.float32, buffer=nl.shared_hbm) if bias_grad else None
+    w = _broadcast(weight, min(PMAX, m), d) if weight is not None else None
+    # per-partition column sums, added tile after tile; reduced across the partitions once, at the end
+    most = min(PMAX, m)
+    acc_w = nl.zeros((most, d), dtype=nl.float32, buffer=nl.sbuf) if weight is not None else None
+    acc_b = nl.zeros((most, d), dtype=nl.float32, buffer=nl.sbuf) if bias_grad else None
+    for r0 in range(0, m, PMAX):
+        rows = min(PMAX, m - r0)
+        xt, dy = _load(x, r0, rows, d), _load(dout, r0, rows, d)
+        rs = _column(rows)
+        nisa.dma_copy(dst=rs, src=rstd[r0:r0 + rows, 0:1])
+        xhat = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
+        if rms:
+            nisa.tensor_scalar(dst=xhat, data=xt, op0=nl.multiply, operand0=rs, engine=nisa.engine.scalar)
+        else:
+            mu = _column(rows)
+            nisa.dma_copy(dst=mu, src=mean[r0:r0 + rows, 0:1])
+            nisa.tensor_scalar(dst=xhat, data=xt, op0=nl.subtract, operand0=mu, op1=nl.multiply, operand1=rs,
+                               engine=nisa.engine.scalar)
+        wdy = dy
+        if w is not None:
+            wdy = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=wdy, data1=dy, data2=w[0:rows, 0:d], op=nl.multiply, engine=nisa.engine.gpsimd)
+        prod, c = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf), _column(rows)
+        nisa.tensor_tensor(dst=prod, data1=xhat, data2=wdy, op=nl.multiply)
+        nisa.tensor_reduce(dst=c, op=nl.add, data=prod, axis=1, keepdims=True, negate=True)
+        nisa.tensor_scalar(dst=c, data=c, op0=nl.multiply, operand0=1.0 / d)
+        dx = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=dx, data=xhat, op0=nl.multiply, operand0=c, op1=nl.add, operand1=wdy)
+        if rms:
+            nisa.tensor_scalar(dst=dx, data=dx, op0=nl.multiply, operand0=rs, engine=nisa.engine.scalar)
+        else:  # minus mean(w * dy), then times rstd; the sum from the Scalar Engine's add-reduction
+            nisa.activation(dst=prod, op=nl.copy, data=wdy, reduce_op=nl.add, reduce_res=c,
+                            reduce_cmd=nisa.reduce_cmd.reset_reduce)
+            nisa.tensor_scalar(dst=c, data=c, op0=nl.multiply, operand0=-1.0 / d)
+            nisa.tensor_scalar(dst=dx, data=dx, op0=nl.add, operand0=c, op1=nl.multiply, operand1=rs,
+                               engine=nisa.engine.scalar)
+        if dh is not None:
+            nisa.tensor_tensor(dst=dx, data1=dx, data2=_load(dh, r0, rows, d), op=nl.add, engine=nisa.engine.gpsimd)
+        nisa.dma_copy(dst=dx_out[r0:r0 + rows, 0:d], src=dx)  # rounds once to x's dtype
+        if acc_w is not None:
+            nisa.tensor_tensor(dst=prod, data1=dy, data2=xhat, op=nl.multiply, engine=nisa.engine.gpsimd)
+            nisa.tensor_tensor(dst=acc_w[0:rows, 0:d], data1=acc_w[0:rows, 0:d], data2=prod, op=nl.add)
+        if acc_b is not None:
+            nisa.tensor_tensor(dst=acc_b[0:rows, 0:d], data1=acc_b[0:rows, 0:d], data2=dy, op=nl.add,
+                               engine=nisa.engine.gpsimd)
+    for acc, grad_out in ((acc_w, dw_out), (acc_b, db_out)):
+        if acc is not None:
+            total = nl.ndarray((1, d), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_partition_reduce(dst=total, op=nl.add, data=acc)
+            nisa.dma_copy(dst=grad_out, src=total)
+    return tuple(o for o in (dx_out, dw_out, db_out) if o is not None)
+
+
+# ----------------------------------------------------------------------------- host side
+def norm_supports(call) -> list[str]:
+    """Dtypes are declared (``BACKEND``); a row tile holds the whole normalised dim."""
+    d = call["x"].shape[-1]
+    if d > MAX_D:
+        return [f"the normalised dim is {d}, over {MAX_D}, the largest row the NKI norm kernels hold in SBUF"]
+    return []
+
+
+def _contiguous(t):
+    return None if t is None else t.contiguous()  # the kernels read rows as [M, D] row-major HBM views
+
+
+def _norm_fwd(x, residual, weight, bias, eps, rms):
+    outs = list(launch(norm_fwd_kernel, x.contiguous(), residual=_contiguous(residual), weight=_contiguous(weight),
+                       bias=_contiguous(bias), eps=float(eps), rms=rms))
+    out = outs.pop(0)
+    h = outs.pop(0) if residual is not None else None
+    mean = outs.pop(0).reshape(-1) if not rms else None
+    return out, h, mean, outs.pop(0).reshape(-1)
+
+
+def _norm_bwd(x, weight, mean, rstd, dout, dh, rms, has_bias):
+    outs = list(launch(norm_bwd_kernel, x.contiguous(), rstd.reshape(-1, 1).contiguous(), dout.contiguous(),
+                       weight=_contiguous(weight), mean=None if mean is None else mean.reshape(-1, 1).contiguous(),
+                       dh=_contiguous(dh), rms=rms, bias_grad=has_bias))
+    dx = outs.pop(0)
+    dweight = outs.pop(0).reshape(-1) if weight is not None else None
+    dbias = outs.pop(0).reshape(-1) if has_bias else None
+    return dx, dweight, dbias
+
+
+def rms_norm_fwd(x, residual, weight, eps):
+    out, h, _, rstd = _norm_fwd(x, residual, weight, None, eps, rms=True)
+    return out, h, rstd
+
+
+def rms_norm_bwd(x, weight, rstd, dout, dh):
+    dx, dweight, _ = _norm_bwd(x, weight, None, rstd, dout, dh, rms=True, has_bias=False)
+    return dx, dweight
+
+
+def layer_norm_fwd(x, residual, weight, bias, eps):
+    return _norm_fwd(x, residual, weight, bias, eps, rms=False)
+
+
+def layer_norm_bwd(x, weight, mean, rstd, dout, dh, has_bias):
+    return _norm_bwd(x, weight, mean, rstd, dout, dh, rms=False, has_bias=has_bias)

@@ -1,0 +1,63 @@
+"""RMSNorm and LayerNorm as torch runs them: its fused kernels where it has them, the definition elsewhere.
+
+LayerNorm is ``torch.native_layer_norm`` and its ATen backward (what ``F.layer_norm`` and its autograd run),
+but for the backward of half-precision rows off CUDA (on the CPU ATen sums their weight gradient in that
+precision, not float32 as this op promises) and of a weight whose dtype is not x's (ATen's backward takes one
+dtype): those run the definition. RMSNorm is ATen's ``_fused_rms_norm`` (what ``F.rms_norm`` runs on CUDA and CPU in
+recent torch) forward, and its fused backward on CUDA; on other devices, and on a torch without those
+ops, the definition (``portable_ops/definitions/norms.py``), plain torch ops, as ``F.rms_norm``'s own
+composite is there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from portable_ops.definitions.norms import norm_bwd, norm_fwd
+
+_aten = torch.ops.aten
+_FUSED_RMS = hasattr(_aten, "_fused_rms_norm")
+_FUSED_RMS_BACKWARD = hasattr(_aten, "_fused_rms_norm_backward")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _sum(x, residual):
+    return None if residual is None else x + residual
+
+
+def rms_norm_fwd(x, residual, weight, eps):
+    h = _sum(x, residual)
+    src = h if h is not None else x
+    if not _FUSED_RMS:
+        out, _, _, rstd = norm_fwd(src, None, weight, None, eps, rms=True)
+        return out, h, rstd
+    out, rstd = _aten._fused_rms_norm(src, [src.shape[-1]], weight, eps)
+    return out, h, rstd.reshape(-1)
+
+
+def rms_norm_bwd(x, weight, rstd, dout, dh):
+    if _FUSED_RMS_BACKWARD and x.is_cuda:
+        dx, dweight = _aten._fused_rms_norm_backward(dout, x, [x.shape[-1]], rstd[:, None], weight,
+                                                     [True, weight is not None])
+        return (dx if dh is None else dx + dh), dweight
+    dx, dweight, _ = norm_bwd(x, weight, None, rstd, dout, dh, rms=True, has_bias=False)
+    return dx, dweight
+
+
+def layer_norm_fwd(x, residual, weight, bias, eps):
+    h = _sum(x, residual)
+    src = h if h is not None else x
+    out, mean, rstd = torch.native_layer_norm(src, [src.shape[-1]], weight, bias, eps)
+    return out, h, mean.reshape(-1), rstd.reshape(-1)
+
+
+def layer_norm_bwd(x, weight, mean, rstd, dout, dh, has_bias):
+    # ATen's backward takes one dtype, and on the CPU sums a half-precision dweight in that precision (CUDA's in
+    # float32; other device types are not known to)
+    if (weight is not None and weight.dtype != x.dtype) or (x.device.type != "cuda" and x.dtype in _HALF):
+        return norm_bwd(x, weight, mean, rstd, dout, dh, rms=False, has_bias=has_bias)
+    # ATen reads the bias only to know it has one (its gradient is dout's column sums): a placeholder stands in
+    stand_in = x.new_empty(x.shape[-1:]) if has_bias else None
+    dx, dweight, dbias = _aten.native_layer_norm_backward(dout, x, [x.shape[-1]], mean[:, None], rstd[:, None],
+                                                          weight, stand_in, [True, weight is not None, has_bias])
+    return (dx if dh is None else dx + dh), dweight, dbias
