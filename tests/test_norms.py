@@ -138,11 +138,11 @@ def test_modules_refuse_a_normalized_shape_wider_than_the_last_dim():
 def test_a_backend_declines_what_it_cant_hold_with_a_reason():
     x = torch.randn(2, 20000)
     with portable_ops.use_backend("triton"):
-        choice = portable_ops.explain("rms_norm", x)
+        choice = portable_ops.explain("rms_norm", x.to(default_device("triton")))
     assert choice.backend == "reference"
     assert "the normalised dim is 20000, over 8192" in " ".join(choice.reasons)
     with portable_ops.use_backend("nki"):
-        choice = portable_ops.explain(portable_ops.layer_norm, x.double())
+        choice = portable_ops.explain(portable_ops.layer_norm, x.double().to(default_device("nki")))
     assert "float64 is not supported" in " ".join(choice.reasons)
     assert "the normalised dim is 20000, over 5120" in " ".join(choice.reasons)
 
