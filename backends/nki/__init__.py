@@ -46,5 +46,5 @@ BACKEND = Backend(
     },
     runtime_reasons=_runtime_reasons,
     description="NKI kernels for Trainium2/3",
-    declined=("attention_varlen_fwd", "attention_varlen_bwd", "paged_attention", "paged_kv_append"),
+    declined=("sgd", "attention_varlen_fwd", "attention_varlen_bwd", "paged_attention", "paged_kv_append"),
 )

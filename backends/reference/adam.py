@@ -7,10 +7,8 @@ kernel compute in float32.
 
 The kernels take a call whose tensors agree, index by index, in device and dtype (the optimizer's
 state in the param's dtype), all contiguous, with float32 step counts beside the params. They leave
-the caller's grads as they were: the kernels scale copies of them instead (torch's fused kernel
-unscales its grads in place, in float32), a clip folded into the grad scale. The copies' buffers are
-kept for the next step with grads of the same layout, as allocating them every step costs more than
-the step. A call the kernels don't take (a ``state_dtype`` unlike the param's, say) runs the
+the caller's grads as they were: the kernels scale copies of them instead (``grad_copies.py``), a clip
+folded into the grad scale. A call the kernels don't take (a ``state_dtype`` unlike the param's, say) runs the
 definition; so does a float32 call off the CPU with a ``found_inf`` or a tensor ``lr``, which the
 foreach kernels don't take."""
 
@@ -23,6 +21,8 @@ import torch
 from torch.optim.adam import adam as torch_adam
 
 from portable_ops.definitions.adam import adam as definition
+
+from .grad_copies import copies_of, keep
 
 KERNEL_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -48,17 +48,6 @@ def _kernels_take(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_s
     return {device} == set(map(_device, tensors + state_steps)) and all(map(torch.Tensor.is_contiguous, tensors))
 
 
-_copies: dict = {}  # the last scaled call's grad copies, by layout: allocating them every step costs page faults
-
-
-def _copies_of(grads):
-    """``(layout, copies of grads)``, into the last scaled call's buffers where the layout is the same."""
-    layout = tuple((g.shape, g.dtype, g.device) for g in grads)
-    buffers = _copies.get(layout) or [torch.empty_like(g, memory_format=torch.contiguous_format) for g in grads]
-    torch._foreach_copy_(buffers, grads)
-    return layout, buffers
-
-
 def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad, beta1, beta2,
          lr, weight_decay, eps, maximize, decoupled_weight_decay, grad_scale=None, found_inf=None,
          clip_coef=None):
@@ -79,7 +68,7 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
         grad_scale = clip_coef.reciprocal() if grad_scale is None else grad_scale / clip_coef
     copies = None
     if grad_scale is not None:
-        copies = _copies_of(grads)
+        copies = copies_of(grads)
         grads = copies[1]
         if not fused:  # foreach takes no grad_scale, and runs only wide dtypes here
             torch._foreach_mul_(grads, grad_scale.reciprocal())
@@ -92,5 +81,4 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     # the fused kernel writes without bumping version counters; autograd must see a saved param change
     torch.autograd.graph.increment_version([*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs])
     if copies is not None:
-        _copies.clear()
-        _copies[copies[0]] = copies[1]
+        keep(copies)

@@ -75,4 +75,5 @@ else:
             "paged_kv_append": OpImpl(run=paged_kv_append, supports=paged_kv_append_supports),
         },
         runtime_reasons=_runtime_reasons,
+        declined=("sgd",),
     )
