@@ -1,4 +1,4 @@
-"""The Triton backend: multi-tensor Adam, two-phase norm, flash attention, for CUDA tensors.
+"""The Triton backend: multi-tensor Adam and SGD, two-phase norm, flash attention, for CUDA tensors.
 
 CPU tensors run the same kernels in Triton's interpreter, which must be switched on before
 any kernel is decorated: on a machine with no CUDA device this module switches it on itself
@@ -38,6 +38,7 @@ else:
                             prepare_attention_fwd)
     from .grad_norm import grad_norm, grad_norm_supports
     from .launch import hash_triton_in_background
+    from .sgd import sgd, sgd_supports
 
     if not INTERPRETED:
         hash_triton_in_background()
@@ -61,6 +62,7 @@ else:
         description="Triton kernels" + (", in the interpreter" if INTERPRETED else ""),
         ops={
             "adam": OpImpl(run=adam, supports=adam_supports, dtypes=DTYPES),
+            "sgd": OpImpl(run=sgd, supports=sgd_supports, dtypes=DTYPES),
             "grad_norm": OpImpl(run=grad_norm, supports=grad_norm_supports, dtypes=DTYPES,
                                 features=()),  # norm types 2 and inf
             "attention_fwd": OpImpl(run=attention_fwd, supports=attention_supports, prepare=prepare_attention_fwd,
@@ -75,5 +77,4 @@ else:
             "paged_kv_append": OpImpl(run=paged_kv_append, supports=paged_kv_append_supports),
         },
         runtime_reasons=_runtime_reasons,
-        declined=("sgd",),
     )
