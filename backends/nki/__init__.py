@@ -1,4 +1,4 @@
-"""The NKI backend: Adam/AdamW/AMSGrad, two-phase global norm and flash attention as NKI kernels
+"""The NKI backend: Adam/AdamW/AMSGrad, SGD, two-phase global norm and flash attention as NKI kernels
 for AWS Trainium2/Trainium3 (NKI 0.7, Neuron SDK 2.33, the ``nki.*`` namespace).
 
 Where the kernels run (``runtime.py``):
@@ -22,6 +22,7 @@ from . import compat
 from .adam import adam, adam_supports
 from .attention import MAX_HEAD_DIM, attention_bwd, attention_fwd, attention_supports
 from .grad_norm import grad_norm
+from .sgd import sgd, sgd_supports
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # NeuronCore engines have no float64
 
@@ -40,11 +41,12 @@ BACKEND = Backend(
     cpu_runner="AWS nki.simulate" if compat.USING_SDK else "the project's NKI emulator (a test double)",
     ops={
         "adam": OpImpl(run=adam, supports=adam_supports, dtypes=DTYPES),
+        "sgd": OpImpl(run=sgd, supports=sgd_supports, dtypes=DTYPES),
         "grad_norm": OpImpl(run=grad_norm, dtypes=DTYPES, features=()),  # norm types 2 and inf
         "attention_fwd": OpImpl(run=attention_fwd, **_ATTENTION),
         "attention_bwd": OpImpl(run=attention_bwd, **_ATTENTION),
     },
     runtime_reasons=_runtime_reasons,
     description="NKI kernels for Trainium2/3",
-    declined=("sgd", "attention_varlen_fwd", "attention_varlen_bwd", "paged_attention", "paged_kv_append"),
+    declined=("attention_varlen_fwd", "attention_varlen_bwd", "paged_attention", "paged_kv_append"),
 )
