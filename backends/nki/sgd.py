@@ -15,8 +15,9 @@ buffers is two launches), dampening, Nesterov, weight decay, a grad multiplier, 
 Semantics are the definition's (``portable_ops/definitions/sgd.py``): tiles are loaded into float32 (the DMA
 converts), the engines compute in float32, and each store rounds once to its tensor's dtype. A non-zero
 ``found_inf`` keeps every old value (predicated copies of the new values onto the old tiles). The work is
-spread so the Vector Engine stays under the HBM time (docs/backends/nki.md, cost model): the Scalar Engine
-scales the grad and applies the dampening, GpSimd adds Nesterov's look-ahead.
+spread over the engines (docs/backends/nki.md, cost model): the Scalar Engine does every product by a
+hyperparameter, the Vector Engine the weight decay and the buffer's update (``scalar_tensor_tensor``, a product
+and a sum in one pass), GpSimd the Nesterov and param sums.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .compat import nki, nisa, nl
 from .runtime import launch
 
 PMAX = 128
-F_TILE = 1024  # fp32 elements per partition per tile: 4 KiB DMA payloads, as adam.py's
+F_TILE = 2048  # elements per partition per tile: 4 KiB DMA payloads for 16-bit tensors; ~10 live fp32 tiles = 80 KiB
 MAX_TENSORS = 1024  # per launch: the table is unrolled at specialization time
 # the grad multiplier (1 / grad_scale * clip_coef, negated under maximize), weight decay, momentum,
 # 1 - dampening, -lr, and the found_inf gate (1.0 = apply the step)
@@ -69,13 +70,14 @@ def _update(p, g, buf, hp, shape, flags):
             nisa.scalar_tensor_tensor(buf_new, data=buf, op0=nl.multiply, operand0=col(MOMENTUM), op1=nl.add,
                                       operand1=kept)
         direction = buf_new
-        if nesterov:  # grad + momentum * buf, on GpSimd
+        if nesterov:  # grad + momentum * buf: the product on the Scalar Engine, the sum on GpSimd
             direction = tile()
-            nisa.tensor_scalar(direction, data=buf_new, op0=nl.multiply, operand0=col(MOMENTUM),
-                               engine=nisa.engine.gpsimd)
+            nisa.activation(direction, op=nl.copy, data=buf_new, scale=col(MOMENTUM))
             nisa.tensor_tensor(direction, direction, grad, op=nl.add, engine=nisa.engine.gpsimd)
-    p_new = tile()  # p - lr * direction
-    nisa.scalar_tensor_tensor(p_new, data=direction, op0=nl.multiply, operand0=col(NEG_LR), op1=nl.add, operand1=p)
+    # p - lr * direction: as above, so that VectorE carries only the weight decay and the buffer
+    step, p_new = tile(), tile()
+    nisa.activation(step, op=nl.copy, data=direction, scale=col(NEG_LR))
+    nisa.tensor_tensor(p_new, p, step, op=nl.add, engine=nisa.engine.gpsimd)
     return p_new, buf_new
 
 

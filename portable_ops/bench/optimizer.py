@@ -15,6 +15,11 @@ def bytes_per_element(param_dtype: torch.dtype, state_dtype: torch.dtype, amsgra
     return 3 * p + (6 if amsgrad else 4) * s
 
 
+def sgd_bytes_per_element(dtype: torch.dtype, momentum: bool) -> int:
+    """Param and grad read, param written; under momentum the buffer read and written (in the param's dtype)."""
+    return (5 if momentum else 3) * dtype.itemsize
+
+
 def gpt2_medium_shapes() -> list[tuple[int, ...]]:
     d, vocab, ctx, layers = 1024, 50257, 1024, 24
     shapes = [(vocab, d), (ctx, d)]
