@@ -523,3 +523,31 @@ def test_torchs_fused_cpu_sgd_is_wrong_for_half_precision_so_the_reference_does_
     ours = p.clone()
     portable_ops.functional.sgd([ours], [grad], [], lr=0.1)
     assert torch.equal(ours, expected)
+
+
+def test_the_optimizer_bench_sgd_variants_step_alike():
+    """The bench's SGD row (``python -m portable_ops.bench optimizer``, CUDA only) times these optimizers over one
+    list of params: each must step it as torch's fused SGD does. Here on CPU float32 tensors, where the fused
+    kernel is right."""
+    from portable_ops.bench.optimizer import sgd_bytes_per_element, sgd_variants
+
+    g = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=g) for s in ((33, 65), (7,), (1000,))]
+    grads = [torch.randn(t.shape, generator=g) for t in start]
+    results = {}
+    for name, make in sgd_variants(params := [torch.nn.Parameter(t.clone()) for t in start],
+                                   torch.tensor(1e-4)).items():
+        with torch.no_grad():
+            for p, t, grad in zip(params, start, grads):
+                p.copy_(t)
+                p.grad = grad.clone()
+        opt = make()
+        for _ in range(3):
+            opt.step()
+        results[name] = [p.detach().clone() for p in params]
+    assert set(results) == {"torch fused", "torch foreach", "portable_ops", "portable_ops, graph"}
+    for name, got in results.items():
+        for a, b in zip(got, results["torch fused"]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+    assert sgd_bytes_per_element(torch.bfloat16, momentum=True) == 10
+    assert sgd_bytes_per_element(torch.float32, momentum=False) == 12
