@@ -551,3 +551,39 @@ def test_the_optimizer_bench_sgd_variants_step_alike():
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
     assert sgd_bytes_per_element(torch.bfloat16, momentum=True) == 10
     assert sgd_bytes_per_element(torch.float32, momentum=False) == 12
+
+
+def test_dtensor_params_in_a_one_process_mesh_step_as_plain_ones_with_dtensor_buffers():
+    """FSDP2's parameters are DTensors: the step runs on their local shards, and a new momentum buffer is a DTensor
+    placed as its param (what torch's SGD keeps, so a distributed checkpoint sees the layout it expects)."""
+    import os
+
+    import torch.distributed as dist
+    from test_distributed import free_port
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.Generator().manual_seed(0)
+        start = [torch.randn(6, 4, generator=g), torch.randn(5, generator=g)]
+        grads = [[torch.randn(t.shape, generator=g) for t in start] for _ in range(3)]
+        plain = [torch.nn.Parameter(t.clone()) for t in start]
+        sharded = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in start]
+        opts = [portable_ops.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, max_grad_norm=1.0)
+                for ps in (plain, sharded)]
+        for step_grads in grads:
+            for p, s, grad in zip(plain, sharded, step_grads):
+                p.grad = grad.clone()
+                s.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+            for opt in opts:
+                opt.step()
+        for p, s in zip(plain, sharded):
+            buffer = opts[1].state[s]["momentum_buffer"]
+            assert isinstance(buffer, DTensor) and buffer.placements == s.placements
+            torch.testing.assert_close(s.full_tensor(), p.detach())
+            torch.testing.assert_close(buffer.full_tensor(), opts[0].state[p]["momentum_buffer"])
+    finally:
+        dist.destroy_process_group()
