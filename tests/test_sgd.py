@@ -587,3 +587,27 @@ def test_dtensor_params_in_a_one_process_mesh_step_as_plain_ones_with_dtensor_bu
             torch.testing.assert_close(buffer.full_tensor(), opts[0].state[p]["momentum_buffer"])
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_complex_params_step_as_torchs_with_complex_buffers(backend, monkeypatch):
+    """torch steps a complex param as its own dtype; the kernels take its (real, imaginary) pairs."""
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
+    device = default_device(backend)
+    g = torch.Generator().manual_seed(2)
+    start = [torch.randn(s, dtype=torch.complex64, generator=g).to(device) for s in ((5, 3), (130,))]
+    ours = [torch.nn.Parameter(t.clone()) for t in start]
+    theirs = [torch.nn.Parameter(t.clone()) for t in start]
+    opts = (portable_ops.optim.SGD(ours, lr=0.1, momentum=0.9, weight_decay=0.01),
+            torch.optim.SGD(theirs, lr=0.1, momentum=0.9, weight_decay=0.01))
+    for _ in range(3):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn(a.shape, dtype=a.dtype, generator=g).to(device)
+            b.grad = a.grad.clone()
+        with portable_ops.use_backend(backend):
+            opts[0].step()
+        opts[1].step()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b)
+        assert opts[0].state[a]["momentum_buffer"].dtype == torch.complex64
+        torch.testing.assert_close(opts[0].state[a]["momentum_buffer"], opts[1].state[b]["momentum_buffer"])
