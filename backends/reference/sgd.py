@@ -4,7 +4,7 @@ default on CUDA) for float32/float64, else the definition. The foreach kernels r
 a float16/bfloat16 step to 16 bits (the definition and the fused kernel compute in float32 and round once),
 so half-precision calls they would take run the definition; so do those on the CPU, where torch's fused kernel
 (2.13) computes wrong values for float16/bfloat16 tensors of 16 elements or more (its vectorised loop;
-``tests/test_sgd.py`` shows it).
+``tests/test_sgd_kernels.py`` shows it).
 
 The fused kernel's ``is_first_step`` (set the momentum buffer to the
 grad) is one flag per launch, so a call whose new and old buffers are mixed (params that got their first grad
