@@ -406,3 +406,23 @@ def test_a_step_between_forward_and_backward_is_caught_as_torchs(backend, monkey
     assert buffers[0]._version > version
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_a_step_strict_mode_refuses_makes_no_buffer_and_writes_nothing(monkeypatch):
+    """The backend is chosen, and may be refused, before the step's new buffers go into the state: a refused
+    first step leaves the optimizer as it was, so the next step is a first step again."""
+    if "triton" not in usable_backends():
+        pytest.skip("triton can't run here")
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
+    params = [torch.nn.Parameter(torch.randn(5, dtype=torch.float64)), torch.nn.Parameter(torch.randn(3))]
+    opt = portable_ops.optim.SGD(params, lr=0.1, momentum=0.9)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = snapshot(params)
+    with portable_ops.use_backend("triton"), pytest.raises(portable_ops.BackendUnavailableError, match="float64"):
+        opt.step()
+    assert_bit_identical(before, params)
+    assert len(opt.state) == 0
+    opt.step()  # the reference, unforced: the first step makes the buffers from these grads
+    for p in params:
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], p.grad)
