@@ -45,6 +45,29 @@ adam_params = st.fixed_dictionaries({
     "found_inf_steps": st.sets(st.integers(0, 2)).map(tuple),
 })
 
+def _valid_nesterov(p):
+    """Nesterov as torch takes it: with momentum and no dampening."""
+    if p["nesterov"]:
+        return {**p, "momentum": max(p["momentum"], 0.1), "dampening": 0.0}
+    return p
+
+
+sgd_params = st.fixed_dictionaries({
+    "shapes": SHAPES,
+    "steps": st.integers(1, 3),
+    "lr": st.floats(0.0, 0.2),
+    "momentum": st.one_of(st.just(0.0), st.floats(0.0, 0.99)),
+    "dampening": st.floats(0.0, 1.0),
+    "weight_decay": st.floats(0.0, 0.2),
+    "nesterov": st.booleans(),
+    "maximize": st.booleans(),
+    "lr_tensor": st.booleans(),
+}, optional={
+    "grad_scale": st.sampled_from([2.0, 1024.0]),
+    "clip_coef": st.floats(0.01, 1.0),
+    "found_inf_steps": st.sets(st.integers(0, 2)).map(tuple),
+}).map(_valid_nesterov)
+
 attention_params = st.fixed_dictionaries({
     "B": st.integers(1, 2), "Hkv": st.integers(1, 2), "groups": st.integers(1, 3),
     "Sq": st.integers(1, 70), "Skv": st.integers(1, 70), "D": st.sampled_from([32, 64]), "causal": st.booleans(),
@@ -64,6 +87,7 @@ def check(backend, case):
 
 STRATEGIES = {
     "adam": (adam_params, DTYPES),
+    "sgd": (sgd_params, DTYPES),
     "clip_grad_norm_": (clip_params, DTYPES),
     "attention": (attention_params, st.sampled_from([torch.float32, torch.float16])),
 }
