@@ -397,8 +397,20 @@ class SGD(_FusedOptimizer):
                 if first:
                     self.state[p]["momentum_buffer"] = _state_like(buffer, p)
         self._commit_lists()
-        for kernel, (_, call) in zip(kernels, calls):
-            kernel.run(**call)
+        ran = 0
+        try:
+            for kernel, (_, call) in zip(kernels, calls):
+                kernel.run(**call)
+                ran += 1
+        except BaseException:
+            # a launch that failed (out of memory, say) and those after it made no buffer: unmake them, so the
+            # next step makes them from its grad instead of reading uninitialised memory
+            for keys, call in calls[ran:]:
+                for p, first in zip(keys, call["first_steps"]):
+                    if first:
+                        del self.state[p]["momentum_buffer"]
+            self._lists_cache.clear()
+            raise
         return loss
 
 

@@ -135,6 +135,41 @@ def test_a_failing_group_leaves_no_group_half_updated(monkeypatch):
     assert [float(opt.state[p]["step"]) for p in first + second] == [1.0, 1.0, 1.0, 0.0, 0.0]
 
 
+def test_a_failing_sgd_group_leaves_no_buffer_uninitialised(monkeypatch):
+    """As for Adam; and SGD's buffers, made uninitialised for the step to fill, are unmade for the groups whose
+    launch failed or never ran: the next step makes them from its grad, as a first step does."""
+    from portable_ops import dispatch
+
+    backend = dispatch.get_backend("reference")
+    real = backend.ops["sgd"].run
+    calls = []
+
+    def fails_on_second_group(**call):
+        calls.append(call)
+        if len(calls) == 2:
+            raise RuntimeError("simulated device failure")
+        real(**call)
+
+    monkeypatch.setitem(backend.ops, "sgd", dispatch.OpImpl(run=fails_on_second_group))
+    first = [torch.nn.Parameter(torch.randn(5)) for _ in range(3)]
+    second = [torch.nn.Parameter(torch.randn(7)) for _ in range(2)]
+    opt = portable_ops.optim.SGD([{"params": first}, {"params": second}], lr=0.1, momentum=0.9)
+    for p in first + second:
+        p.grad = torch.randn_like(p)
+    before = [p.detach().clone() for p in first + second]
+    with pytest.raises(RuntimeError, match="simulated device failure"):
+        opt.step()
+    stepped = [not torch.equal(p, b) for p, b in zip(first + second, before)]
+    assert stepped == [True, True, True, False, False]
+    assert ["momentum_buffer" in opt.state[p] for p in first + second] == [True, True, True, False, False]
+    monkeypatch.setitem(backend.ops, "sgd", dispatch.OpImpl(run=real))
+    for p in second:
+        p.grad = torch.full_like(p, 2.0)
+    opt.step()
+    for p in second:  # made from this step's grad, as on a first step
+        assert torch.equal(opt.state[p]["momentum_buffer"], torch.full_like(p, 2.0))
+
+
 # ----------------------------------------------------------------------------- classes of misuse and edge values
 
 import copy  # noqa: E402
