@@ -306,6 +306,8 @@ class SGD(_FusedOptimizer):
                  maximize=False, foreach=None, differentiable=False, fused=None, max_grad_norm=None):
         if differentiable:
             raise ValueError("differentiable=True is not supported: the fused step is not differentiable")
+        if fused and foreach:  # torch's refusal, in its words
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         sgd_checks.check_sgd_hyperparameters(lr=lr, momentum=momentum, dampening=dampening,
                                              weight_decay=weight_decay, nesterov=nesterov)
         _check_max_grad_norm(max_grad_norm)

@@ -105,9 +105,14 @@ def test_what_torch_refuses_is_refused(kw, error):
             torch.optim.SGD(p, **torch_kw)
 
 
-def test_differentiable_is_refused():
+def test_differentiable_and_fused_with_foreach_are_refused():
+    p = [torch.nn.Parameter(torch.zeros(1))]
     with pytest.raises(ValueError, match="differentiable=True is not supported"):
-        portable_ops.optim.SGD([torch.nn.Parameter(torch.zeros(1))], differentiable=True)
+        portable_ops.optim.SGD(p, differentiable=True)
+    for cls in (torch.optim.SGD, portable_ops.optim.SGD):
+        with pytest.raises(RuntimeError, match="`fused` and `foreach` cannot be `True` together"):
+            cls(p, fused=True, foreach=True)
+    portable_ops.optim.SGD(p, fused=True)  # accepted, as torch's; every step is the fused path anyway
 
 
 def test_numpy_scalars_and_a_tensor_lr_are_taken_as_torch_takes_them():
