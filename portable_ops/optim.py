@@ -411,6 +411,8 @@ class SGD(_FusedOptimizer):
                 for p, first in zip(keys, call["first_steps"]):
                     if first:
                         del self.state[p]["momentum_buffer"]
+                        if not self.state[p]:  # no entry at all, as torch keeps none for a param never stepped
+                            del self.state[p]
             self._lists_cache.clear()
             raise
         return loss
