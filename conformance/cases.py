@@ -1,6 +1,6 @@
 """The shared case catalogue: the same cases for every backend.
 
-A case names an op family (``portable_ops.ops.families()``: ``adam``, ``clip_grad_norm_``, ``attention``,
+A case names an op family (``portable_ops.ops.families()``: ``adam``, ``sgd``, ``clip_grad_norm_``, ``attention``,
 ``attention_varlen``, ``paged_attention``, ``rms_norm``, ``layer_norm``), a seed, its parameters and a dtype.
 Inputs are drawn from the seed on the CPU and moved to the backend's device, so every backend sees the same
 numbers. Tolerances come from tolerances.py, by family and dtype: a value passes when
@@ -104,6 +104,55 @@ def _adam_cases() -> list[Case]:
     cases.append(Case("trajectory_adamw_fp32_state", "adam", BF16,
                       {**base, "decoupled": True, "weight_decay": 0.01, "amsgrad": True, "state_dtype": F32,
                        "steps": 50, "shapes": [(7, 13), (300,), (1,)]}))
+    return cases
+
+
+def _sgd_cases() -> list[Case]:
+    """lr 0.1: an update a bfloat16 param keeps (a backend that skipped the step would fail every dtype)."""
+    base = dict(shapes=ODD_SIZES, steps=5, lr=0.1)
+    momentum = dict(momentum=0.9)
+    variants = {
+        "sgd_plain": {},
+        "sgd_momentum": momentum,
+        "sgd_momentum_dampening": dict(momentum=0.9, dampening=0.5),
+        "sgd_nesterov_weight_decay": dict(momentum=0.9, nesterov=True, weight_decay=0.01),
+        "sgd_weight_decay_maximize": dict(momentum=0.8, weight_decay=0.1, maximize=True),
+        "sgd_plain_weight_decay_maximize": dict(weight_decay=0.1, maximize=True),
+        "sgd_lr_tensor": dict(momentum=0.9, lr_tensor=True, lr=0.05),
+        "sgd_grad_scale": dict(momentum=0.9, grad_scale=1024.0, weight_decay=0.01),
+        "sgd_clip_coef": dict(momentum=0.9, nesterov=True, clip_coef=0.25),
+    }
+    cases = [Case(name, "sgd", dtype, {**base, **extra}) for name, extra in variants.items()
+             for dtype in (F32, BF16, F16)]
+    cases += [
+        Case("sgd_one_element", "sgd", F32, {**base, **momentum, "shapes": [(1,)]}),
+        Case("sgd_many_mixed", "sgd", F32, {**base, **momentum, "shapes": _mixed_sizes(40, 7), "steps": 3}),
+        Case("sgd_empty_list", "sgd", F32, {**base, **momentum, "shapes": []}),
+        # float32, bfloat16 and float16 params in one call: one launch per dtype group
+        Case("sgd_mixed_dtypes", "sgd", F32, {**base, "momentum": 0.9, "nesterov": True,
+                                              "dtypes": (F32, BF16, F16), "shapes": _mixed_sizes(12, 3)}),
+        # params 1 and 4 get their first grad on step 3: new and old momentum buffers in one call
+        Case("sgd_late_params", "sgd", F32, {**base, **momentum, "dampening": 0.3, "late": ((1, 2), (4, 2))}),
+        Case("sgd_late_params", "sgd", BF16, {**base, **momentum, "late": ((0, 1), (6, 3))}),
+        # found_inf on the first step (no buffer may be made) and a later one, with inf and NaN grads
+        Case("sgd_found_inf_skips", "sgd", F32,
+             {**base, **momentum, "dampening": 0.1, "grad_scale": 65536.0, "found_inf_steps": (0, 3),
+              "nonfinite_steps": (0, 3)}),
+        Case("sgd_found_inf_skips", "sgd", BF16,
+             {**base, **momentum, "grad_scale": 8.0, "found_inf_steps": (2,), "nonfinite_steps": (2,)}),
+        # without found_inf a non-finite grad propagates, as in torch: NaN where the oracle has NaN
+        Case("sgd_nonfinite_grad_propagates", "sgd", F32, {**base, **momentum, "nonfinite_steps": (2,)}),
+        # optim.SGD(max_grad_norm=...): norm, then a step that scales each grad as it reads it
+        Case("sgd_max_grad_norm", "sgd", F32, {**base, **momentum, "weight_decay": 0.01, "max_grad_norm": 0.5}),
+        Case("sgd_max_grad_norm", "sgd", BF16, {**base, **momentum, "nesterov": True, "max_grad_norm": 0.5,
+                                                "steps": 3}),
+    ]
+    trajectories = {"trajectory_sgd_momentum": dict(momentum=0.9, weight_decay=0.01),
+                    "trajectory_sgd_nesterov": dict(momentum=0.9, nesterov=True, weight_decay=0.01),
+                    "trajectory_sgd_dampening_maximize": dict(momentum=0.5, dampening=0.5, maximize=True)}
+    for name, extra in trajectories.items():
+        cases.append(Case(name, "sgd", F32, {**base, **extra, "lr": 0.01, "steps": 50,
+                                             "shapes": [(7, 13), (300,), (1,)]}))
     return cases
 
 
@@ -278,5 +327,5 @@ def _norm_cases() -> list[Case]:
     return NORM_CASES
 
 
-CASES: list[Case] = (_adam_cases() + _clip_cases() + _attention_cases() + _window_softcap_cases() + _varlen_cases()
-                     + _paged_cases() + _norm_cases())
+CASES: list[Case] = (_adam_cases() + _sgd_cases() + _clip_cases() + _attention_cases() + _window_softcap_cases()
+                     + _varlen_cases() + _paged_cases() + _norm_cases())

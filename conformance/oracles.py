@@ -1,15 +1,18 @@
 """The oracles the runner compares a backend with: ``float64``, the reference backend's code run in float64
-on the CPU, and ``torch``, PyTorch itself (``torch.optim``'s functional Adam, SDPA under an explicit mask)."""
+on the CPU, and ``torch``, PyTorch itself (``torch.optim``'s functional Adam and SGD, SDPA under an explicit
+mask)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch.optim.adam import adam as torch_adam
+from torch.optim.sgd import sgd as torch_sgd
 
 from portable_ops.definitions.adam import adam as reference_adam
 from portable_ops.definitions.attention import attention_bwd as reference_attention_bwd
 from portable_ops.definitions.attention import attention_fwd as reference_attention_fwd
+from portable_ops.definitions.sgd import sgd as reference_sgd
 
 F64 = torch.float64
 
@@ -93,3 +96,26 @@ def attention_oracle(oracle, q, k, v, dout, rows, causal, scale, window=None, so
     dq, dk, dv = grads
     unseen = (0, 0, 0, skv - seen)
     return out.detach(), dq, F.pad(dk, unseen), F.pad(dv, unseen)
+
+
+def sgd_oracle(oracle, params, buffers, grads, kw):
+    """One SGD step of the oracle on float64 CPU copies: ``buffers`` holds None where a momentum buffer is not
+    made yet, and takes the new ones. ``float64``: the definition. ``torch``: ``torch.optim``'s functional SGD,
+    its single-tensor path, on grads unscaled and clipped beforehand (grad_scale and clip_coef are the fused
+    step's), and a step found_inf skips is not taken, as torch's GradScaler skips ``step()``."""
+    if kw["found_inf"] is not None and kw["found_inf"].item() != 0:
+        return
+    options = {k: kw[k] for k in ("momentum", "dampening", "weight_decay", "nesterov", "maximize")}
+    lr = kw["lr"].item() if isinstance(kw["lr"], torch.Tensor) else kw["lr"]
+    if oracle == "float64":
+        first = [b is None for b in buffers] if kw["momentum"] else []
+        made = [torch.empty_like(p) if b is None else b for p, b in zip(params, buffers)] if kw["momentum"] else []
+        reference_sgd(params, grads, made, first, lr=lr, grad_scale=kw["grad_scale"], clip_coef=kw["clip_coef"],
+                      **options)
+        buffers[:] = made or buffers
+        return
+    if kw["grad_scale"] is not None:
+        grads = [g / kw["grad_scale"].item() for g in grads]
+    if kw["clip_coef"] is not None:
+        grads = [g * kw["clip_coef"].item() for g in grads]
+    torch_sgd(params, grads, buffers, foreach=False, fused=False, lr=lr, **options)

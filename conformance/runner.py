@@ -11,7 +11,7 @@ among those it has no kernel for (``Backend.declined``); the CLI's exit status c
 undeclared ones, unless ``--strict`` (docs/conformance.md, "Exit status").
 
 Oracles (oracles.py): ``float64`` is the reference backend's code run in float64 on the CPU;
-``torch`` is PyTorch itself (``torch.optim`` functional Adam/AdamW,
+``torch`` is PyTorch itself (``torch.optim`` functional Adam/AdamW and SGD,
 ``torch.nn.utils.clip_grad_norm_``, ``F.scaled_dot_product_attention``), used for
 the reference backend. Optimizer cases are compared step by step: before each
 step the oracles start from the backend's own state, so the error measured is
@@ -46,6 +46,7 @@ from portable_ops.ops import families
 from .cases import CASES, Case
 from .norm_runner import run_layer_norm, run_rms_norm
 from .oracles import F64, adam_oracle, attention_oracle
+from .sgd_runner import run_sgd
 from .tolerances import GRADIENT_FACTOR
 
 # Adam divides by sqrt(v) + eps: where the grad (after L2 decay) nearly cancels, its float32
@@ -481,7 +482,7 @@ def run_paged(case: Case, backend: str, device: torch.device, oracles: list[str]
         result.check(oracle, "out", out, ref, atol, rtol)
 
 
-RUNNERS = {"adam": run_adam, "clip_grad_norm_": run_clip, "attention": run_attention,
+RUNNERS = {"adam": run_adam, "sgd": run_sgd, "clip_grad_norm_": run_clip, "attention": run_attention,
            "attention_varlen": run_attention_varlen, "paged_attention": run_paged, "rms_norm": run_rms_norm,
            "layer_norm": run_layer_norm}
 if set(RUNNERS) != set(families()):  # a family of portable_ops/ops.py without a runner, or the reverse

@@ -33,6 +33,8 @@ _ATTENTION = {F32: Tolerance(2e-3, 2e-3), F16: Tolerance(4e-3, 4e-3), BF16: Tole
 _NORMS = {F32: Tolerance(1e-5, 1e-5), F16: Tolerance(2e-3, 2e-3), BF16: Tolerance(1.6e-2, 1.6e-2)}
 _TABLE = {
     "adam": {F32: Tolerance(1e-6, 1e-5), F16: Tolerance(1e-5, 2e-3), BF16: Tolerance(1e-4, 1.6e-2)},
+    # SGD: the same one step's rounding of the stored dtype (param and momentum buffer).
+    "sgd": {F32: Tolerance(1e-6, 1e-5), F16: Tolerance(1e-5, 2e-3), BF16: Tolerance(1e-4, 1.6e-2)},
     "clip_grad_norm_": {F32: Tolerance(1e-6, 1e-5), F16: Tolerance(1e-4, 2e-3), BF16: Tolerance(1e-3, 1.6e-2)},
     "attention": _ATTENTION,
     # Packed and paged attention are dense attention per sequence: the same tolerances.

@@ -1,7 +1,7 @@
 """portable-ops: the same Python call runs the fastest correct kernel on whatever hardware holds the tensors.
 
-Public API: ``optim.Adam``, ``optim.AdamW``, ``functional.adam``, ``clip_grad_norm_``,
-``attention``, ``attention_varlen``, ``paged_attention``, ``paged_kv_append``, ``rms_norm``,
+Public API: ``optim.Adam``, ``optim.AdamW``, ``optim.SGD``, ``functional.adam``, ``functional.sgd``,
+``clip_grad_norm_``, ``attention``, ``attention_varlen``, ``paged_attention``, ``paged_kv_append``, ``rms_norm``,
 ``layer_norm``, ``nn.RMSNorm``, ``nn.LayerNorm``, ``use_backend``, ``explain``. Backends: ``triton`` (CUDA), ``nki``
 (Trainium), ``reference`` (plain PyTorch, any device).
 """

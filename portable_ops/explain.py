@@ -8,12 +8,14 @@ from .attention import attention, attention_call
 from .attention_varlen import attention_varlen, attention_varlen_call
 from .clip import clip_grad_norm_, grad_norm_call, grads_of
 from .dispatch import Choice, choose
-from .functional import adam, adam_call
+from .functional import adam, adam_call, sgd, sgd_call
 from .norms import layer_norm, norm_call, rms_norm
 from .ops import public_ops
 from .paged import paged_attention, paged_attention_call, paged_kv_append, paged_kv_append_call
 
 _ADAM_CALL_ARGS = inspect.signature(adam_call).parameters
+_SGD_CALL_KEYWORDS = [name for name, p in inspect.signature(sgd_call).parameters.items()
+                      if p.kind == p.KEYWORD_ONLY]
 
 # For each public op of portable_ops/ops.py: the function, and the checked call built from the function's
 # arguments as bound to its signature (defaults applied).
@@ -24,6 +26,8 @@ _CALLS = {
     "paged_attention": (paged_attention, lambda a: paged_attention_call(**a)),
     "paged_kv_append": (paged_kv_append, lambda a: paged_kv_append_call(**a)),
     "adam": (adam, lambda a: adam_call(**{k: v for k, v in a.items() if k in _ADAM_CALL_ARGS})),
+    "sgd": (sgd, lambda a: sgd_call(a["params"], a["d_p_list"], a["momentum_buffer_list"],
+                                    **{k: v for k, v in a.items() if k in _SGD_CALL_KEYWORDS})),
     "clip_grad_norm_": (clip_grad_norm_, lambda a: grad_norm_call(grads_of(a["parameters"]), a["norm_type"])),
     "rms_norm": (rms_norm, lambda a: _rows(norm_call("rms_norm", a["x"], a["residual"], a["weight"], None, a["eps"]))),
     "layer_norm": (layer_norm, lambda a: _rows(norm_call("layer_norm", a["x"], a["residual"], a["weight"], a["bias"],
@@ -47,7 +51,7 @@ def explain(op, *args, **kwargs) -> Choice:
 
     ``op`` is a public function (``portable_ops.attention``, ``attention_varlen``, ``paged_attention``,
     ``paged_kv_append``, ``rms_norm``, ``layer_norm``, ``portable_ops.functional.adam``,
-    ``portable_ops.clip_grad_norm_``) or its name.
+    ``portable_ops.functional.sgd``, ``portable_ops.clip_grad_norm_``) or its name.
     The arguments are checked as the call would check them (offsets' and page tables' values included);
     nothing is computed. The returned :class:`~portable_ops.dispatch.Choice` prints as a readable report.
     """

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import checks
+from . import checks, sgd_checks
 from .dispatch import dispatch
 
 
@@ -81,3 +81,74 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, for
     if not call["params"]:
         return
     dispatch("adam", call, call["params"][0].device).run(**call)
+
+
+def sgd_call(params, grads, momentum_buffer_list, *, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0,
+             nesterov=False, maximize=False, grad_scale=None, found_inf=None, clip_coef=None, checked_layouts=None):
+    """Check every argument of an SGD step; return the call as the backends take it.
+
+    Under momentum, each None of ``momentum_buffer_list`` gets a new buffer (uninitialised: the step sets it
+    to the grad, as torch's clone does) and ``first_steps`` marks it; without momentum the list is not read,
+    as in torch. ``checked_layouts``: as :func:`adam_call`'s, the buffers' layouts checked on an earlier step.
+    """
+    sgd_checks.check_sgd_hyperparameters(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                         nesterov=nesterov)
+    with_momentum = float(momentum) != 0
+    if checked_layouts is None:
+        checks.check_distinct("params", params)
+    checks.check_tensor_lists({"params": params, "grads": grads}, like="params", like_layouts=checked_layouts)
+    new = []
+    if with_momentum:
+        new = sgd_checks.check_momentum_buffers(momentum_buffer_list, params, checked=checked_layouts is not None)
+    device = params[0].device if params else None
+    for arg, t in (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef)):
+        checks.check_scalar_tensor(arg, t, device)
+    if isinstance(lr, torch.Tensor):
+        checks.check_scalar_tensor("lr", lr, device)
+    buffers, first_steps = [], ()
+    if with_momentum:
+        buffers = list(momentum_buffer_list)
+        for i in new:
+            buffers[i] = torch.empty_like(params[i], memory_format=torch.contiguous_format)
+        first_steps = tuple(b is None for b in momentum_buffer_list)
+    params, grads, buffers = (list(checks.as_real(ts)) for ts in (params, grads, buffers))
+    return dict(params=params, grads=grads, momentum_buffers=buffers, first_steps=first_steps,
+                lr=lr if isinstance(lr, torch.Tensor) else float(lr), momentum=float(momentum),
+                dampening=float(dampening), weight_decay=float(weight_decay), nesterov=bool(nesterov),
+                maximize=bool(maximize), grad_scale=grad_scale, found_inf=found_inf, clip_coef=clip_coef)
+
+
+def skipped_before_buffers_exist(call) -> bool:
+    """Whether ``found_inf`` skips a step that would create momentum buffers: the step is then not taken and the
+    buffers stay unmade (torch's SGD, whose GradScaler skips the whole step), which takes reading ``found_inf``
+    on the host, on such steps only (a later step's skip is done on the device)."""
+    return call["found_inf"] is not None and any(call["first_steps"]) and bool(call["found_inf"].item() != 0)
+
+
+def sgd(params, d_p_list, momentum_buffer_list, has_sparse_grad=False, foreach=None, fused=None, grad_scale=None,
+        found_inf=None, *, weight_decay=0.0, momentum=0.0, lr=1e-3, dampening=0.0, nesterov=False, maximize=False,
+        clip_coef=None):
+    """One SGD step over lists of tensors, in place.
+
+    ``torch.optim.sgd.sgd``'s signature, positionally and by keyword, and its meaning: under momentum, each
+    None of ``momentum_buffer_list`` is replaced, in the list, by a new buffer holding the grad (after weight
+    decay), as torch's clone; ``grad_scale`` divides every grad first (AMP); a non-zero ``found_inf`` makes the
+    step change nothing. ``foreach``, ``fused`` and ``has_sparse_grad`` are accepted and change nothing (the
+    step is always the fused multi-tensor path; sparse grads are refused).
+
+    Beyond torch's, keyword-only: ``clip_coef`` (a device scalar, from global-norm clipping) multiplies every
+    grad, so clipping fuses into the step without rewriting the grads.
+    """
+    call = sgd_call(params, d_p_list, momentum_buffer_list, lr=lr, momentum=momentum, dampening=dampening,
+                    weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, grad_scale=grad_scale,
+                    found_inf=found_inf, clip_coef=clip_coef)
+    if not call["params"]:
+        return
+    kernel = dispatch("sgd", call, call["params"][0].device)
+    if skipped_before_buffers_exist(call):
+        return
+    kernel.run(**call)
+    for i, first in enumerate(call["first_steps"]):
+        if first:
+            buffer = call["momentum_buffers"][i]
+            momentum_buffer_list[i] = torch.view_as_complex(buffer) if params[i].is_complex() else buffer

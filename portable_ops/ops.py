@@ -55,6 +55,8 @@ _VARLEN = dict(public="attention_varlen", description="packed variable-length se
 OPS: dict[str, Op] = {
     # The public API gives each grad its param's dtype, and a param's moments one dtype, its exp_avg's.
     "adam": Op(public="adam", description="the Adam/AdamW step", family="adam", tensors=("params", "exp_avgs")),
+    # A param's momentum buffer has its dtype.
+    "sgd": Op(public="sgd", description="the SGD step", family="sgd", tensors=("params",)),
     "grad_norm": Op(public="clip_grad_norm_", description="the global norm of gradients", family="clip_grad_norm_",
                     tensors=("grads",), features=(OTHER_NORMS,)),
     "attention_fwd": Op(public="attention", description="attention", family="attention", backward="attention_bwd",

@@ -1,8 +1,8 @@
 """``torch.optim.Optimizer`` subclasses whose step is one fused multi-tensor call per device.
 
 Constructor arguments, defaults and ``state_dict`` layout are torch's
-(``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so checkpoints move
-between ``torch.optim.Adam/AdamW`` and these classes in both directions.
+(``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``; SGD's ``momentum_buffer``), so checkpoints move
+between ``torch.optim.Adam/AdamW/SGD`` and these classes in both directions.
 ``max_grad_norm`` fuses global-norm clipping into the step: the grads are read
 once for the norm and once for the step, and are not rewritten. ``state_dtype=torch.float32``
 keeps the moments of float16/bfloat16 params in float32.
@@ -17,16 +17,103 @@ import re
 import numpy as np
 import torch
 
-from . import checks
+from . import checks, sgd_checks
 from .clip import checked_total_norm, clip_coefficient
 from .distributed import global_norm, is_dtensor, local
-from .functional import adam_call
+from .functional import adam_call, sgd_call, skipped_before_buffers_exist
 from .dispatch import dispatch
 
 _grad = operator.attrgetter("grad")
 
 
-class Adam(torch.optim.Optimizer):
+class _FusedOptimizer(torch.optim.Optimizer):
+    """What the fused optimizers share: GradScaler's protocol, ``max_grad_norm`` (one global norm, fused into
+    the step as a clip coefficient), refusing a param listed twice, and the per-group lists cache."""
+
+    def __init__(self, params, defaults):
+        super().__init__(params, defaults)
+        self._step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
+        self.last_grad_norm: torch.Tensor | None = None
+        self._lists_cache: dict[int, tuple] = {}
+        self._pending_cache: dict[int, tuple] = {}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._lists_cache, self._pending_cache = {}, {}  # load_state_dict comes through here
+
+    def _check_group(self, group) -> None:
+        """A new param group's options, checked as the constructor checks them."""
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._check_group(group)
+            self._max_grad_norm()
+            if len(set(map(id, group["params"]))) != len(group["params"]):
+                # torch warns and steps such a param twice in turn; one fused launch can't
+                raise ValueError(f"param_groups[{len(self.param_groups) - 1}] holds a parameter twice: each "
+                                 f"parameter may be stepped once per step; list it once")
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
+
+    def _cached_lists(self, group, flags, with_grad):
+        """The per-device lists of ``group`` cached by an earlier step, or None where they no longer hold.
+
+        Rebuilding these lists is most of a step's host time (hundreds of tensors), so they are kept while
+        the same params have grads, with the shapes, dtypes and devices their state was checked against, and
+        their state dicts are the same objects. A param whose ``.data`` was replaced (resized, cast by
+        ``model.half()``, moved) rebuilds them. Replace optimizer state through ``load_state_dict``, which
+        drops the cache.
+        """
+        cached = self._lists_cache.get(id(group))
+        if (cached is not None and cached[0] == flags and len(cached[1]) == len(with_grad)
+                and all(map(operator.is_, cached[1], with_grad))
+                and all(map(operator.is_, map(self.state.get, with_grad), cached[2]))
+                and all(map(_params_unchanged, cached[3].values()))):
+            return cached[3]
+        return None
+
+    def _pend_lists(self, group, flags, with_grad, by_device) -> None:
+        """Lists built this step, cached by :meth:`_commit_lists` once the step's new state is in place."""
+        for lists in by_device.values():
+            lists["sharded"] = any(map(is_dtensor, lists["keys"]))
+            lists["layouts"] = checks.layouts(lists["params"])
+        self._pending_cache[id(group)] = (flags, with_grad, by_device)
+
+    def _refresh_lists(self, lists) -> None:
+        """Point a pending entry's state lists at the state as committed (the step's new tensors)."""
+
+    def _commit_lists(self) -> None:
+        for key, (flags, with_grad, by_device) in self._pending_cache.items():
+            states = [self.state.get(p) for p in with_grad]  # the dicts as committed
+            for lists in by_device.values():
+                self._refresh_lists(lists)
+            self._lists_cache[key] = (flags, with_grad, states, by_device)
+        self._pending_cache = {}
+
+    def _max_grad_norm(self) -> float | None:
+        """Every group's ``max_grad_norm``, checked: one value (the clip is one global norm), or None."""
+        values = [group["max_grad_norm"] for group in self.param_groups]
+        for value in values:
+            _check_max_grad_norm(value)
+        values = [checks.as_number(value) for value in values]
+        for i, value in enumerate(values):
+            if value != values[0]:
+                raise ValueError(f"max_grad_norm must be the same in every param group (the clip is one global "
+                                 f"norm): param_groups[{i}] has {value}, param_groups[0] has {values[0]}")
+        return values[0] if values else None
+
+    def _clip_coefficient(self, grads, max_grad_norm, grad_scale):
+        norm = global_norm(grads, 2.0, checked_total_norm)
+        if grad_scale is not None:
+            norm = norm / grad_scale.to(norm.device)
+        self.last_grad_norm = norm
+        return clip_coefficient(norm, max_grad_norm)
+
+
+class Adam(_FusedOptimizer):
     """Adam with L2 weight decay (``torch.optim.Adam``), plus ``max_grad_norm``.
 
     ``foreach``, ``fused`` and ``capturable`` are accepted so that code written
@@ -56,14 +143,9 @@ class Adam(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, max_grad_norm=max_grad_norm, state_dtype=state_dtype)
         super().__init__(params, defaults)
-        self._step_supports_amp_scaling = True  # GradScaler hands us grad_scale / found_inf
-        self.last_grad_norm: torch.Tensor | None = None
-        self._lists_cache: dict[int, tuple] = {}
-        self._pending_cache: dict[int, tuple] = {}
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self._lists_cache, self._pending_cache = {}, {}  # load_state_dict comes through here
         for group in self.param_groups:  # checkpoints from torch.optim lack our keys
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
@@ -74,19 +156,8 @@ class Adam(torch.optim.Optimizer):
                 if "step" in p_state and not isinstance(p_state["step"], torch.Tensor):
                     p_state["step"] = torch.tensor(float(p_state["step"]), dtype=torch.float32, device=p.device)
 
-    def add_param_group(self, param_group):
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            checks.check_state_dtype(group["state_dtype"])
-            self._max_grad_norm()
-            if len(set(map(id, group["params"]))) != len(group["params"]):
-                # torch warns and steps such a param twice in turn; one fused launch can't
-                raise ValueError(f"param_groups[{len(self.param_groups) - 1}] holds a parameter twice: each "
-                                 f"parameter may be stepped once per step; list it once")
-        except (TypeError, ValueError):
-            self.param_groups.pop()
-            raise
+    def _check_group(self, group):
+        checks.check_state_dtype(group["state_dtype"])
 
     def load_state_dict(self, state_dict):
         """torch's, except that each group keeps this optimizer's ``state_dtype`` and the moments take it.
@@ -111,33 +182,23 @@ class Adam(torch.optim.Optimizer):
                         state[key] = saved[key].to(p.device, dtype)
 
     def _state_lists(self, group):
-        """Per device, the params with grads and their state as lists, and the state to create.
-
-        Rebuilding these lists is most of a step's host time (hundreds of tensors), so they are
-        kept while the same params have grads, with the shapes, dtypes and devices their state was
-        checked against, and their state dicts are the same objects. A param whose ``.data`` was
-        replaced (resized, cast by ``model.half()``, moved) rebuilds them: its moments are cast to
-        the new dtype, and a size or device its state does not have is refused by the checks.
-        Replace optimizer state through ``load_state_dict``, which drops the cache.
-        """
+        """Per device, the params with grads and their state as lists, and the state to create; cached
+        (:meth:`_cached_lists`). A param whose ``.data`` was replaced has its moments cast to its new dtype,
+        and a size or device its state does not have is refused by the checks."""
         with_grad = [p for p in group["params"] if p.grad is not None]
         flags = (group["amsgrad"], group["state_dtype"])
-        cached = self._lists_cache.get(id(group))
-        if (cached is not None and cached[0] == flags and len(cached[1]) == len(with_grad)
-                and all(map(operator.is_, cached[1], with_grad))
-                and all(map(operator.is_, map(self.state.get, with_grad), cached[2]))
-                and all(map(_params_unchanged, cached[3].values()))):
-            return cached[3], {}, True
+        cached = self._cached_lists(group, flags, with_grad)
+        if cached is not None:
+            return cached, {}, True
         checks.check_state_dtype(group["state_dtype"])
         by_device: dict[torch.device, dict[str, list]] = {}
-        new_state, states = {}, []
+        new_state = {}
         for p in with_grad:
             dtype = checks.state_dtype_for(p.dtype, group["state_dtype"])
             state = self.state.get(p) or new_state.setdefault(p, _fresh_state(p, group["amsgrad"], dtype))
             conformed = _conformed_state(state, p, group["amsgrad"], dtype)
             if conformed is not state:
                 state = new_state[p] = conformed
-            states.append(state)
             lists = by_device.get(p.device)
             if lists is None:
                 lists = by_device[p.device] = {k: [] for k in ("keys", "params", "exp_avgs", "exp_avg_sqs", "max",
@@ -148,10 +209,7 @@ class Adam(torch.optim.Optimizer):
             lists["exp_avg_sqs"].append(local(state["exp_avg_sq"]))
             lists["max"].append(local(state["max_exp_avg_sq"]) if group["amsgrad"] else None)
             lists["steps"].append(state["step"])
-        for lists in by_device.values():
-            lists["sharded"] = any(map(is_dtensor, lists["keys"]))
-            lists["layouts"] = checks.layouts(lists["params"])
-        self._pending_cache[id(group)] = (flags, with_grad, states, by_device)
+        self._pend_lists(group, flags, with_grad, by_device)
         return by_device, new_state, False
 
     def _calls(self, grad_scale, found_inf):
@@ -213,33 +271,13 @@ class Adam(torch.optim.Optimizer):
             self.state[p]["step"] = step
         if moved_steps:
             self._lists_cache.clear()  # their step lists hold the old tensors; rebuilt at the next step
-        for key, (flags, with_grad, _, by_device) in self._pending_cache.items():
-            states = [self.state[p] for p in with_grad]  # the dicts as committed above
-            for lists in by_device.values():
-                lists["steps"] = [self.state[p]["step"] for p in lists["keys"]]
-            self._lists_cache[key] = (flags, with_grad, states, by_device)
+        self._commit_lists()
         for kernel, (_, call, _) in zip(kernels, calls):
             kernel.run(**call)
         return loss
 
-    def _max_grad_norm(self) -> float | None:
-        """Every group's ``max_grad_norm``, checked: one value (the clip is one global norm), or None."""
-        values = [group["max_grad_norm"] for group in self.param_groups]
-        for value in values:
-            _check_max_grad_norm(value)
-        values = [checks.as_number(value) for value in values]
-        for i, value in enumerate(values):
-            if value != values[0]:
-                raise ValueError(f"max_grad_norm must be the same in every param group (the clip is one global "
-                                 f"norm): param_groups[{i}] has {value}, param_groups[0] has {values[0]}")
-        return values[0] if values else None
-
-    def _clip_coefficient(self, grads, max_grad_norm, grad_scale):
-        norm = global_norm(grads, 2.0, checked_total_norm)
-        if grad_scale is not None:
-            norm = norm / grad_scale.to(norm.device)
-        self.last_grad_norm = norm
-        return clip_coefficient(norm, max_grad_norm)
+    def _refresh_lists(self, lists):
+        lists["steps"] = [self.state[p]["step"] for p in lists["keys"]]
 
 
 class AdamW(Adam):
@@ -253,6 +291,145 @@ class AdamW(Adam):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          max_grad_norm=max_grad_norm, state_dtype=state_dtype, foreach=foreach, fused=fused,
                          capturable=capturable, differentiable=differentiable)
+
+
+class SGD(_FusedOptimizer):
+    """SGD with momentum, dampening, Nesterov, L2 weight decay and maximize (``torch.optim.SGD``), plus
+    ``max_grad_norm``.
+
+    torch's state: ``momentum_buffer`` in the param's dtype, made from the grad on a param's first step
+    under momentum (none without momentum), so checkpoints move both ways. ``foreach`` and ``fused`` are
+    accepted so that code written for torch runs unchanged; they change nothing here: every step is the
+    fused multi-tensor path. A GradScaler step that would make momentum buffers and finds an inf is not
+    taken (the buffers stay unmade, as torch's SGD leaves them): deciding that reads ``found_inf`` on the
+    host, on such a step only.
+    """
+
+    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
+                 maximize=False, foreach=None, differentiable=False, fused=None, max_grad_norm=None):
+        if differentiable:
+            raise ValueError("differentiable=True is not supported: the fused step is not differentiable")
+        if fused and foreach:  # torch's refusal, in its words
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+        sgd_checks.check_sgd_hyperparameters(lr=lr, momentum=momentum, dampening=dampening,
+                                             weight_decay=weight_decay, nesterov=nesterov)
+        _check_max_grad_norm(max_grad_norm)
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, maximize=maximize, foreach=foreach, differentiable=differentiable,
+                        fused=fused, max_grad_norm=max_grad_norm)
+        super().__init__(params, defaults)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:  # checkpoints from torch.optim lack our keys (older ones, some of torch's)
+            for key, default in (("nesterov", False), ("maximize", False), ("foreach", None),
+                                 ("differentiable", False), ("fused", None)):
+                group.setdefault(key, default)
+            group.setdefault("max_grad_norm", self.defaults.get("max_grad_norm"))
+
+    def _check_group(self, group):
+        sgd_checks.check_sgd_hyperparameters(lr=group["lr"], momentum=group["momentum"],
+                                             dampening=group["dampening"], weight_decay=group["weight_decay"],
+                                             nesterov=group["nesterov"])
+
+    def _state_lists(self, group):
+        """Per device, the params with grads and their momentum buffers (None where not made yet); cached
+        (:meth:`_cached_lists`)."""
+        with_grad = [p for p in group["params"] if p.grad is not None]
+        flags = (checks.as_number(group["momentum"]) != 0,)
+        cached = self._cached_lists(group, flags, with_grad)
+        if cached is not None:
+            return cached, True
+        by_device: dict[torch.device, dict[str, list]] = {}
+        for p in with_grad:
+            lists = by_device.get(p.device)
+            if lists is None:
+                lists = by_device[p.device] = {"keys": [], "params": [], "buffers": []}
+            lists["keys"].append(p)
+            lists["params"].append(local(p))
+            if flags[0]:
+                buffer = self.state.get(p, {}).get("momentum_buffer")
+                lists["buffers"].append(None if buffer is None else local(buffer))
+        self._pend_lists(group, flags, with_grad, by_device)
+        return by_device, False
+
+    def _refresh_lists(self, lists):
+        if lists["buffers"]:
+            lists["buffers"] = [local(self.state[p]["momentum_buffer"]) for p in lists["keys"]]
+
+    def _calls(self, grad_scale, found_inf):
+        """(params, checked functional call) for every (group, device)."""
+        calls = []
+        self._pending_cache = {}
+        for g, group in enumerate(self.param_groups):
+            by_device, checked = self._state_lists(group)
+            for device, lists in by_device.items():
+                grads = list(map(_grad, lists["keys"]))
+                if lists["sharded"]:
+                    grads = list(map(local, grads))
+                with _named_as_the_user_sees_them(g, group, lists["keys"]):
+                    call = sgd_call(lists["params"], grads, lists["buffers"], lr=group["lr"],
+                                    momentum=group["momentum"], dampening=group["dampening"],
+                                    weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                                    maximize=group["maximize"], grad_scale=_on(grad_scale, device),
+                                    found_inf=_on(found_inf, device),
+                                    checked_layouts=lists["layouts"] if checked else None)
+                calls.append((lists["keys"], call))
+        return calls
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        # Everything that can raise runs before the first write: a refused step leaves the params and the
+        # optimizer state exactly as they were.
+        max_grad_norm = self._max_grad_norm()
+        calls = self._calls(grad_scale, found_inf)
+        kernels = [dispatch("sgd", call, call["params"][0].device) for _, call in calls]
+        if max_grad_norm is not None and calls:
+            coef = self._clip_coefficient([p.grad for keys, _ in calls for p in keys], max_grad_norm, grad_scale)
+            for _, call in calls:
+                call["clip_coef"] = coef.to(call["params"][0].device)
+        if any(map(skipped_before_buffers_exist, (call for _, call in calls))):
+            self._pending_cache = {}
+            return loss
+        for keys, call in calls:
+            for p, first, buffer in zip(keys, call["first_steps"], call["momentum_buffers"]):
+                if first:
+                    self.state[p]["momentum_buffer"] = _state_like(buffer, p)
+        self._commit_lists()
+        ran = 0
+        try:
+            for kernel, (_, call) in zip(kernels, calls):
+                kernel.run(**call)
+                ran += 1
+        except BaseException:
+            # a launch that failed (out of memory, say) and those after it made no buffer: unmake them, so the
+            # next step makes them from its grad instead of reading uninitialised memory
+            for keys, call in calls[ran:]:
+                for p, first in zip(keys, call["first_steps"]):
+                    if first:
+                        del self.state[p]["momentum_buffer"]
+                        if not self.state[p]:  # no entry at all, as torch keeps none for a param never stepped
+                            del self.state[p]
+            self._lists_cache.clear()
+            raise
+        return loss
+
+
+def _state_like(buffer, p):
+    """A new momentum buffer (the call's tensor) as the optimizer's state holds it: complex for a complex param,
+    a DTensor sharded as its param for a DTensor param."""
+    if p.is_complex():
+        buffer = torch.view_as_complex(buffer)
+    if is_dtensor(p):
+        buffer = type(p).from_local(buffer, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                    stride=p.stride())
+    return buffer
 
 
 def _check_max_grad_norm(value):
@@ -293,10 +470,11 @@ def _params_unchanged(lists) -> bool:
 
 
 # The functional call's list entries, as a user of the optimizer names the same tensors
-_LIST_ENTRY = re.compile(r"\b(params|grads|exp_avgs|exp_avg_sqs|max_exp_avg_sqs|state_steps)\[(\d+)\]")
+_LIST_ENTRY = re.compile(r"\b(params|grads|exp_avgs|exp_avg_sqs|max_exp_avg_sqs|state_steps|momentum_buffer_list)"
+                         r"\[(\d+)\]")
 _AS_THE_USER_SEES = {"params": "{p}", "grads": "{p}.grad", "exp_avgs": 'state[{p}]["exp_avg"]',
                      "exp_avg_sqs": 'state[{p}]["exp_avg_sq"]', "max_exp_avg_sqs": 'state[{p}]["max_exp_avg_sq"]',
-                     "state_steps": 'state[{p}]["step"]'}
+                     "state_steps": 'state[{p}]["step"]', "momentum_buffer_list": 'state[{p}]["momentum_buffer"]'}
 
 
 @contextlib.contextmanager

@@ -74,7 +74,7 @@ def test_the_conformance_suite_runs_its_cases_on_its_device(toy_run):
     assert run["placement"] == "toy" and run["cli_status"] == 0
     assert {r["status"] for r in cli_json["rows"]} == {"pass"} and len(cli_json["rows"]) == 3
     # every op it implements ran there (each kernel first checks that its tensors are on the toy device)
-    assert set(run["calls"]) == {"adam", "grad_norm", "attention_fwd", "attention_bwd", "attention_varlen_fwd",
+    assert set(run["calls"]) == {"adam", "sgd", "grad_norm", "attention_fwd", "attention_bwd", "attention_varlen_fwd",
                                  "attention_varlen_bwd", "rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd",
                                  "layer_norm_bwd"}
     rows = run["rows"]

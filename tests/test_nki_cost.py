@@ -97,6 +97,24 @@ def test_bench_nki_runs_without_a_gpu_and_the_optimizer_and_clip_are_within_1_3x
     assert adamw["Trn2 floor ms"] == pytest.approx(28 * 354_823_168 / 2.9e12 * 1e3)  # the issue's 3.4 ms
 
 
+def test_bench_nki_sgd_is_one_launch_at_its_floor_but_nesterov_with_weight_decay_in_bf16(bench_rows):
+    """docs/backends/nki.md: momentum SGD moves 5 bytes per element per byte of dtype and is DMA-bound; Nesterov
+    with weight decay takes four two-tensor passes (decay, buffer, look-ahead, param), which the Vector Engine and
+    GpSimd split two and two, more than bf16's DMA time."""
+    by_kernel = {r["kernel"].split(",")[0]: r for r in bench_rows}
+    for name in ("SGD momentum fp32", "SGD momentum bf16"):
+        row = by_kernel[name]
+        assert row["launches"] == 1, name
+        for machine in ("Trn2", "Trn3"):
+            assert row[f"{machine} x floor"] <= 1.3, (name, machine, row[f"{machine} x floor"])
+            assert row[f"{machine} bound"] == "dma", (name, machine)
+    assert by_kernel["SGD momentum fp32"]["Trn2 floor ms"] == pytest.approx(20 * 354_823_168 / 2.9e12 * 1e3)
+    nesterov = by_kernel["SGD Nesterov weight decay bf16"]
+    assert nesterov["launches"] == 1
+    assert nesterov["Trn2 bound"] == nesterov["Trn3 bound"] == "vector"
+    assert nesterov["Trn2 x floor"] <= 1.3
+
+
 def test_bench_nki_says_what_bounds_attention(bench_rows):
     attention = [r for r in bench_rows if r["kernel"].startswith("attention")]
     assert len(attention) == 4

@@ -45,6 +45,29 @@ adam_params = st.fixed_dictionaries({
     "found_inf_steps": st.sets(st.integers(0, 2)).map(tuple),
 })
 
+def _valid_nesterov(p):
+    """Nesterov as torch takes it: with momentum and no dampening."""
+    if p["nesterov"]:
+        return {**p, "momentum": max(p["momentum"], 0.1), "dampening": 0.0}
+    return p
+
+
+sgd_params = st.fixed_dictionaries({
+    "shapes": SHAPES,
+    "steps": st.integers(1, 3),
+    "lr": st.floats(0.0, 0.2),
+    "momentum": st.one_of(st.just(0.0), st.floats(0.0, 0.99)),
+    "dampening": st.floats(0.0, 1.0),
+    "weight_decay": st.floats(0.0, 0.2),
+    "nesterov": st.booleans(),
+    "maximize": st.booleans(),
+    "lr_tensor": st.booleans(),
+}, optional={
+    "grad_scale": st.sampled_from([2.0, 1024.0]),
+    "clip_coef": st.floats(0.01, 1.0),
+    "found_inf_steps": st.sets(st.integers(0, 2)).map(tuple),
+}).map(_valid_nesterov)
+
 attention_params = st.fixed_dictionaries({
     "B": st.integers(1, 2), "Hkv": st.integers(1, 2), "groups": st.integers(1, 3),
     "Sq": st.integers(1, 70), "Skv": st.integers(1, 70), "D": st.sampled_from([32, 64]), "causal": st.booleans(),
@@ -64,6 +87,7 @@ def check(backend, case):
 
 STRATEGIES = {
     "adam": (adam_params, DTYPES),
+    "sgd": (sgd_params, DTYPES),
     "clip_grad_norm_": (clip_params, DTYPES),
     "attention": (attention_params, st.sampled_from([torch.float32, torch.float16])),
 }
@@ -109,6 +133,42 @@ def test_a_failing_group_leaves_no_group_half_updated(monkeypatch):
     stepped = [not torch.equal(p, b) for p, b in zip(first + second, before)]
     assert stepped == [True, True, True, False, False]
     assert [float(opt.state[p]["step"]) for p in first + second] == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_a_failing_sgd_group_leaves_no_buffer_uninitialised(monkeypatch):
+    """As for Adam; and SGD's buffers, made uninitialised for the step to fill, are unmade for the groups whose
+    launch failed or never ran: the next step makes them from its grad, as a first step does."""
+    from portable_ops import dispatch
+
+    backend = dispatch.get_backend("reference")
+    real = backend.ops["sgd"].run
+    calls = []
+
+    def fails_on_second_group(**call):
+        calls.append(call)
+        if len(calls) == 2:
+            raise RuntimeError("simulated device failure")
+        real(**call)
+
+    monkeypatch.setitem(backend.ops, "sgd", dispatch.OpImpl(run=fails_on_second_group))
+    first = [torch.nn.Parameter(torch.randn(5)) for _ in range(3)]
+    second = [torch.nn.Parameter(torch.randn(7)) for _ in range(2)]
+    opt = portable_ops.optim.SGD([{"params": first}, {"params": second}], lr=0.1, momentum=0.9)
+    for p in first + second:
+        p.grad = torch.randn_like(p)
+    before = [p.detach().clone() for p in first + second]
+    with pytest.raises(RuntimeError, match="simulated device failure"):
+        opt.step()
+    stepped = [not torch.equal(p, b) for p, b in zip(first + second, before)]
+    assert stepped == [True, True, True, False, False]
+    assert ["momentum_buffer" in opt.state.get(p, {}) for p in first + second] == [True, True, True, False, False]
+    assert len(opt.state_dict()["state"]) == 3
+    monkeypatch.setitem(backend.ops, "sgd", dispatch.OpImpl(run=real))
+    for p in second:
+        p.grad = torch.full_like(p, 2.0)
+    opt.step()
+    for p in second:  # made from this step's grad, as on a first step
+        assert torch.equal(opt.state[p]["momentum_buffer"], torch.full_like(p, 2.0))
 
 
 # ----------------------------------------------------------------------------- classes of misuse and edge values

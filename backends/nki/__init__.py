@@ -1,5 +1,5 @@
-"""The NKI backend: Adam/AdamW/AMSGrad, two-phase global norm, flash attention and RMSNorm/LayerNorm as NKI kernels
-for AWS Trainium2/Trainium3 (NKI 0.7, Neuron SDK 2.33, the ``nki.*`` namespace).
+"""The NKI backend: Adam/AdamW/AMSGrad, SGD, two-phase global norm, flash attention and RMSNorm/LayerNorm as NKI
+kernels for AWS Trainium2/Trainium3 (NKI 0.7, Neuron SDK 2.33, the ``nki.*`` namespace).
 
 Where the kernels run (``runtime.py``):
 
@@ -23,6 +23,7 @@ from .adam import adam, adam_supports
 from .attention import MAX_HEAD_DIM, attention_bwd, attention_fwd, attention_supports
 from .grad_norm import grad_norm
 from .norms import layer_norm_bwd, layer_norm_fwd, norm_supports, rms_norm_bwd, rms_norm_fwd
+from .sgd import sgd, sgd_supports
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # NeuronCore engines have no float64
 
@@ -41,6 +42,7 @@ BACKEND = Backend(
     cpu_runner="AWS nki.simulate" if compat.USING_SDK else "the project's NKI emulator (a test double)",
     ops={
         "adam": OpImpl(run=adam, supports=adam_supports, dtypes=DTYPES),
+        "sgd": OpImpl(run=sgd, supports=sgd_supports, dtypes=DTYPES),
         "grad_norm": OpImpl(run=grad_norm, dtypes=DTYPES, features=()),  # norm types 2 and inf
         "attention_fwd": OpImpl(run=attention_fwd, **_ATTENTION),
         "attention_bwd": OpImpl(run=attention_bwd, **_ATTENTION),

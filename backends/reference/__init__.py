@@ -2,7 +2,7 @@
 
 It accepts every call the public API lets through, so it is where every other backend falls back
 to. Each op runs the kernel torch itself would pick on the device (fused SDPA kernels, the fused
-Adam, ``_foreach_norm``) where the call maps onto one, and the readable definition
+Adam and SGD, ``_foreach_norm``) where the call maps onto one, and the readable definition
 (``portable_ops.definitions``, also the conformance oracle) where it does not.
 """
 
@@ -14,6 +14,7 @@ from .attention_varlen import attention_varlen_bwd, attention_varlen_fwd
 from .grad_norm import grad_norm
 from .norms import layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd
 from .paged import paged_attention, paged_kv_append
+from .sgd import sgd
 
 BACKEND = Backend(
     name="reference",
@@ -21,6 +22,7 @@ BACKEND = Backend(
     description="PyTorch alone, any device",
     ops={
         "adam": OpImpl(run=adam),
+        "sgd": OpImpl(run=sgd),
         "grad_norm": OpImpl(run=grad_norm),
         "attention_fwd": OpImpl(run=attention_fwd, prepare=prepare_attention_fwd),
         "attention_bwd": OpImpl(run=attention_bwd, prepare=prepare_attention_bwd),

@@ -5,10 +5,9 @@ is not part of the contract (docs/api.md).
 
 The kernel takes a call whose tensors agree, index by index, in device and dtype (the optimizer's
 state in the param's dtype), all contiguous, with float32 step counts beside the params. It leaves
-the caller's grads as they were: the kernel steps on scaled copies of them instead (torch's kernel
-unscales its grads in place), a clip folded into the scale. The copies' buffers are kept for the
-next step with grads of the same layout, as allocating them every step costs more than the step. A
-call the kernel doesn't take (a ``state_dtype`` unlike the param's, say) runs the definition."""
+the caller's grads as they were: the kernel steps on scaled copies of them instead (``grad_copies.py``;
+torch's kernel unscales its grads in place), a clip folded into the scale. A call the kernel doesn't
+take (a ``state_dtype`` unlike the param's, say) runs the definition."""
 
 from __future__ import annotations
 
@@ -19,6 +18,8 @@ import torch
 from torch.optim.adam import adam as torch_adam
 
 from portable_ops.definitions.adam import adam as definition
+
+from .grad_copies import copies_of, keep
 
 KERNEL_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 KERNEL_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
@@ -45,17 +46,6 @@ def _kernels_take(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_s
     return all(map(torch.Tensor.is_contiguous, itertools.chain(params, grads, *moments)))
 
 
-_copies: dict = {}  # the last scaled call's grad copies, by layout: allocating them every step costs page faults
-
-
-def _copies_of(grads):
-    """``(layout, copies of grads)``, into the last scaled call's buffers where the layout is the same."""
-    layout = tuple((g.shape, g.dtype, g.device) for g in grads)
-    buffers = _copies.get(layout) or [torch.empty_like(g, memory_format=torch.contiguous_format) for g in grads]
-    torch._foreach_copy_(buffers, grads)
-    return layout, buffers
-
-
 def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad, beta1, beta2,
          lr, weight_decay, eps, maximize, decoupled_weight_decay, grad_scale=None, found_inf=None,
          clip_coef=None):
@@ -73,7 +63,7 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
         grad_scale = clip_coef.reciprocal() if grad_scale is None else grad_scale / clip_coef
     copies = None
     if grad_scale is not None:
-        copies = _copies_of(grads)
+        copies = copies_of(grads)
         grads = copies[1]
     if found_inf is not None:
         found_inf = found_inf.to(device, torch.float32)
@@ -83,5 +73,4 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     # the fused kernel writes without bumping version counters; autograd must see a saved param change
     torch.autograd.graph.increment_version([*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs])
     if copies is not None:
-        _copies.clear()
-        _copies[copies[0]] = copies[1]
+        keep(copies)

@@ -1,4 +1,4 @@
-"""The Triton backend: multi-tensor Adam, two-phase norm, flash attention, for CUDA tensors.
+"""The Triton backend: multi-tensor Adam and SGD, two-phase norm, flash attention, for CUDA tensors.
 
 CPU tensors run the same kernels in Triton's interpreter, which must be switched on before
 any kernel is decorated: on a machine with no CUDA device this module switches it on itself
@@ -39,6 +39,7 @@ else:
     from .grad_norm import grad_norm, grad_norm_supports
     from .launch import hash_triton_in_background
     from .norms import layer_norm_bwd, layer_norm_fwd, norm_supports, rms_norm_bwd, rms_norm_fwd
+    from .sgd import sgd, sgd_supports
 
     if not INTERPRETED:
         hash_triton_in_background()
@@ -62,6 +63,7 @@ else:
         description="Triton kernels" + (", in the interpreter" if INTERPRETED else ""),
         ops={
             "adam": OpImpl(run=adam, supports=adam_supports, dtypes=DTYPES),
+            "sgd": OpImpl(run=sgd, supports=sgd_supports, dtypes=DTYPES),
             "grad_norm": OpImpl(run=grad_norm, supports=grad_norm_supports, dtypes=DTYPES,
                                 features=()),  # norm types 2 and inf
             "attention_fwd": OpImpl(run=attention_fwd, supports=attention_supports, prepare=prepare_attention_fwd,

@@ -1,9 +1,10 @@
 """``python -m portable_ops.bench nki``: the NKI kernels' estimated time on Trn2 and Trn3 beside their floors.
 
 Rows: the AdamW step over the optimizer bench's 292-tensor GPT-2-medium list (fp32, AMSGrad,
-bf16 params with fp32 state), the global 2-norm of its grads (the clip: the clip coefficient
-itself is fused into the step), attention forward and backward at S=4096, D=128, bf16, and RMSNorm (with
-the fused residual add) and LayerNorm forward and backward over 4096 rows of 4096, bf16.
+bf16 params with fp32 state), the SGD step over it (momentum fp32 and bf16; Nesterov with weight
+decay bf16), the global 2-norm of its grads (the clip: the clip coefficient itself is fused into
+the step), attention forward and backward at S=4096, D=128, bf16, and RMSNorm (with the fused residual
+add) and LayerNorm forward and backward over 4096 rows of 4096, bf16.
 
 How: each kernel runs in the project's NKI emulator in count-only mode (``meta`` tensors: every
 instruction is checked and counted, no arithmetic, no memory), through the same host code a
@@ -32,7 +33,7 @@ from portable_ops.backends.nki import compat
 from portable_ops.backends.nki.emulator import cost
 
 from .common import table, write
-from .optimizer import bytes_per_element, gpt2_medium_shapes
+from .optimizer import bytes_per_element, gpt2_medium_shapes, sgd_bytes_per_element
 
 COLUMNS = ["kernel", "launches", "instructions t/v/s/g/dma", "HBM GB", "SBUF KiB", "PSUM banks",
            "Trn2 ms", "Trn2 floor ms", "Trn2 x floor", "Trn2 bound", "Trn3 ms", "Trn3 floor ms", "Trn3 x floor",
@@ -40,6 +41,9 @@ COLUMNS = ["kernel", "launches", "instructions t/v/s/g/dma", "HBM GB", "SBUF KiB
 F32, BF16 = torch.float32, torch.bfloat16
 OPTIMIZER = [("AdamW fp32", F32, F32, False), ("AdamW AMSGrad fp32", F32, F32, True),
              ("AdamW bf16 params, fp32 state", BF16, F32, False)]
+# (name, param dtype, options): the buffers exist (a step after the first), torch's usual momentum
+SGD_ROWS = [("SGD momentum fp32", F32, dict(momentum=0.9)), ("SGD momentum bf16", BF16, dict(momentum=0.9)),
+            ("SGD Nesterov weight decay bf16", BF16, dict(momentum=0.9, nesterov=True, weight_decay=0.01))]
 ATTENTION = dict(B=1, H=16, S=4096, D=128)
 NORM = dict(M=4096, D=4096)  # rows x hidden size: a 4096-token batch of a 4096-wide model, bf16
 ADAMW = dict(beta1=0.9, beta2=0.999, lr=1e-4, weight_decay=0.01, eps=1e-8, maximize=False,
@@ -69,6 +73,13 @@ def _workloads(device):
         rows.append((f"{name}, 292 tensors / {numel / 1e6:.1f}M", 1,
                      lambda state=state, amsgrad=amsgrad: _ops()["adam"].run(*state, amsgrad=amsgrad, **ADAMW),
                      (bytes_per_element(dtype, state_dtype, amsgrad) * numel, 0)))
+    for name, dtype, options in SGD_ROWS:
+        params, grads, buffers = ([torch.zeros(s, dtype=dtype, device=device) for s in gpt2_medium_shapes()]
+                                  for _ in range(3))
+        call = dict(params=params, grads=grads, momentum_buffers=buffers, first_steps=(False,) * len(params),
+                    lr=1e-2, dampening=0.0, maximize=False, **{"nesterov": False, "weight_decay": 0.0, **options})
+        rows.append((f"{name}, 292 tensors / {numel / 1e6:.1f}M", 1, lambda call=call: _ops()["sgd"].run(**call),
+                     (sgd_bytes_per_element(dtype, True) * numel, 0)))
     grads = [torch.zeros(s, device=device) for s in gpt2_medium_shapes()]
     rows.append((f"clip: global 2-norm fp32, 292 grads / {numel / 1e6:.1f}M", 1,
                  lambda: _ops()["grad_norm"].run(grads=grads, norm_type=2.0), (4 * numel, 0)))

@@ -1,4 +1,5 @@
-"""Optimizer and clip+step benchmarks on a GPT-2-medium-like list of 292 tensors (354.8M elements)."""
+"""Optimizer and clip+step benchmarks on a GPT-2-medium-like list of 292 tensors (354.8M elements): AdamW
+against torch's fused and foreach AdamW, SGD with momentum against torch's fused and foreach SGD."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ def bytes_per_element(param_dtype: torch.dtype, state_dtype: torch.dtype, amsgra
     """Param and grad read, param written; exp_avg and exp_avg_sq (and max_exp_avg_sq) read and written."""
     p, s = param_dtype.itemsize, state_dtype.itemsize
     return 3 * p + (6 if amsgrad else 4) * s
+
+
+def sgd_bytes_per_element(dtype: torch.dtype, momentum: bool) -> int:
+    """Param and grad read, param written; under momentum the buffer read and written (in the param's dtype)."""
+    return (5 if momentum else 3) * dtype.itemsize
 
 
 def gpt2_medium_shapes() -> list[tuple[int, ...]]:
@@ -38,8 +44,7 @@ OPTIMIZER_BENCHES = [("adamw", torch.float32, False), ("adamw amsgrad", torch.fl
 
 
 def _optimizer_rows(bench, dtype, amsgrad, shapes, numel, copy) -> list[dict]:
-    """One bench's rows; its parameters (and every optimizer made over them) are freed on return."""
-    rows = []
+    """One AdamW bench's rows; its parameters (and every optimizer made over them) are freed on return."""
     params = _params(shapes, dtype=dtype)
     lr_tensor = torch.tensor(1e-4, device="cuda")
     # name -> (make, state dtype); graph replay removes host time: what the kernels alone take.
@@ -55,8 +60,40 @@ def _optimizer_rows(bench, dtype, amsgrad, shapes, numel, copy) -> list[dict]:
         variants["portable_ops fp32 state, graph"] = (
             lambda: portable_ops.optim.AdamW(params, lr=lr_tensor, amsgrad=amsgrad, state_dtype=torch.float32),
             torch.float32)
+    nbytes = {name: bytes_per_element(dtype, state_dtype, amsgrad) * numel
+              for name, (_, state_dtype) in variants.items()}
+    return _timed_rows(bench, {name: make for name, (make, _) in variants.items()}, nbytes, copy)
+
+
+# (bench, param dtype): SGD with momentum 0.9, the buffers made on the warm-up steps (a step after the first).
+SGD_BENCHES = [("sgd momentum", torch.float32), ("sgd momentum bf16", torch.bfloat16)]
+
+
+def sgd_variants(params, lr_tensor) -> dict:
+    """name -> a function making the optimizer. torch's SGD takes no ``capturable``: its graph row is ours alone."""
+    kw = dict(lr=1e-4, momentum=0.9)
+    return {
+        "torch fused": lambda: torch.optim.SGD(params, fused=True, **kw),
+        "torch foreach": lambda: torch.optim.SGD(params, foreach=True, **kw),
+        "portable_ops": lambda: portable_ops.optim.SGD(params, **kw),
+        "portable_ops, graph": lambda: portable_ops.optim.SGD(params, **dict(kw, lr=lr_tensor)),
+    }
+
+
+def _sgd_rows(bench, dtype, shapes, numel, copy) -> list[dict]:
+    """One SGD bench's rows, against torch's fused and foreach SGD; its parameters are freed on return."""
+    params = _params(shapes, dtype=dtype)
+    variants = sgd_variants(params, torch.tensor(1e-4, device="cuda"))
+    nbytes = dict.fromkeys(variants, sgd_bytes_per_element(dtype, momentum=True) * numel)
+    return _timed_rows(bench, variants, nbytes, copy)
+
+
+def _timed_rows(bench, variants, nbytes, copy) -> list[dict]:
+    """Time each variant's step (``make()`` builds its optimizer): drained, back to back and host time, or graph
+    replay for a variant named ``..., graph``; compared with "torch fused" (its graph row, for a graph row)."""
+    rows = []
     times, hosts, steady = {}, {}, {}
-    for name, (make, _) in variants.items():
+    for name, make in variants.items():
         opt = make()
         step = graphed(opt.step) if name.endswith("graph") else opt.step
         times[name] = median_ms(step)
@@ -66,21 +103,24 @@ def _optimizer_rows(bench, dtype, amsgrad, shapes, numel, copy) -> list[dict]:
         torch.cuda.empty_cache()
     for name, ms in times.items():
         base = "torch fused, graph" if name.endswith("graph") else "torch fused"
-        nbytes = bytes_per_element(dtype, variants[name][1], amsgrad) * numel
-        rows.append({"bench": bench, "variant": name, "ms": ms,
-                     "steady ms": steady[name], "steady vs torch fused": steady[base] / steady[name],
-                     "host ms": hosts[name], "TB/s": nbytes / (ms * 1e-3) / 1e12,
-                     "of copy": nbytes / copy / (ms * 1e-3), "vs torch fused": times[base] / ms})
+        rows.append({"bench": bench, "variant": name, "ms": ms, "steady ms": steady[name],
+                     "steady vs torch fused": steady[base] / steady[name] if base in steady else None,
+                     "host ms": hosts[name], "TB/s": nbytes[name] / (ms * 1e-3) / 1e12,
+                     "of copy": nbytes[name] / copy / (ms * 1e-3),
+                     "vs torch fused": times[base] / ms if base in times else None})
     return rows
 
 
-def run_optimizer(benches=OPTIMIZER_BENCHES) -> list[dict]:
+def run_optimizer(benches=OPTIMIZER_BENCHES, sgd_benches=SGD_BENCHES) -> list[dict]:
     shapes = gpt2_medium_shapes()
     numel = sum(torch.Size(s).numel() for s in shapes)
     copy = copy_bandwidth()
     rows = []
     for bench, dtype, amsgrad in benches:
         rows += _optimizer_rows(bench, dtype, amsgrad, shapes, numel, copy)
+        torch.cuda.empty_cache()
+    for bench, dtype in sgd_benches:
+        rows += _sgd_rows(bench, dtype, shapes, numel, copy)
         torch.cuda.empty_cache()
     rows.append({"bench": "copy", "variant": "device copy", "TB/s": copy / 1e12, "tensors": len(shapes),
                  "elements": numel})

@@ -1,0 +1,200 @@
+"""Fused SGD (momentum, dampening, Nesterov, L2 weight decay, maximize): one NKI kernel launch updates every
+tensor of a step, in place.
+
+The kernel walks the step's tensors as a table, as ``adam.py``'s does (its module docstring says why): each
+tensor is its flat HBM view, ``n // 128 * 128`` elements seen as a ``[128, F]`` body walked in
+``[128, 1024]`` tiles, and the ``n % 128`` left over gathered, one tensor per partition, into shared tail
+tiles. A momentum buffer has its param's dtype, as torch's.
+
+Everything that changes from step to step is data: a ``[128, 6]`` float32 HBM tensor of hyperparameters
+(:data:`COLUMNS`) computed on the device with a few torch ops (no host synchronisation), so one compiled
+kernel serves every step and every learning-rate schedule. Only structural flags select a variant: momentum
+or not, whether the buffers are new (set to the grad instead of decayed: a step whose params mix new and old
+buffers is two launches), dampening, Nesterov, weight decay, a grad multiplier, a found_inf gate.
+
+Semantics are the definition's (``portable_ops/definitions/sgd.py``): tiles are loaded into float32 (the DMA
+converts), the engines compute in float32, and each store rounds once to its tensor's dtype. A non-zero
+``found_inf`` keeps every old value (predicated copies of the new values onto the old tiles). The work is
+spread over the engines (docs/backends/nki.md, cost model): the Scalar Engine does every product by a
+hyperparameter, the Vector Engine the weight decay and the buffer's update (``scalar_tensor_tensor``, a product
+and a sum in one pass), GpSimd the Nesterov and param sums.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compat import nki, nisa, nl
+from .runtime import launch
+
+PMAX = 128
+F_TILE = 2048  # elements per partition per tile: 4 KiB DMA payloads for 16-bit tensors; ~10 live fp32 tiles = 80 KiB
+MAX_TENSORS = 1024  # per launch: the table is unrolled at specialization time
+# the grad multiplier (1 / grad_scale * clip_coef, negated under maximize), weight decay, momentum,
+# 1 - dampening, -lr, and the found_inf gate (1.0 = apply the step)
+COLUMNS = (MULT, WEIGHT_DECAY, MOMENTUM, DAMPENING_KEEP, NEG_LR, APPLY) = tuple(range(6))
+
+
+def _update(p, g, buf, hp, shape, flags):
+    """New (p, buf) float32 SBUF tiles from the loaded ones (``buf`` None without momentum; not read when
+    the buffers are new)."""
+    momentum, first, dampened, nesterov, weight_decay, scale_grad = flags
+    rows = shape[0]
+
+    def col(i):
+        return hp[0:rows, i:i + 1]
+
+    def tile():
+        return nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+
+    grad = g
+    if scale_grad:
+        grad = tile()
+        nisa.activation(grad, op=nl.copy, data=g, scale=col(MULT))
+    if weight_decay:  # + wd * p
+        with_decay = tile()
+        nisa.scalar_tensor_tensor(with_decay, data=p, op0=nl.multiply, operand0=col(WEIGHT_DECAY), op1=nl.add,
+                                  operand1=grad)
+        grad = with_decay
+    buf_new = None
+    direction = grad
+    if momentum:
+        if first:  # torch clones the grad into a new buffer
+            buf_new = grad
+        else:  # momentum * buf + (1 - dampening) * grad
+            kept = grad
+            if dampened:
+                kept = tile()
+                nisa.activation(kept, op=nl.copy, data=grad, scale=col(DAMPENING_KEEP))
+            buf_new = tile()
+            nisa.scalar_tensor_tensor(buf_new, data=buf, op0=nl.multiply, operand0=col(MOMENTUM), op1=nl.add,
+                                      operand1=kept)
+        direction = buf_new
+        if nesterov:  # grad + momentum * buf: the product on the Scalar Engine, the sum on GpSimd
+            direction = tile()
+            nisa.activation(direction, op=nl.copy, data=buf_new, scale=col(MOMENTUM))
+            nisa.tensor_tensor(direction, direction, grad, op=nl.add, engine=nisa.engine.gpsimd)
+    # p - lr * direction: as above, so that VectorE carries only the weight decay and the buffer
+    step, p_new = tile(), tile()
+    nisa.activation(step, op=nl.copy, data=direction, scale=col(NEG_LR))
+    nisa.tensor_tensor(p_new, p, step, op=nl.add, engine=nisa.engine.gpsimd)
+    return p_new, buf_new
+
+
+def _part(tile, row, count):
+    """The whole tile (``row`` None), or ``count`` elements of partition ``row``."""
+    return tile if row is None else tile[row:row + 1, 0:count]
+
+
+def _step_tiles(views, hp, pred, shape, flags, gated):
+    """Load, update and store one tile's worth. ``views[k]`` (k: 0 param, 1 grad, 2 momentum buffer) lists
+    ``(row, count, hbm_view)``: where the HBM view lands in the tile."""
+    momentum, first = flags[0], flags[1]
+    loaded = []
+    for k in range(3 if momentum and not first else 2):
+        tile = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+        for row, count, view in views[k]:
+            nisa.dma_copy(dst=_part(tile, row, count), src=view)  # the DMA converts bf16/fp16 to float32
+        loaded.append(tile)
+    p, g = loaded[:2]
+    buf = loaded[2] if len(loaded) > 2 else None
+    p_new, buf_new = _update(p, g, buf, hp, shape, flags)
+    for k, old, fresh in ((0, p, p_new), (2, buf, buf_new)):
+        if fresh is None:
+            continue
+        if gated and old is not None:  # keep the old values where found_inf is set
+            nisa.tensor_copy_predicated(dst=old, src=fresh, predicate=pred[0:shape[0], 0:shape[1]])
+            fresh = old
+        for row, count, view in views[k]:
+            nisa.dma_copy(dst=view, src=_part(fresh, row, count))  # rounds once to the tensor's dtype
+
+
+@nki.jit
+def sgd_kernel(params, grads, momentum_buffers, hyper, momentum=False, first=False, dampened=False,
+               nesterov=False, weight_decay=False, gated=False, scale_grad=False):
+    """One SGD step, in place, over lists of 1-D HBM tensors (the flat views of each parameter, its grad and
+    momentum buffer; ``momentum_buffers`` is read only under ``momentum`` and not ``first``, written only
+    under ``momentum``). Under ``first`` the new buffers are written ungated: the public API takes no first step
+    under a set found_inf (it reads found_inf on the host for such a step)."""
+    n = len(params)
+    state = (params, grads, momentum_buffers)
+    flags = (momentum, first, dampened, nesterov, weight_decay, scale_grad)
+    hp = nl.ndarray((PMAX, hyper.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=hp, src=hyper)
+    pred = None
+    if gated:  # uint8 predicate: 1 where the step applies (found_inf == 0)
+        ones = nl.ndarray((PMAX, F_TILE), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=ones, value=1.0)
+        pred = nl.ndarray((PMAX, F_TILE), dtype=nl.uint8, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=pred, data=ones, op0=nl.multiply, operand0=hp[0:PMAX, APPLY:APPLY + 1])
+
+    # bodies: tensor i as [128, F], in [128, F_TILE] tiles and one partial tile
+    for i in range(n):
+        F = params[i].shape[0] // PMAX
+        for f0 in range(0, F, F_TILE):
+            fs = min(F_TILE, F - f0)
+            views = [[(None, None, t[i][0:PMAX * F].reshape((PMAX, F))[0:PMAX, f0:f0 + fs])] for t in state]
+            _step_tiles(views, hp, pred, (PMAX, fs), flags, gated)
+
+    # tails: the n % 128 last elements of each tensor, one tensor per partition of a shared tile
+    tails = [i for i in range(n) if params[i].shape[0] % PMAX]
+    for b in range(0, len(tails), PMAX):
+        block = tails[b:b + PMAX]
+        views = [[] for _ in state]
+        for r, i in enumerate(block):
+            size = params[i].shape[0]
+            start = size - size % PMAX
+            for k, t in enumerate(state):
+                views[k].append((r, size - start, t[i][start:size].reshape((1, size - start))))
+        width = max(params[i].shape[0] % PMAX for i in block)
+        _step_tiles(views, hp, pred, (len(block), width), flags, gated)
+
+
+# ----------------------------------------------------------------------------- host side
+def hyperparameters(*, device, lr, momentum, dampening, weight_decay, maximize, grad_scale, found_inf,
+                    clip_coef) -> torch.Tensor:
+    """The ``[128, 6]`` float32 tensor the kernel reads, computed on ``device`` (no sync)."""
+    f32 = torch.float32
+    lr_t = (lr.to(device, f32).reshape(()) if isinstance(lr, torch.Tensor)
+            else torch.tensor(lr, dtype=f32, device=device))
+    one = torch.ones((), dtype=f32, device=device)
+    mult = one
+    if grad_scale is not None:
+        mult = mult / grad_scale.to(device, f32).reshape(())
+    if clip_coef is not None:
+        mult = mult * clip_coef.to(device, f32).reshape(())
+    if maximize:
+        mult = -mult
+    apply = one if found_inf is None else (found_inf.to(device).reshape(()) == 0).to(f32)
+    row = torch.stack([mult, one * weight_decay, one * momentum, one * (1 - dampening), -lr_t, apply])
+    return row.reshape(1, -1).expand(PMAX, -1).contiguous()
+
+
+def sgd_supports(call) -> list[str]:
+    """Dtypes are declared (``BACKEND``); the kernel updates flat views of the params and buffers in place."""
+    for key in ("params", "momentum_buffers"):
+        if not all(map(torch.Tensor.is_contiguous, call[key])):
+            i = next(i for i, t in enumerate(call[key]) if not t.is_contiguous())
+            return [f"{key}[{i}] is not contiguous (the NKI SGD kernel updates flat views in place)"]
+    return []
+
+
+def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening, weight_decay, nesterov, maximize,
+        grad_scale=None, found_inf=None, clip_coef=None):
+    live = [i for i, p in enumerate(params) if p.numel()]
+    if not live:
+        return
+    device = params[live[0]].device
+    hyper = hyperparameters(device=device, lr=lr, momentum=momentum, dampening=dampening,
+                            weight_decay=weight_decay, maximize=maximize, grad_scale=grad_scale,
+                            found_inf=found_inf, clip_coef=clip_coef)
+    with_momentum = bool(momentum_buffers)
+    flags = dict(momentum=with_momentum, dampened=dampening != 0, nesterov=nesterov, weight_decay=weight_decay != 0,
+                 gated=found_inf is not None, scale_grad=grad_scale is not None or clip_coef is not None or maximize)
+    buffers = momentum_buffers if with_momentum else params  # not read without momentum
+    for first in (False, True) if with_momentum else (False,):
+        chosen = [i for i in live if not with_momentum or bool(first_steps[i]) == first]
+        for start in range(0, len(chosen), MAX_TENSORS):
+            part = chosen[start:start + MAX_TENSORS]
+            flat = [[lst[i].reshape(-1) for i in part] for lst in (params, grads, buffers)]  # views
+            launch(sgd_kernel, *flat, hyper, first=first, **flags)

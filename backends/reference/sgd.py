@@ -1,0 +1,118 @@
+"""SGD through torch's multi-tensor kernels: its fused kernel (what ``torch.optim.SGD(fused=True)`` runs,
+``torch._fused_sgd_``) on the devices torch has it for, else its foreach kernels (``foreach=True``, torch's
+default on CUDA) for float32/float64, else the definition. The foreach kernels round every intermediate of
+a float16/bfloat16 step to 16 bits (the definition and the fused kernel compute in float32 and round once),
+so half-precision calls they would take run the definition; so do those on the CPU, where torch's fused kernel
+(2.13) computes wrong values for float16/bfloat16 tensors of 16 elements or more (its vectorised loop;
+``tests/test_sgd_kernels.py`` shows it).
+
+The fused kernel's ``is_first_step`` (set the momentum buffer to the
+grad) is one flag per launch, so a call whose new and old buffers are mixed (params that got their first grad
+later) is two launches. The caller's grads stay as they were: the fused kernel unscales its grads in place, so
+a call with a ``grad_scale`` or a clip (folded into the grad scale) scales copies (``grad_copies.py``). The
+foreach path has no ``grad_scale`` or ``found_inf`` and reads a tensor ``lr`` on the host: such calls off the
+fused kernel's devices run the definition, as do calls whose tensors aren't contiguous.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.optim.sgd import sgd as torch_sgd
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+from portable_ops.definitions.sgd import sgd as definition
+
+from .grad_copies import copies_of, keep
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+FUSED_DEVICE_TYPES = tuple(_get_fused_kernels_supported_devices())
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+_dtype = operator.attrgetter("dtype")
+_device = operator.attrgetter("device")
+
+
+def _kernels_take(params, grads, momentum_buffers) -> bool:
+    """Whether torch's kernels take the call's tensors; C-level passes, as this runs every step."""
+    dtypes = list(map(_dtype, params))
+    if not set(dtypes) <= set(KERNEL_DTYPES):
+        return False
+    tensors = [*params, *grads, *momentum_buffers]
+    # the fused kernel walks each tensor's memory as if dense: a strided view would be misread or overwritten
+    return len(set(map(_device, tensors))) == 1 and all(map(torch.Tensor.is_contiguous, tensors))
+
+
+def _groups(params, first_steps):
+    """Positions by (dtype, first step): one fused launch each, as torch groups by dtype."""
+    groups: dict = {}
+    for i, p in enumerate(params):
+        groups.setdefault((p.dtype, bool(first_steps[i]) if first_steps else False), []).append(i)
+    return groups.items()
+
+
+def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening, weight_decay, nesterov, maximize,
+        grad_scale=None, found_inf=None, clip_coef=None):
+    options = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                   maximize=maximize)
+    take = bool(params) and _kernels_take(params, grads, momentum_buffers)
+    device_type = params[0].device.type if params else None
+    half = take and not set(map(_dtype, params)).isdisjoint(HALF_DTYPES)
+    fused = take and device_type in FUSED_DEVICE_TYPES and not (half and device_type == "cpu")
+    foreach = (take and not fused and not half and grad_scale is None and found_inf is None
+               and not isinstance(lr, torch.Tensor))
+    if not (fused or foreach):
+        definition(params, grads, momentum_buffers, first_steps, grad_scale=grad_scale, found_inf=found_inf,
+                   clip_coef=clip_coef, **options)
+        return
+    if foreach:
+        _foreach(params, grads, momentum_buffers, first_steps, clip_coef, options)
+    else:
+        _fused(params, grads, momentum_buffers, first_steps, grad_scale, found_inf, clip_coef, options)
+    # the fused kernel writes without bumping version counters; autograd must see a saved param change
+    torch.autograd.graph.increment_version([*params, *momentum_buffers])
+
+
+def _fused(params, grads, momentum_buffers, first_steps, grad_scale, found_inf, clip_coef, options):
+    device = params[0].device
+    if grad_scale is not None:
+        grad_scale = grad_scale.to(device, torch.float32)
+    if clip_coef is not None:
+        clip_coef = clip_coef.to(device, torch.float32)
+        grad_scale = clip_coef.reciprocal() if grad_scale is None else grad_scale / clip_coef
+    copies = None
+    if grad_scale is not None:
+        copies = copies_of(grads)
+        grads = copies[1]
+    if found_inf is not None:
+        found_inf = found_inf.to(device, torch.float32)
+    lr = options["lr"]
+    if isinstance(lr, torch.Tensor):
+        lr = lr.to(device, torch.float32)
+    for (_, first), idx in _groups(params, first_steps):
+        torch._fused_sgd_([params[i] for i in idx], [grads[i] for i in idx],
+                          [momentum_buffers[i] for i in idx] if momentum_buffers else [],
+                          weight_decay=options["weight_decay"], momentum=options["momentum"], lr=lr,
+                          dampening=options["dampening"], nesterov=options["nesterov"],
+                          maximize=options["maximize"], is_first_step=first, grad_scale=grad_scale,
+                          found_inf=found_inf)
+    if copies is not None:
+        keep(copies)
+
+
+def _foreach(params, grads, momentum_buffers, first_steps, clip_coef, options):
+    copies = None
+    if clip_coef is not None:  # the foreach kernels take no grad scale: scale copies
+        grads = torch._foreach_mul(grads, clip_coef.to(params[0].device))
+    elif options["nesterov"] and not options["maximize"] and not options["weight_decay"]:
+        copies = copies_of(grads)  # torch's foreach Nesterov adds the buffer to the grads it was handed
+        grads = copies[1]
+    # torch clones the grad into a None buffer: hand it Nones there, and keep its clones in the call's buffers
+    buffers = [None if first else b for b, first in zip(momentum_buffers, first_steps)]
+    torch_sgd(params, grads, buffers, foreach=True, **options)
+    made = [i for i, first in enumerate(first_steps) if first]
+    if made:
+        torch._foreach_copy_([momentum_buffers[i] for i in made], [buffers[i] for i in made])
+    if copies is not None:
+        keep(copies)

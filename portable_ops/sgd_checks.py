@@ -1,0 +1,57 @@
+"""SGD's argument checks (``checks.py`` holds those every entry point shares): torch.optim.SGD's refusals,
+made before any tensor is written."""
+
+from __future__ import annotations
+
+import torch
+
+from . import checks
+
+NESTEROV = "Nesterov momentum requires a momentum and zero dampening"  # torch.optim.SGD's words
+
+
+def check_sgd_hyperparameters(*, lr, momentum, dampening, weight_decay, nesterov) -> None:
+    """What torch.optim.SGD refuses (negative lr, momentum or weight_decay; Nesterov without momentum or with
+    dampening), and NaN or infinite values, which torch lets through to poison every param."""
+    checks.check_number("lr", lr, low=0.0)
+    checks.check_number("momentum", momentum, low=0.0)
+    checks.check_number("dampening", dampening)
+    checks.check_number("weight_decay", weight_decay, low=0.0)
+    if not isinstance(checks.plain(nesterov), (bool, int)):
+        raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
+    if nesterov and (_value(momentum) <= 0 or _value(dampening) != 0):
+        raise ValueError(f"{NESTEROV}: got momentum={momentum}, dampening={dampening}")
+
+
+def _value(x) -> float:
+    return float(x.item() if isinstance(x, torch.Tensor) else checks.as_number(x))
+
+
+def check_momentum_buffers(buffers, params, *, checked: bool = False) -> list[int]:
+    """``momentum_buffer_list``, as torch's functional ``sgd`` takes it under momentum: a list as long as
+    ``params`` of tensors or None (a buffer not made yet), each tensor shaped, typed and placed like its param
+    and none sharing memory with another. ``checked``: the caller knows the tensors are those it checked on an
+    earlier step, unchanged (the optimizer class), so only the Nones are looked for. Returns their positions."""
+    if not isinstance(buffers, (list, tuple)):
+        raise TypeError(f"momentum_buffer_list must be a list of tensors or None, got {type(buffers).__name__}")
+    if len(buffers) != len(params):
+        raise ValueError(f"momentum_buffer_list has {len(buffers)} entries but params has {len(params)}")
+    new = [i for i, b in enumerate(buffers) if b is None]
+    if checked:
+        return new
+    made = [i for i, b in enumerate(buffers) if b is not None]
+    for i in made:
+        b, p = buffers[i], params[i]
+        name = f"momentum_buffer_list[{i}]"
+        if not isinstance(b, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor or None, got {type(b).__name__}")
+        if b.layout != torch.strided:
+            raise ValueError(f"{name} is {b.layout}; only dense (strided) tensors are supported")
+        if b.shape != p.shape:
+            raise ValueError(f"{name} has shape {tuple(b.shape)} but params[{i}] has {tuple(p.shape)}")
+        if b.dtype != p.dtype:
+            raise TypeError(f"{name} has dtype {b.dtype} but params[{i}] has {p.dtype}")
+        if b.device != p.device:
+            raise ValueError(f"{name} is on {b.device} but params[{i}] is on {p.device}")
+    checks.check_distinct("momentum_buffer_list", [buffers[i] for i in made])
+    return new
