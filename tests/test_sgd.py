@@ -419,7 +419,9 @@ def test_a_step_strict_mode_refuses_makes_no_buffer_and_writes_nothing(monkeypat
     if "triton" not in usable_backends():
         pytest.skip("triton can't run here")
     monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
-    params = [torch.nn.Parameter(torch.randn(5, dtype=torch.float64)), torch.nn.Parameter(torch.randn(3))]
+    device = default_device("triton")
+    params = [torch.nn.Parameter(torch.randn(5, dtype=torch.float64, device=device)),
+              torch.nn.Parameter(torch.randn(3, device=device))]
     opt = portable_ops.optim.SGD(params, lr=0.1, momentum=0.9)
     for p in params:
         p.grad = torch.randn_like(p)

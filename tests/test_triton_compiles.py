@@ -291,7 +291,7 @@ else:
                  ("bwd_sm90", 128, "unmasked"): 8, ("bwd_sm90", 64, "unmasked"): 96,
                  ("bwd_sm90", 64, "causal"): 168, ("fwd_sm90", 64, 3): 96, ("fwd_sm90", 256, "unmasked"): 16,
                  ("fwd_sm90", 256, "causal"): 32},
-        (3, 6): {("dkdv", 40): 504, ("dkdv", 80): 1088, ("dkdv", 128): 1520, ("dkdv", 192): 912, ("dq", 128): 8,
+        (3, 6): {("dkdv", 40): 504, ("dkdv", 80): 1088, ("dkdv", 128): 1520, ("dkdv", 192): 912, ("dq", 128): 16,
                  ("bwd_sm90", 64, "unmasked"): 48, ("bwd_sm90", 64, "causal"): 80, ("fwd_sm90", 64, 3): 8,
                  ("fwd_sm90", 256, "causal"): 16},
     }.get(TRITON_RELEASE)
