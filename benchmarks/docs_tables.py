@@ -345,8 +345,8 @@ def _calls(calls: dict) -> str:
     return text
 
 
-def fallback() -> str:
-    results = load("fallback")
+def fallback(name: str = "fallback") -> str:
+    results = load(name)
     rows, missed, against = [], [], {}
     timed = [r for r in results["rows"] if r.get("ratio") is not None]
     for r in results["rows"]:
@@ -380,12 +380,13 @@ def fallback() -> str:
         notes.append("The run's checkout had changes not in its commit, to: "
                      + ", ".join(f"`{path}`" for path in results["info"]["uncommitted"]) + ".")
     return "\n\n".join([table(["op", "case", "dtype", "ours ms", "torch ms", "ours / torch", "target",
-                                "range over rounds", "met"], rows), *notes, provenance("fallback", results["info"])])
+                                "range over rounds", "met"], rows), *notes, provenance(name, results["info"])])
 
 
 RENDERERS: dict[str, Callable[[], str]] = {
     "headline": headline, "train": train, "optimizer": optimizer, "clip": clip, "attention": attention,
-    "decode": decode, "features": features, "nki": nki, "hf": hf, "fallback": fallback}
+    "decode": decode, "features": features, "nki": nki, "hf": hf, "fallback": fallback,
+    "fallback_cuda": lambda: fallback("fallback_cuda")}
 
 
 def render(text: str) -> str:
