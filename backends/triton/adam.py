@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 import operator
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from . import multi_tensor as mt
-from .launch import in_compile_env
+from .launch import Launch
 from .multi_tensor import (PlanCache, address, block_offsets, by_dtype, dtype_of, load_f32, not_contiguous, store_as,
                            tables, this_chunk)
 
@@ -63,8 +64,8 @@ def _adam_block(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, offs, mask, st
 
 
 @triton.jit
-def _adam_kernel(addresses, chunk_tensor, chunk_start, numels, n_tensors, step_addresses,
-                 lr_ptr, lr_value, grad_scale_ptr, found_inf_ptr, clip_coef_ptr,
+def _adam_kernel(addresses, chunk_tensor, chunk_start, numels, step_addresses,
+                 lr_ptr, grad_scale_ptr, found_inf_ptr, clip_coef_ptr, n_tensors, lr_value,
                  beta1, beta2, log2_beta1, log2_beta2, eps, weight_decay,
                  DTYPE: tl.constexpr, STATE_DTYPE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                  AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr, WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr,
@@ -135,9 +136,39 @@ def adam_supports(call) -> list[str]:
     return reasons
 
 
+class _Group(NamedTuple):
+    """One (param dtype, state dtype) group of a plan: its launch shape, tables, step address table, tensor
+    count, and its kernel's launches by the call's flags (:func:`_flags`), made at their first call."""
+
+    dtypes: tuple[torch.dtype, torch.dtype]
+    launch: mt.Launch
+    tables: mt.Tables
+    steps: torch.Tensor
+    count: int
+    launches: dict
+
+
+def _flags(amsgrad, maximize, weight_decay, decoupled, lr_is_tensor, grad_scale, found_inf, clip_coef) -> tuple:
+    return (amsgrad, maximize, weight_decay != 0, decoupled, lr_is_tensor, grad_scale is not None,
+            found_inf is not None, clip_coef is not None)
+
+
+def _launch_of(group: _Group, flags: tuple) -> Launch:
+    """The group's launch for calls with these flags: its grid, constexprs and tensor count are fixed."""
+    found = group.launches.get(flags)
+    if found is None:
+        amsgrad, maximize, weight_decay, decoupled, lr_is_tensor, grad_scale, found_inf, clip = flags
+        dtype, state_dtype = group.dtypes
+        found = group.launches[flags] = Launch(
+            _adam_kernel, (group.tables.chunks,), 9, DTYPE=_TL_DTYPE[dtype], STATE_DTYPE=_TL_DTYPE[state_dtype],
+            CHUNK=group.launch.chunk, BLOCK=group.launch.block, AMSGRAD=amsgrad, MAXIMIZE=maximize,
+            WEIGHT_DECAY=weight_decay, DECOUPLED=decoupled, LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale,
+            HAS_FOUND_INF=found_inf, HAS_CLIP=clip, ALIGNED=group.tables.aligned, num_warps=group.launch.num_warps)
+    return found
+
+
 def _plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad):
-    """Per (param dtype, state dtype): (dtypes, launch shape, tables, step address table, tensor count), built
-    for tensors :data:`_plans` has no plan of yet.
+    """Per (param dtype, state dtype): a :class:`_Group`, built for tensors :data:`_plans` has no plan of yet.
 
     The public API gives a param's moments one dtype, so ``exp_avgs`` stands for all three. Their
     dtypes are in the plan's key: a float32 moment may be allocated where a bfloat16 one was freed.
@@ -151,7 +182,8 @@ def _plan(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, am
         launch = mt.launch_for(LAUNCH, tuple(d.itemsize for d in dtypes))
         t = tables(lists, launch.chunk)
         if t.chunks:
-            plan.append((dtypes, launch, t, tables([[state_steps[i] for i in idx]], chunk=1).addresses, len(idx)))
+            plan.append(_Group(dtypes, launch, t, tables([[state_steps[i] for i in idx]], chunk=1).addresses,
+                               len(idx), {}))
     return plan
 
 
@@ -173,18 +205,15 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     try:
         dummy = state_steps[0]
         lr_is_tensor = isinstance(lr, torch.Tensor)
-        for (dtype, state_dtype), launch, t, steps, n in plan:
-            in_compile_env(
-                _adam_kernel[(t.chunks,)], t.addresses, t.chunk_tensor, t.chunk_start, t.numels, n, steps,
-                lr if lr_is_tensor else dummy, 0.0 if lr_is_tensor else float(lr),
+        flags = _flags(amsgrad, maximize, weight_decay, decoupled_weight_decay, lr_is_tensor, grad_scale, found_inf,
+                       clip_coef)
+        for group in plan:
+            t = group.tables
+            _launch_of(group, flags)(
+                t.addresses, t.chunk_tensor, t.chunk_start, t.numels, group.steps, lr if lr_is_tensor else dummy,
                 grad_scale if grad_scale is not None else dummy, found_inf if found_inf is not None else dummy,
-                clip_coef if clip_coef is not None else dummy,
-                beta1, beta2, _log2(beta1), _log2(beta2), eps, weight_decay,
-                DTYPE=_TL_DTYPE[dtype], STATE_DTYPE=_TL_DTYPE[state_dtype], CHUNK=launch.chunk, BLOCK=launch.block,
-                AMSGRAD=amsgrad, MAXIMIZE=maximize, WEIGHT_DECAY=weight_decay != 0, DECOUPLED=decoupled_weight_decay,
-                LR_IS_TENSOR=lr_is_tensor, HAS_GRAD_SCALE=grad_scale is not None,
-                HAS_FOUND_INF=found_inf is not None, HAS_CLIP=clip_coef is not None, ALIGNED=t.aligned,
-                num_warps=launch.num_warps)
+                clip_coef if clip_coef is not None else dummy, group.count, 0.0 if lr_is_tensor else float(lr),
+                float(beta1), float(beta2), _log2(beta1), _log2(beta2), float(eps), float(weight_decay))
             launched += 1
     except BaseException:
         if not launched:  # nothing written yet: the counts go back too (a later launch's failure can't be undone)

@@ -13,6 +13,7 @@ A NaN anywhere makes the norm NaN, as torch's: a sum carries it, but Triton's ``
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -20,7 +21,7 @@ import triton.language as tl
 
 from .adam import _TL_DTYPE
 from . import multi_tensor as mt
-from .launch import in_compile_env
+from .launch import Launch
 from .multi_tensor import PlanCache, address, block_offsets, by_dtype, load_f32, not_contiguous, tables, this_chunk
 
 FINAL_BLOCK = 1024
@@ -58,7 +59,7 @@ def _partials_kernel(addresses, chunk_tensor, chunk_start, numels, partials, off
 
 
 @triton.jit
-def _final_kernel(partials, n, out, BLOCK: tl.constexpr, INF: tl.constexpr):
+def _final_kernel(partials, out, n, BLOCK: tl.constexpr, INF: tl.constexpr):
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for start in tl.range(0, n, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -80,34 +81,52 @@ def grad_norm_supports(call) -> list[str]:
     return reasons + not_contiguous({"grads": call["grads"]})
 
 
-def _groups(grads) -> list:
-    """Per dtype: (dtype, launch shape, tables), built for grads :data:`_plans` has no plan of yet."""
-    groups = []
+class _Plan(NamedTuple):
+    """A plan for one list of grads: per dtype (launch shape, tables, its partials' offset), the partials'
+    count, and the launches by norm (True: the inf-norm), made at their first call."""
+
+    groups: list[tuple[torch.dtype, mt.Launch, mt.Tables, int]]
+    total: int
+    launches: dict
+
+
+def _plan(grads) -> _Plan:
+    """Built for grads :data:`_plans` has no plan of yet."""
+    groups, offset = [], 0
     for (dtype,), idx in by_dtype(grads).items():
         launch = mt.launch_for(LAUNCH, dtype.itemsize)
-        groups.append((dtype, launch, tables([[grads[i] for i in idx]], launch.chunk)))
-    return groups
+        t = tables([[grads[i] for i in idx]], launch.chunk)
+        groups.append((dtype, launch, t, offset))
+        offset += t.chunks
+    return _Plan(groups, offset, {})
+
+
+def _launches_of(plan: _Plan, inf: bool) -> tuple[list, Launch]:
+    """The plan's launches for this norm: phase 1's per dtype that has chunks, then phase 2's."""
+    found = plan.launches.get(inf)
+    if found is None:
+        partials = [(Launch(_partials_kernel, (t.chunks,), 5, DTYPE=_TL_DTYPE[dtype], CHUNK=launch.chunk,
+                            BLOCK=launch.block, INF=inf, ALIGNED=t.aligned, num_warps=launch.num_warps), t, offset)
+                    for dtype, launch, t, offset in plan.groups if t.chunks]
+        found = plan.launches[inf] = (partials, Launch(_final_kernel, (1,), 2, BLOCK=FINAL_BLOCK, INF=inf,
+                                                       num_warps=4))
+    return found
 
 
 def grad_norm(grads, norm_type):
     inf = math.isinf(norm_type)
     key = _plans.key(grads)
-    groups = _plans.get(key)
+    plan = _plans.get(key)
     written = None  # what this call cached: only a first call with these grads caches anything
-    if groups is None:
-        groups, written = mt.built(_plans, key, lambda: _groups(grads))
+    if plan is None:
+        plan, written = mt.built(_plans, key, lambda: _plan(grads))
     try:
-        total = sum(t.chunks for _, _, t in groups)
-        partials = torch.empty(max(total, 1), dtype=torch.float32, device=grads[0].device)
-        offset = 0
-        for dtype, launch, t in groups:
-            if t.chunks:
-                in_compile_env(_partials_kernel[(t.chunks,)], t.addresses, t.chunk_tensor, t.chunk_start, t.numels,
-                               partials, offset, DTYPE=_TL_DTYPE[dtype], CHUNK=launch.chunk, BLOCK=launch.block,
-                               INF=inf, ALIGNED=t.aligned, num_warps=launch.num_warps)
-            offset += t.chunks
+        partials = torch.empty(max(plan.total, 1), dtype=torch.float32, device=grads[0].device)
+        phase1, phase2 = _launches_of(plan, inf)
+        for launch, t, offset in phase1:
+            launch(t.addresses, t.chunk_tensor, t.chunk_start, t.numels, partials, offset)
         out = torch.empty((), dtype=torch.float32, device=grads[0].device)
-        in_compile_env(_final_kernel[(1,)], partials, total, out, BLOCK=FINAL_BLOCK, INF=inf, num_warps=4)
+        phase2(partials, out, plan.total)
     except BaseException:
         if written is not None:
             mt.forget(written)
