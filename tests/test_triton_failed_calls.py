@@ -137,6 +137,7 @@ def test_a_varlen_backward_whose_launch_fails_leaves_no_plan(kernel, monkeypatch
 def test_a_prepared_forward_whose_launch_fails_leaves_no_plan_for_the_next_prepare(monkeypatch):
     q, k, v = (_randn(1, 2, 24, 16, dtype=torch.float16, seed=s) for s in (11, 12, 13))
     with monkeypatch.context() as patched:
+        patched.setenv("PORTABLE_OPS_SM90_ATTENTION", "0")  # the tl.* kernel on Hopper too: it is the one made to fail
         patched.setattr(plans, "fwd_kernel", Unlaunchable())
         run = attn.prepare_attention_fwd(q, k, v, causal=False, scale=0.25)
         with pytest.raises(RuntimeError, match="this launch fails"):
