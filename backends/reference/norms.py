@@ -1,12 +1,14 @@
 """RMSNorm and LayerNorm as torch runs them: its fused kernels where it has them, the definition elsewhere.
 
 LayerNorm is ``torch.native_layer_norm`` and its ATen backward (what ``F.layer_norm`` and its autograd run),
-but for the backward of half-precision rows off CUDA (on the CPU ATen sums their weight gradient in that
-precision, not float32 as this op promises) and of a weight whose dtype is not x's (ATen's backward takes one
-dtype): those run the definition. RMSNorm is ATen's ``_fused_rms_norm`` (what ``F.rms_norm`` runs on CUDA and CPU in
-recent torch) forward, and its fused backward on CUDA; on other devices, and on a torch without those
-ops, the definition (``portable_ops/definitions/norms.py``), plain torch ops, as ``F.rms_norm``'s own
-composite is there.
+but for a forward whose weight and bias dtypes aten's kernel refuses (``_aten_takes``: a bfloat16 weight with
+float32 x, say, which this op takes), for the backward of half-precision rows off CUDA (on the CPU ATen sums their
+weight gradient in that precision, not float32 as this op promises) and for that of a weight whose dtype is not
+x's (ATen's backward takes one dtype): those run the definition.
+
+RMSNorm is ATen's ``_fused_rms_norm`` (what ``F.rms_norm`` runs on CUDA and CPU in recent torch) forward, and its
+fused backward on CUDA; on other devices, and on a torch without those ops, the definition
+(``portable_ops/definitions/norms.py``), plain torch ops, as ``F.rms_norm``'s own composite is there.
 """
 
 from __future__ import annotations
@@ -44,9 +46,20 @@ def rms_norm_bwd(x, weight, rstd, dout, dh):
     return dx, dweight
 
 
+def _aten_takes(x, weight, bias) -> bool:
+    """Whether ``native_layer_norm`` takes these dtypes: weight and bias in x's, or (the CPU's mixed-dtype kernel)
+    both float32 with half-precision x. Any other mix (a bfloat16 weight with float32 x, a weight and bias of two
+    dtypes), which this op takes, aten refuses."""
+    dtypes = {t.dtype for t in (weight, bias) if t is not None}
+    return dtypes <= {x.dtype} or (x.device.type == "cpu" and x.dtype in _HALF and dtypes == {torch.float32})
+
+
 def layer_norm_fwd(x, residual, weight, bias, eps):
     h = _sum(x, residual)
     src = h if h is not None else x
+    if not _aten_takes(src, weight, bias):
+        out, _, mean, rstd = norm_fwd(src, None, weight, bias, eps, rms=False)
+        return out, h, mean, rstd
     out, mean, rstd = torch.native_layer_norm(src, [src.shape[-1]], weight, bias, eps)
     return out, h, mean.reshape(-1), rstd.reshape(-1)
 

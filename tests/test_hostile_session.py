@@ -1,0 +1,125 @@
+"""Regressions found by a hostile-user pass over the norms, optim.SGD and the transformers integration.
+
+Each test failed before its fix: a LayerNorm weight/bias dtype mix the op takes but the reference backend handed
+to aten, which refused it; a momentum buffer assigned or deleted by hand that the SGD step's cached lists did not
+see; transformers' mask path run before register(), or with a reloaded transformers, failing on a None.
+"""
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import portable_ops
+from portable_ops.conformance import usable_backends
+from portable_ops.conformance.runner import default_device, forced_strict
+
+BACKENDS = usable_backends()
+
+
+# ----------------------------------------------------------------------------- norms
+
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.bfloat16, torch.float16),
+                                    (torch.float32, torch.bfloat16, None),
+                                    (torch.bfloat16, torch.float32, torch.bfloat16),
+                                    (torch.float16, torch.bfloat16, torch.float32)],
+                         ids=["f32-bf16-f16", "f32-bf16-none", "bf16-f32-bf16", "f16-bf16-f32"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layer_norm_takes_every_weight_and_bias_dtype_mix(backend, dtypes):
+    """docs/api.md: a weight or bias of another floating dtype than x's is taken and read in float32. aten's
+    native_layer_norm refuses most such mixes ("mixed dtype (CPU): expect parameter to have scalar type of
+    Float"), which the reference backend raised mid-call."""
+    x_dtype, w_dtype, b_dtype = dtypes
+    device = default_device(backend)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 16, generator=g).to(device, x_dtype).requires_grad_()
+    w = (1 + 0.5 * torch.randn(16, generator=g)).to(device, w_dtype).requires_grad_()
+    b = None if b_dtype is None else (0.5 * torch.randn(16, generator=g)).to(device, b_dtype).requires_grad_()
+    with forced_strict(backend):
+        out = portable_ops.layer_norm(x, w, b, 1e-5)
+        dout = torch.randn(out.shape, generator=g).to(device, out.dtype)
+        out.backward(dout)
+    assert out.dtype == x_dtype and w.grad.dtype == w_dtype and (b is None or b.grad.dtype == b_dtype)
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (x, w) + (() if b is None else (b,))]
+    want = F.layer_norm(leaves[0], (16,), leaves[1], leaves[2] if b is not None else None, 1e-5)
+    want.backward(dout.double().cpu())
+    tol = 5e-2 if torch.bfloat16 in dtypes or torch.float16 in dtypes else 1e-4
+    torch.testing.assert_close(out.double().cpu(), want, atol=tol, rtol=tol)
+    got_grads = [x.grad, w.grad] + ([] if b is None else [b.grad])
+    for got, leaf in zip(got_grads, leaves):
+        torch.testing.assert_close(got.double().cpu(), leaf.grad, atol=tol * 4, rtol=tol)
+
+
+# ----------------------------------------------------------------------------- SGD
+
+def _params(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(5 + i, generator=g)) for i in range(3)]
+
+
+def _grads(params, seed):
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.device)
+
+
+@pytest.mark.parametrize("how", ["assign_zeros", "assign_none", "delete"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sgd_sees_a_momentum_buffer_replaced_by_hand(backend, how):
+    """Resetting momentum by assigning ``state[p]["momentum_buffer"]`` (or deleting it) after a step: torch's SGD
+    steps from the new buffer (a None or missing one is made from the grad). The step's cached lists held the
+    old buffer and kept stepping it, so the params drifted from torch's and the state_dict lost the buffer."""
+    device = default_device(backend)
+    ours = [torch.nn.Parameter(p.detach().to(device)) for p in _params(0)]
+    theirs = [torch.nn.Parameter(p.detach().to(device)) for p in _params(0)]
+    kw = dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)
+    opt, ref = portable_ops.optim.SGD(ours, **kw), torch.optim.SGD(theirs, **kw)
+    with forced_strict(backend):
+        for step in range(4):
+            _grads(ours, step)
+            _grads(theirs, step)
+            opt.step()
+            ref.step()
+            if step == 1:  # the lists are cached by now
+                for o, params in ((opt, ours), (ref, theirs)):
+                    state = o.state[params[1]]
+                    if how == "delete":
+                        del state["momentum_buffer"]
+                    else:
+                        state["momentum_buffer"] = torch.zeros_like(params[1]) if how == "assign_zeros" else None
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(opt.state_dict()["state"].values(), ref.state_dict()["state"].values()):
+        torch.testing.assert_close(a["momentum_buffer"], b["momentum_buffer"])
+
+
+# ----------------------------------------------------------------------------- transformers
+
+def test_mask_function_before_register_says_so(monkeypatch):
+    pytest.importorskip("transformers", minversion="5.0")
+    from transformers import masking_utils
+
+    from portable_ops.integrations import transformers as integration
+
+    monkeypatch.setattr(integration, "_masking_utils", None)
+    with pytest.raises(RuntimeError, match=r"before register\(\)"):
+        integration.build_mask(1, 4, mask_function=masking_utils.causal_mask_function, q_length=4, q_offset=0)
+
+
+def test_mask_function_of_a_reloaded_transformers_says_so():
+    """A causal_mask_function from another import of transformers.masking_utils (reloaded or imported again after
+    register()) is not the one register() holds: the refusal says to call register() again, instead of calling
+    causal_mask_function "an extra mask function"."""
+    pytest.importorskip("transformers", minversion="5.0")
+    from transformers import masking_utils
+
+    from portable_ops.integrations import transformers as integration
+
+    integration.register()
+    f = masking_utils.causal_mask_function
+    reloaded = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    reloaded.__qualname__ = f.__qualname__
+    with pytest.raises(RuntimeError, match=r"register\(\) again"):
+        integration.build_mask(1, 4, mask_function=reloaded, q_length=4, q_offset=0)
+    assert integration.build_mask(1, 4, mask_function=f, q_length=4, q_offset=0) is None
