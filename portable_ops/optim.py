@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import re
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -338,7 +339,7 @@ class SGD(_FusedOptimizer):
         with_grad = [p for p in group["params"] if p.grad is not None]
         flags = (checks.as_number(group["momentum"]) != 0,)
         cached = self._cached_lists(group, flags, with_grad)
-        if cached is not None:
+        if cached is not None and (not flags[0] or self._buffers_unchanged(cached)):
             return cached, True
         by_device: dict[torch.device, dict[str, list]] = {}
         for p in with_grad:
@@ -352,6 +353,18 @@ class SGD(_FusedOptimizer):
                 lists["buffers"].append(None if buffer is None else local(buffer))
         self._pend_lists(group, flags, with_grad, by_device)
         return by_device, False
+
+    def _buffers_unchanged(self, by_device) -> bool:
+        """Whether each cached param's ``state[p]["momentum_buffer"]`` is still the buffer its lists hold: one
+        assigned or deleted since (momentum reset by hand, as torch's SGD honours) rebuilds the lists. C-level
+        passes: the state dicts themselves were found unchanged by :meth:`_cached_lists`."""
+        for lists in by_device.values():
+            buffers = map(dict.get, map(self.state.__getitem__, lists["keys"]), repeat("momentum_buffer"))
+            if lists["sharded"]:
+                buffers = map(local, buffers)
+            if not all(map(operator.is_, buffers, lists["buffers"])):
+                return False
+        return True
 
     def _refresh_lists(self, lists):
         if lists["buffers"]:
