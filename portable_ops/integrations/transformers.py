@@ -186,6 +186,10 @@ def _mask_pieces(mask_function, pieces):
     "packed" with transformers' sequence index per token; a sliding window passes (the attention function gets
     it as ``sliding_window``). Anything else is refused: dropping it would attend where eager does not."""
     masking_utils = _masking_utils
+    if masking_utils is None:
+        raise RuntimeError("portable_ops attention: its mask function (build_mask) ran before register(); call "
+                           "portable_ops.integrations.transformers.register() first and pass the name it returns as "
+                           "attn_implementation")
     if mask_function is masking_utils.causal_mask_function:
         pieces["causal"] = True
         return pieces
@@ -201,6 +205,10 @@ def _mask_pieces(mask_function, pieces):
         pass  # the attention function gets the window as sliding_window
     elif kind == "packed_sequence_mask_function.<locals>.inner_mask":
         pieces["packed"] = _captured(mask_function, "packed_sequence_mask")
+    elif _from_another_import(mask_function, masking_utils):
+        raise RuntimeError("portable_ops attention: mask_function comes from a transformers.masking_utils other than "
+                           "the one register() imported (transformers was reloaded or imported again since); call "
+                           "portable_ops.integrations.transformers.register() again")
     else:
         what = ("bidirectional (non-causal) attention" if mask_function is masking_utils.bidirectional_mask_function
                 else f"{kind or repr(mask_function)} (an extra mask function: chunked attention, bidirectional blocks "
@@ -210,6 +218,16 @@ def _mask_pieces(mask_function, pieces):
             "causal masks with sliding windows, padding and packed sequences. Use attn_implementation='eager' or "
             "'sdpa' for this model")
     return pieces
+
+
+def _from_another_import(mask_function, masking_utils) -> bool:
+    """Whether ``mask_function`` is one of transformers.masking_utils' own module-level functions, but not the one
+    ``masking_utils`` (the module register() imported) holds under its name: transformers was reloaded since."""
+    if not isinstance(mask_function, types.FunctionType) or mask_function.__module__ != masking_utils.__name__:
+        return False
+    name = mask_function.__qualname__  # a nested function's (and_masks.<locals>...) names no module attribute
+    return isinstance(getattr(masking_utils, name, None), types.FunctionType) and getattr(masking_utils,
+                                                                                          name) is not mask_function
 
 
 # The sequence index tensors build_mask handed out: a 2-D integer mask is read as packed sequences only if it is one.
