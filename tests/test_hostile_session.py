@@ -123,3 +123,40 @@ def test_mask_function_of_a_reloaded_transformers_says_so():
     with pytest.raises(RuntimeError, match=r"register\(\) again"):
         integration.build_mask(1, 4, mask_function=reloaded, q_length=4, q_offset=0)
     assert integration.build_mask(1, 4, mask_function=f, q_length=4, q_offset=0) is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_norm_custom_ops_give_the_fake_layouts_for_transposed_rows(backend):
+    """The custom ops' fake outputs are row-major; the reference backend returned ``x + residual`` (and the
+    definition's outputs and dx) in a transposed x's or dout's strides, so torch.compile of a pre-norm block over a
+    transposed 2-D x failed ("expected ... stride 1==32": an incorrect fake kernel)."""
+    device = default_device(backend)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 7, generator=g).to(device).t()
+    r, dout, dh = (torch.randn(7, 32, generator=g).to(device) for _ in range(3))
+    w, b = (torch.randn(32, generator=g).to(device) for _ in range(2))
+    ops = torch.ops.portable_ops
+    with forced_strict(backend):
+        torch.library.opcheck(ops.rms_norm_fwd.default, (x, r, w, 1e-5))
+        torch.library.opcheck(ops.layer_norm_fwd.default, (x, r, w, b, 1e-5))
+        torch.library.opcheck(ops.layer_norm_fwd.default, (x, None, w.bfloat16(), b, 1e-5))
+        _, _, rstd = ops.rms_norm_fwd(x.contiguous(), None, w, 1e-5)
+        torch.library.opcheck(ops.rms_norm_bwd.default, (x.contiguous(), w, rstd, dout.t().contiguous().t(), dh))
+        _, _, mean, rstd = ops.layer_norm_fwd(x.contiguous(), None, w, b, 1e-5)
+        torch.library.opcheck(ops.layer_norm_bwd.default, (x.contiguous(), w.bfloat16(), mean, rstd, dout,
+                                                          dh.t().contiguous().t(), True))
+
+    def block(x, r, w, b):
+        out, h = portable_ops.layer_norm(x, w, b, 1e-5, residual=r)
+        return portable_ops.rms_norm(out, w, 1e-6, residual=h)[0].sum()
+
+    leaves = [t.clone().requires_grad_() for t in (x, r, w, b)]
+    torch._dynamo.reset()
+    with forced_strict(backend):
+        torch.compile(block, fullgraph=True)(*leaves).backward()
+    expect = [t.detach().double().cpu().requires_grad_() for t in (x, r, w, b)]
+    h = expect[0] + expect[1]
+    out = F.layer_norm(h, (32,), expect[2], expect[3], 1e-5)
+    F.rms_norm(out + h, (32,), expect[2], 1e-6).sum().backward()
+    for got, want in zip(leaves, expect):
+        torch.testing.assert_close(got.grad.double().cpu(), want.grad, atol=1e-3, rtol=1e-3)

@@ -24,15 +24,18 @@ _HALF = (torch.float16, torch.bfloat16)
 
 
 def _sum(x, residual):
-    return None if residual is None else x + residual
+    return None if residual is None else (x + residual).contiguous()
 
+
+# Every output is row-major, as the custom ops' fake outputs are (portable_ops/norms.py): a sum or the definition's
+# element-wise result follows a transposed x's or dout's strides, so those are made contiguous.
 
 def rms_norm_fwd(x, residual, weight, eps):
     h = _sum(x, residual)
     src = h if h is not None else x
     if not _FUSED_RMS:
         out, _, _, rstd = norm_fwd(src, None, weight, None, eps, rms=True)
-        return out, h, rstd
+        return out.contiguous(), h, rstd
     out, rstd = _aten._fused_rms_norm(src, [src.shape[-1]], weight, eps)
     return out, h, rstd.reshape(-1)
 
@@ -41,9 +44,9 @@ def rms_norm_bwd(x, weight, rstd, dout, dh):
     if _FUSED_RMS_BACKWARD and x.is_cuda:
         dx, dweight = _aten._fused_rms_norm_backward(dout, x, [x.shape[-1]], rstd[:, None], weight,
                                                      [True, weight is not None])
-        return (dx if dh is None else dx + dh), dweight
+        return (dx if dh is None else dx.add_(dh)), dweight  # in place: dx's layout, whatever dh's
     dx, dweight, _ = norm_bwd(x, weight, None, rstd, dout, dh, rms=True, has_bias=False)
-    return dx, dweight
+    return dx.contiguous(), dweight
 
 
 def _aten_takes(x, weight, bias) -> bool:
@@ -59,7 +62,7 @@ def layer_norm_fwd(x, residual, weight, bias, eps):
     src = h if h is not None else x
     if not _aten_takes(src, weight, bias):
         out, _, mean, rstd = norm_fwd(src, None, weight, bias, eps, rms=False)
-        return out, h, mean, rstd
+        return out.contiguous(), h, mean, rstd
     out, mean, rstd = torch.native_layer_norm(src, [src.shape[-1]], weight, bias, eps)
     return out, h, mean.reshape(-1), rstd.reshape(-1)
 
@@ -68,9 +71,10 @@ def layer_norm_bwd(x, weight, mean, rstd, dout, dh, has_bias):
     # ATen's backward takes one dtype, and on the CPU sums a half-precision dweight in that precision (CUDA's in
     # float32; other device types are not known to)
     if (weight is not None and weight.dtype != x.dtype) or (x.device.type != "cuda" and x.dtype in _HALF):
-        return norm_bwd(x, weight, mean, rstd, dout, dh, rms=False, has_bias=has_bias)
+        dx, dweight, dbias = norm_bwd(x, weight, mean, rstd, dout, dh, rms=False, has_bias=has_bias)
+        return dx.contiguous(), dweight, dbias
     # ATen reads the bias only to know it has one (its gradient is dout's column sums): a placeholder stands in
     stand_in = x.new_empty(x.shape[-1:]) if has_bias else None
     dx, dweight, dbias = _aten.native_layer_norm_backward(dout, x, [x.shape[-1]], mean[:, None], rstd[:, None],
                                                           weight, stand_in, [True, weight is not None, has_bias])
-    return (dx if dh is None else dx + dh), dweight, dbias
+    return (dx if dh is None else dx.add_(dh)), dweight, dbias
