@@ -97,6 +97,8 @@ def sgd_call(params, grads, momentum_buffer_list, *, lr=1e-3, momentum=0.0, damp
     if checked_layouts is None:
         checks.check_distinct("params", params)
     checks.check_tensor_lists({"params": params, "grads": grads}, like="params", like_layouts=checked_layouts)
+    if checked_layouts is None:
+        sgd_checks.check_no_internal_overlap("params", params)
     new = []
     if with_momentum:
         new = sgd_checks.check_momentum_buffers(momentum_buffer_list, params, checked=checked_layouts is not None)

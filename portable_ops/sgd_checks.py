@@ -37,6 +37,9 @@ def check_momentum_buffers(buffers, params, *, checked: bool = False) -> list[in
     if len(buffers) != len(params):
         raise ValueError(f"momentum_buffer_list has {len(buffers)} entries but params has {len(params)}")
     new = [i for i, b in enumerate(buffers) if b is None]
+    if new and not isinstance(buffers, list):  # torch's functional sgd puts them in the list it is handed
+        raise TypeError(f"momentum_buffer_list must be a list (the new buffers are put in it, at the Nones), got a "
+                        f"{type(buffers).__name__} with None at {new[0]}")
     if checked:
         return new
     made = [i for i, b in enumerate(buffers) if b is not None]
@@ -53,5 +56,19 @@ def check_momentum_buffers(buffers, params, *, checked: bool = False) -> list[in
             raise TypeError(f"{name} has dtype {b.dtype} but params[{i}] has {p.dtype}")
         if b.device != p.device:
             raise ValueError(f"{name} is on {b.device} but params[{i}] is on {p.device}")
-    checks.check_distinct("momentum_buffer_list", [buffers[i] for i in made])
+    made_buffers = [buffers[i] for i in made]
+    checks.check_distinct("momentum_buffer_list", made_buffers)
+    check_no_internal_overlap("momentum_buffer_list", made_buffers, made)
     return new
+
+
+def check_no_internal_overlap(arg: str, tensors, positions=None) -> None:
+    """No tensor whose elements share memory (an expanded view: a stride 0 over a dim of two or more), which the
+    step writes element by element: torch's in-place ops refuse it, after the tensors before it were written.
+    ``positions``: each tensor's index in ``arg`` (default: its own)."""
+    overlap = list(map(torch._debug_has_internal_overlap, tensors))  # 0 no, 1 yes, 2 can't tell (torch's ops write)
+    if 1 in overlap:
+        i = overlap.index(1)
+        raise ValueError(f"{arg}[{i if positions is None else positions[i]}] has elements that share memory (an "
+                         f"expanded view, strides {tuple(tensors[i].stride())}); the step writes every element: pass "
+                         f"a tensor of its own (.clone())")

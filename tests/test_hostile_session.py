@@ -160,3 +160,34 @@ def test_norm_custom_ops_give_the_fake_layouts_for_transposed_rows(backend):
     F.rms_norm(out + h, (32,), expect[2], 1e-6).sum().backward()
     for got, want in zip(leaves, expect):
         torch.testing.assert_close(got.grad.double().cpu(), want.grad, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sgd_refuses_an_expanded_param_before_writing_any(backend):
+    """A param whose elements share memory (an expanded view) failed inside the step with torch's in-place error,
+    after the params before it had been stepped; now refused by name first, every tensor as it was."""
+    device = default_device(backend)
+    a = torch.nn.Parameter(torch.randn(4, device=device))
+    e = torch.nn.Parameter(torch.randn(1, 4, device=device).expand(3, 4))
+    a.grad, e.grad = torch.randn(4, device=device), torch.randn(3, 4, device=device)
+    before = a.detach().clone()
+    opt = portable_ops.optim.SGD([a, e], lr=0.1, momentum=0.9)
+    with forced_strict(backend), pytest.raises(ValueError, match=r'param_groups\[0\]\["params"\]\[1\] has elements '
+                                                                 r'that share memory'):
+        opt.step()
+    assert torch.equal(a.detach(), before) and not opt.state
+    params, bufs = [a.detach().clone()], [torch.zeros(1, device=device).expand(4)]
+    with forced_strict(backend), pytest.raises(ValueError, match=r"momentum_buffer_list\[0\] has elements"):
+        portable_ops.functional.sgd(params, [a.grad], bufs, lr=0.1, momentum=0.9)
+    assert torch.equal(params[0], before)
+
+
+def test_functional_sgd_refuses_a_tuple_that_must_take_new_buffers():
+    """A None in a tuple momentum_buffer_list: the params were stepped, then putting the new buffer in the tuple
+    failed ("'tuple' object does not support item assignment") and the buffer was lost."""
+    params, grads = [torch.randn(4)], [torch.randn(4)]
+    before = params[0].clone()
+    with pytest.raises(TypeError, match="momentum_buffer_list must be a list"):
+        portable_ops.functional.sgd(params, grads, (None,), lr=0.1, momentum=0.9)
+    assert torch.equal(params[0], before)
+    portable_ops.functional.sgd(params, grads, (torch.zeros(4),), lr=0.1, momentum=0.9)  # no None: a tuple does
