@@ -191,3 +191,26 @@ def test_functional_sgd_refuses_a_tuple_that_must_take_new_buffers():
         portable_ops.functional.sgd(params, grads, (None,), lr=0.1, momentum=0.9)
     assert torch.equal(params[0], before)
     portable_ops.functional.sgd(params, grads, (torch.zeros(4),), lr=0.1, momentum=0.9)  # no None: a tuple does
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_norms_read_a_strided_weight_and_bias(backend, rms):
+    """A weight or bias that is a strided view (``w[::2]``, a slice of a fused parameter): the triton kernels read
+    ``W + col`` as if it were dense, so their output was silently wrong."""
+    device = default_device(backend)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 8, generator=g).to(device).requires_grad_()
+    w_base, b_base = (torch.randn(16, generator=g).to(device).requires_grad_() for _ in range(2))
+    dout = torch.randn(5, 8, generator=g).to(device)
+    with forced_strict(backend):
+        got = (portable_ops.rms_norm(x, w_base[::2], 1e-6) if rms
+               else portable_ops.layer_norm(x, w_base[::2], b_base[1::2], 1e-5))
+        got.backward(dout)
+    leaves = [t.detach().double().cpu().requires_grad_() for t in (x, w_base, b_base)]
+    want = (F.rms_norm(leaves[0], (8,), leaves[1][::2], 1e-6) if rms
+            else F.layer_norm(leaves[0], (8,), leaves[1][::2], leaves[2][1::2], 1e-5))
+    want.backward(dout.double().cpu())
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
+    for t, leaf in zip((x, w_base) if rms else (x, w_base, b_base), leaves):
+        torch.testing.assert_close(t.grad.double().cpu(), leaf.grad, atol=1e-4, rtol=1e-4)

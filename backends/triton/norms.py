@@ -130,8 +130,14 @@ def _programs(m: int, device: torch.device) -> int:
     return min(m, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+def _dense(t):
+    """A ``[D]`` weight or bias as the kernels read it, at unit stride (a strided view, ``w[::2]``, is copied)."""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def _norm_fwd(x, residual, weight, bias, eps, rms):
     m, d = x.shape
+    weight, bias = _dense(weight), _dense(bias)
     out = torch.empty((m, d), dtype=x.dtype, device=x.device)
     h = torch.empty_like(out) if residual is not None else None
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -156,6 +162,7 @@ def _column_sums(partials):
 
 def _norm_bwd(x, weight, mean, rstd, dout, dh, rms, has_bias):
     m, d = x.shape
+    weight = _dense(weight)
     programs = _programs(m, x.device)
     rows_per_program = triton.cdiv(m, programs)
     programs = triton.cdiv(m, rows_per_program)
