@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .norm_checks import last_dim
+from .norm_checks import check_module_input, last_dim
 from .norms import layer_norm, rms_norm
 
 
@@ -25,6 +25,7 @@ class RMSNorm(torch.nn.RMSNorm):
                          dtype=dtype)
 
     def forward(self, x, residual=None):
+        check_module_input("RMSNorm", x, self.normalized_shape)
         return rms_norm(x, self.weight, self.eps, residual=residual)
 
 
@@ -38,4 +39,5 @@ class LayerNorm(torch.nn.LayerNorm):
                          device=device, dtype=dtype)
 
     def forward(self, x, residual=None):
+        check_module_input("LayerNorm", x, self.normalized_shape)
         return layer_norm(x, self.weight, self.bias, self.eps, residual=residual)

@@ -66,3 +66,11 @@ def last_dim(op: str, normalized_shape) -> int:
     if isinstance(shape[0], bool) or not isinstance(shape[0], numbers.Integral) or shape[0] < 1:
         raise ValueError(f"portable_ops.nn.{op}: normalized_shape must be a positive int, got {shape[0]!r}")
     return int(shape[0])
+
+
+def check_module_input(op: str, x, normalized_shape) -> None:
+    """x's last dim is the module's ``normalized_shape``, as torch's modules require: without a weight nothing
+    else would tell a wrong width (the norm would run over x's own last dim)."""
+    if isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[-1] != normalized_shape[0]:
+        raise ValueError(f"portable_ops.nn.{op}: x's last dim is {x.shape[-1]} but the module normalises over "
+                         f"normalized_shape={list(normalized_shape)}; got x of shape {tuple(x.shape)}")

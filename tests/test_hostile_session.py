@@ -214,3 +214,16 @@ def test_norms_read_a_strided_weight_and_bias(backend, rms):
     torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
     for t, leaf in zip((x, w_base) if rms else (x, w_base, b_base), leaves):
         torch.testing.assert_close(t.grad.double().cpu(), leaf.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("elementwise_affine", [False, True], ids=["no_affine", "affine"])
+@pytest.mark.parametrize("cls", ["RMSNorm", "LayerNorm"])
+def test_norm_modules_refuse_an_x_of_another_width(cls, elementwise_affine):
+    """torch's modules refuse an x whose last dim is not normalized_shape; without a weight ours normalised over
+    x's own last dim silently."""
+    module = getattr(portable_ops.nn, cls)(8, elementwise_affine=elementwise_affine)
+    with pytest.raises(ValueError, match=r"last dim is 16 but the module normalises over normalized_shape=\[8\]"):
+        module(torch.randn(2, 16))
+    with pytest.raises(RuntimeError):
+        getattr(torch.nn, cls)(8, elementwise_affine=elementwise_affine)(torch.randn(2, 16))
+    assert module(torch.randn(2, 8)).shape == (2, 8)
