@@ -227,3 +227,33 @@ def test_norm_modules_refuse_an_x_of_another_width(cls, elementwise_affine):
     with pytest.raises(RuntimeError):
         getattr(torch.nn, cls)(8, elementwise_affine=elementwise_affine)(torch.randn(2, 16))
     assert module(torch.randn(2, 8)).shape == (2, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sgd_takes_one_element_tensors_of_shape_1_with_a_0d_param(backend, dtype):
+    """lr, grad_scale, found_inf and clip_coef as ``[1]`` tensors (taken: one element) beside a 0-d param: the
+    definition (the reference's path for half-precision CPU params) broadcast the param's update to ``[1]`` and
+    failed copying it back, after the params before it had been stepped."""
+    device = default_device(backend)
+    g = torch.Generator().manual_seed(0)
+
+    def run(shape):
+        params = [torch.randn(4, generator=g).to(device, dtype), torch.tensor(1.5).to(device, dtype)]
+        grads = [torch.randn(4, generator=g).to(device, dtype), torch.tensor(0.25).to(device, dtype)]
+        one = lambda v: torch.full(shape, v, device=device)  # noqa: E731
+        buffers = [None, None]
+        with forced_strict(backend):
+            for _ in range(2):  # the first step makes the buffers, the second reads them
+                portable_ops.functional.sgd(params, grads, buffers, lr=one(0.1), momentum=0.9, grad_scale=one(2.0),
+                                            found_inf=one(0.0), clip_coef=one(0.5))
+        assert all(b is not None and b.shape == p.shape for b, p in zip(buffers, params))
+        return params + buffers
+
+    g.manual_seed(0)
+    want = run(())
+    g.manual_seed(0)
+    got = run((1,))
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b)

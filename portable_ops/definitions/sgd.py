@@ -19,12 +19,12 @@ def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening
         grad_scale=None, found_inf=None, clip_coef=None):
     for i, param in enumerate(params):
         dtype = opmath(param.dtype)
-        skip = None if found_inf is None else found_inf.to(param.device, torch.bool)
+        skip = None if found_inf is None else _scalar(found_inf, param.device, torch.bool)
         grad = grads[i].to(dtype)
         if grad_scale is not None:
-            grad = grad / grad_scale.to(grad.device, dtype)
+            grad = grad / _scalar(grad_scale, grad.device, dtype)
         if clip_coef is not None:
-            grad = grad * clip_coef.to(grad.device, dtype)
+            grad = grad * _scalar(clip_coef, grad.device, dtype)
         if maximize:
             grad = -grad
         p = param.to(dtype)
@@ -38,8 +38,14 @@ def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening
                 buf = momentum * momentum_buffers[i].to(dtype) + (1 - dampening) * grad
             updates.append((momentum_buffers[i], buf))
             grad = grad + momentum * buf if nesterov else buf
-        lr_t = lr.to(p.device, dtype) if isinstance(lr, torch.Tensor) else lr
+        lr_t = _scalar(lr, p.device, dtype) if isinstance(lr, torch.Tensor) else lr
         updates.append((param, p - lr_t * grad))
         for dst, new in updates:
             new = new.to(dst.device, dst.dtype)
             dst.copy_(new if skip is None else torch.where(skip, dst, new))
+
+
+def _scalar(t, device, dtype):
+    """A one-element tensor (lr, grad_scale, found_inf, clip_coef: ``[1]`` as well as 0-d) as a 0-d one, so it
+    broadcasts to a 0-d param's shape, not ``[1]``."""
+    return t.to(device, dtype).reshape(())
