@@ -257,3 +257,25 @@ def test_sgd_takes_one_element_tensors_of_shape_1_with_a_0d_param(backend, dtype
     for a, b in zip(got, want):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b)
+
+
+def test_register_again_after_this_module_was_reloaded(monkeypatch):
+    """importlib.reload (a notebook's autoreload) of the integration makes new functions, and leaves transformers
+    holding the old ones under the registered name: register() refused that name as "already registered" to
+    portable_ops' own function, so the mask path could not be set up again."""
+    pytest.importorskip("transformers", minversion="5.0")
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    from portable_ops.integrations import transformers as integration
+
+    name = "portable_ops_hostile_reload"
+    for interface, ours in ((AttentionInterface, integration.attention_forward),
+                            (AttentionMaskInterface, integration.build_mask)):
+        old = types.FunctionType(ours.__code__, ours.__globals__, ours.__name__, ours.__defaults__, ours.__closure__)
+        old.__qualname__, old.__module__ = ours.__qualname__, ours.__module__
+        monkeypatch.setitem(interface._global_mapping, name, old)  # removed again when the test ends
+    assert integration.register(name) == name
+    assert AttentionMaskInterface._global_mapping[name] is integration.build_mask
+    monkeypatch.setitem(AttentionInterface._global_mapping, name, lambda *a, **k: None)  # someone else's
+    with pytest.raises(ValueError, match="already registered"):
+        integration.register(name)

@@ -71,13 +71,20 @@ def register(name: str = "portable_ops") -> str:
                          "choose another, such as 'portable_ops'")
     for interface, ours in ((AttentionInterface, attention_forward), (AttentionMaskInterface, build_mask)):
         registered = interface._global_mapping.get(name)
-        if registered is not None and registered is not ours:
+        if registered is not None and not _same_function(registered, ours):
             raise ValueError(f"name {name!r} is already registered with transformers' {interface.__name__} "
                              f"to {registered.__module__}.{registered.__qualname__}; choose another")
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, build_mask)
     _masking_utils = masking_utils
     return name
+
+
+def _same_function(registered, ours) -> bool:
+    """``registered`` is ``ours``, or ours from an earlier load of this module (``importlib.reload``, a notebook's
+    autoreload), which register() replaces rather than refusing its name as another's."""
+    return registered is ours or (getattr(registered, "__module__", None) == ours.__module__
+                                  and getattr(registered, "__qualname__", None) == ours.__qualname__)
 
 
 # transformers.masking_utils, once register() has run: imported inside a compiled call, it broke the graph on CUDA
