@@ -279,3 +279,28 @@ def test_register_again_after_this_module_was_reloaded(monkeypatch):
     monkeypatch.setitem(AttentionInterface._global_mapping, name, lambda *a, **k: None)  # someone else's
     with pytest.raises(ValueError, match="already registered"):
         integration.register(name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_adam_takes_one_element_tensors_of_shape_1_with_a_0d_param(backend):
+    """As for SGD: lr, grad_scale and clip_coef of shape [1] beside a 0-d param. The reference runs the
+    definition for bfloat16 params with float32 state, which failed writing the 0-d param's [1] update back."""
+    device = default_device(backend)
+
+    def run(shape):
+        g = torch.Generator().manual_seed(0)
+        params = [torch.randn(4, generator=g).to(device, torch.bfloat16), torch.tensor(1.5).to(device, torch.bfloat16)]
+        grads = [torch.randn(4, generator=g).to(device, torch.bfloat16), torch.tensor(0.25).to(device, torch.bfloat16)]
+        moments = [[torch.zeros(p.shape, device=device) for p in params] for _ in range(2)]
+        steps = [torch.zeros((), device=device) for _ in params]
+        one = lambda v: torch.full(shape, v, device=device)  # noqa: E731
+        with forced_strict(backend):
+            portable_ops.functional.adam(params, grads, *moments, [], steps, lr=one(0.1), grad_scale=one(2.0),
+                                         found_inf=torch.zeros((), device=device),  # triton's takes 0-d only
+                                         clip_coef=one(0.5), state_dtype=torch.float32,
+                                         decoupled_weight_decay=True, weight_decay=0.1)
+        return params + moments[0] + moments[1]
+
+    for got, want in zip(run((1,)), run(())):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want)

@@ -52,6 +52,9 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     options = dict(amsgrad=amsgrad, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps,
                    maximize=maximize, decoupled_weight_decay=decoupled_weight_decay)
     if not (params and _kernels_take(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad)):
+        # one-element tensors as 0-d ones: a [1] lr or grad_scale (GradScaler's are [1]) would broadcast a 0-d
+        # param's update to [1], which can't be written back (after the params before it were)
+        grad_scale, found_inf, clip_coef, options["lr"] = map(_as_0d, (grad_scale, found_inf, clip_coef, lr))
         definition(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, grad_scale=grad_scale,
                    found_inf=found_inf, clip_coef=clip_coef, **options)
         return
@@ -74,3 +77,7 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     torch.autograd.graph.increment_version([*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs])
     if copies is not None:
         keep(copies)
+
+
+def _as_0d(t):
+    return t.reshape(()) if isinstance(t, torch.Tensor) and t.dim() else t
