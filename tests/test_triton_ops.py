@@ -138,10 +138,13 @@ class _Launches:
 @pytest.mark.parametrize("state_dtype", [None, torch.float32])
 def test_adam_one_launch_per_param_and_state_dtype(state_dtype, monkeypatch):
     triton_adam = importlib.import_module("portable_ops.backends.triton.adam")
+    launch_module = importlib.import_module("portable_ops.backends.triton.launch")
+    mt = importlib.import_module("portable_ops.backends.triton.multi_tensor")
     launches = _Launches(triton_adam._adam_kernel)
     monkeypatch.setattr(triton_adam, "_adam_kernel", launches)
+    monkeypatch.setattr(triton_adam, "_plans", mt.PlanCache())  # plans hold their launches: none made before the spy
     in_env = []  # every launch (each may compile) under the environment the backend loaded with (launch.py)
-    monkeypatch.setattr(triton_adam, "in_compile_env", lambda call, *a, **k: in_env.append(1) or call(*a, **k))
+    monkeypatch.setattr(launch_module, "in_compile_env", lambda call, *a, **k: in_env.append(1) or call(*a, **k))
     sizes = [1, 33, 1500, 4097, 600] * 3
     g = _gen(4)
     dtypes = [torch.float32, torch.bfloat16, torch.float16]
