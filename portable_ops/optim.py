@@ -357,9 +357,9 @@ class SGD(_FusedOptimizer):
     def _buffers_unchanged(self, by_device) -> bool:
         """Whether each cached param's ``state[p]["momentum_buffer"]`` is still the buffer its lists hold: one
         assigned or deleted since (momentum reset by hand, as torch's SGD honours) rebuilds the lists. C-level
-        passes: the state dicts themselves were found unchanged by :meth:`_cached_lists`."""
+        passes over the state dicts as committed, which :meth:`_cached_lists` found to be the params' still."""
         for lists in by_device.values():
-            buffers = map(dict.get, map(self.state.__getitem__, lists["keys"]), repeat("momentum_buffer"))
+            buffers = map(dict.get, lists["states"], repeat("momentum_buffer"))
             if lists["sharded"]:
                 buffers = map(local, buffers)
             if not all(map(operator.is_, buffers, lists["buffers"])):
@@ -368,7 +368,8 @@ class SGD(_FusedOptimizer):
 
     def _refresh_lists(self, lists):
         if lists["buffers"]:
-            lists["buffers"] = [local(self.state[p]["momentum_buffer"]) for p in lists["keys"]]
+            lists["states"] = [self.state[p] for p in lists["keys"]]
+            lists["buffers"] = [local(state["momentum_buffer"]) for state in lists["states"]]
 
     def _calls(self, grad_scale, found_inf):
         """(params, checked functional call) for every (group, device)."""
