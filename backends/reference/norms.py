@@ -50,11 +50,12 @@ def rms_norm_bwd(x, weight, rstd, dout, dh):
 
 
 def _aten_takes(x, weight, bias) -> bool:
-    """Whether ``native_layer_norm`` takes these dtypes: weight and bias in x's, or (the CPU's mixed-dtype kernel)
-    both float32 with half-precision x. Any other mix (a bfloat16 weight with float32 x, a weight and bias of two
-    dtypes), which this op takes, aten refuses."""
+    """Whether ``native_layer_norm`` takes these dtypes: weight and bias in x's, or both float32 with half-precision
+    x (the CPU's mixed-dtype kernel; other devices' kernels are given it as before, unverified here). Any other mix
+    (a bfloat16 weight with float32 x, a weight and bias of two dtypes), which this op takes, aten's CPU kernel
+    refuses."""
     dtypes = {t.dtype for t in (weight, bias) if t is not None}
-    return dtypes <= {x.dtype} or (x.device.type == "cpu" and x.dtype in _HALF and dtypes == {torch.float32})
+    return dtypes <= {x.dtype} or (x.dtype in _HALF and dtypes == {torch.float32})
 
 
 def layer_norm_fwd(x, residual, weight, bias, eps):
