@@ -304,3 +304,22 @@ def test_adam_takes_one_element_tensors_of_shape_1_with_a_0d_param(backend):
     for got, want in zip(run((1,)), run(())):
         assert got.shape == want.shape
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sgd_refuses_a_param_swapped_for_an_expanded_view_after_caching(backend, recwarn):
+    """Model surgery after the optimizer cached its lists: ``p.data = <expanded view>`` of the same shape. The step
+    (the reference's definition, where the others decline such a param) failed on it after stepping the params
+    before it; it is now refused first, every tensor as it was."""
+    device = default_device(backend)
+    a = torch.nn.Parameter(torch.randn(4, device=device))
+    e = torch.nn.Parameter(torch.randn(3, 4, device=device))
+    opt = portable_ops.optim.SGD([a, e], lr=0.1, momentum=0.9)
+    a.grad, e.grad = torch.randn(4, device=device), torch.randn(3, 4, device=device)
+    with portable_ops.use_backend(backend):
+        opt.step()
+        e.data = torch.randn(1, 4, device=device).expand(3, 4)
+        before = [a.detach().clone(), opt.state[a]["momentum_buffer"].clone()]
+        with pytest.raises(ValueError, match=r"params\[1\] has elements that share memory"):
+            opt.step()  # triton and nki decline it (not contiguous): the reference refuses it
+    assert torch.equal(a.detach(), before[0]) and torch.equal(opt.state[a]["momentum_buffer"], before[1])

@@ -23,6 +23,7 @@ from torch.optim.sgd import sgd as torch_sgd
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from portable_ops.definitions.sgd import sgd as definition
+from portable_ops.sgd_checks import check_no_internal_overlap
 
 from .grad_copies import copies_of, keep
 
@@ -63,6 +64,10 @@ def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening
     foreach = (take and not fused and not half and grad_scale is None and found_inf is None
                and not isinstance(lr, torch.Tensor))
     if not (fused or foreach):
+        # the definition writes tensor after tensor: one whose elements share memory (a param's .data swapped for
+        # an expanded view since the optimizer checked it) would fail after those before it were written
+        check_no_internal_overlap("params", params)
+        check_no_internal_overlap("momentum_buffers", momentum_buffers)
         definition(params, grads, momentum_buffers, first_steps, grad_scale=grad_scale, found_inf=found_inf,
                    clip_coef=clip_coef, **options)
         return
