@@ -33,6 +33,10 @@ def adam_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
         checks.check_distinct("state_steps", state_steps)
     dtypes = checks.check_tensor_lists(lists, like="params", state=("exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
                                        state_dtype=state_dtype, like_layouts=checked_layouts)
+    if checked_layouts is None:  # the tensors the step writes: none with elements sharing memory (expanded)
+        for arg, tensors in lists.items():
+            if arg != "grads":
+                sgd_checks.check_no_internal_overlap(arg, tensors)
     device = params[0].device if params else None
     for arg, t in (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef)):
         checks.check_scalar_tensor(arg, t, device)

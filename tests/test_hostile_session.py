@@ -323,3 +323,27 @@ def test_sgd_refuses_a_param_swapped_for_an_expanded_view_after_caching(backend,
         with pytest.raises(ValueError, match=r"params\[1\] has elements that share memory"):
             opt.step()  # triton and nki decline it (not contiguous): the reference refuses it
     assert torch.equal(a.detach(), before[0]) and torch.equal(opt.state[a]["momentum_buffer"], before[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_adam_refuses_an_expanded_param_before_writing_any(backend, recwarn):
+    """As for SGD: an expanded param failed inside Adam's step (the reference's definition, where triton and nki
+    decline it) after the params before it were stepped and their state made; refused first now, both when the
+    optimizer first sees it and when a param's .data is swapped for one after the lists were cached."""
+    device = default_device(backend)
+    a = torch.nn.Parameter(torch.randn(4, device=device))
+    e = torch.nn.Parameter(torch.randn(1, 4, device=device).expand(3, 4))
+    a.grad, e.grad = torch.randn(4, device=device), torch.randn(3, 4, device=device)
+    opt = portable_ops.optim.AdamW([a, e], lr=0.1)
+    before = a.detach().clone()
+    with portable_ops.use_backend(backend):
+        with pytest.raises(ValueError, match=r'param_groups\[0\]\["params"\]\[1\] has elements that share memory'):
+            opt.step()
+        assert torch.equal(a.detach(), before) and not opt.state
+        e.data = torch.randn(3, 4, device=device)
+        opt.step()
+        e.data = torch.randn(1, 4, device=device).expand(3, 4)
+        before = [a.detach().clone(), *(t.clone() for t in opt.state[a].values())]
+        with pytest.raises(ValueError, match=r"params\[1\] has elements that share memory"):
+            opt.step()
+    assert all(torch.equal(x, y) for x, y in zip(before, [a.detach(), *opt.state[a].values()]))

@@ -18,6 +18,7 @@ import torch
 from torch.optim.adam import adam as torch_adam
 
 from portable_ops.definitions.adam import adam as definition
+from portable_ops.sgd_checks import check_no_internal_overlap
 
 from .grad_copies import copies_of, keep
 
@@ -55,6 +56,11 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
         # one-element tensors as 0-d ones: a [1] lr or grad_scale (GradScaler's are [1]) would broadcast a 0-d
         # param's update to [1], which can't be written back (after the params before it were)
         grad_scale, found_inf, clip_coef, options["lr"] = map(_as_0d, (grad_scale, found_inf, clip_coef, lr))
+        # the definition writes tensor after tensor: one whose elements share memory (a param's .data swapped for
+        # an expanded view since the optimizer checked it; the kernel takes contiguous tensors only) is refused first
+        for arg, tensors in (("params", params), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
+                             ("max_exp_avg_sqs", max_exp_avg_sqs if amsgrad else [])):
+            check_no_internal_overlap(arg, tensors)
         definition(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, grad_scale=grad_scale,
                    found_inf=found_inf, clip_coef=clip_coef, **options)
         return
