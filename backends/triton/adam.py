@@ -20,8 +20,8 @@ import triton.language as tl
 
 from . import multi_tensor as mt
 from .launch import Launch
-from .multi_tensor import (PlanCache, address, block_offsets, by_dtype, dtype_of, load_f32, not_contiguous, store_as,
-                           tables, this_chunk)
+from .multi_tensor import (PlanCache, address, block_offsets, by_dtype, dtype_of, load_f32, not_contiguous,
+                           step_inputs, store_as, tables, this_chunk)
 
 _plans = PlanCache()
 # By (param, state) element sizes in bytes: blocks of 2048 give each thread 16-byte accesses; chunks, the sweep's best.
@@ -81,22 +81,11 @@ def _adam_kernel(addresses, chunk_tensor, chunk_start, numels, step_addresses,
         max_exp_avg_sq = address(addresses, 4, n_tensors, t, STATE_DTYPE, ALIGNED)
 
     step = tl.load(address(step_addresses, 0, 0, t, tl.float32, False))  # already incremented
-    if LR_IS_TENSOR:
-        lr = tl.load(lr_ptr).to(tl.float32)
-    else:
-        lr = lr_value
+    lr, grad_factor, keep = step_inputs(lr_ptr, lr_value, grad_scale_ptr, found_inf_ptr, clip_coef_ptr, BLOCK,
+                                        LR_IS_TENSOR, HAS_GRAD_SCALE, HAS_FOUND_INF, HAS_CLIP)
     bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)
     bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
     step_size = lr / bias_correction1
-    grad_factor = 1.0
-    if HAS_GRAD_SCALE:
-        grad_factor = grad_factor / tl.load(grad_scale_ptr).to(tl.float32)
-    if HAS_CLIP:
-        grad_factor = grad_factor * tl.load(clip_coef_ptr).to(tl.float32)
-    # found_inf != 0 skips the step: every store is masked off
-    keep = tl.full([BLOCK], True, tl.int1)
-    if HAS_FOUND_INF:
-        keep = (tl.zeros([BLOCK], dtype=tl.float32) + tl.load(found_inf_ptr)) == 0
 
     for block in tl.range(0, CHUNK, BLOCK):
         offs = block_offsets(start, block, BLOCK, ALIGNED)

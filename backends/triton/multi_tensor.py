@@ -144,6 +144,27 @@ def load_f32(pointer, offs, mask, FULL: tl.constexpr):
 
 
 @triton.jit
+def step_inputs(lr_ptr, lr_value, grad_scale_ptr, found_inf_ptr, clip_coef_ptr, BLOCK: tl.constexpr,
+                LR_IS_TENSOR: tl.constexpr, HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+                HAS_CLIP: tl.constexpr):
+    """An optimizer step's values read from the device: (lr, the grads' factor (unscale, clip), the stores'
+    keep mask: all False where found_inf != 0, which skips the step)."""
+    if LR_IS_TENSOR:
+        lr = tl.load(lr_ptr).to(tl.float32)
+    else:
+        lr = lr_value
+    grad_factor = 1.0
+    if HAS_GRAD_SCALE:
+        grad_factor = grad_factor / tl.load(grad_scale_ptr).to(tl.float32)
+    if HAS_CLIP:
+        grad_factor = grad_factor * tl.load(clip_coef_ptr).to(tl.float32)
+    keep = tl.full([BLOCK], True, tl.int1)
+    if HAS_FOUND_INF:
+        keep = (tl.zeros([BLOCK], dtype=tl.float32) + tl.load(found_inf_ptr)) == 0
+    return lr, grad_factor, keep
+
+
+@triton.jit
 def store_as(pointer, offs, value, mask, MASKED: tl.constexpr):
     """Store ``value`` converted to the pointer's type, rounded to nearest even (interpreter included)."""
     if MASKED:

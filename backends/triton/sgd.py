@@ -17,7 +17,7 @@ import triton.language as tl
 
 from . import multi_tensor as mt
 from .launch import in_compile_env
-from .multi_tensor import PlanCache, address, block_offsets, load_f32, not_contiguous, store_as, this_chunk
+from .multi_tensor import PlanCache, address, block_offsets, load_f32, not_contiguous, step_inputs, store_as, this_chunk
 
 _plans = PlanCache()
 # By element size in bytes: Adam's launch shapes for the same sizes (not swept for SGD).
@@ -64,19 +64,8 @@ def _sgd_kernel(addresses, chunk_tensor, chunk_start, numels, n_tensors, lr_ptr,
     buf = param
     if MOMENTUM:
         buf = address(addresses, 2, n_tensors, t, DTYPE, ALIGNED)
-    if LR_IS_TENSOR:
-        lr = tl.load(lr_ptr).to(tl.float32)
-    else:
-        lr = lr_value
-    grad_factor = 1.0
-    if HAS_GRAD_SCALE:
-        grad_factor = grad_factor / tl.load(grad_scale_ptr).to(tl.float32)
-    if HAS_CLIP:
-        grad_factor = grad_factor * tl.load(clip_coef_ptr).to(tl.float32)
-    # found_inf != 0 skips the step: every store is masked off
-    keep = tl.full([BLOCK], True, tl.int1)
-    if HAS_FOUND_INF:
-        keep = (tl.zeros([BLOCK], dtype=tl.float32) + tl.load(found_inf_ptr)) == 0
+    lr, grad_factor, keep = step_inputs(lr_ptr, lr_value, grad_scale_ptr, found_inf_ptr, clip_coef_ptr, BLOCK,
+                                        LR_IS_TENSOR, HAS_GRAD_SCALE, HAS_FOUND_INF, HAS_CLIP)
 
     for block in tl.range(0, CHUNK, BLOCK):
         offs = block_offsets(start, block, BLOCK, ALIGNED)
