@@ -65,8 +65,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         Rebuilding these lists is most of a step's host time (hundreds of tensors), so they are kept while
         the same params have grads, with the shapes, dtypes and devices their state was checked against, and
         their state dicts are the same objects. A param whose ``.data`` was replaced (resized, cast by
-        ``model.half()``, moved) rebuilds them. Replace optimizer state through ``load_state_dict``, which
-        drops the cache.
+        ``model.half()``, moved) rebuilds them, and so does a state tensor assigned by hand (each optimizer
+        checks its own: :meth:`Adam._state_unchanged`, :meth:`SGD._buffers_unchanged`).
         """
         cached = self._lists_cache.get(id(group))
         if (cached is not None and cached[0] == flags and len(cached[1]) == len(with_grad)
@@ -189,7 +189,7 @@ class Adam(_FusedOptimizer):
         with_grad = [p for p in group["params"] if p.grad is not None]
         flags = (group["amsgrad"], group["state_dtype"])
         cached = self._cached_lists(group, flags, with_grad)
-        if cached is not None:
+        if cached is not None and self._state_unchanged(cached, group["amsgrad"]):
             return cached, {}, True
         checks.check_state_dtype(group["state_dtype"])
         by_device: dict[torch.device, dict[str, list]] = {}
@@ -278,7 +278,26 @@ class Adam(_FusedOptimizer):
         return loss
 
     def _refresh_lists(self, lists):
-        lists["steps"] = [self.state[p]["step"] for p in lists["keys"]]
+        lists["states"] = [self.state[p] for p in lists["keys"]]
+        lists["steps"] = [state["step"] for state in lists["states"]]
+
+    def _state_unchanged(self, by_device, amsgrad) -> bool:
+        """Whether each cached param's step and moments are still the tensors its lists hold: one assigned since
+        (a moment reset by hand, which torch's Adam honours) rebuilds the lists. C-level passes over the state
+        dicts as committed, which :meth:`_cached_lists` found to be the params' still."""
+        names = (("exp_avg", "exp_avgs"), ("exp_avg_sq", "exp_avg_sqs")) + ((("max_exp_avg_sq", "max"),) if amsgrad
+                                                                            else ())
+        for lists in by_device.values():
+            states = lists["states"]
+            if not all(map(operator.is_, map(dict.get, states, repeat("step")), lists["steps"])):
+                return False
+            for key, name in names:
+                tensors = map(dict.get, states, repeat(key))
+                if lists["sharded"]:
+                    tensors = map(local, tensors)
+                if not all(map(operator.is_, tensors, lists[name])):
+                    return False
+        return True
 
 
 class AdamW(Adam):

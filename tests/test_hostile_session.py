@@ -94,6 +94,33 @@ def test_sgd_sees_a_momentum_buffer_replaced_by_hand(backend, how):
         torch.testing.assert_close(a["momentum_buffer"], b["momentum_buffer"])
 
 
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq", "step"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_adam_sees_a_state_tensor_replaced_by_hand(backend, key):
+    """Resetting a moment (or the step count) by assigning ``state[p][key]`` after a step: torch's Adam steps
+    from the new tensor. The step's cached lists held the old one and kept stepping it."""
+    device = default_device(backend)
+    ours = [torch.nn.Parameter(p.detach().to(device)) for p in _params(0)]
+    theirs = [torch.nn.Parameter(p.detach().to(device)) for p in _params(0)]
+    kw = dict(lr=0.1, weight_decay=0.01)
+    opt, ref = portable_ops.optim.AdamW(ours, **kw), torch.optim.AdamW(theirs, foreach=False, **kw)
+    with forced_strict(backend):
+        for step in range(4):
+            _grads(ours, step)
+            _grads(theirs, step)
+            opt.step()
+            ref.step()
+            if step == 1:  # the lists are cached by now
+                for o, params in ((opt, ours), (ref, theirs)):
+                    state = o.state[params[1]]
+                    state[key] = torch.zeros_like(state[key])
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(opt.state_dict()["state"].values(), ref.state_dict()["state"].values()):
+        torch.testing.assert_close(a["exp_avg"], b["exp_avg"])
+        torch.testing.assert_close(a["step"].cpu(), b["step"].cpu())
+
+
 # ----------------------------------------------------------------------------- transformers
 
 def test_mask_function_before_register_says_so(monkeypatch):
