@@ -20,7 +20,7 @@ from torch.optim.adam import adam as torch_adam
 from portable_ops.definitions.adam import adam as definition
 from portable_ops.sgd_checks import check_no_internal_overlap
 
-from .grad_copies import copies_of, keep
+from .grad_copies import fused_inputs, keep
 
 KERNEL_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 KERNEL_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
@@ -65,17 +65,7 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
                    found_inf=found_inf, clip_coef=clip_coef, **options)
         return
     device = params[0].device
-    if grad_scale is not None:
-        grad_scale = grad_scale.to(device, torch.float32)
-    if clip_coef is not None:
-        clip_coef = clip_coef.to(device, torch.float32)
-        grad_scale = clip_coef.reciprocal() if grad_scale is None else grad_scale / clip_coef
-    copies = None
-    if grad_scale is not None:
-        copies = copies_of(grads)
-        grads = copies[1]
-    if found_inf is not None:
-        found_inf = found_inf.to(device, torch.float32)
+    grads, grad_scale, found_inf, copies = fused_inputs(grads, grad_scale, found_inf, clip_coef, device)
     max_exp_avg_sqs = max_exp_avg_sqs if amsgrad else []
     torch_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, fused=True, grad_scale=grad_scale,
                found_inf=found_inf, **options)

@@ -25,7 +25,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from portable_ops.definitions.sgd import sgd as definition
 from portable_ops.sgd_checks import check_no_internal_overlap
 
-from .grad_copies import copies_of, keep
+from .grad_copies import copies_of, fused_inputs, keep
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FUSED_DEVICE_TYPES = tuple(_get_fused_kernels_supported_devices())
@@ -81,17 +81,7 @@ def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening
 
 def _fused(params, grads, momentum_buffers, first_steps, grad_scale, found_inf, clip_coef, options):
     device = params[0].device
-    if grad_scale is not None:
-        grad_scale = grad_scale.to(device, torch.float32)
-    if clip_coef is not None:
-        clip_coef = clip_coef.to(device, torch.float32)
-        grad_scale = clip_coef.reciprocal() if grad_scale is None else grad_scale / clip_coef
-    copies = None
-    if grad_scale is not None:
-        copies = copies_of(grads)
-        grads = copies[1]
-    if found_inf is not None:
-        found_inf = found_inf.to(device, torch.float32)
+    grads, grad_scale, found_inf, copies = fused_inputs(grads, grad_scale, found_inf, clip_coef, device)
     lr = options["lr"]
     if isinstance(lr, torch.Tensor):
         lr = lr.to(device, torch.float32)
