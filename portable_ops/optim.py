@@ -94,6 +94,16 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self._lists_cache[key] = (flags, with_grad, states, by_device)
         self._pending_cache = {}
 
+    def _kernels(self, op, calls, max_grad_norm, grad_scale) -> list:
+        """The backend kernel of ``op`` for each ``(params, call)``, chosen before anything is written (strict mode
+        may refuse one), with the global clip's coefficient set in every call when ``max_grad_norm`` is not None."""
+        kernels = [dispatch(op, call, call["params"][0].device) for _, call in calls]
+        if max_grad_norm is not None and calls:
+            coef = self._clip_coefficient([p.grad for keys, _ in calls for p in keys], max_grad_norm, grad_scale)
+            for _, call in calls:
+                call["clip_coef"] = coef.to(call["params"][0].device)
+        return kernels
+
     def _max_grad_norm(self) -> float | None:
         """Every group's ``max_grad_norm``, checked: one value (the clip is one global norm), or None."""
         values = [group["max_grad_norm"] for group in self.param_groups]
@@ -262,11 +272,7 @@ class Adam(_FusedOptimizer):
                 if steps[i].device != call["params"][i].device:
                     steps[i] = steps[i].to(call["params"][i].device, torch.float32)
                     moved_steps.append((p, steps[i]))
-        kernels = [dispatch("adam", call, call["params"][0].device) for _, call, _ in calls]
-        if max_grad_norm is not None and calls:
-            coef = self._clip_coefficient([p.grad for keys, _, _ in calls for p in keys], max_grad_norm, grad_scale)
-            for _, call, _ in calls:
-                call["clip_coef"] = coef.to(call["params"][0].device)
+        kernels = self._kernels("adam", [(keys, call) for keys, call, _ in calls], max_grad_norm, grad_scale)
         self.state.update(new_state)
         for p, step in moved_steps:
             self.state[p]["step"] = step
@@ -422,11 +428,7 @@ class SGD(_FusedOptimizer):
         # optimizer state exactly as they were.
         max_grad_norm = self._max_grad_norm()
         calls = self._calls(grad_scale, found_inf)
-        kernels = [dispatch("sgd", call, call["params"][0].device) for _, call in calls]
-        if max_grad_norm is not None and calls:
-            coef = self._clip_coefficient([p.grad for keys, _ in calls for p in keys], max_grad_norm, grad_scale)
-            for _, call in calls:
-                call["clip_coef"] = coef.to(call["params"][0].device)
+        kernels = self._kernels("sgd", calls, max_grad_norm, grad_scale)
         if any(map(skipped_before_buffers_exist, (call for _, call in calls))):
             self._pending_cache = {}
             return loss
