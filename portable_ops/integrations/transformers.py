@@ -25,6 +25,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 import portable_ops
 
+from .transformers_patch import patch  # noqa: F401  (the norms; attention goes through register())
+
 SUPPORTED = "transformers >= 5.0"
 CHECKED_WITH = "5.17.0"
 

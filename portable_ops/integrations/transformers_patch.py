@@ -1,0 +1,125 @@
+"""A transformers model's own modules run on portable_ops: ``patch(model)``.
+
+``register()`` covers attention, which transformers looks up by name. The norms are modules of each model's own
+class (``LlamaRMSNorm``, ``Gemma2RMSNorm``, ...), so :func:`patch` changes the instances inside one model: each
+norm whose forward it recognises gets a subclass of its own class whose forward runs :func:`portable_ops.rms_norm`
+or :func:`portable_ops.layer_norm`. Parameters, buffers, hooks and the state_dict stay as they were; other models
+in the process are untouched. ``docs/integrations.md`` says what is recognised and how.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import portable_ops
+import portable_ops.nn
+
+# Each formula an RMSNorm class of transformers computes, as (name, float32 output of x given weight and eps):
+# Llama's family scales by the weight, Gemma's by 1 + weight (its weights start at zero).
+_RMS_FORMULAS = {
+    "weight": lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps),
+    "1 + weight": lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), 1 + w, eps),
+}
+# Where transformers' RMSNorm classes keep their epsilon
+_EPS_ATTRIBUTES = ("variance_epsilon", "eps")
+
+
+def _eps(module):
+    for name in _EPS_ATTRIBUTES:
+        value = getattr(module, name, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def _rms_weight_forward(self, hidden_states):
+    out = portable_ops.rms_norm(hidden_states, self.weight, _eps(self))
+    return out.to(torch.promote_types(hidden_states.dtype, self.weight.dtype))  # Llama's weight * x in x's dtype
+
+
+def _rms_offset_weight_forward(self, hidden_states):
+    return portable_ops.rms_norm(hidden_states, 1 + self.weight.float(), _eps(self)).type_as(hidden_states)
+
+
+_RMS_FORWARDS = {"weight": _rms_weight_forward, "1 + weight": _rms_offset_weight_forward}
+
+
+def _rms_formula(module):
+    """The formula of :data:`_RMS_FORMULAS` that ``module``'s own forward computes, or why none is taken: its
+    forward is run once on a few float32 rows of its weight's device and compared with each."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
+        return None, "no 1-D weight parameter"
+    if weight.device.type == "meta":
+        return None, "its weight is on the meta device (patch after the weights are loaded)"
+    eps = _eps(module)
+    if eps is None:
+        return None, f"no float epsilon in {' or '.join(_EPS_ATTRIBUTES)}"
+    x = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device)
+    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+        theirs = type(module).forward(module, x).float()
+        for name, formula in _RMS_FORMULAS.items():
+            if torch.allclose(theirs, formula(x, weight.float(), eps), rtol=1e-3, atol=1e-5):
+                return name, None
+    return None, "its forward computes neither x * rsqrt(mean(x^2) + eps) * weight nor * (1 + weight)"
+
+
+_subclasses: dict[tuple[type, object], type] = {}
+
+
+def _swap_forward(module, forward):
+    """Give ``module`` a subclass of its class with ``forward`` (one subclass per class and forward)."""
+    cls = type(module)
+    key = (cls, forward)
+    if key not in _subclasses:
+        _subclasses[key] = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                                        "__qualname__": cls.__qualname__})
+    module.__class__ = _subclasses[key]
+
+
+# torch's own norm modules -> portable_ops' drop-ins (subclasses with the same attributes)
+_TORCH_NORMS = {torch.nn.RMSNorm: portable_ops.nn.RMSNorm, torch.nn.LayerNorm: portable_ops.nn.LayerNorm}
+
+
+def _patched(module) -> bool:
+    return type(module) in _subclasses.values() or type(module) in _TORCH_NORMS.values()
+
+
+def _kind(module) -> str:
+    return "layer_norm" if isinstance(module, torch.nn.LayerNorm) else "rms_norm"
+
+
+def patch(model: torch.nn.Module, *, norms: bool = True) -> dict:
+    """Run ``model``'s norms on portable_ops, in place, and return what was done: ``{"rms_norm": [module names],
+    "layer_norm": [...], "left": {module name: why}}``. Taken: ``torch.nn.RMSNorm`` and ``torch.nn.LayerNorm``
+    over the last dim (they become :mod:`portable_ops.nn`'s), and modules whose class name ends in ``RMSNorm``
+    whose forward computes transformers' RMSNorm (scaled by ``weight`` or by ``1 + weight``, checked by running
+    it once). Every other norm is left as it is, with the reason. Patching twice changes nothing more. Call it
+    after the weights are loaded and before ``torch.compile``."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(norms, bool):
+        raise TypeError(f"norms must be a bool, got {type(norms).__name__}")
+    done = {"rms_norm": [], "layer_norm": [], "left": {}}
+    if not norms:
+        return done
+    for name, module in model.named_modules():
+        if _patched(module):
+            done[_kind(module)].append(name)
+        elif type(module) in _TORCH_NORMS:
+            if len(module.normalized_shape) != 1:
+                done["left"][name] = f"normalized_shape {tuple(module.normalized_shape)} spans more than the last dim"
+                continue
+            module.__class__ = _TORCH_NORMS[type(module)]
+            done[_kind(module)].append(name)
+        elif isinstance(module, tuple(_TORCH_NORMS)):
+            done["left"][name] = f"{type(module).__qualname__} subclasses torch's norm with its own forward"
+        elif type(module).__name__.endswith("RMSNorm"):
+            formula, why = _rms_formula(module)
+            if formula is None:
+                done["left"][name] = why
+                continue
+            _swap_forward(module, _RMS_FORWARDS[formula])
+            done["rms_norm"].append(name)
+    return done
