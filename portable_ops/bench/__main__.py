@@ -1,4 +1,4 @@
-"""python -m portable_ops.bench train|optimizer|clip|attention|decode|features|hf|attention-host|nki|fallback
+"""python -m portable_ops.bench train|optimizer|clip|attention|decode|features|ops|hf|attention-host|nki|fallback
     [--out DIR]
 
 Times portable_ops against PyTorch's own kernels in the same run, on the GPU, prints a table,
@@ -6,6 +6,7 @@ and writes JSON and a plot into DIR (default docs/perf). ``train`` is the headli
 model trained with each stack, eager and compiled (portable_ops/bench/train.py). ``hf`` trains
 transformers' Llama and Mistral with each of its attention implementations and with portable_ops'
 through the integration (portable_ops/bench/hf.py); ``hf --tiny`` is a CPU smoke run.
+``ops`` times the step's other ops (norms) against torch eager and compiled (portable_ops/bench/ops.py).
 ``attention --head-dims 40,80,96,192`` times those head dims and their next powers of two, with
 each odd one's TFLOP/s as a fraction of its power of two's (``of pow2``). Three need no GPU:
 ``attention-host`` measures the triton backend's host time per call with no-op launches,
@@ -35,6 +36,8 @@ COLUMNS = {
     "decode": ["variant", "B", "cache", "us", "steady us", "graph us", "graph GB/s", "max abs diff", "error"],
     "features": ["feature", "variant", "dir", "shape", "ms", "TFLOP/s", "steady ms", "steady TFLOP/s", "us",
                  "contiguous_us", "of_contiguous", "error"],
+    "ops": ["op", "case", "dtype", "dir", "ours ms", "torch ms", "compiled ms", "vs torch", "vs compiled",
+            "max abs diff"],
     "train": [],  # its own tables: portable_ops.bench.train.report
     "hf": ["model", "mode", "attention", "tokens/s", "tokens/s min", "tokens/s max", "vs best transformers", "ms/step",
            "warm-up s", "graphs", "graph breaks", "graphs compiled while timed", "peak GiB", "final loss",
@@ -188,6 +191,8 @@ def main(argv=None) -> int:
         from .attention import run_decode as run
     elif args.bench == "features":
         from .features import run_features as run
+    elif args.bench == "ops":
+        from .ops import run_ops as run
     else:
         from .attention import run_attention
 
@@ -201,7 +206,7 @@ def main(argv=None) -> int:
     info = device_info()
     path = write(args.bench, rows, info, args.out)
     try:
-        if args.bench != "features":  # mixed units: the table is the figure
+        if args.bench not in ("features", "ops"):  # mixed units: the table is the figure
             plot(args.bench, rows, path.with_suffix(".png"))
     except ImportError:
         print("matplotlib is not installed: no plot", file=sys.stderr)
