@@ -201,13 +201,16 @@ def check_steps(state_steps: Sequence[torch.Tensor], params: Sequence[torch.Tens
         raise TypeError(f"state_steps[{bad}] must be a one-element floating-point tensor (torch's layout)")
 
 
-def check_scalar_tensor(arg: str, t, device: torch.device | None) -> None:
+def check_scalar_tensor(arg: str, t, device: torch.device | None):
+    """``t``, None or a one-element tensor on the params' device type, as a 0-dim view (GradScaler's tensors are
+    ``[]`` or, in older releases, ``[1]``; the kernels take one shape)."""
     if t is None:
-        return
+        return None
     if not isinstance(t, torch.Tensor) or t.numel() != 1:
         raise TypeError(f"{arg} must be None or a one-element tensor")
     if device is not None and t.device.type != device.type:
         raise ValueError(f"{arg} is on {t.device} but the params are on {device}")
+    return t.reshape(())
 
 
 def check_distinct(arg: str, tensors) -> None:

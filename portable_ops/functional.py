@@ -38,10 +38,10 @@ def adam_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
             if arg != "grads":
                 sgd_checks.check_no_internal_overlap(arg, tensors)
     device = params[0].device if params else None
-    for arg, t in (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef)):
-        checks.check_scalar_tensor(arg, t, device)
+    scalars = (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef))
+    grad_scale, found_inf, clip_coef = (checks.check_scalar_tensor(arg, t, device) for arg, t in scalars)
     if isinstance(lr, torch.Tensor):
-        checks.check_scalar_tensor("lr", lr, device)
+        lr = checks.check_scalar_tensor("lr", lr, device)
     max_exp_avg_sqs = max_exp_avg_sqs if amsgrad else []
     tensors = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs]
     if any(dtype.is_complex for dtype in dtypes):  # checked above: each tensor is complex where its param is
@@ -107,10 +107,10 @@ def sgd_call(params, grads, momentum_buffer_list, *, lr=1e-3, momentum=0.0, damp
     if with_momentum:
         new = sgd_checks.check_momentum_buffers(momentum_buffer_list, params, checked=checked_layouts is not None)
     device = params[0].device if params else None
-    for arg, t in (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef)):
-        checks.check_scalar_tensor(arg, t, device)
+    scalars = (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef))
+    grad_scale, found_inf, clip_coef = (checks.check_scalar_tensor(arg, t, device) for arg, t in scalars)
     if isinstance(lr, torch.Tensor):
-        checks.check_scalar_tensor("lr", lr, device)
+        lr = checks.check_scalar_tensor("lr", lr, device)
     buffers, first_steps = [], ()
     if with_momentum:
         buffers = list(momentum_buffer_list)

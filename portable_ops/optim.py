@@ -273,14 +273,33 @@ class Adam(_FusedOptimizer):
                     steps[i] = steps[i].to(call["params"][i].device, torch.float32)
                     moved_steps.append((p, steps[i]))
         kernels = self._kernels("adam", [(keys, call) for keys, call, _ in calls], max_grad_norm, grad_scale)
+        previous = {p: (self.state.get(p), self.state[p]["step"] if p in self.state else None)
+                    for p in (*new_state, *(p for p, _ in moved_steps))}
         self.state.update(new_state)
         for p, step in moved_steps:
             self.state[p]["step"] = step
         if moved_steps:
             self._lists_cache.clear()  # their step lists hold the old tensors; rebuilt at the next step
         self._commit_lists()
-        for kernel, (_, call, _) in zip(kernels, calls):
-            kernel.run(**call)
+        ran = 0
+        try:
+            for kernel, (_, call, _) in zip(kernels, calls):
+                kernel.run(**call)
+                ran += 1
+        except BaseException:
+            # a launch that failed (out of memory, say) and those after it wrote nothing: their params' state goes
+            # back to what it was, so the state matches the params (torch keeps no entry for a param never stepped)
+            for keys, _, _ in calls[ran:]:
+                for p in keys:
+                    if p in previous:
+                        state, step = previous[p]
+                        if state is None:
+                            del self.state[p]
+                        else:
+                            self.state[p] = state
+                            state["step"] = step
+            self._lists_cache.clear()
+            raise
         return loss
 
     def _refresh_lists(self, lists):

@@ -374,3 +374,20 @@ def test_adam_refuses_an_expanded_param_before_writing_any(backend, recwarn):
         with pytest.raises(ValueError, match=r"params\[1\] has elements that share memory"):
             opt.step()
     assert all(torch.equal(x, y) for x, y in zip(before, [a.detach(), *opt.state[a].values()]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grad_scale_and_found_inf_of_shape_one_are_taken(backend):
+    """Older GradScalers hand ``[1]`` tensors; the triton and reference kernels took only ``[]`` and raised a raw
+    shape error mid-call."""
+    device = default_device(backend)
+    results = []
+    for shape in ((), (1,)):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 6, device=device))
+        p.grad = torch.linspace(2, -2, 6, device=device)
+        opt = portable_ops.optim.AdamW([p], lr=0.1)
+        opt.grad_scale, opt.found_inf = torch.full(shape, 4.0, device=device), torch.zeros(shape, device=device)
+        with forced_strict(backend):
+            opt.step()
+        results.append(p.detach().clone())
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)

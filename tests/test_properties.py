@@ -108,7 +108,8 @@ def test_any_valid_input(backend, op):
 
 def test_a_failing_group_leaves_no_group_half_updated(monkeypatch):
     """Checks run before any write; a kernel that fails mid-step (out of memory, say) leaves each
-    group either fully stepped or untouched, never partly."""
+    group either fully stepped or untouched, never partly, and the untouched groups without the state
+    the step made for them."""
     from portable_ops import dispatch
 
     backend = dispatch.get_backend("reference")
@@ -132,7 +133,11 @@ def test_a_failing_group_leaves_no_group_half_updated(monkeypatch):
         opt.step()
     stepped = [not torch.equal(p, b) for p, b in zip(first + second, before)]
     assert stepped == [True, True, True, False, False]
-    assert [float(opt.state[p]["step"]) for p in first + second] == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert [float(opt.state[p]["step"]) for p in first] == [1.0, 1.0, 1.0]
+    assert not any(p in opt.state for p in second)  # as torch keeps no state for a param never stepped
+    monkeypatch.setitem(backend.ops, "adam", dispatch.OpImpl(run=real))
+    opt.step()  # the failed group's first step, from fresh state
+    assert [float(opt.state[p]["step"]) for p in first + second] == [2.0, 2.0, 2.0, 1.0, 1.0]
 
 
 def test_a_failing_sgd_group_leaves_no_buffer_uninitialised(monkeypatch):
