@@ -1,8 +1,8 @@
 """The cases of the ``linear_cross_entropy`` family: each reduction, label smoothing, Gemma's softcap (30, and a
 small cap that saturates), a bias, ignored tokens (and every token ignored, and an ``ignore_index`` that is a class),
-a transposed (non-contiguous) hidden, a vocab wider than the kernels' blocks (triton 4096, nki 2048 columns), one
-class, no tokens, three dtypes. ``budget`` caps a chunk's logits (``lm_head.chunk_budget``) so that the tokens span
-several chunks at these sizes."""
+a transposed (non-contiguous) hidden, a vocab wider than the kernels' blocks (4096 columns), a chunk of more tokens
+than nki's 128 partitions, one class, no tokens, three dtypes. ``budget`` caps a chunk's logits
+(``lm_head.chunk_budget``) so that the tokens span several chunks at these sizes."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ _VARIANTS = {  # name: (params, dtypes)
     "lce_transposed_hidden": (dict(shape=(4, 3), transposed=True, label_smoothing=0.1), (F32, BF16)),
     "lce_wide_vocab": (dict(shape=(3,), H=16, V=5003, softcap=30.0, logit_scale=10.0, ignored=0, budget=10 ** 6),
                        (F32, BF16)),
+    "lce_many_tokens": (dict(shape=(2, 70), H=8, V=20, budget=10 ** 6), (F32,)),  # 140 rows: two nki row tiles
     "lce_one_class": (dict(shape=(5,), H=8, V=1, ignored=1, label_smoothing=0.2), (F32,)),
     "lce_no_tokens": (dict(shape=(0,), ignored=0), (F32,)),
 }
