@@ -224,10 +224,11 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                     row.update(run(norms._norm_bwd_kernel, types_, consts, warps, 1, False))
             elif kind == "cross_entropy_rows":  # every option on, a row of unit column stride
                 types_ = {"LOGITS": f"*{spec['dtype']}", "TARGET": "*i64", "SCALE": "*fp32", "LOSS": "*fp32",
-                          "stride_row": "i64", "stride_scale": "i32", "V": "i32", "ignore_index": "i32",
+                          "C": "i32", "stride_row": "i64", "stride_scale": "i32", "V": "i32", "ignore_index": "i32",
                           "smoothing": "fp32", "softcap": "fp32", "inv_softcap": "fp32"}
                 consts = dict(SOFTCAP=True, SMOOTHING=True, GRAD=True, DTYPE=dtypes[spec["dtype"]],
-                              BLOCK_V=cross_entropy.MAX_BLOCK_V, stride_col=1, stride_target=1)
+                              BLOCK_R=spec["rows"], BLOCK_V=cross_entropy.TILE // spec["rows"], stride_col=1,
+                              stride_target=1)
                 row.update(run(cross_entropy._rows_kernel, types_, consts, 8, 1, False))
             elif kind == "column_sum":
                 row.update(run(norms._column_sum_kernel, {"PART": "*fp32", "OUT": "*fp32", "P": "i32", "D": "i32"},
@@ -417,9 +418,10 @@ else:
             assert r["atomics"] == 0 and r["shared"] <= SHARED_LIMIT, r
 
     def test_linear_cross_entropy_rows_kernel_compiles_for_sm90_without_spills_or_atomics():
-        """Every option on (softcap, label smoothing, the gradient written over the logits), a row of unit column
-        stride read in the widest block, bf16 and fp32 logits."""
-        rows = _run([{"kernel": "cross_entropy_rows", "dtype": dtype} for dtype in ("bf16", "fp32")])
+        """Every option on (softcap, label smoothing, the gradient written over the logits), rows of unit column
+        stride: one row a program in the widest block (bf16, fp32), and 64 rows of 64 columns (bf16)."""
+        rows = _run([{"kernel": "cross_entropy_rows", "dtype": dtype, "rows": rows}
+                     for dtype, rows in (("bf16", 1), ("fp32", 1), ("bf16", 64))])
         errors = [r for r in rows if "error" in r]
         assert not errors, errors
         for r in rows:

@@ -1,8 +1,9 @@
 """Linear cross-entropy's rows step: the chunks and their matmuls are torch's (cuBLAS on the GPU;
-``portable_ops/lm_head.py``), and one kernel takes each row of a chunk's logits in place.
+``portable_ops/lm_head.py``), and one kernel takes the rows of a chunk's logits in place.
 
-One program per row, the row read in blocks of ``BLOCK_V`` columns through its strides (the row's offset in 64
-bits): a first pass keeps the capped logits' running max and sum of exponentials (and their sum, for label
+A program takes ``BLOCK_R`` rows, read through their strides in blocks of ``BLOCK_V`` columns (``BLOCK_R * BLOCK_V
+= TILE``: one row a program from 4096 columns up, several for a narrower vocab; row offsets in 64 bits). A first
+pass keeps each row's running max and sum of exponentials of the capped logits (and their sum, for label
 smoothing), giving the row's logsumexp and its loss, stored in float32; with gradients, a second pass overwrites
 each logit with ``(softmax - (1 - eps) * onehot - eps / V) * slope * scale``: the softcap's slope ``1 - tanh^2``,
 the token's scale (its share of a mean, or its loss gradient). An ignored token's loss and row are zeros.
@@ -23,7 +24,7 @@ from .attention_tiles import tanh
 from .interpreter import to_dtype
 from .launch import in_compile_env
 
-MAX_BLOCK_V = 4096  # columns a program holds per step: wider vocabularies loop
+TILE = 4096  # logits a program holds per step: BLOCK_R rows of BLOCK_V columns
 
 
 @triton.jit
@@ -41,60 +42,58 @@ def _capped(x, softcap, inv_softcap, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def _rows_kernel(LOGITS, TARGET, SCALE, LOSS, stride_row, stride_col, stride_target, stride_scale, V, ignore_index,
-                 smoothing, softcap, inv_softcap, SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, GRAD: tl.constexpr,
-                 DTYPE: tl.constexpr, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    logits = LOGITS + row * stride_row
-    target = tl.load(TARGET + row * stride_target)
-    cols = tl.arange(0, BLOCK_V)
-    if target == ignore_index:
-        tl.store(LOSS + row, 0.0)
-        if GRAD:
-            for start in range(0, V, BLOCK_V):
-                tl.store(logits + (start + cols) * stride_col, tl.zeros([BLOCK_V], DTYPE), mask=start + cols < V)
-        return
-    top = float("-inf")
-    total = 0.0
-    capped_sum = 0.0
+def _rows_kernel(LOGITS, TARGET, SCALE, LOSS, C, stride_row, stride_col, stride_target, stride_scale, V,
+                 ignore_index, smoothing, softcap, inv_softcap, SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr,
+                 GRAD: tl.constexpr, DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_chunk = rows < C
+    target = tl.load(TARGET + rows * stride_target, mask=in_chunk, other=ignore_index)
+    valid = in_chunk & (target != ignore_index)
+    logits = LOGITS + rows[:, None] * stride_row
+    cols = tl.arange(0, BLOCK_V)[None, :]
+    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    capped_sum = tl.zeros([BLOCK_R], tl.float32)
     for start in range(0, V, BLOCK_V):
-        mask = start + cols < V
+        mask = in_chunk[:, None] & (start + cols < V)
         x = tl.load(logits + (start + cols) * stride_col, mask=mask, other=0.0).to(tl.float32)
         z, _ = _capped(x, softcap, inv_softcap, SOFTCAP)
-        z = tl.where(mask, z, float("-inf"))
-        new_top = tl.maximum(top, tl.max(z, 0))
-        total = total * tl.exp(top - new_top) + tl.sum(tl.exp(z - new_top), 0)
+        z = tl.where(start + cols < V, z, float("-inf"))  # a row past the chunk's stays finite: no -inf - -inf
+        new_top = tl.maximum(top, tl.max(z, 1))
+        total = total * tl.exp(top - new_top) + tl.sum(tl.exp(z - new_top[:, None]), 1)
         top = new_top
         if SMOOTHING:
-            capped_sum += tl.sum(tl.where(mask, z, 0.0), 0)
+            capped_sum += tl.sum(tl.where(mask, z, 0.0), 1)
     lse = top + tl.log(total)
-    picked, _ = _capped(tl.load(logits + target * stride_col).to(tl.float32), softcap, inv_softcap, SOFTCAP)
+    at_target = tl.load(LOGITS + rows * stride_row + target * stride_col, mask=valid, other=0.0).to(tl.float32)
+    picked, _ = _capped(at_target, softcap, inv_softcap, SOFTCAP)
     loss = lse - picked
     if SMOOTHING:
         loss = (1.0 - smoothing) * loss + smoothing * (lse - capped_sum / V)
-    tl.store(LOSS + row, loss)
+    tl.store(LOSS + rows, tl.where(valid, loss, 0.0), mask=in_chunk)
     if GRAD:
-        scale = tl.load(SCALE + row * stride_scale)
+        scale = tl.where(valid, tl.load(SCALE + rows * stride_scale, mask=in_chunk, other=0.0), 0.0)[:, None]
         for start in range(0, V, BLOCK_V):
-            mask = start + cols < V
+            mask = in_chunk[:, None] & (start + cols < V)
             x = tl.load(logits + (start + cols) * stride_col, mask=mask, other=0.0).to(tl.float32)
             z, slope = _capped(x, softcap, inv_softcap, SOFTCAP)
-            grad = tl.exp(z - lse)
+            grad = tl.exp(z - lse[:, None])
             if SMOOTHING:
                 grad -= smoothing / V
-            grad = tl.where(start + cols == target, grad - (1.0 - smoothing), grad)
+            grad = tl.where(start + cols == target[:, None], grad - (1.0 - smoothing), grad)
             tl.store(logits + (start + cols) * stride_col, to_dtype(grad * slope * scale, DTYPE), mask=mask)
 
 
 def _rows(logits, target, row_scale, ignore_index, label_smoothing, softcap, grad):
     c, v = logits.shape
     loss = torch.empty(c, dtype=torch.float32, device=logits.device)
-    block = min(triton.next_power_of_2(v), MAX_BLOCK_V)
-    in_compile_env(_rows_kernel[(c,)], logits, target, row_scale, loss, logits.stride(0), logits.stride(1),
-                   target.stride(0), 0 if row_scale.dim() == 0 else row_scale.stride(0), v, ignore_index,
-                   label_smoothing, softcap or 1.0, 1.0 / (softcap or 1.0), SOFTCAP=softcap is not None,
-                   SMOOTHING=label_smoothing > 0, GRAD=grad, DTYPE=_TL_DTYPE[logits.dtype], BLOCK_V=block,
-                   num_warps=8 if block >= 2048 else 4)
+    block_v = min(triton.next_power_of_2(v), TILE)
+    block_r = TILE // block_v
+    in_compile_env(_rows_kernel[(triton.cdiv(c, block_r),)], logits, target, row_scale, loss, c, logits.stride(0),
+                   logits.stride(1), target.stride(0), 0 if row_scale.dim() == 0 else row_scale.stride(0), v,
+                   ignore_index, label_smoothing, softcap or 1.0, 1.0 / (softcap or 1.0), SOFTCAP=softcap is not None,
+                   SMOOTHING=label_smoothing > 0, GRAD=grad, DTYPE=_TL_DTYPE[logits.dtype], BLOCK_R=block_r,
+                   BLOCK_V=block_v, num_warps=8)
     return loss, logits if grad else None
 
 
