@@ -39,8 +39,7 @@ def linear_cross_entropy_call(hidden, weight, target, bias=None, ignore_index=-1
                                                                        softcap)
     if not transformed():  # a transform's definition refuses an index out of range itself
         checks.check_target_values(target, weight.shape[0], ignore_index)
-    return dict(hidden=hidden, weight=weight, bias=bias, target=target, ignore_index=ignore_index,
-                label_smoothing=label_smoothing, reduction=reduction, softcap=softcap)
+    return _call_of(hidden, weight, bias, target, (ignore_index, label_smoothing, reduction, softcap))
 
 
 def wanted_grads(call) -> tuple[bool, bool, bool]:

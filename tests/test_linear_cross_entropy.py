@@ -137,6 +137,20 @@ def test_bad_input_is_refused_by_name_before_anything_runs(case, monkeypatch):
     assert_bit_identical(before, tensors)
 
 
+def test_a_backend_declines_what_it_cant_take_with_a_reason():
+    hidden, weight, bias, target = (t.detach() for t in _inputs(torch.device("cpu")))
+    for backend in (b for b in BACKENDS if b != "reference"):
+        device = default_device(backend)
+        with portable_ops.use_backend(backend):
+            choice = portable_ops.explain(portable_ops.linear_cross_entropy, hidden.double().to(device),
+                                          weight.double().to(device), target.to(device))
+        assert choice.backend == "reference" and "float64 is not supported" in " ".join(choice.reasons)
+    if "nki" in BACKENDS:
+        wide = dict(weight=torch.empty(2 ** 24 + 1, 12, device="meta"))
+        reasons = dispatch.get_backend("nki").ops["linear_cross_entropy_fwd"].supports(wide)
+        assert reasons == ["a vocab of 16777217 classes, over 2^24: the NKI kernel compares class indices in float32"]
+
+
 def test_second_derivatives_are_refused_clearly():
     hidden, weight, bias, target = _inputs(torch.device("cpu"))
     loss = portable_ops.linear_cross_entropy(hidden, weight, target, bias=bias)
