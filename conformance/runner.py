@@ -44,6 +44,7 @@ from portable_ops.definitions.paged import paged_attention as reference_paged_at
 from portable_ops.ops import families
 
 from .cases import CASES, Case
+from .cross_entropy_runner import run_linear_cross_entropy
 from .norm_runner import run_layer_norm, run_rms_norm
 from .oracles import F64, adam_oracle, attention_oracle
 from .sgd_runner import run_sgd
@@ -484,7 +485,7 @@ def run_paged(case: Case, backend: str, device: torch.device, oracles: list[str]
 
 RUNNERS = {"adam": run_adam, "sgd": run_sgd, "clip_grad_norm_": run_clip, "attention": run_attention,
            "attention_varlen": run_attention_varlen, "paged_attention": run_paged, "rms_norm": run_rms_norm,
-           "layer_norm": run_layer_norm}
+           "layer_norm": run_layer_norm, "linear_cross_entropy": run_linear_cross_entropy}
 if set(RUNNERS) != set(families()):  # a family of portable_ops/ops.py without a runner, or the reverse
     raise ImportError(f"runners for {sorted(RUNNERS)}; portable_ops/ops.py's families are {sorted(families())}")
 

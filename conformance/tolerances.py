@@ -31,6 +31,9 @@ class Tolerance(NamedTuple):
 _ATTENTION = {F32: Tolerance(2e-3, 2e-3), F16: Tolerance(4e-3, 4e-3), BF16: Tolerance(3e-2, 3e-2)}
 # Norms: float32 statistics over one row, then one rounding of the output to the case's dtype.
 _NORMS = {F32: Tolerance(1e-5, 1e-5), F16: Tolerance(2e-3, 2e-3), BF16: Tolerance(1.6e-2, 1.6e-2)}
+# Linear cross-entropy: the logits rounded once to the inputs' dtype (the oracles round theirs the same way, but the
+# matmuls' float32 sums may round a logit to its other neighbour), then float32.
+_CROSS_ENTROPY = {F32: Tolerance(1e-4, 1e-4), F16: Tolerance(4e-3, 4e-3), BF16: Tolerance(3e-2, 3e-2)}
 _TABLE = {
     "adam": {F32: Tolerance(1e-6, 1e-5), F16: Tolerance(1e-5, 2e-3), BF16: Tolerance(1e-4, 1.6e-2)},
     # SGD: the same one step's rounding of the stored dtype (param and momentum buffer).
@@ -42,6 +45,7 @@ _TABLE = {
     "paged_attention": _ATTENTION,
     "rms_norm": _NORMS,
     "layer_norm": _NORMS,
+    "linear_cross_entropy": _CROSS_ENTROPY,
 }
 if set(_TABLE) != set(families()):  # a family of portable_ops/ops.py without tolerances, or the reverse
     raise ImportError(f"tolerances for {sorted(_TABLE)}; portable_ops/ops.py's families are {sorted(families())}")
@@ -52,8 +56,8 @@ if set(_TABLE) != set(families()):  # a family of portable_ops/ops.py without to
 # (backends/triton/interpreter.py), so a truncating store fails this.
 _ONE_ROUNDING = {F16: Tolerance(1e-7, 1e-3), BF16: Tolerance(1e-7, 4e-3)}
 
-# Gradients of attention sum over a whole sequence, a norm's over its row and (weight, bias) its rows: a few
-# times the forward's error.
+# Gradients of attention sum over a whole sequence, a norm's over its row and (weight, bias) its rows, linear
+# cross-entropy's over the vocab (hidden) and the tokens (weight, bias): a few times the forward's error.
 GRADIENT_FACTOR = 4.0
 
 

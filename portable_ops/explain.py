@@ -9,6 +9,7 @@ from .attention_varlen import attention_varlen, attention_varlen_call
 from .clip import clip_grad_norm_, grad_norm_call, grads_of
 from .dispatch import Choice, choose
 from .functional import adam, adam_call, sgd, sgd_call
+from .linear_cross_entropy import backend_call, linear_cross_entropy, linear_cross_entropy_call, wanted_grads
 from .norms import layer_norm, norm_call, rms_norm
 from .ops import public_ops
 from .paged import paged_attention, paged_attention_call, paged_kv_append, paged_kv_append_call
@@ -32,6 +33,7 @@ _CALLS = {
     "rms_norm": (rms_norm, lambda a: _rows(norm_call("rms_norm", a["x"], a["residual"], a["weight"], None, a["eps"]))),
     "layer_norm": (layer_norm, lambda a: _rows(norm_call("layer_norm", a["x"], a["residual"], a["weight"], a["bias"],
                                                          a["eps"]))),
+    "linear_cross_entropy": (linear_cross_entropy, lambda a: _tokens(linear_cross_entropy_call(**a))),
 }
 _PUBLIC_OPS = public_ops()
 
@@ -39,6 +41,12 @@ _PUBLIC_OPS = public_ops()
 def _rows(call):
     """A norm's checked call as its backends take it: x and residual folded into rows ``[M, D]``."""
     return {k: v.reshape(-1, v.shape[-1]) if k in ("x", "residual") and v is not None else v for k, v in call.items()}
+
+
+def _tokens(call):
+    """A linear cross-entropy's checked call as its backends take it: tokens ``[N, H]``, the gradients to compute."""
+    return backend_call(call, wanted_grads(call))
+
 
 if set(_CALLS) != set(_PUBLIC_OPS):  # an op added to the table without its call here, or the reverse
     raise ImportError(f"explain builds calls of {sorted(_CALLS)}; portable_ops/ops.py's public ops are "
@@ -50,7 +58,7 @@ def explain(op, *args, **kwargs) -> Choice:
     """The backend that ``op(*args, **kwargs)`` would run on, with every other backend's reasons.
 
     ``op`` is a public function (``portable_ops.attention``, ``attention_varlen``, ``paged_attention``,
-    ``paged_kv_append``, ``rms_norm``, ``layer_norm``, ``portable_ops.functional.adam``,
+    ``paged_kv_append``, ``rms_norm``, ``layer_norm``, ``linear_cross_entropy``, ``portable_ops.functional.adam``,
     ``portable_ops.functional.sgd``, ``portable_ops.clip_grad_norm_``) or its name.
     The arguments are checked as the call would check them (offsets' and page tables' values included);
     nothing is computed. The returned :class:`~portable_ops.dispatch.Choice` prints as a readable report.
@@ -60,7 +68,8 @@ def explain(op, *args, **kwargs) -> Choice:
         raise ValueError(f"explain: unknown op {op!r}; expected one of {', '.join(_PUBLIC_OPS)} or its function")
     function, build = _CALLS[name]
     call = build(_bound(name, function, args, kwargs))
-    tensors = call.get("params") or call.get("grads") or [call.get("q", call.get("k_new", call.get("x")))]
+    leading = next((call[key] for key in ("q", "k_new", "x", "hidden") if key in call), None)
+    tensors = call.get("params") or call.get("grads") or [leading]
     device = tensors[0].device if tensors and tensors[0] is not None else None
     return choose(_PUBLIC_OPS[name], call, device)
 

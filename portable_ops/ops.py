@@ -79,6 +79,13 @@ OPS: dict[str, Op] = {
                          backward="layer_norm_bwd", tensors=("x", "residual", "weight", "bias")),
     "layer_norm_bwd": Op(public="layer_norm", description="LayerNorm's gradients", family="layer_norm",
                          tensors=("x", "weight", "dout", "dh")),
+    # Tokens ``hidden [N, H]`` (the leading dims folded) against ``weight [V, H]``, in chunks of tokens: the
+    # gradients come out of the forward (mean and sum); the backward op recomputes them for reduction="none".
+    "linear_cross_entropy_fwd": Op(public="linear_cross_entropy", description="linear cross-entropy",
+                                   family="linear_cross_entropy", backward="linear_cross_entropy_bwd",
+                                   tensors=("hidden", "weight", "bias")),
+    "linear_cross_entropy_bwd": Op(public="linear_cross_entropy", description="linear cross-entropy's gradients",
+                                   family="linear_cross_entropy", tensors=("hidden", "weight", "bias")),
 }
 
 

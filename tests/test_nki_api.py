@@ -21,7 +21,7 @@ from portable_ops.backends.nki.emulator import language as emulated_language
 
 API = aws_signatures.API
 KERNEL_DIR = pathlib.Path(__file__).resolve().parents[1] / "backends" / "nki"
-KERNEL_FILES = ("adam.py", "sgd.py", "grad_norm.py", "attention.py")
+KERNEL_FILES = ("adam.py", "sgd.py", "grad_norm.py", "attention.py", "norms.py", "linear_cross_entropy.py")
 EMULATED = {"nki": emulator, "nki.language": emulated_language, "nki.isa": emulated_isa}
 
 

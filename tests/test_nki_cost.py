@@ -133,3 +133,16 @@ def test_bench_nki_prices_the_norms_forward_near_its_floor_and_says_what_bounds_
             assert row["Trn2 x floor"] <= 2.0 and row["Trn2 bound"] == "scalar", (name, row)
         else:  # docs/backends/nki.md: three two-tile products and two accumulations a tile, over VectorE and GpSimd
             assert row["Trn2 bound"] == "vector", (name, row["Trn2 bound"])
+
+
+def test_bench_nki_prices_the_cross_entropy_rows_and_says_what_bounds_them(bench_rows):
+    """docs/backends/nki.md: two passes over the logits, each tile's exponentials on the Scalar Engine and the
+    one-hot and the gradient's terms on GpSimd and the Vector Engine; a softcap adds two tanh and a square a tile
+    to the Scalar Engine."""
+    prefix = "linear cross-entropy rows + grad bf16 "
+    rows = {r["kernel"].removeprefix(prefix).split(" V=")[0]: r for r in bench_rows if r["kernel"].startswith(prefix)}
+    assert set(rows) == {"Llama 3", "Gemma 2"}
+    for name, row in rows.items():
+        assert row["launches"] == 1 and row["Trn2 bound"] != "dma", (name, row)
+    assert rows["Llama 3"]["Trn2 x floor"] <= 3.0
+    assert rows["Gemma 2"]["Trn2 bound"] == "scalar"

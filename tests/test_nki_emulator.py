@@ -233,6 +233,26 @@ def test_affine_select_matches_its_documented_predicate():
     assert torch.equal(kernel(x), expected)
 
 
+def test_iota_writes_its_documented_pattern_in_sbuf_only():
+    """nki.isa.iota: ``offset + p * channel_multiplier + sum(i_k * step_k)``, computed in int32, converted to dst's
+    dtype; dst in SBUF."""
+    @jit
+    def kernel(x):
+        out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        t = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(t, pattern=[[10, 3], [-1, 4]], offset=7, channel_multiplier=100)
+        nisa.dma_copy(out, t)
+        return out
+
+    expected = (7 + 100 * torch.arange(5)[:, None, None] + 10 * torch.arange(3)[None, :, None]
+                - torch.arange(4)[None, None, :]).reshape(5, 12).float()
+    assert torch.equal(kernel(torch.zeros(5, 12)), expected)
+    with pytest.raises(EmulatorError, match="iota-memory"):
+        nisa.iota(nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.psum), pattern=[[1, 4]])
+    with pytest.raises(EmulatorError, match="iota-range"):
+        nisa.iota(nl.ndarray((2, 4), dtype=nl.float32, buffer=nl.sbuf), pattern=[[2 ** 30, 4]])
+
+
 def test_tanh_activation_scales_first_and_saturates():
     """nl.tanh as an activation function: ``tanh(data * scale + bias)`` on the Scalar Engine, valid on
     [-inf, inf] (nki.api.shared, 'Supported Activation Functions'), so +-inf map to +-1."""

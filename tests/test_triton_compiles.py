@@ -44,11 +44,11 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
     import re
     import tempfile
 
-    configs, fwd_kernels, bwd_kernels, attention_sm90, sm90_fwd, sm90_bwd, adam, grad_norm, norms = (
+    configs, fwd_kernels, bwd_kernels, attention_sm90, sm90_fwd, sm90_bwd, adam, grad_norm, norms, cross_entropy = (
         _kernel_module(name, backend_dir) for name in ("attention_configs", "attention_fwd_kernels",
                                                        "attention_bwd_kernels", "attention_sm90",
                                                        "attention_sm90_fwd_kernels", "attention_sm90_bwd_kernels",
-                                                       "adam", "grad_norm", "norms"))
+                                                       "adam", "grad_norm", "norms", "linear_cross_entropy"))
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -222,6 +222,14 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                     consts = dict(flags, HAS_W=True, HAS_DH=True, BIAS_GRAD=True, stride_xd=1, stride_yd=1,
                                   stride_hd=1, W_RESIDENT=flags["BLOCK_D"] <= norms.W_RESIDENT_BLOCK)
                     row.update(run(norms._norm_bwd_kernel, types_, consts, warps, 1, False))
+            elif kind == "cross_entropy_rows":  # every option on, a row of unit column stride
+                types_ = {"LOGITS": f"*{spec['dtype']}", "TARGET": "*i64", "SCALE": "*fp32", "LOSS": "*fp32",
+                          "C": "i32", "stride_row": "i64", "stride_scale": "i32", "V": "i32", "ignore_index": "i32",
+                          "smoothing": "fp32", "softcap": "fp32", "inv_softcap": "fp32"}
+                consts = dict(SOFTCAP=True, SMOOTHING=True, GRAD=True, DTYPE=dtypes[spec["dtype"]],
+                              BLOCK_R=spec["rows"], BLOCK_V=cross_entropy.TILE // spec["rows"], stride_col=1,
+                              stride_target=1)
+                row.update(run(cross_entropy._rows_kernel, types_, consts, 8, 1, False))
             elif kind == "column_sum":
                 row.update(run(norms._column_sum_kernel, {"PART": "*fp32", "OUT": "*fp32", "P": "i32", "D": "i32"},
                                dict(BLOCK=norms.COLUMN_BLOCK), 4, 1, False))
@@ -408,3 +416,13 @@ else:
             wide_backward = r["kernel"].endswith("bwd") and r["d"] > 4096
             assert r["spills"] <= (128 if wide_backward else 0), r
             assert r["atomics"] == 0 and r["shared"] <= SHARED_LIMIT, r
+
+    def test_linear_cross_entropy_rows_kernel_compiles_for_sm90_without_spills_or_atomics():
+        """Every option on (softcap, label smoothing, the gradient written over the logits), rows of unit column
+        stride: one row a program in the widest block (bf16, fp32), and 64 rows of 64 columns (bf16)."""
+        rows = _run([{"kernel": "cross_entropy_rows", "dtype": dtype, "rows": rows}
+                     for dtype, rows in (("bf16", 1), ("fp32", 1), ("bf16", 64))])
+        errors = [r for r in rows if "error" in r]
+        assert not errors, errors
+        for r in rows:
+            assert r["spills"] == 0 and r["atomics"] == 0 and r["shared"] <= SHARED_LIMIT, r

@@ -1,5 +1,5 @@
-"""The NKI backend: Adam/AdamW/AMSGrad, SGD, two-phase global norm, flash attention and RMSNorm/LayerNorm as NKI
-kernels for AWS Trainium2/Trainium3 (NKI 0.7, Neuron SDK 2.33, the ``nki.*`` namespace).
+"""The NKI backend: Adam/AdamW/AMSGrad, SGD, two-phase global norm, flash attention, RMSNorm/LayerNorm and linear
+cross-entropy's rows as NKI kernels for AWS Trainium2/Trainium3 (NKI 0.7, Neuron SDK 2.33, the ``nki.*`` namespace).
 
 Where the kernels run (``runtime.py``):
 
@@ -22,6 +22,7 @@ from . import compat
 from .adam import adam, adam_supports
 from .attention import MAX_HEAD_DIM, attention_bwd, attention_fwd, attention_supports
 from .grad_norm import grad_norm
+from .linear_cross_entropy import linear_cross_entropy_bwd, linear_cross_entropy_fwd, rows_supports
 from .norms import layer_norm_bwd, layer_norm_fwd, norm_supports, rms_norm_bwd, rms_norm_fwd
 from .sgd import sgd, sgd_supports
 
@@ -50,6 +51,8 @@ BACKEND = Backend(
         "rms_norm_bwd": OpImpl(run=rms_norm_bwd, supports=norm_supports, dtypes=DTYPES),
         "layer_norm_fwd": OpImpl(run=layer_norm_fwd, supports=norm_supports, dtypes=DTYPES),
         "layer_norm_bwd": OpImpl(run=layer_norm_bwd, supports=norm_supports, dtypes=DTYPES),
+        "linear_cross_entropy_fwd": OpImpl(run=linear_cross_entropy_fwd, supports=rows_supports, dtypes=DTYPES),
+        "linear_cross_entropy_bwd": OpImpl(run=linear_cross_entropy_bwd, supports=rows_supports, dtypes=DTYPES),
     },
     runtime_reasons=_runtime_reasons,
     description="NKI kernels for Trainium2/3",

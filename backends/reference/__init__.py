@@ -12,6 +12,7 @@ from .adam import adam
 from .attention import attention_bwd, attention_fwd, prepare_attention_bwd, prepare_attention_fwd
 from .attention_varlen import attention_varlen_bwd, attention_varlen_fwd
 from .grad_norm import grad_norm
+from .linear_cross_entropy import linear_cross_entropy_bwd, linear_cross_entropy_fwd
 from .norms import layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd
 from .paged import paged_attention, paged_kv_append
 from .sgd import sgd
@@ -34,5 +35,7 @@ BACKEND = Backend(
         "rms_norm_bwd": OpImpl(run=rms_norm_bwd),
         "layer_norm_fwd": OpImpl(run=layer_norm_fwd),
         "layer_norm_bwd": OpImpl(run=layer_norm_bwd),
+        "linear_cross_entropy_fwd": OpImpl(run=linear_cross_entropy_fwd),
+        "linear_cross_entropy_bwd": OpImpl(run=linear_cross_entropy_bwd),
     },
 )

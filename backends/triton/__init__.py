@@ -1,4 +1,5 @@
-"""The Triton backend: multi-tensor Adam and SGD, two-phase norm, flash attention, for CUDA tensors.
+"""The Triton backend: multi-tensor Adam and SGD, two-phase norm, flash attention, RMSNorm/LayerNorm and linear
+cross-entropy's rows, for CUDA tensors.
 
 CPU tensors run the same kernels in Triton's interpreter, which must be switched on before
 any kernel is decorated: on a machine with no CUDA device this module switches it on itself
@@ -38,6 +39,7 @@ else:
                             prepare_attention_fwd)
     from .grad_norm import grad_norm, grad_norm_supports
     from .launch import hash_triton_in_background
+    from .linear_cross_entropy import linear_cross_entropy_bwd, linear_cross_entropy_fwd
     from .norms import layer_norm_bwd, layer_norm_fwd, norm_supports, rms_norm_bwd, rms_norm_fwd
     from .sgd import sgd, sgd_supports
 
@@ -80,6 +82,8 @@ else:
             "rms_norm_bwd": OpImpl(run=rms_norm_bwd, supports=norm_supports, dtypes=DTYPES),
             "layer_norm_fwd": OpImpl(run=layer_norm_fwd, supports=norm_supports, dtypes=DTYPES),
             "layer_norm_bwd": OpImpl(run=layer_norm_bwd, supports=norm_supports, dtypes=DTYPES),
+            "linear_cross_entropy_fwd": OpImpl(run=linear_cross_entropy_fwd, dtypes=DTYPES),
+            "linear_cross_entropy_bwd": OpImpl(run=linear_cross_entropy_bwd, dtypes=DTYPES),
         },
         runtime_reasons=_runtime_reasons,
     )

@@ -138,7 +138,7 @@ def query_ranges(n0, SQ, SKV, lo_off, hi_off, BLOCK_M: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
-def _tanh(x):
+def tanh(x):
     """tanh from exp2 (one MUFU op): libdevice's tanh is not in every Triton's interpreter. Near 0, where
     1 - 2 / (e^2x + 1) cancels (a large cap makes every x small), its series, exact to float32 there."""
     x2 = x * x
@@ -150,7 +150,7 @@ def _tanh(x):
 def logits(s, scale_log2, squash, cap_log2, SOFTCAP: tl.constexpr):
     """Scores ``q . k`` -> scaled (and soft-capped: ``cap * tanh(scale * s / cap)``) scores, in the log2 domain."""
     if SOFTCAP:
-        s = _tanh(s * squash) * cap_log2
+        s = tanh(s * squash) * cap_log2
     else:
         s = s * scale_log2
     return s
@@ -162,7 +162,7 @@ def probabilities(s, lse_log2, scale_log2, squash, cap_log2, SOFTCAP: tl.constex
     d(capped score) / d(scaled score), which the score gradient takes (1 without a softcap)."""
     # one return statement: a compiled function's returns must agree in type, constexpr branches included
     if SOFTCAP:
-        t = _tanh(s * squash)
+        t = tanh(s * squash)
         p = tl.exp2(t * cap_log2 - lse_log2)
         slope = 1.0 - t * t
     else:

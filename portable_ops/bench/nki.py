@@ -3,8 +3,11 @@
 Rows: the AdamW step over the optimizer bench's 292-tensor GPT-2-medium list (fp32, AMSGrad,
 bf16 params with fp32 state), the SGD step over it (momentum fp32 and bf16; Nesterov with weight
 decay bf16), the global 2-norm of its grads (the clip: the clip coefficient itself is fused into
-the step), attention forward and backward at S=4096, D=128, bf16, and RMSNorm (with the fused residual
-add) and LayerNorm forward and backward over 4096 rows of 4096, bf16.
+the step), attention forward and backward at S=4096, D=128, bf16, RMSNorm (with the fused residual
+add) and LayerNorm forward and backward over 4096 rows of 4096, bf16, and linear cross-entropy's rows kernel on one
+chunk of tokens with their gradients, bf16, at Llama 3's vocab and at Gemma 2's with its softcap (the chunk's matmuls
+are the host's, torch's, and not counted: the floor is the kernel's, one read of the logits and one write of their
+gradient).
 
 How: each kernel runs in the project's NKI emulator in count-only mode (``meta`` tensors: every
 instruction is checked and counted, no arithmetic, no memory), through the same host code a
@@ -29,6 +32,7 @@ import time
 
 import torch
 
+from portable_ops import lm_head
 from portable_ops.backends.nki import compat
 from portable_ops.backends.nki.emulator import cost
 
@@ -46,6 +50,8 @@ SGD_ROWS = [("SGD momentum fp32", F32, dict(momentum=0.9)), ("SGD momentum bf16"
             ("SGD Nesterov weight decay bf16", BF16, dict(momentum=0.9, nesterov=True, weight_decay=0.01))]
 ATTENTION = dict(B=1, H=16, S=4096, D=128)
 NORM = dict(M=4096, D=4096)  # rows x hidden size: a 4096-token batch of a 4096-wide model, bf16
+# (model, vocab, hidden size, final-logit softcap)
+CROSS_ENTROPY = [("Llama 3", 128256, 4096, None), ("Gemma 2", 256000, 2304, 30.0)]
 ADAMW = dict(beta1=0.9, beta2=0.999, lr=1e-4, weight_decay=0.01, eps=1e-8, maximize=False,
              decoupled_weight_decay=True)
 
@@ -112,6 +118,16 @@ def _workloads(device):
          lambda: _ops()["layer_norm_bwd"].run(x=x, weight=weight, mean=stats, rstd=stats, dout=dout, dh=None,
                                               has_bias=True), (3 * moved, 0)),
     ]
+    for model, v, h, softcap in CROSS_ENTROPY:
+        c = lm_head.chunk_tokens(v)
+        call = dict(hidden=torch.zeros(c, h, dtype=BF16, device=device), weight=torch.zeros(v, h, dtype=BF16,
+                                                                                           device=device),
+                    bias=None, target=torch.zeros(c, dtype=torch.int64, device=device), ignore_index=-100,
+                    label_smoothing=0.0, reduction="mean", softcap=softcap, hidden_grad=True, weight_grad=True,
+                    bias_grad=False)
+        capped = "" if softcap is None else f" softcap {softcap:g}"
+        rows.append((f"linear cross-entropy rows + grad bf16 {model} V={v}{capped}, one chunk of {c} tokens", 1,
+                     lambda call=call: _ops()["linear_cross_entropy_fwd"].run(**call), (2 * c * v * 2, 0)))
     return rows
 
 

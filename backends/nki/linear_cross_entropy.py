@@ -1,0 +1,193 @@
+"""Linear cross-entropy's rows step as an NKI kernel: the chunks and their matmuls run on the host side
+(``portable_ops/lm_head.py``, torch's matmul on the device), and the kernel takes a chunk's logits ``[C, V]`` from
+HBM and returns each token's loss and, with gradients, ``d loss / d logits`` times the token's scale.
+
+Layout: tokens on the partitions, up to 128 per tile; the vocab along the free axis in tiles of ``TILE_V`` columns
+(any V: Gemma's 256k is 63 tiles), loaded into float32 (the DMA converts). A softcap is the Scalar Engine's
+``tanh`` of the tile as it is loaded, ``y = tanh(x / softcap)``; the capped logits are ``softcap * y``, a scale the
+exponentials take for free as the activation's pre-scale. The first pass keeps per row the running max (Vector
+Engine reduce), the running sum of exponentials (the Scalar Engine's ``exp`` with its add-reduction, the old sum
+rescaled by ``exp(old max - new max)``), the target's logit (a one-hot of the class index, ``iota`` compared with the
+row's target on GpSimd, times the tile, summed) and, for label smoothing, the row's sum; then
+``loss = lse - (1 - eps) * z[target] - eps * mean(z)``. The second pass reads the tiles again and writes
+``(softmax - (1 - eps) * onehot - eps / V) * (1 - y^2) * scale``, rounded once to the logits' dtype by the store.
+
+The host hands the targets as float32 columns (-1 for an ignored token: no column matches it) with a 0/1 ``valid``
+column and the per-token ``scale`` (0 for an ignored token), so an ignored token's loss and gradients are zeros.
+Class indices compare exactly in float32 below 2^24, the largest vocab taken (``MAX_CLASSES``).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from portable_ops import lm_head
+
+from .compat import nisa, nki, nl
+from .runtime import launch
+
+PMAX = 128
+TILE_V = 4096  # columns per tile: a pass holds five float32 tiles of it, 80 KiB of a partition's 224
+MAX_CLASSES = 1 << 24
+NEG = -1.0e30  # the running max before the first tile: finite, so exp(NEG - max) is 0 with no inf - inf
+BOUNDED_CAP = 40.0  # a softcap up to this: exp(z - softcap) >= e^-80, inside float32's normal range
+
+
+def _column(rows, value=None):
+    column = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if value is not None:
+        nisa.memset(dst=column, value=value)
+    return column
+
+
+def _loaded_column(src, r0, rows):
+    column = _column(rows)
+    nisa.dma_copy(dst=column, src=src[r0:r0 + rows, 0:1])
+    return column
+
+
+def _tile(logits, r0, rows, v0, width, softcap):
+    """A ``[rows, width]`` tile of the logits in float32; ``tanh(x / softcap)`` with a softcap."""
+    y = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=y, src=logits[r0:r0 + rows, v0:v0 + width])
+    if softcap is not None:
+        nisa.activation(dst=y, op=nl.tanh, data=y, scale=1.0 / softcap)
+    return y
+
+
+def _scaled_one_hot(columns, target, rows, v0, width, value):
+    """``value`` where column ``v0 + i`` is the row's target, else 0.0: a float32 ``[rows, width]`` tile (GpSimd)."""
+    local = target
+    if v0:
+        local = _column(rows)
+        nisa.tensor_scalar(dst=local, data=target, op0=nl.subtract, operand0=float(v0), engine=nisa.engine.gpsimd)
+    hot = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=hot, data=columns[0:rows, 0:width], op0=nl.equal, operand0=local, op1=nl.multiply,
+                       operand1=value, engine=nisa.engine.gpsimd)
+    return hot
+
+
+def _statistics(logits, r0, rows, softcap, smoothing):
+    """``(lse, total)`` ``[rows, 1]`` columns of a row tile: the capped logits' logsumexp, and the row's sum of ``y``
+    (the capped logits over ``softcap``; None unless ``smoothing``)."""
+    v = logits.shape[1]
+    zscale = 1.0 if softcap is None else softcap
+    bounded = softcap is not None and softcap <= BOUNDED_CAP
+    # capped logits lie in [-softcap, softcap]: shifted by softcap, exp neither overflows nor leaves float32's
+    # normal range, so no running max is kept
+    top = _column(rows, softcap if bounded else NEG)
+    neg_top = _column(rows, -softcap if bounded else None)
+    sum_exp = _column(rows, 0.0)
+    total = _column(rows, 0.0) if smoothing else None
+    for v0 in range(0, v, TILE_V):
+        width = min(TILE_V, v - v0)
+        y = _tile(logits, r0, rows, v0, width, softcap)
+        part = _column(rows)
+        if not bounded:  # the running max, and the sum so far rescaled to it
+            new_top, rescale = _column(rows), _column(rows)
+            nisa.tensor_reduce(dst=part, op=nl.maximum, data=y, axis=1)
+            nisa.tensor_scalar(dst=new_top, data=part, op0=nl.multiply, operand0=zscale, op1=nl.maximum,
+                               operand1=top, engine=nisa.engine.gpsimd)
+            nisa.tensor_scalar(dst=neg_top, data=new_top, op0=nl.multiply, operand0=-1.0, engine=nisa.engine.gpsimd)
+            nisa.activation(dst=rescale, op=nl.exp, data=top, bias=neg_top)
+            nisa.tensor_tensor(dst=sum_exp, data1=sum_exp, data2=rescale, op=nl.multiply, engine=nisa.engine.gpsimd)
+            nisa.tensor_copy(dst=top, src=new_top, engine=nisa.engine.gpsimd)
+        scratch = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=scratch, op=nl.exp, data=y, bias=neg_top, scale=zscale, reduce_op=nl.add, reduce_res=part,
+                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        nisa.tensor_tensor(dst=sum_exp, data1=sum_exp, data2=part, op=nl.add, engine=nisa.engine.gpsimd)
+        if total is not None:  # on the Scalar Engine, or the Vector Engine where the softcap's tanh keeps it busy
+            if softcap is None:
+                nisa.activation(dst=scratch, op=nl.copy, data=y, reduce_op=nl.add, reduce_res=part,
+                                reduce_cmd=nisa.reduce_cmd.reset_reduce)
+            else:
+                nisa.tensor_reduce(dst=part, op=nl.add, data=y, axis=1)
+            nisa.tensor_tensor(dst=total, data1=total, data2=part, op=nl.add, engine=nisa.engine.gpsimd)
+    lse = _column(rows)
+    nisa.activation(dst=lse, op=nl.log, data=sum_exp)
+    nisa.tensor_tensor(dst=lse, data1=lse, data2=top, op=nl.add, engine=nisa.engine.gpsimd)
+    return lse, total
+
+
+def _gradients(logits, dlogits, columns, target, lse, scale, r0, rows, softcap, smoothing):
+    """Writes the row tile's ``(softmax - (1 - eps) * onehot - eps / V) * slope * scale`` to ``dlogits``."""
+    v = logits.shape[1]
+    neg_lse = _column(rows)
+    nisa.tensor_scalar(dst=neg_lse, data=lse, op0=nl.multiply, operand0=-1.0, engine=nisa.engine.gpsimd)
+    if softcap is not None:  # the slope is applied as (y^2 - 1): the scale's sign flips to match
+        flipped = _column(rows)
+        nisa.tensor_scalar(dst=flipped, data=scale, op0=nl.multiply, operand0=-1.0, engine=nisa.engine.gpsimd)
+        scale = flipped
+    for v0 in range(0, v, TILE_V):
+        width = min(TILE_V, v - v0)
+        y = _tile(logits, r0, rows, v0, width, softcap)
+        grad = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=grad, op=nl.exp, data=y, bias=neg_lse, scale=1.0 if softcap is None else softcap)
+        nisa.tensor_tensor(dst=grad, data1=grad, data2=_scaled_one_hot(columns, target, rows, v0, width,
+                                                                       smoothing - 1.0),
+                           op=nl.add, engine=nisa.engine.gpsimd)
+        nisa.tensor_scalar(dst=grad, data=grad, op0=nl.subtract, operand0=smoothing / v, op1=nl.multiply,
+                           operand1=scale)
+        if softcap is not None:
+            nisa.activation(dst=y, op=nl.square, data=y)
+            nisa.scalar_tensor_tensor(dst=grad, data=y, op0=nl.subtract, operand0=1.0, op1=nl.multiply, operand1=grad)
+        nisa.dma_copy(dst=dlogits[r0:r0 + rows, v0:v0 + width], src=grad)  # rounds once to the logits' dtype
+
+
+@nki.jit
+def rows_kernel(logits, picked, target, valid, scale, label_smoothing=0.0, softcap=None, grad=True):
+    """``(loss, [dlogits])`` of a chunk's contiguous logits ``[C, V]``: ``loss [C, 1]`` float32, ``dlogits`` like
+    the logits (with ``grad``). ``picked`` (each token's target logit, as the logits hold it), ``target``, ``valid``,
+    ``scale``: ``[C, 1]`` float32 columns (module docstring)."""
+    c, v = logits.shape
+    loss_out = nl.ndarray((c, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    dlogits = nl.ndarray((c, v), dtype=logits.dtype, buffer=nl.shared_hbm) if grad else None
+    columns = None
+    if grad:
+        columns = nl.ndarray((min(PMAX, c), min(TILE_V, v)), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.iota(dst=columns, pattern=[[1, min(TILE_V, v)]], offset=0)
+    for r0 in range(0, c, PMAX):
+        rows = min(PMAX, c - r0)
+        lse, total = _statistics(logits, r0, rows, softcap, label_smoothing > 0)
+        z = _tile(picked, r0, rows, 0, 1, softcap)  # the target's capped logit, over softcap
+        loss = _column(rows)  # lse - (1 - eps) * z[target] - eps * mean(z), zero where ignored
+        zscale = 1.0 if softcap is None else softcap
+        nisa.scalar_tensor_tensor(dst=loss, data=z, op0=nl.multiply, operand0=-zscale * (1 - label_smoothing),
+                                  op1=nl.add, operand1=lse)
+        if total is not None:
+            nisa.scalar_tensor_tensor(dst=loss, data=total, op0=nl.multiply, operand0=-zscale * label_smoothing / v,
+                                      op1=nl.add, operand1=loss)
+        nisa.tensor_tensor(dst=loss, data1=loss, data2=_loaded_column(valid, r0, rows), op=nl.multiply)
+        nisa.dma_copy(dst=loss_out[r0:r0 + rows, 0:1], src=loss)
+        if grad:
+            _gradients(logits, dlogits, columns, _loaded_column(target, r0, rows), lse,
+                       _loaded_column(scale, r0, rows), r0, rows, softcap, label_smoothing)
+    return (loss_out, dlogits) if grad else (loss_out,)
+
+
+# ----------------------------------------------------------------------------- host side
+def rows_supports(call) -> list[str]:
+    """Dtypes are declared (``BACKEND``); class indices must be exact in float32."""
+    v = call["weight"].shape[0]
+    if v > MAX_CLASSES:
+        return [f"a vocab of {v} classes, over 2^24: the NKI kernel compares class indices in float32"]
+    return []
+
+
+def _as_column(t):
+    return t.to(torch.float32).reshape(-1, 1).contiguous()
+
+
+def _rows(logits, target, row_scale, ignore_index, label_smoothing, softcap, grad):
+    valid = target != ignore_index
+    picked = logits.gather(1, torch.where(valid, target, 0)[:, None])
+    outs = launch(rows_kernel, logits.contiguous(), _as_column(picked), _as_column(torch.where(valid, target, -1)),
+                  _as_column(valid), _as_column(torch.where(valid, row_scale, 0.0)), label_smoothing=label_smoothing,
+                  softcap=softcap, grad=grad)
+    return outs[0].reshape(-1), outs[1] if grad else None
+
+
+linear_cross_entropy_fwd = partial(lm_head.forward, _rows)
+linear_cross_entropy_bwd = partial(lm_head.backward, _rows)
