@@ -26,14 +26,15 @@ the old tiles, so NaN/inf grads cannot leak) and the step counts.
 ``1 / (sqrt(v / bias_correction2) + eps)`` runs on the Scalar Engine, whose sqrt is valid on
 [2^-116, 2^118] and reciprocal on +-[2^-42, 2^42] only (AWS's 'Supported Activation Functions'; the
 emulator refuses other inputs). The sqrt takes ``x + 2^-116``, which brings ``x = 0`` (an untouched
-embedding row's moment) into the domain and leaves every ``x >= 2^-91`` as it is; below that the sqrt moves
-by at most 2^-58, under half an ulp of ``eps >= 2^-33`` (default 1e-8): one rounding of ``sqrt + eps`` at most. Where ``x`` is over
-2^84, infinite or NaN, it is replaced by 0 and the step's factor by 0: an infinite moment then gives
-``inf * 0 = NaN`` and a finite one over an infinite second moment 0, torch's answers (a finite ``x`` over
-2^84, a grad past ~2^42 a step, is the one case that differs: no update there). ``eps`` outside
-[2^-42, 2^16] is declined (the reciprocal's domain). The work is spread over the engines so each stays
-under the HBM time (docs/backends/nki.md, cost model): the Scalar Engine scales, squares, takes the sqrt
-and the reciprocal, the Vector Engine the moment updates and the domain guard's copy, GpSimd the rest.
+embedding row's moment) into the domain and leaves every ``x >= 2^-91`` as it is; below that the sqrt
+moves by at most 2^-58, under half an ulp of ``eps >= 2^-33`` (default 1e-8): one rounding of
+``sqrt + eps`` at most. Where ``x`` is over 2^84, infinite or NaN, it is replaced by 0 and the step's
+factor by 0: an infinite moment then gives ``inf * 0 = NaN`` and a finite one over an infinite second
+moment 0, torch's answers (a finite ``x`` over 2^84, a grad past ~2^42 a step, is the one case that
+differs: no update there). ``eps`` outside [2^-42, 2^16] is declined (the reciprocal's domain). The work
+is spread over the engines so each stays under the HBM time (docs/backends/nki.md, cost model): the
+Scalar Engine scales, squares, takes the sqrt and the reciprocal, the Vector Engine the moment updates
+and the domain guard's copy, GpSimd the rest.
 """
 
 from __future__ import annotations

@@ -9,7 +9,11 @@ AWS's per-instruction examples are ported as tests (tests/test_nki_aws_examples.
 with :class:`EmulatorError` naming the rule, what the docs say the compiler or hardware rejects
 (more than 128 partitions, SBUF/PSUM over capacity, a PSUM tile over one 2 KiB bank, matmul
 operands outside the Tensor Engine limits, engines reading HBM, GpSimd touching PSUM, DMA
-touching PSUM, accumulating onto PSUM no matmul initialised, unsupported dtypes, ...).
+touching PSUM, accumulating onto PSUM no matmul initialised, unsupported dtypes, activation
+inputs outside their valid ranges, dtype-converting DMAs, strided or misaligned partition
+accesses, memset values a dtype cannot hold, LNC launches whose cores race on HBM, more
+instructions than the compiler takes, ...; docs/backends/nki.md lists them with their sources).
+``kernel[2](...)`` runs a kernel on the two cores of a logical NeuronCore (:class:`EmulatedKernel`).
 
 While a kernel runs it counts, per engine, the instructions issued, the elements they stream and
 the DMA bytes moved (:func:`count_instructions`), and the peak SBUF/PSUM use; ``cost.py`` turns

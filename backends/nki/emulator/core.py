@@ -6,7 +6,7 @@ is stored as bfloat16 and every engine write rounds once, round-to-nearest-even)
 raises :class:`EmulatorError` where the Neuron compiler or hardware would reject a kernel.
 Every rule names itself in brackets at the start of the message, e.g. ``[partition-dim]``.
 
-Two modes besides plain execution:
+Modes and policies besides plain execution (each a context manager):
 
 * **count-only** (:func:`count_only`): kernel arguments may be torch ``meta`` tensors (shape and
   dtype, no storage), every tile is allocated on ``meta`` too, so each instruction runs its
@@ -16,6 +16,9 @@ Two modes besides plain execution:
   engines' ``maximum`` / ``minimum`` and max/min reductions do with NaN. By default the emulator
   propagates NaN (as numpy and torch do); under ``"drop"`` they return the other operand
   (IEEE-754 maxNum), so tests can check a kernel does not rely on the undocumented behaviour.
+* **domain policy** (:func:`domain_policy`): an activation input outside its function's valid range is
+  refused (default) or gives NaN; **DMA casting** (:func:`dma_casting`): the descriptor modes in which
+  a DMA may convert dtypes (none by default); **instruction budget** (:func:`instruction_budget`).
 
 Sources for the numbers (NKI 0.7 / Neuron SDK 2.33 docs; aws-neuron/aws-neuron-sdk):
 
