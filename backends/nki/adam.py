@@ -1,13 +1,11 @@
 """Fused Adam / AdamW / AMSGrad: one NKI kernel launch updates every tensor of a step, in place.
 
-The kernel takes the step's tensors as lists (a table it walks at specialization time, NKI
-unrolling the loop): each tensor is its flat HBM view, updated in place, with
-``n // 128 * 128`` elements seen as a ``[128, F]`` body walked in ``[128, 1024]`` tiles, and the
-``n % 128`` elements left over gathered, one tensor per partition, into shared tail tiles
-(``[<=128, <=127]``) so that odd-sized tensors cost a row of a tile, not a tile. Why a table and
-not one flat ``[128, F]`` view of all tensors: the tensors are separate allocations (a flat view
-would mean concatenating and copying back, the cost this kernel exists to avoid), and each
-tensor keeps its own dtype and step count.
+The kernel walks the step's tensors as a table (``tensor_table``: each tensor's flat HBM view as a
+``[128, F]`` body in ``[128, 1024]`` tiles, its ``n % 128`` leftover elements one row of a tail tile that
+tensors of the same dtypes share, so odd-sized tensors cost a row of a tile, not a tile). Why a table and
+not one flat ``[128, F]`` view of all tensors: the tensors are separate allocations (a flat view would mean
+concatenating and copying back, the cost this kernel exists to avoid), and each tensor keeps its own dtype
+and step count.
 
 Everything that changes from step to step is data, not code: a ``[128, C]`` float32 HBM tensor
 of hyperparameters computed on the device with a few torch ops (no host synchronisation), so one
@@ -17,43 +15,63 @@ may differ between tensors), then the same pair per tail tile, one row per tenso
 Only structural flags (amsgrad, decay mode, whether there is a gate or a grad multiplier) and the
 tensors' shapes and dtypes select a compiled variant.
 
-Semantics are ``backends/reference/adam.py``: tiles are loaded into float32 (the DMA converts),
-the engines compute in float32, and each store rounds once to its tensor's dtype (the DMA
-converts back), so float32 moments under bf16/fp16 params need no variant. A non-zero
-``found_inf`` keeps every old value (predicated copies of the new values onto the old tiles, so
-NaN/inf grads cannot leak) and the step counts. The work is spread over the engines so the
-Vector Engine stays under the HBM time (docs/backends/nki.md, cost model): the Scalar Engine
-scales the grads and does sqrt and reciprocal, GpSimd the element-wise products.
+Semantics are ``backends/reference/adam.py``: tiles are loaded in their tensors' dtypes (DMAs do not
+convert), the engines read them and compute in float32, and each new value is rounded once to its
+tensor's dtype on an engine before the DMA stores it, so float32 moments under bf16/fp16 params need no
+variant. The first moment is ``beta1 m + (1 - beta1) g`` (one VectorE pass; where a grad is infinite its
+kind of non-finite value may differ from torch's lerp, which the contract leaves open, and the param is
+NaN as torch's). A non-zero ``found_inf`` keeps every old value (predicated copies of the new values onto
+the old tiles, so NaN/inf grads cannot leak) and the step counts.
+
+``1 / (sqrt(v / bias_correction2) + eps)`` runs on the Scalar Engine, whose sqrt is valid on
+[2^-116, 2^118] and reciprocal on +-[2^-42, 2^42] only (AWS's 'Supported Activation Functions'; the
+emulator refuses other inputs). The sqrt takes ``x + 2^-116``, which brings ``x = 0`` (an untouched
+embedding row's moment) into the domain and leaves every ``x >= 2^-91`` as it is; below that the sqrt
+moves by at most 2^-58, under half an ulp of ``eps >= 2^-33`` (default 1e-8): one rounding of
+``sqrt + eps`` at most. Where ``x`` is over 2^84, infinite or NaN, it is replaced by 0 and the step's
+factor by 0: an infinite moment then gives ``inf * 0 = NaN`` and a finite one over an infinite second
+moment 0, torch's answers (a finite ``x`` over 2^84, a grad past ~2^42 a step, is the one case that
+differs: no update there). ``eps`` outside [2^-42, 2^16] is declined (the reciprocal's domain). The work
+is spread over the engines so each stays under the HBM time (docs/backends/nki.md, cost model): the
+Scalar Engine scales, squares, takes the sqrt and the reciprocal, the Vector Engine the moment updates
+and the domain guard's copy, GpSimd the rest.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import tensor_table
 from .compat import nki, nisa, nl
 from .runtime import launch
 
 PMAX = 128
-F_TILE = 1024  # fp32 elements per partition per tile: 4 KiB DMA payloads; ~16 live tiles = 64 KiB of SBUF
+F_TILE = 1024  # fp32 elements per partition per tile: 4 KiB DMA payloads; ~20 live tiles = 80 KiB of SBUF
 MAX_TENSORS = 1024  # per launch: their hyperparameter columns (8 KiB per partition) stay in SBUF
 # shared hyperparameter columns: the grad multiplier, decay (wd for L2, 1 - lr*wd decoupled),
-# 1 - beta1, sqrt(1 - beta2), beta2, eps, and the found_inf gate (1.0 = apply the step)
-SHARED = (MULT, DECAY, ONE_MINUS_BETA1, SQRT_ONE_MINUS_BETA2, BETA2, EPS, APPLY) = tuple(range(7))
+# beta1, 1 - beta1, sqrt(1 - beta2), beta2, eps, and the found_inf gate (1.0 = apply the step)
+SHARED = (MULT, DECAY, BETA1, ONE_MINUS_BETA1, SQRT_ONE_MINUS_BETA2, BETA2, EPS, APPLY) = tuple(range(8))
 NEG_STEP, INV_BC2 = 0, 1  # offsets within a tensor's (or a tail tile's) pair of columns
 PAIR = 2
 DECAY_NONE, DECAY_L2, DECAY_DECOUPLED = 0, 1, 2
+# The Scalar Engine's sqrt takes [2^-116, 2^118], its reciprocal +-[2^-42, 2^42] (module docstring):
+SQRT_BIAS = 2.0 ** -116  # sqrt(x + 2^-116): 0 enters the domain, and x >= 2^-91 is unchanged by the add
+SECOND_MAX = 2.0 ** 84  # the largest x whose sqrt (2^42) the reciprocal takes
+EPS_RANGE = (2.0 ** -42, 2.0 ** 16)  # eps that keeps sqrt(x) + eps within the reciprocal's domain
 
 
-def _update(p, g, m, v, vmax, hp, neg_step, inv_bc2, shape, amsgrad, decay_mode, scale_grad):
-    """New (p, m, v, vmax) float32 SBUF tiles from the loaded ones; ``neg_step`` / ``inv_bc2`` are
-    the ``[rows, 1]`` columns of the tensor (or tail tile) at hand."""
+def _update(p, g, m, v, vmax, hp, neg_step, inv_bc2, shape, param_dtype, flags):
+    """New ``(p, m, v, vmax)`` SBUF tiles from the loaded ones (each in its tensor's dtype): p in
+    ``param_dtype``, the moments float32. ``neg_step`` / ``inv_bc2`` are the ``[rows, 1]`` columns of the
+    tensor (or tail tile) at hand."""
+    amsgrad, decay_mode, scale_grad = flags
     rows = shape[0]
 
     def col(i):
         return hp[0:rows, i:i + 1]
 
-    def tile():
-        return nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    def tile(dtype=nl.float32):
+        return nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
 
     grad = g
     if scale_grad:  # g / grad_scale * clip_coef, negated under maximize
@@ -63,11 +81,10 @@ def _update(p, g, m, v, vmax, hp, neg_step, inv_bc2, shape, amsgrad, decay_mode,
         with_decay = tile()
         nisa.scalar_tensor_tensor(with_decay, data=p, op0=nl.multiply, operand0=col(DECAY), op1=nl.add, operand1=grad)
         grad = with_decay
-    # m <- m + (1 - beta1) (g - m), torch.lerp's form (an inf moment turns NaN as in torch)
-    m_new = tile()
-    nisa.tensor_tensor(m_new, grad, m, op=nl.subtract, engine=nisa.engine.gpsimd)
-    nisa.scalar_tensor_tensor(m_new, data=m_new, op0=nl.multiply, operand0=col(ONE_MINUS_BETA1), op1=nl.add,
-                              operand1=m)
+    # m <- beta1 m + (1 - beta1) g: the product by 1 - beta1 on the Scalar Engine, the rest one VectorE pass
+    scaled, m_new = tile(), tile()
+    nisa.activation(scaled, op=nl.copy, data=grad, scale=col(ONE_MINUS_BETA1))
+    nisa.scalar_tensor_tensor(m_new, data=m, op0=nl.multiply, operand0=col(BETA1), op1=nl.add, operand1=scaled)
     # v <- beta2 v + (1 - beta2) g^2, the square on the Scalar Engine
     gv, v_new = tile(), tile()
     nisa.activation(gv, op=nl.square, data=grad, scale=col(SQRT_ONE_MINUS_BETA2))
@@ -77,50 +94,48 @@ def _update(p, g, m, v, vmax, hp, neg_step, inv_bc2, shape, amsgrad, decay_mode,
         vmax_new = tile()
         nisa.tensor_tensor(vmax_new, vmax, v_new, op=nl.maximum, engine=nisa.engine.gpsimd)
         second = vmax_new
-    # m / (sqrt(v / bias_correction2) + eps)
-    den = tile()
-    nisa.activation(den, op=nl.sqrt, data=second, scale=inv_bc2)
-    nisa.activation(den, op=nl.reciprocal, data=den, bias=col(EPS))
-    nisa.tensor_tensor(den, m_new, den, op=nl.multiply, engine=nisa.engine.gpsimd)
-    # p <- p (1 - lr wd) - lr / bias_correction1 * m / den
+    # m / (sqrt(v / bias_correction2) + eps), the sqrt and reciprocal fed only their domains: where x = v / bc2 is
+    # over SECOND_MAX, inf or NaN ('ok' false) x becomes 0 and m's factor 0, so m / inf stays 0 and inf / inf NaN
+    x = tile()
+    nisa.activation(x, op=nl.copy, data=second, scale=inv_bc2)
+    ok = tile(nl.uint8)
+    nisa.tensor_scalar(ok, data=x, op0=nl.less_equal, operand0=SECOND_MAX, engine=nisa.engine.gpsimd)
+    nisa.tensor_copy_predicated(dst=x, src=0.0, predicate=ok, reverse_pred=True)
+    step = tile()
+    nisa.activation(step, op=nl.sqrt, data=x, bias=SQRT_BIAS)
+    nisa.activation(step, op=nl.reciprocal, data=step, bias=col(EPS))
+    nisa.tensor_tensor(step, m_new, step, op=nl.multiply, engine=nisa.engine.gpsimd)
+    nisa.tensor_tensor(step, step, ok, op=nl.multiply, engine=nisa.engine.gpsimd)
+    nisa.activation(step, op=nl.copy, data=step, scale=neg_step)
+    # p <- p (1 - lr wd) - lr / bias_correction1 * m / den, rounded once to the param's dtype
     decayed = p
     if decay_mode == DECAY_DECOUPLED:
         decayed = tile()
         nisa.activation(decayed, op=nl.copy, data=p, scale=col(DECAY))
-    p_new = tile()
-    nisa.scalar_tensor_tensor(p_new, data=den, op0=nl.multiply, operand0=neg_step, op1=nl.add, operand1=decayed)
+    p_new = tile(param_dtype)
+    nisa.tensor_tensor(p_new, decayed, step, op=nl.add, engine=nisa.engine.gpsimd)
     return p_new, m_new, v_new, vmax_new
 
 
-def _part(tile, row, count):
-    """The whole tile (``row`` None), or ``count`` elements of partition ``row``."""
-    return tile if row is None else tile[row:row + 1, 0:count]
-
-
-def _step_tiles(views, hp, c0, pred, shape, flags):
-    """Load, update and store one tile's worth. ``views[k]`` (k: 0 param, 1 grad, 2 exp_avg,
-    3 exp_avg_sq, 4 max_exp_avg_sq) lists ``(row, count, hbm_view)``: where the HBM view lands in
-    the tile. ``c0`` is the first of this tile's NEG_STEP / INV_BC2 columns."""
+def _step_tiles(views, dtypes, hp, c0, pred, shape, flags):
+    """Load, update and store one tile's worth. ``views[k]`` / ``dtypes[k]`` (k: 0 param, 1 grad, 2 exp_avg,
+    3 exp_avg_sq, 4 max_exp_avg_sq): where the HBM views land in the tile (tensor_table) and their dtype.
+    ``c0`` is the first of this tile's NEG_STEP / INV_BC2 columns."""
     amsgrad, decay_mode, gated, scale_grad = flags
     rows = shape[0]
-    loaded = []
-    for k in range(5 if amsgrad else 4):
-        tile = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-        for row, count, view in views[k]:
-            nisa.dma_copy(dst=_part(tile, row, count), src=view)  # the DMA converts bf16/fp16 to float32
-        loaded.append(tile)
+    loaded = [tensor_table.load(views[k], dtypes[k], shape) for k in range(5 if amsgrad else 4)]
     p, g, m, v = loaded[:4]
     vmax = loaded[4] if amsgrad else None
     new = _update(p, g, m, v, vmax, hp, hp[0:rows, c0 + NEG_STEP:c0 + NEG_STEP + 1],
-                  hp[0:rows, c0 + INV_BC2:c0 + INV_BC2 + 1], shape, amsgrad, decay_mode, scale_grad)
+                  hp[0:rows, c0 + INV_BC2:c0 + INV_BC2 + 1], shape, dtypes[0], (amsgrad, decay_mode, scale_grad))
     for k, old, fresh in ((0, p, new[0]), (2, m, new[1]), (3, v, new[2]), (4, vmax, new[3])):
         if fresh is None:
             continue
+        fresh = tensor_table.as_dtype(fresh, dtypes[k])
         if gated:  # keep the old values where found_inf is set
             nisa.tensor_copy_predicated(dst=old, src=fresh, predicate=pred[0:rows, 0:shape[1]])
             fresh = old
-        for row, count, view in views[k]:
-            nisa.dma_copy(dst=view, src=_part(fresh, row, count))  # rounds once to the tensor's dtype
+        tensor_table.store(fresh, views[k])
 
 
 @nki.jit
@@ -140,33 +155,24 @@ def adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, hyper, am
         pred = nl.ndarray((PMAX, F_TILE), dtype=nl.uint8, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=pred, data=ones, op0=nl.multiply, operand0=hp[0:PMAX, APPLY:APPLY + 1])
 
-    # bodies: tensor i as [128, F], in [128, F_TILE] tiles and one partial tile
-    for i in range(n):
-        F = params[i].shape[0] // PMAX
-        for f0 in range(0, F, F_TILE):
-            fs = min(F_TILE, F - f0)
-            views = [[(None, None, t[i][0:PMAX * F].reshape((PMAX, F))[0:PMAX, f0:f0 + fs])] for t in state]
-            _step_tiles(views, hp, len(SHARED) + PAIR * i, pred, (PMAX, fs), flags)
+    def dtypes(i):
+        return [t[i].dtype for t in state]
 
-    # tails: the n % 128 last elements of each tensor, one tensor per partition of a shared tile
-    tails = [i for i in range(n) if params[i].shape[0] % PMAX]
-    for b in range(0, len(tails), PMAX):
-        block = tails[b:b + PMAX]
-        views = [[] for _ in state]
-        for r, i in enumerate(block):
-            size = params[i].shape[0]
-            start = size - size % PMAX
-            for k, t in enumerate(state):
-                views[k].append((r, size - start, t[i][start:size].reshape((1, size - start))))
-        width = max(params[i].shape[0] % PMAX for i in block)
-        _step_tiles(views, hp, len(SHARED) + PAIR * (n + b // PMAX), pred, (len(block), width), flags)
+    for i in range(n):
+        for views, shape in tensor_table.body_tiles(state, i, F_TILE):
+            _step_tiles(views, dtypes(i), hp, len(SHARED) + PAIR * i, pred, shape, flags)
+    blocks = tensor_table.tail_blocks([t.shape[0] for t in params], [tuple(dtypes(i)) for i in range(n)])
+    for b, block in enumerate(blocks):
+        views, shape = tensor_table.tail_tile(state, block)
+        _step_tiles(views, dtypes(block[0]), hp, len(SHARED) + PAIR * (n + b), pred, shape, flags)
 
 
 # ----------------------------------------------------------------------------- host side
-def hyperparameters(steps, sizes, *, device, beta1, beta2, lr, weight_decay, eps, maximize, decoupled_weight_decay,
-                    grad_scale, found_inf, clip_coef) -> torch.Tensor:
+def hyperparameters(steps, tail_blocks, *, device, beta1, beta2, lr, weight_decay, eps, maximize,
+                    decoupled_weight_decay, grad_scale, found_inf, clip_coef) -> torch.Tensor:
     """The ``[128, C]`` float32 tensor the kernel reads, computed on ``device`` (no sync). ``steps``
-    are the tensors' step counts before this step, ``sizes`` their element counts."""
+    are the tensors' step counts before this step, ``tail_blocks`` the kernel's tail tiles
+    (``tensor_table.tail_blocks``)."""
     f32 = torch.float32
     step = torch.stack([s.reshape(()) for s in steps]).to(device, f32) + 1
     lr_t = (lr.to(device, f32).reshape(()) if isinstance(lr, torch.Tensor)
@@ -181,20 +187,25 @@ def hyperparameters(steps, sizes, *, device, beta1, beta2, lr, weight_decay, eps
         mult = -mult
     decay = (1 - lr_t * weight_decay) if decoupled_weight_decay else one * weight_decay
     apply = one if found_inf is None else (found_inf.to(device).reshape(()) == 0).to(f32)
-    shared = torch.stack([mult, decay, one * (1 - beta1), one * (1 - beta2) ** 0.5, one * beta2, one * eps, apply])
+    shared = torch.stack([mult, decay, one * beta1, one * (1 - beta1), one * (1 - beta2) ** 0.5, one * beta2, one * eps,
+                          apply])
     per_tensor = torch.stack([-lr_t / (1 - beta1 ** step), 1 / (1 - beta2 ** step)], dim=1)  # [n, 2]
-    tails = [i for i, size in enumerate(sizes) if size % 128]
     blocks = []
-    for b in range(0, len(tails), 128):  # tail tile b: row r holds the pair of tensor tails[b + r]
-        rows = torch.tensor(tails[b:b + 128], device=device)
+    for block in tail_blocks:  # tail tile b: row r holds the pair of tensor block[r]
+        rows = torch.tensor(block, device=device)
         blocks.append(torch.nn.functional.pad(per_tensor.index_select(0, rows), (0, 0, 0, 128 - len(rows))))
     row = torch.cat([shared, per_tensor.reshape(-1)]).reshape(1, -1).expand(128, -1)
     return torch.cat([row, *blocks], dim=1).contiguous()
 
 
 def adam_supports(call) -> list[str]:
-    """Dtypes are declared (``BACKEND``); the kernel updates flat views of the state in place."""
+    """Dtypes are declared (``BACKEND``); the kernel updates flat views of the state in place, and ``eps`` keeps
+    the Scalar Engine's reciprocal in its domain."""
     reasons = []
+    low, high = EPS_RANGE
+    if not low <= call["eps"] <= high:
+        reasons.append(f"eps is {call['eps']!r}, outside [2^-42, 2^16]: the NKI Adam kernel takes 1 / (sqrt(v) + eps) "
+                       "on the Scalar Engine, whose reciprocal is valid on +-[2^-42, 2^42] only")
     for key in ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"):
         if not all(map(torch.Tensor.is_contiguous, call[key])):
             i = next(i for i, t in enumerate(call[key]) if not t.is_contiguous())
@@ -211,13 +222,14 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     live = [i for i, p in enumerate(params) if p.numel()]
     for start in range(0, len(live), MAX_TENSORS):
         chosen = live[start:start + MAX_TENSORS]
-        hyper = hyperparameters([state_steps[i] for i in chosen], [params[i].numel() for i in chosen],
-                                device=params[chosen[0]].device, beta1=beta1, beta2=beta2, lr=lr,
-                                weight_decay=weight_decay, eps=eps, maximize=maximize,
-                                decoupled_weight_decay=decoupled_weight_decay, grad_scale=grad_scale,
-                                found_inf=found_inf, clip_coef=clip_coef)
         lists = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else exp_avg_sqs]
         flat = [[lst[i].reshape(-1) for i in chosen] for lst in lists]  # views (grads may be copied: read only)
+        blocks = tensor_table.tail_blocks([p.numel() for p in flat[0]],
+                                          [tuple(lst[j].dtype for lst in flat) for j in range(len(chosen))])
+        hyper = hyperparameters([state_steps[i] for i in chosen], blocks, device=params[chosen[0]].device,
+                                beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize,
+                                decoupled_weight_decay=decoupled_weight_decay, grad_scale=grad_scale,
+                                found_inf=found_inf, clip_coef=clip_coef)
         launch(adam_kernel, *flat, hyper, **flags)
     if state_steps:
         if found_inf is None:

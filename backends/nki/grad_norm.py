@@ -1,13 +1,14 @@
 """Global gradient norm (2 or inf) of every grad of a step in one NKI kernel launch.
 
-The kernel walks the grads as a table (a list of flat HBM views, unrolled at specialization
-time, as in ``adam.py``): each grad's ``[128, F]`` body in ``[128, 2048]`` tiles, and the
-``n % 128`` leftovers of all grads gathered one grad per partition into zero-filled tail tiles
-(zeros are neutral for a sum of squares and for max |g|). Each tile adds to a ``[128, 1]``
-float32 accumulator: the sum of squares (Scalar Engine activation with its add-reduction), or
-max |g|. At the end the partitions are reduced on GpSimd (``tensor_partition_reduce``) and the
-2-norm takes its ``sqrt``. The result stays on the device as a 0-dim float32 tensor: the clip
-coefficient is computed from it and fed to the Adam kernel's hyperparameters, with no host sync.
+The kernel walks the grads as a table (``tensor_table``, as ``adam.py`` does): each grad's ``[128, F]`` body
+in ``[128, 2048]`` tiles, and the ``n % 128`` leftovers gathered one grad per partition into zero-filled tail
+tiles, one dtype to a tile (zeros are neutral for a sum of squares and for max |g|). Tiles stay in their grads'
+dtypes (DMAs do not convert; the engines read any dtype). Each tile adds to a ``[128, 1]`` float32
+accumulator: the sum of squares (Scalar Engine activation with its add-reduction), or max |g|. At the end the
+partitions are reduced on GpSimd (``tensor_partition_reduce``) and the 2-norm takes its ``sqrt`` through
+``exact_roots`` (the Scalar Engine's sqrt is valid on [2^-116, 2^118]: a zero, tiny, huge, infinite or NaN sum
+gets torch's root, exactly). The result stays on the device as a 0-dim float32 tensor: the clip coefficient is
+computed from it and fed to the Adam kernel's hyperparameters, with no host sync.
 
 NaN: a NaN grad must give a NaN norm, as in torch. The sum of squares propagates it by IEEE
 arithmetic. The max does not have to: the NKI docs do not say what the engines' ``maximum``
@@ -21,6 +22,7 @@ import math
 
 import torch
 
+from . import exact_roots, tensor_table
 from .compat import nki, nisa, nl
 from .runtime import launch
 
@@ -52,24 +54,15 @@ def norm_kernel(grads, norm_inf=False):
     out = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     acc = nl.zeros((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf)
     nans = nl.zeros((PMAX, 1), dtype=nl.float32, buffer=nl.sbuf) if norm_inf else None
-    for g in grads:
-        F = g.shape[0] // PMAX
-        body = g[0:PMAX * F].reshape((PMAX, F)) if F else None
-        for f0 in range(0, F, F_TILE):
-            fs = min(F_TILE, F - f0)
-            tile = nl.ndarray((PMAX, fs), dtype=g.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(dst=tile, src=body[0:PMAX, f0:f0 + fs])
-            _accumulate(tile, (PMAX, fs), acc, nans, norm_inf)
-    tails = [g for g in grads if g.shape[0] % PMAX]
-    for b in range(0, len(tails), PMAX):
-        block = tails[b:b + PMAX]
-        shape = (len(block), max(g.shape[0] % PMAX for g in block))
-        tile = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    table = (grads,)
+    for i, g in enumerate(grads):
+        for views, shape in tensor_table.body_tiles(table, i, F_TILE):
+            _accumulate(tensor_table.load(views[0], g.dtype, shape), shape, acc, nans, norm_inf)
+    for block in tensor_table.tail_blocks([g.shape[0] for g in grads], [g.dtype for g in grads]):
+        views, shape = tensor_table.tail_tile(table, block)
+        tile = nl.ndarray(shape, dtype=grads[block[0]].dtype, buffer=nl.sbuf)
         nisa.memset(dst=tile, value=0.0)
-        for r, g in enumerate(block):
-            size = g.shape[0]
-            start = size - size % PMAX
-            nisa.dma_copy(dst=tile[r:r + 1, 0:size - start], src=g[start:size].reshape((1, size - start)))
+        tensor_table.fill(tile, views[0])
         _accumulate(tile, shape, acc, nans, norm_inf)
 
     total = nl.ndarray((1, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -81,7 +74,7 @@ def norm_kernel(grads, norm_inf=False):
         nisa.tensor_copy(dst=pred, src=seen)
         nisa.tensor_copy_predicated(dst=total, src=math.nan, predicate=pred)
     else:
-        nisa.activation(dst=total, op=nl.sqrt, data=total)
+        total = exact_roots.sqrt(total, 1)
     nisa.dma_copy(dst=out, src=total)
     return out
 

@@ -2,16 +2,15 @@
 
 Layout: rows on the partitions, up to 128 per tile, the normalised dim ``D`` along the free axis whole
 (``D <= MAX_D``, so a row's statistics are free-axis reductions: ``tensor_reduce`` on the Vector Engine, the
-sum of squares as the Scalar Engine's ``square`` activation with its add-reduction). Tiles load into float32
-(the DMA converts), the engines compute in float32, and the stores round once to the output's dtype.
-The residual sum is rounded to x's dtype on chip before it is normalised and stored, so the norm sees what is
-returned. The weight and bias are loaded once per launch onto every partition in use.
+sum of squares as the Scalar Engine's ``square`` activation with its add-reduction). Tiles load in their
+tensors' dtypes (DMAs do not convert), the engines read them and compute in float32, and each output is
+rounded once to its dtype by the engine instruction that computes it last. The residual sum is rounded to x's
+dtype on chip before it is normalised and stored, so the norm sees what is returned. The weight and bias are
+loaded once per launch onto every partition in use.
 
-``rstd = rsqrt(var + eps)`` on the Scalar Engine, whose ``rsqrt`` takes inputs in [2^-116, 2^118] only (the
-emulator rejects others, as the hardware's domain is): each row's value is scaled by a power of two into that
-range (2^-120 above it, 2^120 below it), its rsqrt scaled back by the square root of that power, exactly, and
-the values no scaling can bring in are set apart by predicated copies, to torch's answers: +inf gives 0, 0
-gives +inf, NaN gives NaN. (Below 2^-236 the result is that of 2^-236: reachable only with ``eps < 2^-236``.)
+``rstd = rsqrt(var + eps)`` on the Scalar Engine, whose ``rsqrt`` is valid on [2^-87, 2^97] only (the emulator
+rejects other inputs): ``exact_roots.rsqrt`` scales each row's value into that range by a power of two and
+back, exactly, and gives torch's answers where no scaling can: +inf gives 0, 0 gives +inf, NaN gives NaN.
 
 Backward: per row tile, ``dx = rstd * (w*dy - xhat * mean(w*dy*xhat) - mean(w*dy))`` (the last term LayerNorm's
 alone), plus the gradient that reached the residual sum; the weight and bias gradients are the column sums of
@@ -22,65 +21,42 @@ deterministic, no atomics.
 
 from __future__ import annotations
 
-import math
-
+from . import exact_roots
 from .compat import nki, nisa, nl
 from .runtime import launch
 
 PMAX = 128
 MAX_D = 5120  # a row tile and its temporaries, D float32 each, fit SBUF (224 KiB a partition on Trn2)
-RSQRT_LOW, RSQRT_HIGH = 2.0 ** -116, 2.0 ** 118  # the Scalar Engine's rsqrt input domain
 
 
 def _column(rows):
     return nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.sbuf)
 
 
-def _flag(v, rows, op, value):
-    """A uint8 ``[rows, 1]`` predicate: 1 where ``v <op> value``."""
-    pred = nl.ndarray((rows, 1), dtype=nl.uint8, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=pred, data=v, op0=op, operand0=value)
-    return pred
-
-
-def _rsqrt(v, rows):
-    """``rsqrt(v)`` of a ``[rows, 1]`` float32 column (v >= 0, inf or NaN), the Scalar Engine's rsqrt fed only
-    inputs in its domain (module docstring)."""
-    big = _flag(v, rows, nl.greater, RSQRT_HIGH)
-    small = _flag(v, rows, nl.less, RSQRT_LOW)
-    scale_in, scale_out = _column(rows), _column(rows)
-    for scale, down, up in ((scale_in, 2.0 ** -120, 2.0 ** 120), (scale_out, 2.0 ** -60, 2.0 ** 60)):
-        nisa.memset(dst=scale, value=1.0)  # powers of two, selected: exact, where 1 + f * (2^-120 - 1) is not
-        nisa.tensor_copy_predicated(dst=scale, src=down, predicate=big)
-        nisa.tensor_copy_predicated(dst=scale, src=up, predicate=small)
-    scaled = _column(rows)
-    nisa.tensor_tensor(dst=scaled, data1=v, data2=scale_in, op=nl.multiply)
-    nan = nl.ndarray((rows, 1), dtype=nl.uint8, buffer=nl.sbuf)
-    nisa.tensor_tensor(dst=nan, data1=v, data2=v, op=nl.not_equal)
-    nisa.tensor_copy_predicated(dst=scaled, src=1.0, predicate=nan)  # what max/min do with NaN is undocumented
-    nisa.tensor_scalar(dst=scaled, data=scaled, op0=nl.maximum, operand0=RSQRT_LOW, op1=nl.minimum,
-                       operand1=RSQRT_HIGH)
-    r = _column(rows)
-    nisa.activation(dst=r, op=nl.rsqrt, data=scaled)
-    nisa.tensor_tensor(dst=r, data1=r, data2=scale_out, op=nl.multiply)
-    nisa.tensor_copy_predicated(dst=r, src=0.0, predicate=_flag(v, rows, nl.equal, math.inf))
-    nisa.tensor_copy_predicated(dst=r, src=math.inf, predicate=_flag(v, rows, nl.equal, 0.0))
-    nisa.tensor_copy_predicated(dst=r, src=math.nan, predicate=nan)
-    return r
-
-
 def _broadcast(vector, rows, d):
-    """A ``[D]`` HBM vector on each of ``rows`` partitions, float32."""
-    tile = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
+    """A ``[D]`` HBM vector on each of ``rows`` partitions, in its dtype."""
+    tile = nl.ndarray((rows, d), dtype=vector.dtype, buffer=nl.sbuf)
     for p in range(rows):
         nisa.dma_copy(dst=tile[p:p + 1, 0:d], src=vector.reshape((1, d)))
     return tile
 
 
 def _load(src, r0, rows, d):
-    tile = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=src[r0:r0 + rows, 0:d])  # the DMA converts to float32
+    tile = nl.ndarray((rows, d), dtype=src.dtype, buffer=nl.sbuf)  # as stored: the engines read any dtype
+    nisa.dma_copy(dst=tile, src=src[r0:r0 + rows, 0:d])
     return tile
+
+
+def _chain(steps, scratch, dtype):
+    """Run ``steps`` (each ``step(dst, src)``, ``src`` the float32 ``scratch`` tile) in place on ``scratch``, the
+    last into a new tile of ``dtype`` unless that is float32: the result rounded once, by the engine, to the
+    dtype the DMA stores."""
+    dst = scratch
+    for i, step in enumerate(steps):
+        if i == len(steps) - 1 and dtype != scratch.dtype:
+            dst = nl.ndarray(scratch.shape, dtype=dtype, buffer=nl.sbuf)
+        step(dst, scratch)
+    return dst
 
 
 def _statistics(src, rows, d, eps, rms):
@@ -101,7 +77,7 @@ def _statistics(src, rows, d, eps, rms):
                     reduce_cmd=nisa.reduce_cmd.reset_reduce)
     var = _column(rows)
     nisa.tensor_scalar(dst=var, data=sum_sq, op0=nl.multiply, operand0=1.0 / d, op1=nl.add, operand1=eps)
-    return mean, _rsqrt(var, rows)
+    return mean, exact_roots.rsqrt(var, rows)
 
 
 @nki.jit
@@ -130,17 +106,23 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
             nisa.dma_copy(dst=h_out[r0:r0 + rows, 0:d], src=h)
             src = h  # the sum as returned is what is normalised
         mean, rstd = _statistics(src, rows, d, eps, rms)
-        y = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
-        if rms:
-            nisa.tensor_scalar(dst=y, data=src, op0=nl.multiply, operand0=rstd, engine=nisa.engine.scalar)
-        else:
-            nisa.tensor_scalar(dst=y, data=src, op0=nl.subtract, operand0=mean, op1=nl.multiply, operand1=rstd,
-                               engine=nisa.engine.scalar)
+
+        def normalise(dst, _):
+            if rms:
+                nisa.tensor_scalar(dst=dst, data=src, op0=nl.multiply, operand0=rstd, engine=nisa.engine.scalar)
+            else:
+                nisa.tensor_scalar(dst=dst, data=src, op0=nl.subtract, operand0=mean, op1=nl.multiply,
+                                   operand1=rstd, engine=nisa.engine.scalar)
+
+        steps = [normalise]
         if w is not None:
-            nisa.tensor_tensor(dst=y, data1=y, data2=w[0:rows, 0:d], op=nl.multiply, engine=weight_engine)
+            steps.append(lambda dst, y: nisa.tensor_tensor(dst=dst, data1=y, data2=w[0:rows, 0:d], op=nl.multiply,
+                                                            engine=weight_engine))
         if b is not None:
-            nisa.tensor_tensor(dst=y, data1=y, data2=b[0:rows, 0:d], op=nl.add, engine=bias_engine)
-        nisa.dma_copy(dst=out[r0:r0 + rows, 0:d], src=y)  # rounds once to x's dtype
+            steps.append(lambda dst, y: nisa.tensor_tensor(dst=dst, data1=y, data2=b[0:rows, 0:d], op=nl.add,
+                                                            engine=bias_engine))
+        y = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_copy(dst=out[r0:r0 + rows, 0:d], src=_chain(steps, y, x.dtype))
         nisa.dma_copy(dst=rstd_out[r0:r0 + rows, 0:1], src=rstd)
         if mean is not None:
             nisa.dma_copy(dst=mean_out[r0:r0 + rows, 0:1], src=mean)
@@ -185,17 +167,23 @@ def norm_bwd_kernel(x, rstd, dout, weight=None, mean=None, dh=None, rms=True, bi
         nisa.tensor_scalar(dst=c, data=c, op0=nl.multiply, operand0=1.0 / d)
         dx = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
         nisa.scalar_tensor_tensor(dst=dx, data=xhat, op0=nl.multiply, operand0=c, op1=nl.add, operand1=wdy)
-        if rms:
-            nisa.tensor_scalar(dst=dx, data=dx, op0=nl.multiply, operand0=rs, engine=nisa.engine.scalar)
-        else:  # minus mean(w * dy), then times rstd; the sum from the Scalar Engine's add-reduction
+        if not rms:  # minus mean(w * dy), then times rstd; the sum from the Scalar Engine's add-reduction
             nisa.activation(dst=prod, op=nl.copy, data=wdy, reduce_op=nl.add, reduce_res=c,
                             reduce_cmd=nisa.reduce_cmd.reset_reduce)
             nisa.tensor_scalar(dst=c, data=c, op0=nl.multiply, operand0=-1.0 / d)
-            nisa.tensor_scalar(dst=dx, data=dx, op0=nl.add, operand0=c, op1=nl.multiply, operand1=rs,
-                               engine=nisa.engine.scalar)
+
+        def times_rstd(dst, dx):
+            if rms:
+                nisa.tensor_scalar(dst=dst, data=dx, op0=nl.multiply, operand0=rs, engine=nisa.engine.scalar)
+            else:
+                nisa.tensor_scalar(dst=dst, data=dx, op0=nl.add, operand0=c, op1=nl.multiply, operand1=rs,
+                                   engine=nisa.engine.scalar)
+
+        steps = [times_rstd]
         if dh is not None:
-            nisa.tensor_tensor(dst=dx, data1=dx, data2=_load(dh, r0, rows, d), op=nl.add, engine=nisa.engine.gpsimd)
-        nisa.dma_copy(dst=dx_out[r0:r0 + rows, 0:d], src=dx)  # rounds once to x's dtype
+            steps.append(lambda dst, g: nisa.tensor_tensor(dst=dst, data1=g, data2=_load(dh, r0, rows, d), op=nl.add,
+                                                            engine=nisa.engine.gpsimd))
+        nisa.dma_copy(dst=dx_out[r0:r0 + rows, 0:d], src=_chain(steps, dx, x.dtype))
         if acc_w is not None:
             nisa.tensor_tensor(dst=prod, data1=dy, data2=xhat, op=nl.multiply, engine=nisa.engine.gpsimd)
             nisa.tensor_tensor(dst=acc_w[0:rows, 0:d], data1=acc_w[0:rows, 0:d], data2=prod, op=nl.add)

@@ -1,10 +1,9 @@
 """Fused SGD (momentum, dampening, Nesterov, L2 weight decay, maximize): one NKI kernel launch updates every
 tensor of a step, in place.
 
-The kernel walks the step's tensors as a table, as ``adam.py``'s does (its module docstring says why): each
-tensor is its flat HBM view, ``n // 128 * 128`` elements seen as a ``[128, F]`` body walked in
-``[128, 1024]`` tiles, and the ``n % 128`` left over gathered, one tensor per partition, into shared tail
-tiles. A momentum buffer has its param's dtype, as torch's.
+The kernel walks the step's tensors as a table (``tensor_table``, as ``adam.py``'s does; its module docstring says
+why): each tensor's flat HBM view as a ``[128, F]`` body in ``[128, 2048]`` tiles, the ``n % 128`` left over one
+row of a tail tile shared by tensors of the same dtypes. A momentum buffer has its param's dtype, as torch's.
 
 Everything that changes from step to step is data: a ``[128, 6]`` float32 HBM tensor of hyperparameters
 (:data:`COLUMNS`) computed on the device with a few torch ops (no host synchronisation), so one compiled
@@ -12,18 +11,20 @@ kernel serves every step and every learning-rate schedule. Only structural flags
 or not, whether the buffers are new (set to the grad instead of decayed: a step whose params mix new and old
 buffers is two launches), dampening, Nesterov, weight decay, a grad multiplier, a found_inf gate.
 
-Semantics are the definition's (``portable_ops/definitions/sgd.py``): tiles are loaded into float32 (the DMA
-converts), the engines compute in float32, and each store rounds once to its tensor's dtype. A non-zero
-``found_inf`` keeps every old value (predicated copies of the new values onto the old tiles). The work is
-spread over the engines (docs/backends/nki.md, cost model): the Scalar Engine does every product by a
-hyperparameter, the Vector Engine the weight decay and the buffer's update (``scalar_tensor_tensor``, a product
-and a sum in one pass), GpSimd the Nesterov and param sums.
+Semantics are the definition's (``portable_ops/definitions/sgd.py``): tiles are loaded in their tensors' dtypes
+(DMAs do not convert), the engines read them and compute in float32, and each new value is rounded once to its
+tensor's dtype on an engine before the DMA stores it. A non-zero ``found_inf`` keeps every old value (predicated
+copies of the new values onto the old tiles). The work is spread over the engines (docs/backends/nki.md, cost
+model): the Scalar Engine does every product by a hyperparameter and a 16-bit buffer's rounding, the Vector
+Engine the weight decay and the buffer's update (``scalar_tensor_tensor``, a product and a sum in one pass),
+GpSimd the Nesterov and param sums.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import tensor_table
 from .compat import nki, nisa, nl
 from .runtime import launch
 
@@ -35,17 +36,17 @@ MAX_TENSORS = 1024  # per launch: the table is unrolled at specialization time
 COLUMNS = (MULT, WEIGHT_DECAY, MOMENTUM, DAMPENING_KEEP, NEG_LR, APPLY) = tuple(range(6))
 
 
-def _update(p, g, buf, hp, shape, flags):
-    """New (p, buf) float32 SBUF tiles from the loaded ones (``buf`` None without momentum; not read when
-    the buffers are new)."""
+def _update(p, g, buf, hp, shape, param_dtype, flags):
+    """New ``(p, buf)`` SBUF tiles from the loaded ones (each in its tensor's dtype): p in ``param_dtype``, buf
+    float32 (None without momentum; ``buf`` is not read when the buffers are new)."""
     momentum, first, dampened, nesterov, weight_decay, scale_grad = flags
     rows = shape[0]
 
     def col(i):
         return hp[0:rows, i:i + 1]
 
-    def tile():
-        return nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
+    def tile(dtype=nl.float32):
+        return nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
 
     grad = g
     if scale_grad:
@@ -74,39 +75,30 @@ def _update(p, g, buf, hp, shape, flags):
             direction = tile()
             nisa.activation(direction, op=nl.copy, data=buf_new, scale=col(MOMENTUM))
             nisa.tensor_tensor(direction, direction, grad, op=nl.add, engine=nisa.engine.gpsimd)
-    # p - lr * direction: as above, so that VectorE carries only the weight decay and the buffer
-    step, p_new = tile(), tile()
+    # p - lr * direction, rounded once to the param's dtype: as above, so that VectorE carries only the weight
+    # decay and the buffer
+    step, p_new = tile(), tile(param_dtype)
     nisa.activation(step, op=nl.copy, data=direction, scale=col(NEG_LR))
     nisa.tensor_tensor(p_new, p, step, op=nl.add, engine=nisa.engine.gpsimd)
     return p_new, buf_new
 
 
-def _part(tile, row, count):
-    """The whole tile (``row`` None), or ``count`` elements of partition ``row``."""
-    return tile if row is None else tile[row:row + 1, 0:count]
-
-
-def _step_tiles(views, hp, pred, shape, flags, gated):
-    """Load, update and store one tile's worth. ``views[k]`` (k: 0 param, 1 grad, 2 momentum buffer) lists
-    ``(row, count, hbm_view)``: where the HBM view lands in the tile."""
+def _step_tiles(views, dtypes, hp, pred, shape, flags, gated):
+    """Load, update and store one tile's worth. ``views[k]`` / ``dtypes[k]`` (k: 0 param, 1 grad, 2 momentum
+    buffer): where the HBM views land in the tile (tensor_table) and their dtype."""
     momentum, first = flags[0], flags[1]
-    loaded = []
-    for k in range(3 if momentum and not first else 2):
-        tile = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-        for row, count, view in views[k]:
-            nisa.dma_copy(dst=_part(tile, row, count), src=view)  # the DMA converts bf16/fp16 to float32
-        loaded.append(tile)
+    loaded = [tensor_table.load(views[k], dtypes[k], shape) for k in range(3 if momentum and not first else 2)]
     p, g = loaded[:2]
     buf = loaded[2] if len(loaded) > 2 else None
-    p_new, buf_new = _update(p, g, buf, hp, shape, flags)
+    p_new, buf_new = _update(p, g, buf, hp, shape, dtypes[0], flags)
     for k, old, fresh in ((0, p, p_new), (2, buf, buf_new)):
         if fresh is None:
             continue
+        fresh = tensor_table.as_dtype(fresh, dtypes[k])
         if gated and old is not None:  # keep the old values where found_inf is set
             nisa.tensor_copy_predicated(dst=old, src=fresh, predicate=pred[0:shape[0], 0:shape[1]])
             fresh = old
-        for row, count, view in views[k]:
-            nisa.dma_copy(dst=view, src=_part(fresh, row, count))  # rounds once to the tensor's dtype
+        tensor_table.store(fresh, views[k])
 
 
 @nki.jit
@@ -128,26 +120,15 @@ def sgd_kernel(params, grads, momentum_buffers, hyper, momentum=False, first=Fal
         pred = nl.ndarray((PMAX, F_TILE), dtype=nl.uint8, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=pred, data=ones, op0=nl.multiply, operand0=hp[0:PMAX, APPLY:APPLY + 1])
 
-    # bodies: tensor i as [128, F], in [128, F_TILE] tiles and one partial tile
-    for i in range(n):
-        F = params[i].shape[0] // PMAX
-        for f0 in range(0, F, F_TILE):
-            fs = min(F_TILE, F - f0)
-            views = [[(None, None, t[i][0:PMAX * F].reshape((PMAX, F))[0:PMAX, f0:f0 + fs])] for t in state]
-            _step_tiles(views, hp, pred, (PMAX, fs), flags, gated)
+    def dtypes(i):
+        return [t[i].dtype for t in state]
 
-    # tails: the n % 128 last elements of each tensor, one tensor per partition of a shared tile
-    tails = [i for i in range(n) if params[i].shape[0] % PMAX]
-    for b in range(0, len(tails), PMAX):
-        block = tails[b:b + PMAX]
-        views = [[] for _ in state]
-        for r, i in enumerate(block):
-            size = params[i].shape[0]
-            start = size - size % PMAX
-            for k, t in enumerate(state):
-                views[k].append((r, size - start, t[i][start:size].reshape((1, size - start))))
-        width = max(params[i].shape[0] % PMAX for i in block)
-        _step_tiles(views, hp, pred, (len(block), width), flags, gated)
+    for i in range(n):
+        for views, shape in tensor_table.body_tiles(state, i, F_TILE):
+            _step_tiles(views, dtypes(i), hp, pred, shape, flags, gated)
+    for block in tensor_table.tail_blocks([t.shape[0] for t in params], [tuple(dtypes(i)) for i in range(n)]):
+        views, shape = tensor_table.tail_tile(state, block)
+        _step_tiles(views, dtypes(block[0]), hp, pred, shape, flags, gated)
 
 
 # ----------------------------------------------------------------------------- host side

@@ -9,7 +9,11 @@ AWS's per-instruction examples are ported as tests (tests/test_nki_aws_examples.
 with :class:`EmulatorError` naming the rule, what the docs say the compiler or hardware rejects
 (more than 128 partitions, SBUF/PSUM over capacity, a PSUM tile over one 2 KiB bank, matmul
 operands outside the Tensor Engine limits, engines reading HBM, GpSimd touching PSUM, DMA
-touching PSUM, accumulating onto PSUM no matmul initialised, unsupported dtypes, ...).
+touching PSUM, accumulating onto PSUM no matmul initialised, unsupported dtypes, activation
+inputs outside their valid ranges, dtype-converting DMAs, strided or misaligned partition
+accesses, memset values a dtype cannot hold, LNC launches whose cores race on HBM, more
+instructions than the compiler takes, ...; docs/backends/nki.md lists them with their sources).
+``kernel[2](...)`` runs a kernel on the two cores of a logical NeuronCore (:class:`EmulatedKernel`).
 
 While a kernel runs it counts, per engine, the instructions issued, the elements they stream and
 the DMA bytes moved (:func:`count_instructions`), and the peak SBUF/PSUM use; ``cost.py`` turns
@@ -33,8 +37,8 @@ import functools
 import torch
 
 from . import core, isa, language  # noqa: F401
-from .core import (EmulatorError, Stats, count_instructions, count_only, max_nan_semantics,  # noqa: F401
-                   use_target)
+from .core import (EmulatorError, Stats, count_instructions, count_only, dma_casting, domain_policy,  # noqa: F401
+                   instruction_budget, max_nan_semantics, use_target)
 
 __version__ = "0.7.0-emulated"
 IS_EMULATOR = True
@@ -44,6 +48,9 @@ def _to_torch(value):
     if isinstance(value, core.Tensor):
         if value.buffer.on_chip:
             core.reject("kernel-return", "a kernel returns HBM tensors (nl.shared_hbm), not on-chip tiles")
+        if value.buffer is not core.shared_hbm and core.launch.cores > 1:
+            core.reject("lnc-output", "a kernel launched on several cores returns nl.shared_hbm tensors, not "
+                        "nl.private_hbm ones, which each core has its own of (lnc.rst, 'Final Notes')")
         return value.data
     if isinstance(value, (tuple, list)):
         return type(value)(_to_torch(v) for v in value)
@@ -59,26 +66,51 @@ def _to_hbm(value):
     return value
 
 
+def _flat(value):
+    if isinstance(value, (tuple, list)):
+        return [x for v in value for x in _flat(v)]
+    return [value]
+
+
 class EmulatedKernel:
     """What ``@nki.jit`` returns here: calling it runs the kernel body on CPU tensors (writes to
-    argument tensors land in them, as NKI kernels update their HBM inputs in place)."""
+    argument tensors land in them, as NKI kernels update their HBM inputs in place).
 
-    def __init__(self, fn):
-        self.fn = fn
+    ``kernel[2](...)`` launches it on the two physical cores of a logical NeuronCore (LNC=2): the body runs
+    once per core, in turn, with ``nl.program_id(0)`` that core's index and ``nl.num_programs()`` 2, each core
+    with its own SBUF and PSUM, the HBM shared (core.Launch checks the cores do not race on it)."""
+
+    def __init__(self, fn, cores: int = 1):
+        self.fn, self.cores = fn, cores
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
         args, kwargs = _to_hbm(args), {k: _to_hbm(v) for k, v in kwargs.items()}
-        saved = core.memory.tiles, core.memory.scopes
-        core.memory.reset()
+        saved = core.memory.tiles, core.memory.scopes, core.launch
+        core.launch = core.Launch(self.cores)
         core.record_launch()
         try:
-            return _to_torch(self.fn(*args, **kwargs))
+            results = []
+            for index in range(self.cores):
+                core.memory.reset()
+                core.launch.start_core(index)
+                results.append(self.fn(*args, **kwargs))
+            out, first = _to_torch(results[0]), _flat(results[0])
+            if any(len(_flat(r)) != len(first) or any(a is not b for a, b in zip(_flat(r), first)) for r in results):
+                core.reject("lnc-divergent", "the cores of a launch return different values; a kernel returns the "
+                            "shared HBM tensors every core declared")
+            return out
         finally:
-            core.memory.tiles, core.memory.scopes = saved
+            core.memory.tiles, core.memory.scopes, core.launch = saved
 
     def __getitem__(self, grid):
-        return self  # kernel[lnc]: one program here (nl.program_id() == 0)
+        """``kernel[cores]``: one number, 1 or 2 (lnc.rst: "The bracket syntax must contain only one number";
+        logical-neuroncore-config.rst: "LNC can only be set to 1 or 2")."""
+        limit = core.target().max_lnc
+        if isinstance(grid, bool) or not isinstance(grid, int) or not 1 <= grid <= limit:
+            core.reject("lnc-grid", f"kernel[{grid!r}]: the launch grid is one number of cores, 1 to {limit} on "
+                        f"{core.target().name}")
+        return EmulatedKernel(self.fn, grid)
 
 
 def jit(fn=None, **kwargs):

@@ -6,7 +6,7 @@ is stored as bfloat16 and every engine write rounds once, round-to-nearest-even)
 raises :class:`EmulatorError` where the Neuron compiler or hardware would reject a kernel.
 Every rule names itself in brackets at the start of the message, e.g. ``[partition-dim]``.
 
-Two modes besides plain execution:
+Modes and policies besides plain execution (each a context manager):
 
 * **count-only** (:func:`count_only`): kernel arguments may be torch ``meta`` tensors (shape and
   dtype, no storage), every tile is allocated on ``meta`` too, so each instruction runs its
@@ -16,6 +16,9 @@ Two modes besides plain execution:
   engines' ``maximum`` / ``minimum`` and max/min reductions do with NaN. By default the emulator
   propagates NaN (as numpy and torch do); under ``"drop"`` they return the other operand
   (IEEE-754 maxNum), so tests can check a kernel does not rely on the undocumented behaviour.
+* **domain policy** (:func:`domain_policy`): an activation input outside its function's valid range is
+  refused (default) or gives NaN; **DMA casting** (:func:`dma_casting`): the descriptor modes in which
+  a DMA may convert dtypes (none by default); **instruction budget** (:func:`instruction_budget`).
 
 Sources for the numbers (NKI 0.7 / Neuron SDK 2.33 docs; aws-neuron/aws-neuron-sdk):
 
@@ -25,6 +28,11 @@ Sources for the numbers (NKI 0.7 / Neuron SDK 2.33 docs; aws-neuron/aws-neuron-s
   partition): nki/guides/architecture/trainium2_arch.rst
 * SBUF 32 MiB (256 KiB per partition) on NeuronCore-v4 (Trn3), PSUM unchanged:
   nki/guides/architecture/trainium3_arch.rst
+* Logical NeuronCores: 1 or 2 physical cores per launch on Trn2 and Trn3, each with its own SBUF and PSUM
+  and the HBM shared: about-neuron/arch/neuron-features/logical-neuroncore-config.rst, nki/get-started/about/lnc.rst
+* The compiler's instruction threshold, 5,000,000: its XTP002/XTP003 messages ("Number of instructions (N) is
+  over the threshold (5000000)", github aws-neuron/aws-neuron-sdk issues 987 and 1003); AWS's error-code pages
+  (NCC_EBVF030, NCC_EVRF007, NCC_EXTP004) name the error without the figure.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ def reject(rule: str, message: str):
 # ----------------------------------------------------------------------------- targets and modes
 @dataclass(frozen=True)
 class Target:
+    """A NeuronCore's limits. Trn3's own figures where AWS's Trn3 docs give them (SBUF, bf16 matmul output,
+    DMA priority); PSUM banks, matmul tile sizes and partitions are Trn2's, which those docs do not restate."""
     name: str
     pmax: int = 128
     sbuf_partition_bytes: int = 224 * 1024
@@ -60,13 +70,22 @@ class Target:
     psum_num_banks: int = 8
     gemm_stationary_fmax: int = 128
     gemm_moving_fmax: int = 512
+    matmul_psum_dtypes: tuple = ("float32",)  # nc_matmul output dtypes
+    dma_priority: bool = False  # dma_copy(priority=...): "NeuronCore-v4+ only"
+    max_lnc: int = 2  # physical cores per logical NeuronCore
 
 
 TARGETS = {
     "trn2": Target("trn2"),  # NeuronCore-v3: 28 MiB SBUF / 128 partitions
-    "trn3": Target("trn3", sbuf_partition_bytes=256 * 1024),  # NeuronCore-v4: 32 MiB SBUF
+    # NeuronCore-v4: 32 MiB SBUF; matmuls may write and accumulate bf16 in PSUM (trainium3_arch.rst,
+    # 'BF16 Matmul Results in PSUM')
+    "trn3": Target("trn3", sbuf_partition_bytes=256 * 1024, matmul_psum_dtypes=("float32", "bfloat16"),
+                   dma_priority=True),
 }
-_state = {"target": TARGETS["trn2"], "count_only": False, "max_nan": "propagate"}
+DOMAIN_POLICIES = ("raise", "poison")
+INSTRUCTION_BUDGET = 5_000_000  # per core and launch: the compiler's threshold (module docstring)
+_state = {"target": TARGETS["trn2"], "count_only": False, "max_nan": "propagate", "domain": "raise",
+          "dma_cast_modes": frozenset(), "budget": INSTRUCTION_BUDGET}
 
 
 def target() -> Target:
@@ -102,6 +121,42 @@ def max_nan_semantics(mode: str):
 
 def nan_drops() -> bool:
     return _state["max_nan"] == "drop"
+
+
+def domain_policy(mode: str):
+    """What an activation function does with inputs outside its documented valid range (where the hardware
+    gives invalid results): ``"raise"`` (default) rejects the kernel (``engine-domain``), ``"poison"``
+    writes NaN there, so a test can check the kernel never lets such a result reach its outputs."""
+    if mode not in DOMAIN_POLICIES:
+        raise ValueError(f"mode must be one of {DOMAIN_POLICIES}, got {mode!r}")
+    return _setting("domain", mode)
+
+
+def poisons() -> bool:
+    return _state["domain"] == "poison"
+
+
+def dma_casting(*modes):
+    """Inside the block a ``dma_copy`` may convert dtypes when its ``dge_mode`` is one of ``modes``
+    (``nki.isa.dge_mode`` members); by default no mode is trusted to, so every dtype-converting DMA is
+    refused (``dma-cast``) and kernels convert on an engine (docs/backends/nki.md says why)."""
+    return _setting("dma_cast_modes", frozenset(modes))
+
+
+def dma_casts_in(mode) -> bool:
+    return mode in _state["dma_cast_modes"]
+
+
+def instruction_budget(count: int):
+    """Instructions one core may issue in one launch (default :data:`INSTRUCTION_BUDGET`)."""
+    if not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be a positive int, got {count!r}")
+    return _setting("budget", count)
+
+
+def program() -> tuple[int, int]:
+    """``(program_id, num_programs)`` of the core running now: ``(0, 1)`` outside a multi-core launch."""
+    return launch.core, launch.cores
 
 
 def device() -> torch.device:
@@ -219,6 +274,7 @@ def count_instructions():
 
 def record(engine: str, cost: str, size: int, inputs: int = 1, flops: int = 0):
     """One instruction on ``engine``, priced by rule ``cost`` at ``size`` free elements per partition."""
+    launch.issue()
     for stats in _stats_stack:
         stats.instructions[engine] += 1
         stats.elements[engine] += int(size) * inputs
@@ -228,6 +284,7 @@ def record(engine: str, cost: str, size: int, inputs: int = 1, flops: int = 0):
 
 def record_dma(nbytes: int, src_on_chip: bool, dst_on_chip: bool):
     direction = "in" if dst_on_chip and not src_on_chip else "out" if src_on_chip and not dst_on_chip else "other"
+    launch.issue()
     for stats in _stats_stack:
         stats.instructions["dma"] += 1
         stats.elements["dma"] += int(nbytes)
@@ -238,6 +295,62 @@ def record_dma(nbytes: int, src_on_chip: bool, dst_on_chip: bool):
 def record_launch():
     for stats in _stats_stack:
         stats.launches += 1
+
+
+# ----------------------------------------------------------------------------- launches
+class Launch:
+    """One kernel launch: its cores (``kernel[cores]``), the core running now and what it has issued (against
+    the instruction budget), and across cores the shared-HBM tensors the kernel allocates (one tensor for all
+    cores, as the compiler makes an LNC kernel's outputs) and which core read or wrote each HBM element: the
+    cores run concurrently with no ordering between them, so an element one core writes and another reads or
+    writes is a race (``lnc-race``)."""
+
+    def __init__(self, cores: int = 1):
+        self.cores, self.core, self.issued = cores, 0, 0
+        self.shared, self.next_shared = [], 0
+        self.marks = {}  # HBM storage -> (written-by, read-by) core bit masks per element
+
+    def start_core(self, core: int):
+        self.core, self.issued, self.next_shared = core, 0, 0
+
+    def issue(self):
+        self.issued += 1
+        if self.issued > _state["budget"]:
+            reject("instruction-budget", f"core {self.core} issued more than {_state['budget']:,} instructions in one "
+                   "launch, the Neuron compiler's threshold (its XTP002 error); tile the work over more launches")
+
+    def shared_tensor(self, shape, dtype, make) -> "Tensor":
+        """The ``nl.shared_hbm`` tensor the current core declares: core 0's, for the others."""
+        if self.core == 0:
+            self.shared.append(make())
+            return self.shared[-1]
+        if self.next_shared >= len(self.shared) or self.shared[self.next_shared].shape != shape \
+                or self.shared[self.next_shared].dtype != dtype:
+            reject("lnc-divergent", f"core {self.core} declares shared HBM tensor #{self.next_shared} {shape} {dtype}, "
+                   "which core 0 did not: every core of a launch must declare the same shared tensors")
+        self.next_shared += 1
+        return self.shared[self.next_shared - 1]
+
+    def access(self, tensor: "Tensor", write: bool):
+        """Record that the current core reads or writes ``tensor`` (in HBM); reject a cross-core race."""
+        if self.cores == 1 or _state["count_only"]:
+            return
+        data = tensor.data
+        key = (data.untyped_storage().data_ptr(), data.element_size())
+        if key not in self.marks:
+            n = data.untyped_storage().nbytes() // data.element_size()
+            self.marks[key] = (torch.zeros(n, dtype=torch.int8), torch.zeros(n, dtype=torch.int8))
+        written, read = (m.as_strided(data.shape, data.stride(), data.storage_offset()) for m in self.marks[key])
+        others = ~(1 << self.core)
+        clash = (written | read) & others if write else written & others
+        if bool(clash.any()):
+            kind = "writes" if write else "reads"
+            reject("lnc-race", f"core {self.core} {kind} HBM elements of {tensor.shape} that another core of the "
+                   "launch wrote or read: the cores run concurrently, so each must own the HBM it writes")
+        (written if write else read).bitwise_or_(1 << self.core)
+
+
+launch = Launch()
 
 
 # ----------------------------------------------------------------------------- on-chip allocations
@@ -336,10 +449,22 @@ class Tensor:
         return self.free_size * self.dtype.itemsize
 
     def __getitem__(self, index) -> "Tensor":
+        if self.buffer.on_chip:
+            index = _keep_partition_axis(index, self.shape[0])
         view = self.data[index]
-        if self.buffer.on_chip and view.dim() == 0:
-            reject("tile-rank", "an on-chip tile access must keep the partition axis (got a scalar)")
+        if self.buffer.on_chip:
+            if view.dim() == 0:
+                reject("tile-rank", "an on-chip tile access must keep the partition axis (got a scalar)")
+            if view.shape[0] > 1 and view.stride(0) != self.root.data.stride(0):
+                # trainium_inferentia2_arch.rst: "hardware does not allow P dimension striding"
+                reject("partition-stride", f"{self.buffer.name} access {tuple(view.shape)} steps over partitions; an "
+                       "SBUF/PSUM access covers consecutive partitions (no stride on the partition axis)")
         return Tensor(view, self.dtype, self.buffer, self.root)
+
+    @property
+    def start_partition(self) -> int:
+        """The first partition an on-chip view covers."""
+        return (self.data.storage_offset() - self.root.data.storage_offset()) // self.root.data.stride(0)
 
     def __setitem__(self, key, value):
         reject("tile-assign", "assign through nki.isa instructions (dst=...), not with Python item assignment")
@@ -376,6 +501,15 @@ class Tensor:
         self.root.last_writer = "other"
 
 
+def _keep_partition_axis(index, partitions: int):
+    """An integer index on the partition axis keeps it, at size 1 (NKI language guide, 'The partition dimension
+    is special')."""
+    first, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+    if isinstance(first, int) and -partitions <= first < partitions:  # out of range: torch's IndexError
+        first = slice(first % partitions, first % partitions + 1)
+    return (first, *rest)
+
+
 def allocate(shape, dtype, buffer) -> Tensor:
     shape = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
     dtype = as_dtype(dtype)
@@ -393,10 +527,15 @@ def allocate(shape, dtype, buffer) -> Tensor:
                    f"(first) is at most nl.tile_size.pmax = {target().pmax}")
         if buffer is psum and dtype not in (float32, bfloat16, float16, int32):
             reject("dtype-unsupported", f"PSUM holds fp32 accumulations (or 16-bit transpose output), not {dtype}")
-    # fresh memory reads as NaN (floats) / 4 (integers), like nki.simulate's sentinels, so a kernel
-    # that computes on memory it never wrote shows it in its output
-    tensor = Tensor(torch.full(shape, float("nan") if dtype.is_float else 4, dtype=dtype.torch_dtype,
-                               device=device()), dtype, buffer)
+    def fresh():
+        # fresh memory reads as NaN (floats) / 4 (integers), like nki.simulate's sentinels, so a kernel
+        # that computes on memory it never wrote shows it in its output
+        return Tensor(torch.full(shape, float("nan") if dtype.is_float else 4, dtype=dtype.torch_dtype,
+                                 device=device()), dtype, buffer)
+
+    if buffer is shared_hbm and launch.cores > 1:
+        return launch.shared_tensor(shape, dtype, fresh)
+    tensor = fresh()
     if buffer.on_chip:
         memory.allocate(tensor)
     return tensor

@@ -79,7 +79,17 @@ def _tile(name: str, t, instr: str) -> Tensor:
                "only (move HBM data with nisa.dma_copy)")
     if t.shape[0] > core.target().pmax:
         reject("partition-dim", f"{instr}: {name} spans {t.shape[0]} partitions > {core.target().pmax}")
+    start, count = t.start_partition, t.shape[0]
+    if start % _start_alignment(count):
+        reject("start-partition", f"{instr}: {name} covers {count} partitions from partition {start}; an engine "
+               f"access of {count} partitions starts at a multiple of {_start_alignment(count)}")
     return t
+
+
+def _start_alignment(partitions: int) -> int:
+    """Where an engine's SBUF/PSUM access of ``partitions`` partitions may start (trainium_inferentia2_arch.rst):
+    over 64 at 0, over 32 at 0 or 64, else at 0/32/64/96."""
+    return 128 if partitions > 64 else 64 if partitions > 32 else 32
 
 
 def _same_layout(a: Tensor, b: Tensor, instr: str, what: str):
@@ -163,9 +173,31 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     if dst.size != src.size:
         reject("dma-shape", f"dma_copy: dst {dst.shape} and src {src.shape} hold different element counts "
                f"({dst.size} and {src.size})")
+    _dma_options(priority, dge_mode, engine)
+    if src.dtype != dst.dtype and not core.dma_casts_in(dge_mode):
+        reject("dma-cast", f"dma_copy: src is {src.dtype} and dst {dst.dtype}; whether a DMA converts depends on its "
+               f"descriptor mode (NKI ISA API Common Fields, 'Type Casting'), and dge_mode={dge_mode.name} is not "
+               "one the emulator is told converts (emulator.dma_casting): move the dtype as it is and convert "
+               "on an engine")
+    for t, write in ((src, False), (dst, True)):
+        if not t.buffer.on_chip:
+            core.launch.access(t, write)
     dst.assign(lambda: (src.read() if src.dtype != dst.dtype else src.data).reshape(dst.shape))
     hbm_side = src if not src.buffer.on_chip else dst
     core.record_dma(hbm_side.size * hbm_side.dtype.itemsize, src.buffer.on_chip, dst.buffer.on_chip)
+
+
+def _dma_options(priority, dge, sequencer):
+    """dma_copy's ``priority`` is NeuronCore-v4's (dma_copy reference); ``engine`` picks the sequencer that
+    triggers hardware DGE, scalar or sync, and only with ``dge_mode.hwdge`` (nki/deep-dives/nki-dge.rst)."""
+    if priority is not None and not core.target().dma_priority:
+        reject("dma-priority", f"dma_copy(priority={priority!r}): DMA priority levels are NeuronCore-v4+ only, "
+               f"not on {core.target().name}")
+    if priority is not None and priority not in (0, 1, 2, 3):
+        reject("dma-priority", f"dma_copy(priority={priority!r}): a priority is 0 (highest) to 3")
+    if sequencer is not engine.unknown and (dge is not dge_mode.hwdge or sequencer not in (engine.scalar, engine.sync)):
+        reject("dma-engine", f"dma_copy(engine={sequencer.name}, dge_mode={dge.name}): engine selects the scalar or "
+               "sync sequencer that triggers hardware DGE, so it takes dge_mode=hwdge")
 
 
 def tensor_copy(dst, src, engine=engine.unknown, name=None):
@@ -181,12 +213,35 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
 
 
 def memset(dst, value, engine=engine.unknown, name=None):
+    """Fill ``dst`` with the compile-time constant ``value`` (any NKI dtype; at most four free axes, the
+    v2.33 reference says), on the Vector or GpSimd Engine."""
     _tile("dst", dst, "memset")
+    if dst.ndim > 5:
+        reject("memset-shape", f"memset: dst {dst.shape} has {dst.ndim - 1} free axes; memset takes at most four")
+    _memset_value(value, dst.dtype)
     eng = _engine_name(engine, "vector" if dst.buffer is psum else "gpsimd", ("vector", "gpsimd"), "memset")
     if eng == "gpsimd":
         _gpsimd_psum("memset on gpsimd", dst)
     dst.assign(lambda: torch.full((), float(value)))
     core.record(eng, "stream", dst.free_size)
+
+
+def _memset_value(value, dtype):
+    """A Python number the dtype holds: what the engines write for one it does not (a fraction or an
+    out-of-range integer into an integer tile, a finite value past a float type's range) is undocumented."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        reject("memset-value", f"memset: value must be a compile-time number, got {type(value).__name__}")
+    if dtype.is_float:
+        if math.isfinite(value) and not math.isfinite(torch.tensor(float(value)).to(dtype.torch_dtype).item()):
+            reject("memset-value", f"memset: {value!r} is past {dtype}'s range")
+        return
+    low, high = _INTEGER_RANGE[dtype.name]
+    if not (math.isfinite(value) and float(value).is_integer() and low <= value <= high):
+        reject("memset-value", f"memset: {value!r} is not an integer in {dtype}'s range [{low}, {high}]")
+
+
+_INTEGER_RANGE = {"int8": (-2 ** 7, 2 ** 7 - 1), "uint8": (0, 2 ** 8 - 1), "int16": (-2 ** 15, 2 ** 15 - 1),
+                  "uint16": (0, 2 ** 16 - 1), "int32": (-2 ** 31, 2 ** 31 - 1), "uint32": (0, 2 ** 32 - 1)}
 
 
 def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
@@ -311,9 +366,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     def value():
         x = data.read() * s
         x = x if b is None else x + b
-        if op is nl.rsqrt:
-            _check_rsqrt_domain(x)
-        out = nl.ACTIVATION[op](x)
+        out = _in_domain(op, x, nl.ACTIVATION[op](x))
         regs = _reduce_regs
         if cmd in (type(cmd).reset, type(cmd).reset_reduce):
             regs[:p] = 0
@@ -328,17 +381,35 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
         core.record("scalar", "accumulator_read", 1)  # ActReadAccumulator: a second instruction
 
 
-# The Scalar Engine's rsqrt takes inputs in [2^-116, 2^118] (NKI ISA, activation functions' input domains).
-RSQRT_DOMAIN = (2.0 ** -116, 2.0 ** 118)
+# Valid input ranges of the Scalar Engine's activation functions (nki/api/nki.api.shared.rst, 'Supported
+# Activation Functions for NKI ISA', aws-neuron-sdk@81ce03a): outside them "the Scalar Engine will generate
+# invalid output results". reciprocal's is +-[2^-42, 2^42]; the functions valid on [-inf, inf] are not listed.
+ACTIVATION_DOMAINS = {nl.sqrt: (2.0 ** -116, 2.0 ** 118), nl.rsqrt: (2.0 ** -87, 2.0 ** 97),
+                      nl.log: (2.0 ** -64, 2.0 ** 64), nl.reciprocal: (2.0 ** -42, 2.0 ** 42)}
+_SIGNED_DOMAINS = {nl.reciprocal}
+RSQRT_DOMAIN = ACTIVATION_DOMAINS[nl.rsqrt]
+
+
+def _in_domain(op, x, out):
+    """``out = op(x)`` where ``x`` is in ``op``'s valid range (NaN is in none); elsewhere the kernel is refused,
+    or, under ``emulator.domain_policy("poison")``, the result is NaN, standing for the hardware's invalid one."""
+    if op not in ACTIVATION_DOMAINS:
+        return out
+    low, high = ACTIVATION_DOMAINS[op]
+    magnitude = x.abs() if op in _SIGNED_DOMAINS else x
+    outside = ~((magnitude >= low) & (magnitude <= high))
+    if not bool(outside.any()):
+        return out
+    if core.poisons():
+        return out.masked_fill(outside, math.nan)
+    sign = "+-" if op in _SIGNED_DOMAINS else ""
+    reject("engine-domain", f"activation: {_op_name(op)}'s input {x[outside].flatten()[0].item()!r} is outside the "
+           f"Scalar Engine's valid range {sign}[2^{math.log2(low):.0f}, 2^{math.log2(high):.0f}], where it gives "
+           "invalid results; bring the input into range first (emulator.domain_policy('poison') writes NaN instead)")
 
 
 def _check_rsqrt_domain(x):
-    low, high = RSQRT_DOMAIN
-    outside = ~((x >= low) & (x <= high))  # NaN is outside too
-    if bool(outside.any()):
-        bad = x[outside].flatten()[0].item()
-        reject("engine-domain", f"activation: rsqrt's input {bad!r} is outside the Scalar Engine's domain "
-               f"[2^-116, 2^118]; bring it into range first")
+    _in_domain(nl.rsqrt, x, x)
 
 
 def reciprocal(dst, data, name=None):
@@ -477,8 +548,9 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     wide = names & {"float32", "tfloat32"}
     if wide and not names <= {"float32", "tfloat32"}:
         reject("matmul-dtype", "nc_matmul: if one input is tfloat32/float32 the other must be too")
-    if dst.dtype is not core.float32:
-        reject("matmul-dtype", f"nc_matmul accumulates in fp32; dst is {dst.dtype} (float32 on NeuronCore-v2/v3)")
+    if dst.dtype.name not in tgt.matmul_psum_dtypes:
+        reject("matmul-dtype", f"nc_matmul writes {' or '.join(tgt.matmul_psum_dtypes)} to PSUM on {tgt.name}; dst is "
+               f"{dst.dtype} (bf16 output is NeuronCore-v4's: trainium3_arch.rst)")
     previous = dst.root.last_writer
     if accumulate is None:
         accumulate = previous == "matmul"

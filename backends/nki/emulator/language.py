@@ -235,8 +235,17 @@ def static_range(start, stop=None, step=1):
 
 
 def program_id(axis=0):
-    return 0
+    """The index of the core running this program, in a ``kernel[cores]`` launch (0 without one)."""
+    _grid_axis(axis)
+    return core.program()[0]
 
 
 def num_programs(axes=0):
-    return 1
+    """How many cores the kernel was launched on (``kernel[cores]``; 1 without brackets)."""
+    _grid_axis(axes)
+    return core.program()[1]
+
+
+def _grid_axis(axis):
+    if axis != 0:
+        core.reject("lnc-grid", f"the launch grid has one axis (kernel[cores]), not axis {axis!r}")
