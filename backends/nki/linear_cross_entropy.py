@@ -3,14 +3,16 @@
 HBM and returns each token's loss and, with gradients, ``d loss / d logits`` times the token's scale.
 
 Layout: tokens on the partitions, up to 128 per tile; the vocab along the free axis in tiles of ``TILE_V`` columns
-(any V: Gemma's 256k is 63 tiles), loaded into float32 (the DMA converts). A softcap is the Scalar Engine's
-``tanh`` of the tile as it is loaded, ``y = tanh(x / softcap)``; the capped logits are ``softcap * y``, a scale the
+(any V: Gemma's 256k is 63 tiles), loaded as stored (a DMA converts only in some descriptor modes; the engines
+read any dtype and compute in float32). A softcap is the Scalar Engine's ``tanh`` of the tile as it is loaded,
+``y = tanh(x / softcap)``; the capped logits are ``softcap * y``, a scale the
 exponentials take for free as the activation's pre-scale. The first pass keeps per row the running max (Vector
 Engine reduce), the running sum of exponentials (the Scalar Engine's ``exp`` with its add-reduction, the old sum
 rescaled by ``exp(old max - new max)``), the target's logit (a one-hot of the class index, ``iota`` compared with the
 row's target on GpSimd, times the tile, summed) and, for label smoothing, the row's sum; then
 ``loss = lse - (1 - eps) * z[target] - eps * mean(z)``. The second pass reads the tiles again and writes
-``(softmax - (1 - eps) * onehot - eps / V) * (1 - y^2) * scale``, rounded once to the logits' dtype by the store.
+``(softmax - (1 - eps) * onehot - eps / V) * (1 - y^2) * scale``, rounded once to the logits' dtype by the engine
+that computes it last.
 
 The host hands the targets as float32 columns (-1 for an ignored token: no column matches it) with a 0/1 ``valid``
 column and the per-token ``scale`` (0 for an ignored token), so an ignored token's loss and gradients are zeros.
@@ -49,11 +51,13 @@ def _loaded_column(src, r0, rows):
 
 
 def _tile(logits, r0, rows, v0, width, softcap):
-    """A ``[rows, width]`` tile of the logits in float32; ``tanh(x / softcap)`` with a softcap."""
+    """A ``[rows, width]`` tile of the logits as stored; with a softcap ``tanh(x / softcap)`` in float32."""
+    raw = nl.ndarray((rows, width), dtype=logits.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=raw, src=logits[r0:r0 + rows, v0:v0 + width])  # as stored: the engines read any dtype
+    if softcap is None:
+        return raw
     y = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=y, src=logits[r0:r0 + rows, v0:v0 + width])
-    if softcap is not None:
-        nisa.activation(dst=y, op=nl.tanh, data=y, scale=1.0 / softcap)
+    nisa.activation(dst=y, op=nl.tanh, data=raw, scale=1.0 / softcap)
     return y
 
 
@@ -128,12 +132,14 @@ def _gradients(logits, dlogits, columns, target, lse, scale, r0, rows, softcap, 
         nisa.tensor_tensor(dst=grad, data1=grad, data2=_scaled_one_hot(columns, target, rows, v0, width,
                                                                        smoothing - 1.0),
                            op=nl.add, engine=nisa.engine.gpsimd)
-        nisa.tensor_scalar(dst=grad, data=grad, op0=nl.subtract, operand0=smoothing / v, op1=nl.multiply,
-                           operand1=scale)
+        # the last instruction writes the logits' dtype: rounded once, by the engine (a DMA may not convert)
+        out = grad if dlogits.dtype == nl.float32 else nl.ndarray((rows, width), dtype=dlogits.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=grad if softcap is not None else out, data=grad, op0=nl.subtract,
+                           operand0=smoothing / v, op1=nl.multiply, operand1=scale)
         if softcap is not None:
             nisa.activation(dst=y, op=nl.square, data=y)
-            nisa.scalar_tensor_tensor(dst=grad, data=y, op0=nl.subtract, operand0=1.0, op1=nl.multiply, operand1=grad)
-        nisa.dma_copy(dst=dlogits[r0:r0 + rows, v0:v0 + width], src=grad)  # rounds once to the logits' dtype
+            nisa.scalar_tensor_tensor(dst=out, data=y, op0=nl.subtract, operand0=1.0, op1=nl.multiply, operand1=grad)
+        nisa.dma_copy(dst=dlogits[r0:r0 + rows, v0:v0 + width], src=out)
 
 
 @nki.jit
