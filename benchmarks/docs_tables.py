@@ -13,6 +13,7 @@ re-renders every block and checks that no ratio or throughput figure of these do
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import pathlib
@@ -87,22 +88,29 @@ def headline() -> str:
     return "\n\n".join([table(header, rows), provenance("train", results["info"])])
 
 
+def _stacks(runs: dict) -> list[str]:
+    """The portable_ops stacks a train result holds, in its order ("portable_ops", then "all-ops" where run)."""
+    return [stack for stack in dict.fromkeys(stack for _, _, stack in runs) if stack != "torch"]
+
+
 def train() -> str:
     results = load("train")
     rows = results["rows"]
     runs = _runs(rows)
     speed, kernels = [], []
-    for shape, mode in _modes(runs):
-        ours, torch = runs[shape, mode, "portable_ops"], runs[shape, mode, "torch"]
+    for (shape, mode), stack in itertools.product(_modes(runs), _stacks(runs)):
+        ours, torch = runs[shape, mode, stack], runs[shape, mode, "torch"]
         host = pair(ours["host ms/step"], torch["host ms/step"], 1) if "host ms/step" in ours else "-"
-        speed.append([_shape_label(shape), mode, f"{torch['tokens/s']:,.0f}", f"{ours['tokens/s']:,.0f}",
+        peak = pair(ours["peak GiB"], torch["peak GiB"], 1) if ours.get("peak GiB") is not None else "-"
+        speed.append([_shape_label(shape), mode, stack, f"{torch['tokens/s']:,.0f}", f"{ours['tokens/s']:,.0f}",
                       f"**{ratio(ours['vs torch'])}**", pair(ours["ms/step"], torch["ms/step"], 1),
-                      pair(ours["busy ms/step"], torch["busy ms/step"], 1), host])
-        kernels.append([_shape_label(shape), mode] + [pair(ours[f], torch[f]) for f in
-                                                      ("attention fwd ms", "attention bwd ms", "optimizer ms",
-                                                       "other ms")])
-    losses = [[_shape_label(r["shape"]), r["mode"], pair(r["max |loss diff|"], r["last-10 mean |diff|"], 3),
-               r["torch's own spread"], "yes" if r["agree"] else "**no**"] for r in rows["losses"]]
+                      pair(ours["busy ms/step"], torch["busy ms/step"], 1), host, peak])
+        kernels.append([_shape_label(shape), mode, stack] + [pair(ours[f], torch[f]) for f in
+                                                             ("attention fwd ms", "attention bwd ms", "optimizer ms",
+                                                              "other ms")])
+    losses = [[_shape_label(r["shape"]), r["mode"], r.get("stack", "portable_ops"),
+               pair(r["max |loss diff|"], r["last-10 mean |diff|"], 3), r["torch's own spread"],
+               "yes" if r["agree"] else "**no**"] for r in rows["losses"]]
     warm = {(r["shape"], r["mode"], r["stack"]): r["second-run warm-up s"] for r in rows["second run"]}
     host = {(r["shape"], r["stack"]): r for r in rows["attention host"]}
     second = []
@@ -113,13 +121,16 @@ def train() -> str:
                       + [pair(warm[shape, mode, "portable_ops"], warm[shape, mode, "torch"])
                          for mode in ("eager", "compiled")])
     return "\n\n".join([
-        table(["shape", "mode", "torch tokens/s", "portable_ops tokens/s", "vs torch", "ms a step (ours / torch)",
-               "device-busy ms", "host ms"], speed),
+        ("Stacks: portable_ops (its attention and fused clip + AdamW, torch's norms, RoPE and loss), all-ops "
+         "(every part portable_ops has: also its RMSNorm, RoPE and linear cross-entropy), each against torch's:"),
+        table(["shape", "mode", "stack", "torch tokens/s", "ours tokens/s", "vs torch", "ms a step (ours / torch)",
+               "device-busy ms", "host ms", "peak GiB"], speed),
         "Device time a step by kernel kind, ms (ours / torch's):",
-        table(["shape", "mode", "attention forward", "attention backward", "clip + optimizer", "other"], kernels),
+        table(["shape", "mode", "stack", "attention forward", "attention backward", "clip + optimizer", "other"],
+              kernels),
         ("Loss curves (max and last-10 mean of the gap to torch's; it agrees within 0.05 / 0.02 or within "
          "torch's own spread, the widest gap among its eager, compiled and flash-attention runs):"),
-        table(["shape", "mode", "gap to torch", "torch's own spread", "agrees"], losses),
+        table(["shape", "mode", "stack", "gap to torch", "torch's own spread", "agrees"], losses),
         ("Host time of one attention call (us, ours / SDPA's, the device idle before it) and a second run's "
          "warm-up in a fresh process with every cache filled (s, ours / torch's):"),
         table(["shape", "attention forward", "attention backward", "warm-up, eager", "warm-up, compiled"], second),

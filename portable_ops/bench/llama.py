@@ -5,7 +5,10 @@ transposed out of ``[B, S, H, D]``, RMSNorm, a SwiGLU MLP, an untied output head
 float32; training runs it under bf16 autocast, so after RoPE attention gets float32 q and k and a
 bf16 v, as in a real model. ``attention`` picks the kernel: ``"portable_ops"``, ``"sdpa"``
 (``F.scaled_dot_product_attention`` with its default backend choice) or ``"sdpa-flash"`` (SDPA held
-to its flash backend).
+to its flash backend). ``ops`` picks the rest: ``"torch"`` (the above) or ``"portable_ops"``: its
+RMSNorm modules, ``portable_ops.rope`` on the transposed q and k (rotated in their own dtype, bf16
+under autocast, as transformers does after casting cos and sin) and ``portable_ops.linear_cross_entropy``
+for the head and the loss, which never forms the logits.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import portable_ops
+import portable_ops.nn
 
 
 @dataclass(frozen=True)
@@ -76,10 +80,40 @@ def apply_rope(x, cos, sin):
     return x * cos[:s] + rotated * sin[:s]
 
 
+def _torch_rope(q, k, cos, sin):
+    """q, k ``[B, S, H, D]`` -> ``[B, H, S, D]``, rotated in float32."""
+    return apply_rope(q, cos, sin).transpose(1, 2), apply_rope(k, cos, sin).transpose(1, 2)
+
+
+def _portable_ops_rope(q, k, cos, sin):
+    s = q.shape[1]
+    return portable_ops.rope(q.transpose(1, 2), k.transpose(1, 2), cos[:s, 0], sin[:s, 0])
+
+
+def _torch_loss(hidden, head, targets):
+    return F.cross_entropy(head(hidden).float().flatten(0, -2), targets.reshape(-1))
+
+
+def _portable_ops_loss(hidden, head, targets):
+    return portable_ops.linear_cross_entropy(hidden, head.weight, targets)
+
+
+@dataclass(frozen=True)
+class Ops:
+    """What runs the model's norms, RoPE and head + loss."""
+    norm: type
+    rope: object
+    loss: object
+
+
+OPS = {"torch": Ops(nn.RMSNorm, _torch_rope, _torch_loss),
+       "portable_ops": Ops(portable_ops.nn.RMSNorm, _portable_ops_rope, _portable_ops_loss)}
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, attention: str):
+    def __init__(self, cfg: LlamaConfig, attention: str, ops: Ops):
         super().__init__()
-        self.cfg, self.attention = cfg, ATTENTION[attention]
+        self.cfg, self.attention, self.rope = cfg, ATTENTION[attention], ops.rope
         self.qkv = nn.Linear(cfg.d_model, (cfg.heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=False)
         self.out = nn.Linear(cfg.heads * cfg.head_dim, cfg.d_model, bias=False)
 
@@ -88,16 +122,16 @@ class Attention(nn.Module):
         cfg = self.cfg
         q, k, v = self.qkv(x).view(b, s, cfg.heads + 2 * cfg.kv_heads, cfg.head_dim).split(
             [cfg.heads, cfg.kv_heads, cfg.kv_heads], dim=2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True)
+        q, k = self.rope(q, k, cos, sin)
+        y = self.attention(q, k, v.transpose(1, 2), True)
         return self.out(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig, attention: str):
+    def __init__(self, cfg: LlamaConfig, attention: str, ops: Ops):
         super().__init__()
-        self.attn_norm, self.mlp_norm = nn.RMSNorm(cfg.d_model), nn.RMSNorm(cfg.d_model)
-        self.attn = Attention(cfg, attention)
+        self.attn_norm, self.mlp_norm = ops.norm(cfg.d_model), ops.norm(cfg.d_model)
+        self.attn = Attention(cfg, attention, ops)
         self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.hidden, bias=False)
         self.down = nn.Linear(cfg.hidden, cfg.d_model, bias=False)
 
@@ -108,12 +142,12 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: LlamaConfig, attention: str = "portable_ops"):
+    def __init__(self, cfg: LlamaConfig, attention: str = "portable_ops", ops: str = "torch"):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.loss = cfg, OPS[ops].loss
         self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg, attention) for _ in range(cfg.layers))
-        self.norm = nn.RMSNorm(cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, attention, OPS[ops]) for _ in range(cfg.layers))
+        self.norm = OPS[ops].norm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
         cos, sin = rope_tables(cfg, None)
         self.register_buffer("cos", cos, persistent=False)
@@ -127,8 +161,7 @@ class Llama(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, self.cos, self.sin)
-        logits = self.head(self.norm(x))
-        return F.cross_entropy(logits.float().view(-1, self.cfg.vocab), targets.reshape(-1))
+        return self.loss(self.norm(x), self.head, targets)
 
 
 def batches(cfg: LlamaConfig, steps: int, device, seed: int = 0):

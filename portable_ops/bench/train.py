@@ -6,6 +6,8 @@ bf16 autocast) with
 * **torch**: ``F.scaled_dot_product_attention`` (its default backend choice),
   ``clip_grad_norm_(foreach=True)`` and ``AdamW(fused=True)``;
 * **portable_ops**: ``portable_ops.attention`` and ``portable_ops.optim.AdamW(max_grad_norm=...)``;
+* **all-ops**: portable_ops' attention and optimizer, and its RMSNorm, RoPE and linear cross-entropy
+  (``Llama(ops="portable_ops")``);
 
 each eagerly and under ``torch.compile`` (the model and its loss; the optimizer step runs eagerly
 on both sides), from the same initialisation on the same batches, in one process. Per run:
@@ -48,9 +50,11 @@ SHAPES = {
 # every Triton kernel's cache key: a child that inherited it compiled all our kernels again, 7.9-9.1 s).
 _INDUCTOR_SETS = ("TRITON_PTXAS_PATH", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
 _START_ENV = {key: os.environ.get(key) for key in _INDUCTOR_SETS}
-STACKS = ("torch", "portable_ops")
+STACKS = ("torch", "portable_ops", "all-ops")
+PORTABLE_STACKS = ("portable_ops", "all-ops")  # those stepped by portable_ops' fused clip + AdamW
 MODES = ("eager", "compiled")
-ATTENTION_OF = {"torch": "sdpa", "portable_ops": "portable_ops", "torch-flash": "sdpa-flash"}
+ATTENTION_OF = {"torch": "sdpa", "portable_ops": "portable_ops", "all-ops": "portable_ops", "torch-flash": "sdpa-flash"}
+OPS_OF = {"all-ops": "portable_ops"}  # the rest: torch's norms, RoPE and loss
 MAX_GRAD_NORM = 1.0
 HYPER = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 # A linear lr warm-up, as every recipe at this lr has: without it the loss spikes near step 10 and
@@ -78,7 +82,7 @@ KERNEL_KINDS = {
 
 
 def _optimizer(stack, model):
-    if stack != "portable_ops":
+    if stack not in PORTABLE_STACKS:
         return torch.optim.AdamW(model.parameters(), fused=model.embed.weight.is_cuda, **HYPER)
     return portable_ops.optim.AdamW(model.parameters(), max_grad_norm=MAX_GRAD_NORM, **HYPER)
 
@@ -89,7 +93,7 @@ class Run:
     def __init__(self, cfg: LlamaConfig, stack: str, mode: str, device: torch.device, steps: int, seed: int = 0):
         torch.manual_seed(seed)
         self.cfg, self.stack, self.device = cfg, stack, device
-        self.model = Llama(cfg, attention=ATTENTION_OF[stack]).to(device)
+        self.model = Llama(cfg, attention=ATTENTION_OF[stack], ops=OPS_OF.get(stack, "torch")).to(device)
         self.opt = _optimizer(stack, self.model)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / LR_WARMUP_STEPS))
         self.loss_fn = torch.compile(self.model, fullgraph=True) if mode == "compiled" else self.model
@@ -105,7 +109,7 @@ class Run:
         mark("forward")
         loss.backward()
         mark("backward")
-        if self.stack != "portable_ops":
+        if self.stack not in PORTABLE_STACKS:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_GRAD_NORM, foreach=True)
         mark("clip")
         self.opt.step()
@@ -271,14 +275,15 @@ def compare_losses(rows: list[dict]) -> list[dict]:
     out = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
         curves = {(r["stack"], r["mode"]): r["losses"] for r in rows if r["shape"] == shape}
-        torch_runs = [curve for (stack, _), curve in curves.items() if stack != "portable_ops"]
+        torch_runs = [curve for (stack, _), curve in curves.items() if stack not in PORTABLE_STACKS]
         gaps = [_loss_gap(a, b) for a, b in itertools.combinations(torch_runs, 2)]
         floor = (max(g[0] for g in gaps), max(g[1] for g in gaps)) if gaps else (0.0, 0.0)
-        for mode in MODES:
-            if not {(s, mode) for s in STACKS} <= set(curves):
+        for mode, stack in itertools.product(MODES, PORTABLE_STACKS):
+            if not {(stack, mode), ("torch", mode)} <= set(curves):
                 continue
-            worst, mean = _loss_gap(curves["portable_ops", mode], curves["torch", mode])
-            out.append({"shape": shape, "mode": mode, "max |loss diff|": worst, "last-10 mean |diff|": mean,
+            worst, mean = _loss_gap(curves[stack, mode], curves["torch", mode])
+            out.append({"shape": shape, "mode": mode, "stack": stack, "max |loss diff|": worst,
+                        "last-10 mean |diff|": mean,
                         "torch's own spread": f"{floor[0]:.3g} / {floor[1]:.3g}",
                         "agree": worst <= max(LOSS_TOLERANCE["max"], floor[0])
                         and mean <= max(LOSS_TOLERANCE["mean"], floor[1])})
@@ -328,7 +333,7 @@ def report(result: dict, info: dict, out_dir) -> str:
     return "\n\n".join([table(result["runs"], RUN_COLUMNS), table(result["runs"], KIND_COLUMNS),
                          table(result["runs"], HOST_COLUMNS),
                          table(result["attention host"], host),
-                         table(result["losses"], ["shape", "mode", "max |loss diff|", "last-10 mean |diff|",
+                         table(result["losses"], ["shape", "mode", "stack", "max |loss diff|", "last-10 mean |diff|",
                                                   "torch's own spread", "agree"]),
                          table(result["second run"], ["shape", "mode", "stack", "second-run warm-up s"])])
 
