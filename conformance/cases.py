@@ -1,7 +1,7 @@
 """The shared case catalogue: the same cases for every backend.
 
 A case names an op family (``portable_ops.ops.families()``: ``adam``, ``sgd``, ``clip_grad_norm_``, ``attention``,
-``attention_varlen``, ``paged_attention``, ``rms_norm``, ``layer_norm``), a seed, its parameters and a dtype.
+``attention_varlen``, ``paged_attention``, ``rms_norm``, ``layer_norm``, ``rope``), a seed, its parameters and a dtype.
 Inputs are drawn from the seed on the CPU and moved to the backend's device, so every backend sees the same
 numbers. Tolerances come from tolerances.py, by family and dtype: a value passes when
 ``|out - ref| <= atol + rtol * |ref|`` elementwise, against each oracle. Adam cases with ``state_dtype`` in
@@ -327,5 +327,11 @@ def _norm_cases() -> list[Case]:
     return NORM_CASES
 
 
+def _rope_cases() -> list[Case]:
+    from .rope_cases import ROPE_CASES  # its own module, as the norms'
+
+    return ROPE_CASES
+
+
 CASES: list[Case] = (_adam_cases() + _sgd_cases() + _clip_cases() + _attention_cases() + _window_softcap_cases()
-                     + _varlen_cases() + _paged_cases() + _norm_cases())
+                     + _varlen_cases() + _paged_cases() + _norm_cases() + _rope_cases())

@@ -2,8 +2,8 @@
 
 Public API: ``optim.Adam``, ``optim.AdamW``, ``optim.SGD``, ``functional.adam``, ``functional.sgd``,
 ``clip_grad_norm_``, ``attention``, ``attention_varlen``, ``paged_attention``, ``paged_kv_append``, ``rms_norm``,
-``layer_norm``, ``nn.RMSNorm``, ``nn.LayerNorm``, ``use_backend``, ``explain``. Backends: ``triton`` (CUDA), ``nki``
-(Trainium), ``reference`` (plain PyTorch, any device).
+``layer_norm``, ``rope``, ``rope_``, ``nn.RMSNorm``, ``nn.LayerNorm``, ``use_backend``, ``explain``. Backends:
+``triton`` (CUDA), ``nki`` (Trainium), ``reference`` (plain PyTorch, any device).
 """
 
 import os as _os
@@ -24,6 +24,7 @@ from .dispatch import BackendUnavailableError, FallbackWarning, use_backend  # n
 from .explain import explain  # noqa: E402
 from .norms import layer_norm, rms_norm  # noqa: E402
 from .paged import paged_attention, paged_kv_append  # noqa: E402
+from .rope import rope, rope_  # noqa: E402
 
 if _torch.accelerator.is_available():
     # With an accelerator the backends are loaded now, not inside the first training step: loading the one
@@ -36,5 +37,5 @@ if _torch.accelerator.is_available():
 __version__ = "0.1.0"
 
 __all__ = ["optim", "functional", "nn", "attention", "attention_varlen", "paged_attention", "paged_kv_append",
-           "rms_norm", "layer_norm", "clip_grad_norm_", "use_backend", "explain", "BackendUnavailableError",
-           "FallbackWarning"]
+           "rms_norm", "layer_norm", "rope", "rope_", "clip_grad_norm_", "use_backend", "explain",
+           "BackendUnavailableError", "FallbackWarning"]

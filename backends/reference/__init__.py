@@ -14,6 +14,7 @@ from .attention_varlen import attention_varlen_bwd, attention_varlen_fwd
 from .grad_norm import grad_norm
 from .norms import layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd
 from .paged import paged_attention, paged_kv_append
+from .rope import rope_bwd, rope_fwd, rope_inplace
 from .sgd import sgd
 
 BACKEND = Backend(
@@ -34,5 +35,8 @@ BACKEND = Backend(
         "rms_norm_bwd": OpImpl(run=rms_norm_bwd),
         "layer_norm_fwd": OpImpl(run=layer_norm_fwd),
         "layer_norm_bwd": OpImpl(run=layer_norm_bwd),
+        "rope_fwd": OpImpl(run=rope_fwd),
+        "rope_bwd": OpImpl(run=rope_bwd),
+        "rope_inplace": OpImpl(run=rope_inplace),
     },
 )

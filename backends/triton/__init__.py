@@ -82,4 +82,5 @@ else:
             "layer_norm_bwd": OpImpl(run=layer_norm_bwd, supports=norm_supports, dtypes=DTYPES),
         },
         runtime_reasons=_runtime_reasons,
+        declined=("rope_fwd", "rope_bwd", "rope_inplace"),
     )
