@@ -1,4 +1,4 @@
-"""The Triton backend: multi-tensor Adam and SGD, two-phase norm, flash attention, for CUDA tensors.
+"""The Triton backend: multi-tensor Adam and SGD, two-phase norm, flash attention, norms and RoPE, for CUDA tensors.
 
 CPU tensors run the same kernels in Triton's interpreter, which must be switched on before
 any kernel is decorated: on a machine with no CUDA device this module switches it on itself
@@ -39,6 +39,7 @@ else:
     from .grad_norm import grad_norm, grad_norm_supports
     from .launch import hash_triton_in_background
     from .norms import layer_norm_bwd, layer_norm_fwd, norm_supports, rms_norm_bwd, rms_norm_fwd
+    from .rope import rope_bwd, rope_fwd, rope_inplace, rope_supports
     from .sgd import sgd, sgd_supports
 
     if not INTERPRETED:
@@ -80,7 +81,9 @@ else:
             "rms_norm_bwd": OpImpl(run=rms_norm_bwd, supports=norm_supports, dtypes=DTYPES),
             "layer_norm_fwd": OpImpl(run=layer_norm_fwd, supports=norm_supports, dtypes=DTYPES),
             "layer_norm_bwd": OpImpl(run=layer_norm_bwd, supports=norm_supports, dtypes=DTYPES),
+            "rope_fwd": OpImpl(run=rope_fwd, supports=rope_supports, dtypes=DTYPES),
+            "rope_bwd": OpImpl(run=rope_bwd, supports=rope_supports, dtypes=DTYPES),
+            "rope_inplace": OpImpl(run=rope_inplace, supports=rope_supports, dtypes=DTYPES),
         },
         runtime_reasons=_runtime_reasons,
-        declined=("rope_fwd", "rope_bwd", "rope_inplace"),
     )
