@@ -26,6 +26,8 @@ def _cases() -> list[Case]:
         "rope_f32_tables_bf16_qk": (dict(base, table_dtype=F32), (BF16, F16)),
         "rope_any_tables": (dict(base, tables="random", R=32), (F32,)),  # not a rotation: transformers' formula
         "rope_long_rows_d128": (dict(B=1, Hq=3, Hk=1, S=300, D=128, R=128, interleaved=False), (F32, BF16)),
+        "rope_long_rows_interleaved_partial": (dict(B=2, Hq=2, Hk=1, S=260, D=96, R=64, interleaved=True,
+                                                    layout="fused"), (F32,)),
         "rope_one_token": (dict(base, B=3, S=1, layout="fused"), (F32, BF16)),
         "rope_no_tokens": (dict(base, S=0), (F32,)),
         "rope_nonfinite": (dict(base, nonfinite=True), (F32, BF16)),

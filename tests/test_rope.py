@@ -350,3 +350,32 @@ def test_the_custom_ops_are_each_others_gradient_so_double_backward_works_in_com
     got = second(lambda q, k: torch.ops.portable_ops.rope_fwd(q, k, cos[None], sin[None], False))
     want = second(lambda q, k: (transformers_rope(q, cos, sin), transformers_rope(k, cos, sin)))
     torch.testing.assert_close(got, want)
+
+
+def test_a_backend_declines_what_it_cant_hold_with_a_reason():
+    q, k = torch.zeros(1, 1, 2, 8192), torch.zeros(1, 1, 2, 8192)
+    cos = sin = torch.zeros(2, 8192)
+    with portable_ops.use_backend("triton"):
+        choice = portable_ops.explain("rope", q.to(default_device("triton")), k.to(default_device("triton")),
+                                      cos.to(default_device("triton")), sin.to(default_device("triton")))
+    assert choice.backend == "reference"
+    assert "the rotary dims R are 8192, over 4096" in " ".join(choice.reasons)
+    with portable_ops.use_backend("nki"):
+        choice = portable_ops.explain(portable_ops.rope_, q.double(), k.double(), cos, sin)
+    assert "float64 is not supported" in " ".join(choice.reasons)
+    assert "the rotary dims R are 8192, over 4096" in " ".join(choice.reasons)
+
+
+def test_nki_kernel_at_its_widest_tables_fits_sbuf_with_every_option():
+    """``MAX_ROTARY`` is what SBUF holds: partial rotary, interleaved, the backward, in count-only mode (the
+    emulator enforces the capacity), over positions that fill more than one tile."""
+    from portable_ops.backends.nki import emulator
+    from portable_ops.backends.nki.rope import MAX_ROTARY
+    ops = dispatch.get_backend("nki").ops
+    q, k = torch.zeros(1, 2, 130, MAX_ROTARY + 64, device="meta"), torch.zeros(1, 1, 130, MAX_ROTARY + 64,
+                                                                                device="meta")
+    cos = torch.zeros(1, 130, MAX_ROTARY, device="meta")
+    with emulator.count_only(), emulator.count_instructions() as counted:
+        ops["rope_fwd"].run(q=q, k=k, cos=cos, sin=cos, interleaved=True)
+        ops["rope_bwd"].run(dq=q, dk=None, cos=cos, sin=cos, interleaved=False)
+    assert counted.sbuf_peak_bytes <= 224 * 1024

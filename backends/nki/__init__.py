@@ -1,5 +1,5 @@
-"""The NKI backend: Adam/AdamW/AMSGrad, SGD, two-phase global norm, flash attention and RMSNorm/LayerNorm as NKI
-kernels for AWS Trainium2/Trainium3 (NKI 0.7, Neuron SDK 2.33, the ``nki.*`` namespace).
+"""The NKI backend: Adam/AdamW/AMSGrad, SGD, two-phase global norm, flash attention, RMSNorm/LayerNorm and RoPE as
+NKI kernels for AWS Trainium2/Trainium3 (NKI 0.7, Neuron SDK 2.33, the ``nki.*`` namespace).
 
 Where the kernels run (``runtime.py``):
 
@@ -23,6 +23,7 @@ from .adam import adam, adam_supports
 from .attention import MAX_HEAD_DIM, attention_bwd, attention_fwd, attention_supports
 from .grad_norm import grad_norm
 from .norms import layer_norm_bwd, layer_norm_fwd, norm_supports, rms_norm_bwd, rms_norm_fwd
+from .rope import rope_bwd, rope_fwd, rope_inplace, rope_supports
 from .sgd import sgd, sgd_supports
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # NeuronCore engines have no float64
@@ -50,9 +51,11 @@ BACKEND = Backend(
         "rms_norm_bwd": OpImpl(run=rms_norm_bwd, supports=norm_supports, dtypes=DTYPES),
         "layer_norm_fwd": OpImpl(run=layer_norm_fwd, supports=norm_supports, dtypes=DTYPES),
         "layer_norm_bwd": OpImpl(run=layer_norm_bwd, supports=norm_supports, dtypes=DTYPES),
+        "rope_fwd": OpImpl(run=rope_fwd, supports=rope_supports, dtypes=DTYPES),
+        "rope_bwd": OpImpl(run=rope_bwd, supports=rope_supports, dtypes=DTYPES),
+        "rope_inplace": OpImpl(run=rope_inplace, supports=rope_supports, dtypes=DTYPES),
     },
     runtime_reasons=_runtime_reasons,
     description="NKI kernels for Trainium2/3",
-    declined=("attention_varlen_fwd", "attention_varlen_bwd", "paged_attention", "paged_kv_append",
-              "rope_fwd", "rope_bwd", "rope_inplace"),
+    declined=("attention_varlen_fwd", "attention_varlen_bwd", "paged_attention", "paged_kv_append"),
 )

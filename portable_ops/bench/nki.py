@@ -4,7 +4,8 @@ Rows: the AdamW step over the optimizer bench's 292-tensor GPT-2-medium list (fp
 bf16 params with fp32 state), the SGD step over it (momentum fp32 and bf16; Nesterov with weight
 decay bf16), the global 2-norm of its grads (the clip: the clip coefficient itself is fused into
 the step), attention forward and backward at S=4096, D=128, bf16, and RMSNorm (with the fused residual
-add) and LayerNorm forward and backward over 4096 rows of 4096, bf16.
+add) and LayerNorm forward and backward over 4096 rows of 4096, bf16, and RoPE forward (its backward and
+rope_ are the same kernel) of q and k at B=1, 32/8 heads, S=4096, D=128, bf16 with float32 tables.
 
 How: each kernel runs in the project's NKI emulator in count-only mode (``meta`` tensors: every
 instruction is checked and counted, no arithmetic, no memory), through the same host code a
@@ -46,6 +47,7 @@ SGD_ROWS = [("SGD momentum fp32", F32, dict(momentum=0.9)), ("SGD momentum bf16"
             ("SGD Nesterov weight decay bf16", BF16, dict(momentum=0.9, nesterov=True, weight_decay=0.01))]
 ATTENTION = dict(B=1, H=16, S=4096, D=128)
 NORM = dict(M=4096, D=4096)  # rows x hidden size: a 4096-token batch of a 4096-wide model, bf16
+ROPE = dict(B=1, Hq=32, Hk=8, S=4096, D=128)  # a Llama-3-8B layer's q and k at 4096 tokens, bf16; float32 tables
 ADAMW = dict(beta1=0.9, beta2=0.999, lr=1e-4, weight_decay=0.01, eps=1e-8, maximize=False,
              decoupled_weight_decay=True)
 
@@ -112,6 +114,12 @@ def _workloads(device):
          lambda: _ops()["layer_norm_bwd"].run(x=x, weight=weight, mean=stats, rstd=stats, dout=dout, dh=None,
                                               has_bias=True), (3 * moved, 0)),
     ]
+    b, hq, hk, s, d = ROPE.values()
+    q, k = torch.zeros(b, hq, s, d, dtype=BF16, device=device), torch.zeros(b, hk, s, d, dtype=BF16, device=device)
+    cos = sin = torch.zeros(1, s, d, device=device)
+    rows.append((f"RoPE fwd bf16 B={b} H={hq}/{hk} S={s} D={d}, float32 tables", 1,
+                 lambda: _ops()["rope_fwd"].run(q=q, k=k, cos=cos, sin=sin, interleaved=False),
+                 (2 * 2 * (q.numel() + k.numel()) + 2 * 4 * cos.numel(), 0)))  # q, k read and written; the tables
     return rows
 
 
