@@ -2,7 +2,7 @@
 ``torch.compile`` of it, on q and k sliced from one fused projection and transposed, bf16, with float32 tables
 (autocast's mix) and bf16 ones. Device time per call (CUDA events over many calls) and the bytes it must move.
 
-``python benchmarks/rope_ab.py`` (a GPU; under a minute).
+``python benchmarks/rope_ab.py [BLOCK_S,HEADS,NUM_WARPS ...]`` (a GPU; under a minute a config).
 """
 
 from __future__ import annotations
@@ -57,10 +57,11 @@ def _time(fn, iters=50, graph=True):
     return start.elapsed_time(end) / iters * 1e3
 
 
-def run(configs=((16, 4, 4),)) -> list[dict]:
-    """``configs``: (BLOCK_S, HEADS, NUM_WARPS) of the triton kernel, each timed."""
+def run(configs=None) -> list[dict]:
+    """``configs``: (BLOCK_S, HEADS, NUM_WARPS) of the triton kernel, each timed (default: the kernel's own)."""
     from portable_ops.backends.triton import rope as kernel
 
+    configs = configs or [(kernel.BLOCK_S, kernel.HEADS, kernel.NUM_WARPS)]
     rows = []
     compiled = torch.compile(transformers_rope, dynamic=False)
     for name, (b, s, hq, hk, d) in SHAPES.items():
@@ -92,7 +93,7 @@ def run(configs=((16, 4, 4),)) -> list[dict]:
 
 if __name__ == "__main__":
     with torch.no_grad():
-        configs = [tuple(int(n) for n in c.split(",")) for c in sys.argv[1:]] or [(16, 4, 4)]
+        configs = [tuple(int(n) for n in c.split(",")) for c in sys.argv[1:]]
         print(table(run(configs), ["shape", "tables", "config", "call", "us", "GB/s"]))
     info = device_info()
     print(f"{info['device']}, {info['date']}, commit {info['commit']}, torch {info['torch']}, triton {info['triton']}")

@@ -44,11 +44,11 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
     import re
     import tempfile
 
-    configs, fwd_kernels, bwd_kernels, attention_sm90, sm90_fwd, sm90_bwd, adam, grad_norm, norms = (
+    configs, fwd_kernels, bwd_kernels, attention_sm90, sm90_fwd, sm90_bwd, adam, grad_norm, norms, rope = (
         _kernel_module(name, backend_dir) for name in ("attention_configs", "attention_fwd_kernels",
                                                        "attention_bwd_kernels", "attention_sm90",
                                                        "attention_sm90_fwd_kernels", "attention_sm90_bwd_kernels",
-                                                       "adam", "grad_norm", "norms"))
+                                                       "adam", "grad_norm", "norms", "rope"))
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -222,6 +222,21 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                     consts = dict(flags, HAS_W=True, HAS_DH=True, BIAS_GRAD=True, stride_xd=1, stride_yd=1,
                                   stride_hd=1, W_RESIDENT=flags["BLOCK_D"] <= norms.W_RESIDENT_BLOCK)
                     row.update(run(norms._norm_bwd_kernel, types_, consts, warps, 1, False))
+            elif kind == "rope":  # q, k and the outputs of unit dim stride (the usual case), float32 tables
+                x = f"*{spec['dtype']}"
+                types_ = {name: x for name in ("Q", "K", "QO", "KO")}
+                types_.update(COS="*fp32", SIN="*fp32")
+                types_.update({f"s{t}_{axis}": "i32" for t in ("q", "k", "qo", "ko") for axis in ("b", "h", "s")})
+                types_.update({f"s{t}_{axis}": "i32" for t in ("c", "s") for axis in ("b", "s")})
+                types_.update({n: "i32" for n in ("HQ", "HK", "S", "D", "R", "s_blocks", "q_head_blocks",
+                                                  "head_blocks")})
+                half = triton.next_power_of_2(d // 2)
+                heads = max(1, min(rope.HEADS, rope.BLOCK_ELEMENTS // (rope.BLOCK_S * half)))  # as _rotate sizes it
+                consts = dict(DTYPE=dtypes[spec["dtype"]], INTERLEAVED=spec["interleaved"], INVERSE=spec["inverse"],
+                              COPY_REST=True, BLOCK_S=max(1, min(rope.BLOCK_S, rope.BLOCK_ELEMENTS // (heads * half))),
+                              BLOCK_HALF=half, PASS_BLOCK=rope.PASS_BLOCK, HEADS=heads, sq_d=1, sk_d=1, sqo_d=1,
+                              sko_d=1, sc_r=1, ss_r=1)
+                row.update(run(rope._rope_kernel, types_, consts, rope.NUM_WARPS, 1, True))
             elif kind == "column_sum":
                 row.update(run(norms._column_sum_kernel, {"PART": "*fp32", "OUT": "*fp32", "P": "i32", "D": "i32"},
                                dict(BLOCK=norms.COLUMN_BLOCK), 4, 1, False))
@@ -408,3 +423,17 @@ else:
             wide_backward = r["kernel"].endswith("bwd") and r["d"] > 4096
             assert r["spills"] <= (128 if wide_backward else 0), r
             assert r["atomics"] == 0 and r["shared"] <= SHARED_LIMIT, r
+
+    def test_rope_kernel_compiles_for_sm90_without_spills_or_atomics():
+        """Both layouts, forward and backward, at head dims 64, 128 and 256 and at MAX_ROTARY (the block shrinks
+        with the rotary dims: fewer heads, then fewer positions, so its six float32 blocks stay in registers)."""
+        from portable_ops.backends.triton.rope import MAX_ROTARY
+
+        specs = [{"kernel": "rope", "d": d, "dtype": dtype, "interleaved": interleaved, "inverse": inverse}
+                 for d, dtype, interleaved, inverse in ((64, "bf16", False, False), (128, "fp16", True, True),
+                                                        (256, "bf16", True, False), (MAX_ROTARY, "fp32", False, True))]
+        rows = _run(specs)
+        errors = [r for r in rows if "error" in r]
+        assert not errors, errors
+        for r in rows:
+            assert r["spills"] == 0 and r["atomics"] == 0 and r["shared"] <= SHARED_LIMIT, r

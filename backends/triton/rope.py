@@ -34,6 +34,7 @@ MAX_ROTARY = 4096  # R: a pair's half (R / 2) is one block of registers per posi
 BLOCK_S = 8
 HEADS = 4
 NUM_WARPS = 4
+BLOCK_ELEMENTS = 2048  # a block's elements, at most (the tuned 4 x 8 x 64): wider pairs take fewer heads, then rows
 PASS_BLOCK = 64  # columns copied at a time past R
 
 
@@ -122,17 +123,20 @@ def _rotate(q, k, cos, sin, interleaved, inverse, q_out, k_out):
     b, _, s, d = x.shape
     r = cos.shape[-1]
     hq, hk = (t.shape[1] if t is not None else 0 for t in (q, k))
-    s_blocks = triton.cdiv(s, BLOCK_S)
-    q_head_blocks = triton.cdiv(hq, HEADS)
-    head_blocks = q_head_blocks + triton.cdiv(hk, HEADS)
+    half = triton.next_power_of_2(r // 2)
+    heads = max(1, min(HEADS, BLOCK_ELEMENTS // (BLOCK_S * half)))  # six blocks of float32 stay in registers
+    block_s = max(1, min(BLOCK_S, BLOCK_ELEMENTS // (heads * half)))
+    s_blocks = triton.cdiv(s, block_s)
+    q_head_blocks = triton.cdiv(hq, heads)
+    head_blocks = q_head_blocks + triton.cdiv(hk, heads)
     in_place = q_out is q and k_out is k
     in_compile_env(_rope_kernel[(b * s_blocks * head_blocks,)],
                    q if q is not None else x, k if k is not None else x, q_out if q_out is not None else x,
                    k_out if k_out is not None else x, cos, sin, *_strides(q), *_strides(k), *_strides(q_out),
                    *_strides(k_out), *_table_strides(cos), *_table_strides(sin), hq, hk, s, d, r, s_blocks,
                    q_head_blocks, head_blocks, DTYPE=_TL_DTYPE[x.dtype], INTERLEAVED=interleaved, INVERSE=inverse,
-                   COPY_REST=r < d and not in_place, BLOCK_S=BLOCK_S, BLOCK_HALF=triton.next_power_of_2(r // 2),
-                   PASS_BLOCK=PASS_BLOCK, HEADS=HEADS, num_warps=NUM_WARPS)
+                   COPY_REST=r < d and not in_place, BLOCK_S=block_s, BLOCK_HALF=half,
+                   PASS_BLOCK=PASS_BLOCK, HEADS=heads, num_warps=NUM_WARPS)
 
 
 def _outputs(q, k):
