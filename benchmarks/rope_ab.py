@@ -77,7 +77,16 @@ def run(configs=None) -> list[dict]:
             dq, dk = torch.randn_like(q), torch.randn_like(k)
             moved = 2 * (q.numel() + k.numel()) * 2  # read and write q and k, bf16
             ops = torch.ops.portable_ops
+            qg, kg = q.detach().requires_grad_(), k.detach().requires_grad_()
+
+            def fwd_bwd(rope):
+                with torch.enable_grad():
+                    torch.autograd.backward(rope(qg, kg, cos, sin), (dq, dk))
+                qg.grad = kg.grad = None
+
             times = {
+                "ours fwd+bwd, eager calls": _time(lambda: fwd_bwd(portable_ops.rope), graph=False),
+                "torch eager fwd+bwd, eager calls": _time(lambda: fwd_bwd(transformers_rope), graph=False),
                 "ours fwd, eager calls": _time(lambda: portable_ops.rope(q, k, cos, sin), graph=False),
                 "ours fwd": _time(lambda: portable_ops.rope(q, k, cos, sin)),
                 "ours bwd": _time(lambda: ops.rope_bwd(dq, dk, cos, sin, False)),

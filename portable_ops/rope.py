@@ -80,6 +80,9 @@ class _EagerRope(torch.autograd.Function):
         if dq is None and dk is None:
             return None, None, None, None, None
         cos, sin = ctx.saved_tensors
+        dq, dk = (g if needed else None for g, needed in zip((dq, dk), ctx.needs_input_grad[:2]))
+        if dq is None and dk is None:
+            return None, None, None, None, None
         if torch.is_grad_enabled():  # create_graph=True: the definition's backward, differentiable in dq and dk
             dq, dk = definition.rope_bwd(dq, dk, cos, sin, ctx.interleaved)
         else:

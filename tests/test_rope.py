@@ -379,3 +379,18 @@ def test_nki_kernel_at_its_widest_tables_fits_sbuf_with_every_option():
         ops["rope_fwd"].run(q=q, k=k, cos=cos, sin=cos, interleaved=True)
         ops["rope_bwd"].run(dq=q, dk=None, cos=cos, sin=cos, interleaved=False)
     assert counted.sbuf_peak_bytes <= 224 * 1024
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_gradient_reaching_one_output_alone_eager_through_the_custom_op_and_compiled():
+    q, k, _ = fused_qk()
+    q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+    cos, sin = tables(torch.arange(7), 32)
+    want = torch.autograd.grad(transformers_rope(k, cos, sin).square().sum(), k)[0]
+    calls = (lambda q, k: portable_ops.rope(q, k, cos, sin),
+             lambda q, k: torch.ops.portable_ops.rope_fwd(q, k, cos[None], sin[None], False),
+             torch.compile(lambda q, k: portable_ops.rope(q, k, cos, sin), backend="aot_eager", fullgraph=True))
+    for call in calls:
+        dq, dk = torch.autograd.grad(call(q, k)[1].square().sum(), (q, k), allow_unused=True, materialize_grads=True)
+        torch.testing.assert_close(dk, want)
+        assert not dq.any()

@@ -231,7 +231,7 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                 types_.update({n: "i32" for n in ("HQ", "HK", "S", "D", "R", "s_blocks", "q_head_blocks",
                                                   "head_blocks")})
                 half = triton.next_power_of_2(d // 2)
-                heads = max(1, min(rope.HEADS, rope.BLOCK_ELEMENTS // (rope.BLOCK_S * half)))  # as _rotate sizes it
+                heads = max(1, min(rope.HEADS, rope.BLOCK_ELEMENTS // (rope.BLOCK_S * half)))  # as _plan sizes it
                 consts = dict(DTYPE=dtypes[spec["dtype"]], INTERLEAVED=spec["interleaved"], INVERSE=spec["inverse"],
                               COPY_REST=True, BLOCK_S=max(1, min(rope.BLOCK_S, rope.BLOCK_ELEMENTS // (heads * half))),
                               BLOCK_HALF=half, PASS_BLOCK=rope.PASS_BLOCK, HEADS=heads, sq_d=1, sk_d=1, sqo_d=1,
