@@ -1,9 +1,9 @@
 """The shared case catalogue: the same cases for every backend.
 
 A case names an op family (``portable_ops.ops.families()``: ``adam``, ``sgd``, ``clip_grad_norm_``, ``attention``,
-``attention_varlen``, ``paged_attention``, ``rms_norm``, ``layer_norm``, ``linear_cross_entropy``), a seed, its
-parameters and a dtype. Inputs are drawn from the seed on the CPU and moved to the backend's device, so every backend
-sees the same numbers. Tolerances come from tolerances.py, by family and dtype: a value passes when
+``attention_varlen``, ``paged_attention``, ``rms_norm``, ``layer_norm``, ``rope``, ``linear_cross_entropy``), a
+seed, its parameters and a dtype. Inputs are drawn from the seed on the CPU and moved to the backend's device, so every
+backend sees the same numbers. Tolerances come from tolerances.py, by family and dtype: a value passes when
 ``|out - ref| <= atol + rtol * |ref|`` elementwise, against each oracle. Adam cases with ``state_dtype`` in
 their params keep the moments in that dtype and check them with its tolerance.
 
@@ -327,6 +327,12 @@ def _norm_cases() -> list[Case]:
     return NORM_CASES
 
 
+def _rope_cases() -> list[Case]:
+    from .rope_cases import ROPE_CASES  # its own module, as the norms'
+
+    return ROPE_CASES
+
+
 def _cross_entropy_cases() -> list[Case]:
     from .cross_entropy_cases import CROSS_ENTROPY_CASES  # its own module: it imports Case from here
 
@@ -334,4 +340,4 @@ def _cross_entropy_cases() -> list[Case]:
 
 
 CASES: list[Case] = (_adam_cases() + _sgd_cases() + _clip_cases() + _attention_cases() + _window_softcap_cases()
-                     + _varlen_cases() + _paged_cases() + _norm_cases() + _cross_entropy_cases())
+                     + _varlen_cases() + _paged_cases() + _norm_cases() + _rope_cases() + _cross_entropy_cases())

@@ -12,7 +12,8 @@ undeclared ones, unless ``--strict`` (docs/conformance.md, "Exit status").
 
 Oracles (oracles.py): ``float64`` is the reference backend's code run in float64 on the CPU;
 ``torch`` is PyTorch itself (``torch.optim`` functional Adam/AdamW and SGD,
-``torch.nn.utils.clip_grad_norm_``, ``F.scaled_dot_product_attention``), used for
+``torch.nn.utils.clip_grad_norm_``, ``F.scaled_dot_product_attention``, ``F.rms_norm``, ``F.layer_norm``,
+transformers' RoPE formula), used for
 the reference backend. Optimizer cases are compared step by step: before each
 step the oracles start from the backend's own state, so the error measured is
 that of one step, in the backend's dtype.
@@ -47,6 +48,7 @@ from .cases import CASES, Case
 from .cross_entropy_runner import run_linear_cross_entropy
 from .norm_runner import run_layer_norm, run_rms_norm
 from .oracles import F64, adam_oracle, attention_oracle
+from .rope_runner import run_rope
 from .sgd_runner import run_sgd
 from .tolerances import GRADIENT_FACTOR
 
@@ -485,7 +487,7 @@ def run_paged(case: Case, backend: str, device: torch.device, oracles: list[str]
 
 RUNNERS = {"adam": run_adam, "sgd": run_sgd, "clip_grad_norm_": run_clip, "attention": run_attention,
            "attention_varlen": run_attention_varlen, "paged_attention": run_paged, "rms_norm": run_rms_norm,
-           "layer_norm": run_layer_norm, "linear_cross_entropy": run_linear_cross_entropy}
+           "layer_norm": run_layer_norm, "rope": run_rope, "linear_cross_entropy": run_linear_cross_entropy}
 if set(RUNNERS) != set(families()):  # a family of portable_ops/ops.py without a runner, or the reverse
     raise ImportError(f"runners for {sorted(RUNNERS)}; portable_ops/ops.py's families are {sorted(families())}")
 

@@ -34,6 +34,10 @@ _NORMS = {F32: Tolerance(1e-5, 1e-5), F16: Tolerance(2e-3, 2e-3), BF16: Toleranc
 # Linear cross-entropy: the logits rounded once to the inputs' dtype (the oracles round theirs the same way, but the
 # matmuls' float32 sums may round a logit to its other neighbour), then float32.
 _CROSS_ENTROPY = {F32: Tolerance(1e-4, 1e-4), F16: Tolerance(4e-3, 4e-3), BF16: Tolerance(3e-2, 3e-2)}
+# RoPE: a float32 rotation (two products and a sum per element), then one rounding to the case's dtype (half an
+# ulp: 2^-11 relative in float16, 2^-8 in bfloat16), with room for a tie and for the products' float32 rounding.
+# Its gradients are the same rotation: the same tolerance.
+_ROPE = {F32: Tolerance(1e-6, 1e-5), F16: Tolerance(1e-3, 1e-3), BF16: Tolerance(8e-3, 8e-3)}
 _TABLE = {
     "adam": {F32: Tolerance(1e-6, 1e-5), F16: Tolerance(1e-5, 2e-3), BF16: Tolerance(1e-4, 1.6e-2)},
     # SGD: the same one step's rounding of the stored dtype (param and momentum buffer).
@@ -46,6 +50,7 @@ _TABLE = {
     "rms_norm": _NORMS,
     "layer_norm": _NORMS,
     "linear_cross_entropy": _CROSS_ENTROPY,
+    "rope": _ROPE,
 }
 if set(_TABLE) != set(families()):  # a family of portable_ops/ops.py without tolerances, or the reverse
     raise ImportError(f"tolerances for {sorted(_TABLE)}; portable_ops/ops.py's families are {sorted(families())}")

@@ -2,7 +2,8 @@
 
 Public API: ``optim.Adam``, ``optim.AdamW``, ``optim.SGD``, ``functional.adam``, ``functional.sgd``,
 ``clip_grad_norm_``, ``attention``, ``attention_varlen``, ``paged_attention``, ``paged_kv_append``, ``rms_norm``,
-``layer_norm``, ``linear_cross_entropy``, ``nn.RMSNorm``, ``nn.LayerNorm``, ``use_backend``, ``explain``. Backends:
+``layer_norm``, ``rope``, ``rope_``, ``linear_cross_entropy``, ``nn.RMSNorm``, ``nn.LayerNorm``, ``use_backend``,
+``explain``. Backends:
 ``triton`` (CUDA), ``nki`` (Trainium), ``reference`` (plain PyTorch, any device).
 """
 
@@ -25,6 +26,7 @@ from .explain import explain  # noqa: E402
 from .linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from .norms import layer_norm, rms_norm  # noqa: E402
 from .paged import paged_attention, paged_kv_append  # noqa: E402
+from .rope import rope, rope_  # noqa: E402
 
 if _torch.accelerator.is_available():
     # With an accelerator the backends are loaded now, not inside the first training step: loading the one
@@ -37,5 +39,6 @@ if _torch.accelerator.is_available():
 __version__ = "0.1.0"
 
 __all__ = ["optim", "functional", "nn", "attention", "attention_varlen", "paged_attention", "paged_kv_append",
-           "rms_norm", "layer_norm", "linear_cross_entropy", "clip_grad_norm_", "use_backend", "explain",
+           "rms_norm", "layer_norm", "rope", "rope_", "linear_cross_entropy", "clip_grad_norm_", "use_backend",
+           "explain",
            "BackendUnavailableError", "FallbackWarning"]

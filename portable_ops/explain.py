@@ -13,6 +13,7 @@ from .linear_cross_entropy import backend_call, linear_cross_entropy, linear_cro
 from .norms import layer_norm, norm_call, rms_norm
 from .ops import public_ops
 from .paged import paged_attention, paged_attention_call, paged_kv_append, paged_kv_append_call
+from .rope import rope, rope_, rope_call, rope_inplace_call
 
 _ADAM_CALL_ARGS = inspect.signature(adam_call).parameters
 _SGD_CALL_KEYWORDS = [name for name, p in inspect.signature(sgd_call).parameters.items()
@@ -34,6 +35,8 @@ _CALLS = {
     "layer_norm": (layer_norm, lambda a: _rows(norm_call("layer_norm", a["x"], a["residual"], a["weight"], a["bias"],
                                                          a["eps"]))),
     "linear_cross_entropy": (linear_cross_entropy, lambda a: _tokens(linear_cross_entropy_call(**a))),
+    "rope": (rope, lambda a: rope_call(**a)),
+    "rope_": (rope_, lambda a: rope_inplace_call(**a)),
 }
 _PUBLIC_OPS = public_ops()
 
@@ -58,7 +61,8 @@ def explain(op, *args, **kwargs) -> Choice:
     """The backend that ``op(*args, **kwargs)`` would run on, with every other backend's reasons.
 
     ``op`` is a public function (``portable_ops.attention``, ``attention_varlen``, ``paged_attention``,
-    ``paged_kv_append``, ``rms_norm``, ``layer_norm``, ``linear_cross_entropy``, ``portable_ops.functional.adam``,
+    ``paged_kv_append``, ``rms_norm``, ``layer_norm``, ``rope``, ``rope_``, ``linear_cross_entropy``,
+    ``portable_ops.functional.adam``,
     ``portable_ops.functional.sgd``, ``portable_ops.clip_grad_norm_``) or its name.
     The arguments are checked as the call would check them (offsets' and page tables' values included);
     nothing is computed. The returned :class:`~portable_ops.dispatch.Choice` prints as a readable report.

@@ -13,6 +13,11 @@ layouts chosen from the input it mirrors:
 Every backend allocates its outputs with :func:`empty_like` (or copies into it), and the fake
 (meta) implementations that torch.compile traces use the same function, so the strides a
 compiled graph expects are the strides it gets.
+
+Element-wise ops (``rope``) keep their input's layout instead, as torch's element-wise ops do:
+:func:`same_layout`, ``torch.empty_like``'s rule. For a ``[B, H, S, D]`` input transposed out of
+``[B, S, H, D]`` or sliced from a fused projection that is the heads-inner layout above; a
+contiguous input stays contiguous.
 """
 
 from __future__ import annotations
@@ -39,6 +44,13 @@ def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tenso
     # not new_empty(...).transpose(1, 2): that is a view, and a view made under no_grad can't be modified in
     # place once grad mode is back on (SDPA's output can)
     return torch.empty_strided(t.shape, strides_like(t), dtype=dtype or t.dtype, device=t.device)
+
+
+def same_layout(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised tensor of ``t``'s shape laid out as ``t``: ``t``'s strides where ``t`` is dense
+    (non-overlapping, no gaps), else dense with its dims in the order of ``t``'s strides (a slice of a
+    fused projection loses the other slices' gaps). ``torch.empty_like``'s rule, which fake tensors follow too."""
+    return torch.empty_like(t, dtype=dtype)
 
 
 def as_layout_of(result: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

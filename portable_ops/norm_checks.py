@@ -15,7 +15,7 @@ from .checks import FLOAT_DTYPES, plain
 _DTYPE_NAMES = "float16, bfloat16, float32 or float64"
 
 
-def _check_float_tensor(op: str, arg: str, t) -> None:
+def check_float_tensor(op: str, arg: str, t) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {arg} must be a tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
@@ -27,14 +27,14 @@ def _check_float_tensor(op: str, arg: str, t) -> None:
 def check_norm(op: str, x, residual, weight, bias) -> None:
     """``x [..., D]`` floating; ``residual`` None or x's shape; ``weight``/``bias`` None or ``[D]``; all on x's
     device (weight, bias and residual may have another floating dtype, as torch's mixed-dtype norms take)."""
-    _check_float_tensor(op, "x", x)
+    check_float_tensor(op, "x", x)
     if x.dim() == 0:
         raise ValueError(f"{op}: x must have at least one dimension (the one normalised), got a 0-d tensor")
     d = x.shape[-1]
     for arg, t in (("residual", residual), ("weight", weight), ("bias", bias)):
         if t is None:
             continue
-        _check_float_tensor(op, arg, t)
+        check_float_tensor(op, arg, t)
         if t.device != x.device:
             raise ValueError(f"{op}: {arg} is on {t.device} but x is on {x.device}")
         want = tuple(x.shape) if arg == "residual" else (d,)

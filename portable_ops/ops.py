@@ -86,6 +86,14 @@ OPS: dict[str, Op] = {
                                    tensors=("hidden", "weight", "bias")),
     "linear_cross_entropy_bwd": Op(public="linear_cross_entropy", description="linear cross-entropy's gradients",
                                    family="linear_cross_entropy", tensors=("hidden", "weight", "bias")),
+    # q ``[B, Hq, S, D]`` and k ``[B, Hk, S, D]`` (any strides), cos and sin ``[B or 1, S, R]``: the first R dims of
+    # each head rotated, the rest passed through. The backward is the same rotation by the opposite angle.
+    "rope_fwd": Op(public="rope", description="rotary position embeddings", family="rope", backward="rope_bwd",
+                   tensors=("q", "k", "cos", "sin")),
+    "rope_bwd": Op(public="rope", description="rotary position embeddings' gradients", family="rope",
+                   tensors=("dq", "dk", "cos", "sin")),
+    "rope_inplace": Op(public="rope_", description="rotary position embeddings in place", family="rope",
+                       tensors=("q", "k", "cos", "sin")),
 }
 
 

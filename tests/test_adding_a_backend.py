@@ -76,7 +76,8 @@ def test_the_conformance_suite_runs_its_cases_on_its_device(toy_run):
     # every op it implements ran there (each kernel first checks that its tensors are on the toy device)
     assert set(run["calls"]) == {"adam", "sgd", "grad_norm", "attention_fwd", "attention_bwd", "attention_varlen_fwd",
                                  "attention_varlen_bwd", "rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd",
-                                 "layer_norm_bwd", "linear_cross_entropy_fwd", "linear_cross_entropy_bwd"}
+                                 "layer_norm_bwd", "rope_fwd", "rope_bwd", "rope_inplace", "linear_cross_entropy_fwd",
+                                 "linear_cross_entropy_bwd"}
     rows = run["rows"]
     assert not [r for r in rows if r["status"] not in ("pass", "fallback")], [r for r in rows if r["status"] != "pass"]
     assert sum(r["status"] == "pass" for r in rows) >= 70

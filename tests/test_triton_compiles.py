@@ -44,11 +44,11 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
     import re
     import tempfile
 
-    configs, fwd_kernels, bwd_kernels, attention_sm90, sm90_fwd, sm90_bwd, adam, grad_norm, norms, cross_entropy = (
-        _kernel_module(name, backend_dir) for name in ("attention_configs", "attention_fwd_kernels",
-                                                       "attention_bwd_kernels", "attention_sm90",
-                                                       "attention_sm90_fwd_kernels", "attention_sm90_bwd_kernels",
-                                                       "adam", "grad_norm", "norms", "linear_cross_entropy"))
+    (configs, fwd_kernels, bwd_kernels, attention_sm90, sm90_fwd, sm90_bwd, adam, grad_norm, norms, rope,
+     cross_entropy) = (_kernel_module(name, backend_dir) for name in (
+        "attention_configs", "attention_fwd_kernels", "attention_bwd_kernels", "attention_sm90",
+        "attention_sm90_fwd_kernels", "attention_sm90_bwd_kernels", "adam", "grad_norm", "norms", "rope",
+        "linear_cross_entropy"))
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -230,6 +230,21 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                               BLOCK_R=spec["rows"], BLOCK_V=cross_entropy.TILE // spec["rows"], stride_col=1,
                               stride_target=1)
                 row.update(run(cross_entropy._rows_kernel, types_, consts, 8, 1, False))
+            elif kind == "rope":  # q, k and the outputs of unit dim stride (the usual case), float32 tables
+                x = f"*{spec['dtype']}"
+                types_ = {name: x for name in ("Q", "K", "QO", "KO")}
+                types_.update(COS="*fp32", SIN="*fp32")
+                types_.update({f"s{t}_{axis}": "i32" for t in ("q", "k", "qo", "ko") for axis in ("b", "h", "s")})
+                types_.update({f"s{t}_{axis}": "i32" for t in ("c", "s") for axis in ("b", "s")})
+                types_.update({n: "i32" for n in ("HQ", "HK", "S", "D", "R", "s_blocks", "q_head_blocks",
+                                                  "head_blocks")})
+                half = triton.next_power_of_2(d // 2)
+                heads = max(1, min(rope.HEADS, rope.BLOCK_ELEMENTS // (rope.BLOCK_S * half)))  # as _plan sizes it
+                consts = dict(DTYPE=dtypes[spec["dtype"]], INTERLEAVED=spec["interleaved"], INVERSE=spec["inverse"],
+                              COPY_REST=True, BLOCK_S=max(1, min(rope.BLOCK_S, rope.BLOCK_ELEMENTS // (heads * half))),
+                              BLOCK_HALF=half, PASS_BLOCK=rope.PASS_BLOCK, HEADS=heads, sq_d=1, sk_d=1, sqo_d=1,
+                              sko_d=1, sc_r=1, ss_r=1)
+                row.update(run(rope._rope_kernel, types_, consts, rope.NUM_WARPS, 1, True))
             elif kind == "column_sum":
                 row.update(run(norms._column_sum_kernel, {"PART": "*fp32", "OUT": "*fp32", "P": "i32", "D": "i32"},
                                dict(BLOCK=norms.COLUMN_BLOCK), 4, 1, False))
@@ -422,6 +437,20 @@ else:
         stride: one row a program in the widest block (bf16, fp32), and 64 rows of 64 columns (bf16)."""
         rows = _run([{"kernel": "cross_entropy_rows", "dtype": dtype, "rows": rows}
                      for dtype, rows in (("bf16", 1), ("fp32", 1), ("bf16", 64))])
+        errors = [r for r in rows if "error" in r]
+        assert not errors, errors
+        for r in rows:
+            assert r["spills"] == 0 and r["atomics"] == 0 and r["shared"] <= SHARED_LIMIT, r
+
+    def test_rope_kernel_compiles_for_sm90_without_spills_or_atomics():
+        """Both layouts, forward and backward, at head dims 64, 128 and 256 and at MAX_ROTARY (the block shrinks
+        with the rotary dims: fewer heads, then fewer positions, so its six float32 blocks stay in registers)."""
+        from portable_ops.backends.triton.rope import MAX_ROTARY
+
+        specs = [{"kernel": "rope", "d": d, "dtype": dtype, "interleaved": interleaved, "inverse": inverse}
+                 for d, dtype, interleaved, inverse in ((64, "bf16", False, False), (128, "fp16", True, True),
+                                                        (256, "bf16", True, False), (MAX_ROTARY, "fp32", False, True))]
+        rows = _run(specs)
         errors = [r for r in rows if "error" in r]
         assert not errors, errors
         for r in rows:

@@ -1,5 +1,6 @@
-"""The NKI backend: Adam/AdamW/AMSGrad, SGD, two-phase global norm, flash attention, RMSNorm/LayerNorm and linear
-cross-entropy's rows as NKI kernels for AWS Trainium2/Trainium3 (NKI 0.7, Neuron SDK 2.33, the ``nki.*`` namespace).
+"""The NKI backend: Adam/AdamW/AMSGrad, SGD, two-phase global norm, flash attention, RMSNorm/LayerNorm, RoPE and
+linear cross-entropy's rows as NKI kernels for AWS Trainium2/Trainium3 (NKI 0.7, Neuron SDK 2.33, the ``nki.*``
+namespace).
 
 Where the kernels run (``runtime.py``):
 
@@ -24,6 +25,7 @@ from .attention import MAX_HEAD_DIM, attention_bwd, attention_fwd, attention_sup
 from .grad_norm import grad_norm
 from .linear_cross_entropy import linear_cross_entropy_bwd, linear_cross_entropy_fwd, rows_supports
 from .norms import layer_norm_bwd, layer_norm_fwd, norm_supports, rms_norm_bwd, rms_norm_fwd
+from .rope import rope_bwd, rope_fwd, rope_inplace, rope_supports
 from .sgd import sgd, sgd_supports
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # NeuronCore engines have no float64
@@ -53,6 +55,9 @@ BACKEND = Backend(
         "layer_norm_bwd": OpImpl(run=layer_norm_bwd, supports=norm_supports, dtypes=DTYPES),
         "linear_cross_entropy_fwd": OpImpl(run=linear_cross_entropy_fwd, supports=rows_supports, dtypes=DTYPES),
         "linear_cross_entropy_bwd": OpImpl(run=linear_cross_entropy_bwd, supports=rows_supports, dtypes=DTYPES),
+        "rope_fwd": OpImpl(run=rope_fwd, supports=rope_supports, dtypes=DTYPES),
+        "rope_bwd": OpImpl(run=rope_bwd, supports=rope_supports, dtypes=DTYPES),
+        "rope_inplace": OpImpl(run=rope_inplace, supports=rope_supports, dtypes=DTYPES),
     },
     runtime_reasons=_runtime_reasons,
     description="NKI kernels for Trainium2/3",

@@ -15,6 +15,7 @@ from .grad_norm import grad_norm
 from .linear_cross_entropy import linear_cross_entropy_bwd, linear_cross_entropy_fwd
 from .norms import layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd
 from .paged import paged_attention, paged_kv_append
+from .rope import rope_bwd, rope_fwd, rope_inplace
 from .sgd import sgd
 
 BACKEND = Backend(
@@ -37,5 +38,8 @@ BACKEND = Backend(
         "layer_norm_bwd": OpImpl(run=layer_norm_bwd),
         "linear_cross_entropy_fwd": OpImpl(run=linear_cross_entropy_fwd),
         "linear_cross_entropy_bwd": OpImpl(run=linear_cross_entropy_bwd),
+        "rope_fwd": OpImpl(run=rope_fwd),
+        "rope_bwd": OpImpl(run=rope_bwd),
+        "rope_inplace": OpImpl(run=rope_inplace),
     },
 )

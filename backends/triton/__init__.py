@@ -1,5 +1,5 @@
-"""The Triton backend: multi-tensor Adam and SGD, two-phase norm, flash attention, RMSNorm/LayerNorm and linear
-cross-entropy's rows, for CUDA tensors.
+"""The Triton backend: multi-tensor Adam and SGD, two-phase norm, flash attention, RMSNorm/LayerNorm, RoPE and
+linear cross-entropy's rows, for CUDA tensors.
 
 CPU tensors run the same kernels in Triton's interpreter, which must be switched on before
 any kernel is decorated: on a machine with no CUDA device this module switches it on itself
@@ -41,6 +41,7 @@ else:
     from .launch import hash_triton_in_background
     from .linear_cross_entropy import linear_cross_entropy_bwd, linear_cross_entropy_fwd
     from .norms import layer_norm_bwd, layer_norm_fwd, norm_supports, rms_norm_bwd, rms_norm_fwd
+    from .rope import rope_bwd, rope_fwd, rope_inplace, rope_supports
     from .sgd import sgd, sgd_supports
 
     if not INTERPRETED:
@@ -84,6 +85,9 @@ else:
             "layer_norm_bwd": OpImpl(run=layer_norm_bwd, supports=norm_supports, dtypes=DTYPES),
             "linear_cross_entropy_fwd": OpImpl(run=linear_cross_entropy_fwd, dtypes=DTYPES),
             "linear_cross_entropy_bwd": OpImpl(run=linear_cross_entropy_bwd, dtypes=DTYPES),
+            "rope_fwd": OpImpl(run=rope_fwd, supports=rope_supports, dtypes=DTYPES),
+            "rope_bwd": OpImpl(run=rope_bwd, supports=rope_supports, dtypes=DTYPES),
+            "rope_inplace": OpImpl(run=rope_inplace, supports=rope_supports, dtypes=DTYPES),
         },
         runtime_reasons=_runtime_reasons,
     )

@@ -4,10 +4,11 @@ Rows: the AdamW step over the optimizer bench's 292-tensor GPT-2-medium list (fp
 bf16 params with fp32 state), the SGD step over it (momentum fp32 and bf16; Nesterov with weight
 decay bf16), the global 2-norm of its grads (the clip: the clip coefficient itself is fused into
 the step), attention forward and backward at S=4096, D=128, bf16, RMSNorm (with the fused residual
-add) and LayerNorm forward and backward over 4096 rows of 4096, bf16, and linear cross-entropy's rows kernel on one
-chunk of tokens with their gradients, bf16, at Llama 3's vocab and at Gemma 2's with its softcap (the chunk's matmuls
-are the host's, torch's, and not counted: the floor is the kernel's, one read of the logits and one write of their
-gradient).
+add) and LayerNorm forward and backward over 4096 rows of 4096, bf16, RoPE forward (its backward and rope_ are the
+same kernel) of q and k at B=1, 32/8 heads, S=4096, D=128, bf16 with float32 tables, and linear cross-entropy's rows
+kernel on one chunk of tokens with their gradients, bf16, at Llama 3's vocab and at Gemma 2's with its softcap (the
+chunk's matmuls are the host's, torch's, and not counted: the floor is the kernel's, one read of the logits and one
+write of their gradient).
 
 How: each kernel runs in the project's NKI emulator in count-only mode (``meta`` tensors: every
 instruction is checked and counted, no arithmetic, no memory), through the same host code a
@@ -52,6 +53,7 @@ ATTENTION = dict(B=1, H=16, S=4096, D=128)
 NORM = dict(M=4096, D=4096)  # rows x hidden size: a 4096-token batch of a 4096-wide model, bf16
 # (model, vocab, hidden size, final-logit softcap)
 CROSS_ENTROPY = [("Llama 3", 128256, 4096, None), ("Gemma 2", 256000, 2304, 30.0)]
+ROPE = dict(B=1, Hq=32, Hk=8, S=4096, D=128)  # a Llama-3-8B layer's q and k at 4096 tokens, bf16; float32 tables
 ADAMW = dict(beta1=0.9, beta2=0.999, lr=1e-4, weight_decay=0.01, eps=1e-8, maximize=False,
              decoupled_weight_decay=True)
 
@@ -128,6 +130,12 @@ def _workloads(device):
         capped = "" if softcap is None else f" softcap {softcap:g}"
         rows.append((f"linear cross-entropy rows + grad bf16 {model} V={v}{capped}, one chunk of {c} tokens", 1,
                      lambda call=call: _ops()["linear_cross_entropy_fwd"].run(**call), (2 * c * v * 2, 0)))
+    b, hq, hk, s, d = ROPE.values()
+    q, k = torch.zeros(b, hq, s, d, dtype=BF16, device=device), torch.zeros(b, hk, s, d, dtype=BF16, device=device)
+    cos = sin = torch.zeros(1, s, d, device=device)
+    rows.append((f"RoPE fwd bf16 B={b} H={hq}/{hk} S={s} D={d}, float32 tables", 1,
+                 lambda: _ops()["rope_fwd"].run(q=q, k=k, cos=cos, sin=sin, interleaved=False),
+                 (2 * 2 * (q.numel() + k.numel()) + 2 * 4 * cos.numel(), 0)))  # q, k read and written; the tables
     return rows
 
 

@@ -1,0 +1,85 @@
+"""Argument checks of ``rope`` and ``rope_`` (``portable_ops/checks.py`` holds the other ops').
+
+They run before any backend is chosen, and name the argument at fault; ``rope_`` refuses before anything is
+written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import plain
+from .norm_checks import check_float_tensor
+
+_QK_LAYOUT = "[batch, heads, seq, head_dim]"
+
+
+def check_rope(op: str, q, k, cos, sin, interleaved) -> bool:
+    """q ``[B, Hq, S, D]`` and k ``[B, Hk, S, D]`` of one floating dtype; cos and sin ``[S, R]`` or ``[B or 1, S, R]``,
+    one floating dtype (any: float32 tables beside bfloat16 q and k are autocast's mix), R even and at most D; all
+    on q's device. Returns ``interleaved`` as a bool. cos and sin take no gradient: one that requires it is refused
+    while grad mode is on."""
+    for arg, t in (("q", q), ("k", k)):
+        check_float_tensor(op, arg, t)
+        if t.dim() != 4:
+            raise ValueError(f"{op}: {arg} must have 4 dimensions {_QK_LAYOUT}, got shape {tuple(t.shape)}")
+    if k.dtype != q.dtype:
+        raise TypeError(f"{op}: k has dtype {k.dtype} but q has {q.dtype}; they must match")
+    if k.device != q.device:
+        raise ValueError(f"{op}: k is on {k.device} but q is on {q.device}")
+    b, _, s, d = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (b, s, d):
+        raise ValueError(f"{op}: k has shape {tuple(k.shape)} but q has {tuple(q.shape)}; they must share batch, seq "
+                         f"and head_dim {_QK_LAYOUT} (the head counts may differ)")
+    for arg, t in (("cos", cos), ("sin", sin)):
+        check_float_tensor(op, arg, t)
+        if t.device != q.device:
+            raise ValueError(f"{op}: {arg} is on {t.device} but q is on {q.device}")
+    if sin.shape != cos.shape or sin.dtype != cos.dtype:
+        raise ValueError(f"{op}: sin is {sin.dtype} of shape {tuple(sin.shape)} but cos is {cos.dtype} of shape "
+                         f"{tuple(cos.shape)}; they must match")
+    if cos.dim() not in (2, 3) or (cos.dim() == 3 and cos.shape[0] not in (1, b)):
+        raise ValueError(f"{op}: cos must be [seq, rotary_dim] or [batch (or 1), seq, rotary_dim] with batch {b} "
+                         f"(q's), got shape {tuple(cos.shape)}")
+    if cos.shape[-2] != s:
+        raise ValueError(f"{op}: cos has {cos.shape[-2]} positions (its dim -2) but q has seq {s}; they must match")
+    r = cos.shape[-1]
+    if r % 2 or r > d:
+        raise ValueError(f"{op}: cos's last dim, the rotary dims R, is {r}; R must be even and at most head_dim {d} "
+                         f"(the first R dims of each head are rotated)")
+    interleaved = plain(interleaved)
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"{op}: interleaved must be a bool, got {type(interleaved).__name__}")
+    if torch.is_grad_enabled():
+        for arg, t in (("cos", cos), ("sin", sin)):
+            if t.requires_grad:
+                raise RuntimeError(f"{op}: {arg} requires grad, but rope differentiates q and k only (cos and sin are "
+                                   f"position tables): pass {arg}.detach(), or compute it under torch.no_grad()")
+    return interleaved
+
+
+def check_rope_inplace(q, k) -> None:
+    """What ``rope_`` writes: q and k, which take no gradient through it (torch refuses an in-place write to a leaf
+    that requires grad; rope_ refuses any tensor that requires grad while grad mode is on)."""
+    if torch.is_grad_enabled():
+        for arg, t in (("q", q), ("k", k)):
+            if t.requires_grad:
+                raise RuntimeError(f"rope_: {arg} requires grad, and rope_ writes it in place with no gradient: use "
+                                   f"portable_ops.rope (differentiable), or call rope_ under torch.no_grad()")
+
+
+def check_writable(q, k) -> None:
+    """What torch's in-place ops refuse and a kernel's raw pointers would not: elements sharing memory (an expanded
+    view), q and k at the same memory (each rotated twice), an inference tensor written outside inference mode.
+    Not traceable: eager calls check here, compiled graphs in the custom op as it runs."""
+    for arg, t in (("q", q), ("k", k)):
+        if torch._debug_has_internal_overlap(t) == 1:  # 0 no, 1 yes, 2 can't tell
+            raise ValueError(f"rope_: {arg} has elements that share memory (an expanded view, strides "
+                             f"{tuple(t.stride())}); rope_ writes every element: pass a tensor of its own (.clone())")
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"rope_: {arg} was made under torch.inference_mode(), and torch lets an inference "
+                               f"tensor be written in place only inside it: call rope_ under torch.inference_mode() "
+                               f"too")
+    if q.numel() and k.numel() and q.data_ptr() == k.data_ptr():
+        raise ValueError("rope_: q and k start at the same memory; rope_ would rotate it twice: pass q and k that "
+                         "share no element (slices of one fused projection are fine)")
