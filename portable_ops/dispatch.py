@@ -317,7 +317,8 @@ def strict() -> bool:
 
 def state() -> tuple:
     """What a choice that is not a fallback depends on besides the call: the forced backend and the backends
-    loaded (strict mode changes only what a fallback does)."""
+    loaded (strict mode changes only what a fallback does, and fallbacks are never memoised). Every memoised
+    eager call reads it."""
     return forced_backend(), tuple(map(id, _backends.values()))
 
 
