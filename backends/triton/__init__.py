@@ -38,7 +38,8 @@ else:
                             prepare_attention_fwd)
     from .grad_norm import grad_norm, grad_norm_supports
     from .launch import hash_triton_in_background
-    from .norms import layer_norm_bwd, layer_norm_fwd, norm_supports, rms_norm_bwd, rms_norm_fwd
+    from .norms import (layer_norm_bwd, layer_norm_fwd, norm_supports, prepare_layer_norm_bwd, prepare_layer_norm_fwd,
+                        prepare_rms_norm_bwd, prepare_rms_norm_fwd, rms_norm_bwd, rms_norm_fwd)
     from .sgd import sgd, sgd_supports
 
     if not INTERPRETED:
@@ -76,10 +77,14 @@ else:
                                            **_ATTENTION),
             "paged_attention": OpImpl(run=paged_attention, supports=paged_attention_supports, **_ATTENTION),
             "paged_kv_append": OpImpl(run=paged_kv_append, supports=paged_kv_append_supports),
-            "rms_norm_fwd": OpImpl(run=rms_norm_fwd, supports=norm_supports, dtypes=DTYPES),
-            "rms_norm_bwd": OpImpl(run=rms_norm_bwd, supports=norm_supports, dtypes=DTYPES),
-            "layer_norm_fwd": OpImpl(run=layer_norm_fwd, supports=norm_supports, dtypes=DTYPES),
-            "layer_norm_bwd": OpImpl(run=layer_norm_bwd, supports=norm_supports, dtypes=DTYPES),
+            "rms_norm_fwd": OpImpl(run=rms_norm_fwd, supports=norm_supports, prepare=prepare_rms_norm_fwd,
+                                   dtypes=DTYPES),
+            "rms_norm_bwd": OpImpl(run=rms_norm_bwd, supports=norm_supports, prepare=prepare_rms_norm_bwd,
+                                   dtypes=DTYPES),
+            "layer_norm_fwd": OpImpl(run=layer_norm_fwd, supports=norm_supports, prepare=prepare_layer_norm_fwd,
+                                     dtypes=DTYPES),
+            "layer_norm_bwd": OpImpl(run=layer_norm_bwd, supports=norm_supports, prepare=prepare_layer_norm_bwd,
+                                     dtypes=DTYPES),
         },
         runtime_reasons=_runtime_reasons,
     )
