@@ -1,7 +1,7 @@
 """The norms' eager memo (portable_ops/norms.py, portable_ops/memo.py): a call whose key was seen is neither checked
 nor dispatched again, forward or backward, and gives what the checked path gives (torch's answer, on every backend);
 anything the key holds that changes is checked again; a fallback, a failed call and a replaced backend op leave
-nothing memoised that would hide them; the triton backend's plans and launches per call.
+nothing memoised that would hide them; the triton backend's plans and launches per call; the host bench's norm rows.
 """
 
 from __future__ import annotations
@@ -262,3 +262,16 @@ def test_a_triton_norm_launch_that_fails_keeps_no_plan(kernel, monkeypatch):
     for a, c in zip(got, want):
         torch.testing.assert_close(a.float(), c.float())
 
+
+def test_the_host_bench_times_every_norm_row_and_leaves_the_kernels_plans_and_memo_as_they_were():
+    from portable_ops.bench.attention import run_norm_host
+
+    memo = norms._memo
+    rows = run_norm_host(calls=2, rounds=1, shape=(2, 3, D))
+    variants = {r["variant"] for r in rows}
+    assert len(rows) == 3 * 2 * len(variants) and all(r["host us"] > 0 for r in rows)
+    assert {(r["op"], r["dir"]) for r in rows} == {(op, d) for op in ("rms_norm", "rms_norm + residual", "layer_norm")
+                                                   for d in ("fwd", "fwd+bwd")}
+    assert norms._memo is memo
+    if triton_norms is not None:
+        assert type(triton_norms._norm_fwd_kernel).__name__ != "_NoLaunch"
