@@ -174,11 +174,11 @@ class _Forward:
     """The forward of one layout (x's shape, strides and dtype; the residual's strides and dtype; the weight's and
     bias's dtypes; the device): its allocations and its one launch, for any eps. Returns the op's tuple."""
 
-    __slots__ = ("key", "shape", "dtype", "device", "residual", "rms", "ints", "launch")
+    __slots__ = ("key", "rows", "device", "residual", "rms", "ints", "launch")
 
     def __init__(self, key, x, residual, weight, bias, rms):
-        m, d = self.shape = x.shape
-        self.key, self.dtype, self.device, self.residual, self.rms = key, x.dtype, x.device, residual is not None, rms
+        m, d = x.shape
+        self.key, self.rows, self.device, self.residual, self.rms = key, m, x.device, residual is not None, rms
         r = residual if residual is not None else x
         self.ints = (x.stride(0), x.stride(1), r.stride(0), r.stride(1), d)
         block = triton.next_power_of_2(d)
@@ -187,9 +187,9 @@ class _Forward:
                              num_warps=_warps(block))
 
     def __call__(self, x, residual, weight, bias, eps):
-        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
         h = torch.empty_like(out) if self.residual else None
-        rstd = torch.empty(self.shape[0], dtype=torch.float32, device=self.device)
+        rstd = torch.empty(self.rows, dtype=torch.float32, device=self.device)
         mean = None if self.rms else torch.empty_like(rstd)
         weight, bias = _dense(weight), _dense(bias)
         _launched(self.key, self, self.launch, x, residual if residual is not None else x,
@@ -209,11 +209,11 @@ class _Backward:
     device; dout's and dh's strides and dtypes): dx and each program's weight and bias partial sums in one
     launch, then a launch summing each partial's rows. Returns ``(dx, dweight, dbias)``."""
 
-    __slots__ = ("key", "shape", "dtype", "device", "programs", "weight", "bias", "ints", "rows", "column_sums")
+    __slots__ = ("key", "columns", "device", "programs", "weight", "bias", "ints", "rows", "column_sums")
 
     def __init__(self, key, x, weight, dout, dh, rms, has_bias):
-        m, d = self.shape = x.shape
-        self.key, self.dtype, self.device, self.weight, self.bias = key, x.dtype, x.device, weight is not None, has_bias
+        m, d = x.shape
+        self.key, self.columns, self.device, self.weight, self.bias = key, d, x.device, weight is not None, has_bias
         programs = _programs(m, x.device)
         rows_per_program = triton.cdiv(m, programs)
         self.programs = programs = triton.cdiv(m, rows_per_program)
@@ -228,7 +228,7 @@ class _Backward:
                                   num_warps=4)
 
     def __call__(self, x, weight, mean, rstd, dout, dh):
-        dx = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format)
         dw_part, db_part = self._partials(self.weight), self._partials(self.bias)
         weight = _dense(weight)
         _launched(self.key, self, self.rows, x, weight if weight is not None else x,
@@ -237,13 +237,13 @@ class _Backward:
         return dx, self._summed(dw_part), self._summed(db_part)
 
     def _partials(self, wanted):
-        return torch.empty((self.programs, self.shape[1]), dtype=torch.float32, device=self.device) if wanted else None
+        return torch.empty((self.programs, self.columns), dtype=torch.float32, device=self.device) if wanted else None
 
     def _summed(self, partials):
         if partials is None:
             return None
-        out = torch.empty(self.shape[1], dtype=torch.float32, device=self.device)
-        _launched(self.key, self, self.column_sums, partials, out, self.programs, self.shape[1])
+        out = torch.empty(self.columns, dtype=torch.float32, device=self.device)
+        _launched(self.key, self, self.column_sums, partials, out, self.programs, self.columns)
         return out
 
 
