@@ -112,6 +112,30 @@ def test_a_call_that_differs_in_anything_the_key_holds_is_checked_again(monkeypa
         portable_ops.rms_norm(x, w, True)
 
 
+def test_a_memoised_call_casts_as_the_checked_path_does(monkeypatch):
+    """Under an autocast that puts the norms on its float32 list (CUDA's, stood in for on the CPU), and with a
+    residual of another dtype (torch's promotion), a call seen before casts its inputs again and its gradients
+    reach the leaves in their own dtypes."""
+    monkeypatch.setattr(norms, "FP32_UNDER_AUTOCAST", ("cpu",))
+    x, r, w, b = (t.detach().bfloat16().requires_grad_() for t in _leaves("cpu"))
+
+    def calls():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cast = portable_ops.layer_norm(x, w, b)
+        promoted, h = portable_ops.rms_norm(x.float(), w, residual=r)
+        return [cast, *torch.autograd.grad(cast, (x, w, b), torch.ones_like(cast)), promoted, h,
+                *torch.autograd.grad(promoted, (r, w), torch.ones_like(promoted))]
+
+    first = calls()
+    counted = _counting(monkeypatch)
+    again = calls()
+    assert counted == []
+    assert [t.dtype for t in again] == [torch.float32, *[torch.bfloat16] * 3, torch.float32, torch.float32,
+                                        torch.bfloat16, torch.bfloat16]
+    for a, c in zip(again, first):
+        assert torch.equal(a, c)
+
+
 def test_a_fallback_is_never_memoised_so_strict_mode_refuses_it_every_time(fake_backend, monkeypatch):
     fake_backend("triton", reasons=["the stand-in declines"], ops=("rms_norm_fwd", "rms_norm_bwd"))
     x, _, w, _ = _leaves("cpu")
