@@ -22,31 +22,17 @@ Three thin autograd wrappers run the same two functions, :func:`forward` and :fu
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Callable
 
 import torch
 from torch.autograd import forward_ad
 
-from . import checks, dispatch, layout
+from . import checks, dispatch, layout, memo
 from .definitions import attention as definition
-from .dispatch import forced_backend, get_backend, select_by_layout
-
-
-def _autocasting(device_type: str) -> bool:
-    if torch.compiler.is_compiling():
-        # Dynamo (torch 2.11) can't trace is_autocast_available; it only compiles for device
-        # types that have autocast
-        return torch.is_autocast_enabled(device_type)
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
-
-
-def autocast_off(device_type: str):
-    """Autocast off for a backend's computation: the inputs are already cast (:func:`autocast_inputs`); left
-    on, autocast would also run the float32 products and accumulations (the reference's, the
-    emulator's) in the low dtype."""
-    return torch.autocast(device_type, enabled=False) if _autocasting(device_type) else contextlib.nullcontext()
+from .dispatch import forced_backend, select_by_layout
+from .memo import autocast_off, run_choice
+from .memo import autocasting as _autocasting
 
 
 def autocast_inputs(q, k, v):
@@ -89,12 +75,6 @@ def call_layout(call) -> tuple:
 def run_op(op, call, layout, device, prefer):
     """Run ``op(**call)`` on the backend chosen for it, autocast off (the inputs are cast already)."""
     return run_choice(op, select_by_layout(op, layout, lambda: call, device, prefer), call, device)
-
-
-def run_choice(op, choice, call, device):
-    """Run ``op(**call)`` on ``choice``'s backend, autocast off."""
-    with autocast_off(device.type):
-        return get_backend(choice.backend).ops[op].run(**call)
 
 
 def forward(q, k, v, causal, scale, window=None, softcap=None):
@@ -369,8 +349,9 @@ _PLAIN_NUMBER = (int, float, type(None))
 _PLAIN_INT = (int, type(None))
 _OP = "attention_fwd"
 _BWD_OP = "attention_bwd"
-_memo: dict = {}  # key -> (backend, its op, call): each held, so no id in a key is reused while it lives
-_MEMO_SIZE = 4096  # as the plans': a decode loop meets a new cache length every token
+_TENSORS = ("q", "k", "v")
+_BWD_TENSORS = ("q", "k", "v", "out", "lse", "dout")
+_memo: dict = {}  # key -> (backend, its op, call): portable_ops.memo's rules
 
 
 def _plain_window(window) -> bool:
@@ -397,8 +378,7 @@ def _memo_key(q, k, v, causal, scale, window, softcap):
         return None
     try:
         return (_tensors_key(q, k, v), causal, _signed(scale), window, softcap, _needs_grad(q, k, v),
-                torch._C._is_any_autocast_enabled() and _autocasting(q.device.type)
-                and torch.get_autocast_dtype(q.device.type), dispatch.state())
+                memo.autocast_key(q.device.type), dispatch.state())
     except (RuntimeError, ValueError):  # no strides or storage (sparse, ...), or PORTABLE_OPS_BACKEND unknown
         return None
 
@@ -411,51 +391,24 @@ def _tensors_key(q, k, v) -> tuple:
 
 def _memoised(key):
     """The memoised call of ``key``, unless its backend's op was replaced since (tests stand ones in)."""
-    entry = _memo.get(key)
-    if entry is None:
-        return None
-    backend, impl, call = entry
-    return call if backend.ops.get(_OP) is impl else None
-
-
-def _prepare(impl, q, k, v, causal, scale, window, softcap, tensors: tuple):
-    """``impl``'s run for every call whose q, k and v have these ones' layout, with these options, taking the
-    tensors that ``tensors`` names positionally: what its ``prepare`` returns, where it has one."""
-    if impl.prepare is not None:
-        return impl.prepare(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
-    options = dict(causal=causal, scale=scale, window=window, softcap=softcap)
-    return lambda *given: impl.run(**dict(zip(tensors, given)), **options)
+    return memo.memoised(_memo, key, _OP)
 
 
 def _prepared_backward(q, k, v, causal, scale, window, softcap):
     """The backward of every call of a memoised key (q, k, v: as the forward took them, cast): :func:`backward`
     with its dispatch memoised per forced backend and its backend's run prepared, both at its first call
-    (a fallback is neither: it warns, or raises under strict mode, each time as before). A call whose q, k
-    or v no longer has its forward's layout (a ``.data`` swapped since) runs :func:`backward` itself."""
+    (``memo.prepared_backward``). A call whose q, k or v no longer has its forward's layout (a ``.data`` swapped
+    since) runs :func:`backward` itself."""
     tensors = _tensors_key(q, k, v)
-    layout = _layout(q, k, v, causal, scale, window, softcap)
-    device = q.device
-    runs: dict = {}  # (prefer, dispatch.state()) -> (backend, its op, run)
+    options = dict(causal=causal, scale=scale, window=window, softcap=softcap)
+    run = memo.prepared_backward(_BWD_OP, _layout(q, k, v, causal, scale, window, softcap), q.device,
+                                 lambda *given: dict(zip(_BWD_TENSORS, given), **options), _BWD_TENSORS,
+                                 ("out", "lse", "dout"))
 
     def run_backward(q, k, v, out, lse, dout, *options, prefer=None):
         if _tensors_key(q, k, v) != tensors:
             return backward(q, k, v, out, lse, dout, *options, prefer=prefer)
-        state = (prefer, dispatch.state())
-        found = runs.get(state)
-        if found is None or found[0].ops.get(_BWD_OP) is not found[1]:
-            call = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, causal=causal, scale=scale, window=window,
-                        softcap=softcap)
-            choice = select_by_layout(_BWD_OP, layout, lambda: call, device, prefer)
-            if choice.is_fallback:  # warned, or raised under strict mode, by the dispatch just now
-                return run_choice(_BWD_OP, choice, call, device)
-            backend = get_backend(choice.backend)
-            impl = backend.ops[_BWD_OP]
-            found = runs[state] = (backend, impl, _prepare(impl, q, k, v, causal, scale, window, softcap,
-                                                           ("q", "k", "v", "out", "lse", "dout")))
-        if torch._C._is_any_autocast_enabled():  # loss.backward() inside an autocast block
-            with autocast_off(device.type):
-                return found[2](q, k, v, out, lse, dout)
-        return found[2](q, k, v, out, lse, dout)
+        return run(prefer, q, k, v, out, lse, dout)
 
     return run_backward
 
@@ -465,12 +418,11 @@ def _memoise(key, q, k, v, causal, scale, window, softcap):
     checked, as autocast casts them); None where the call falls back (a fallback is not memoised: each warns,
     or raises under strict mode)."""
     arguments = dict(q=q, k=k, v=v, causal=causal, scale=scale, window=window, softcap=softcap)
-    choice = select_by_layout(_OP, _layout(q, k, v, causal, scale, window, softcap), lambda: arguments, q.device)
-    if choice.is_fallback:
+    _, backend_op = memo.choose(_OP, _layout(q, k, v, causal, scale, window, softcap), arguments, q.device)
+    if backend_op is None:
         return None
-    backend = get_backend(choice.backend)
-    impl = backend.ops[_OP]
-    run = _prepare(impl, q, k, v, causal, scale, window, softcap, ("q", "k", "v"))
+    backend, impl = backend_op
+    run = memo.prepared(impl, arguments, _TENSORS)
     device_type = q.device.type
     autocast = _autocasting(device_type)
     if autocast:
@@ -488,13 +440,6 @@ def _memoise(key, q, k, v, causal, scale, window, softcap):
         finish = lambda q, k, v: compute(q, k, v)[0]  # noqa: E731
     call = (lambda q, k, v: finish(*autocast_inputs(q, k, v))) if autocast else finish
     return backend, impl, call
-
-
-def _remember(key, entry):
-    """Memoise a call once it has run: a call that failed leaves nothing behind."""
-    if len(_memo) >= _MEMO_SIZE:
-        _memo.clear()
-    _memo[key] = entry
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
@@ -526,7 +471,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
     entry = _memoise(key, q, k, v, causal, scale, window, softcap) if key is not None else None
     if entry is not None:
         out = entry[2](q, k, v)
-        _remember(key, entry)
+        memo.remember(_memo, key, entry)
         return out
     if not _needs_grad(q, k, v):
         return forward(q, k, v, causal, scale, window, softcap)[0]

@@ -50,10 +50,11 @@ class OpImpl:
     # Reasons particular to this backend that it can't take a call (a launch limit, a layout); must not
     # touch tensor data. Those of the declarations below are dispatch's to give.
     supports: Callable[[Call], list[str]] = _no_reasons
-    # Optional, for ops whose host time is critical: ``prepare(q, k, v, **options)`` returns ``run`` for every
-    # call whose q, k and v have these ones' layout (shapes, strides, dtypes, device and 16-byte alignment)
-    # and whose options are these, taking the op's tensors positionally (attention_bwd's: q, k, v, out, lse,
-    # dout, the last three of any layout); what ``run`` would look up per call is looked up once.
+    # Optional, for ops whose host time is critical: ``prepare(**call)`` returns ``run`` for every call whose
+    # tensors have these ones' layout (shapes, strides, dtypes, device and 16-byte alignment) and whose other
+    # arguments are these, taking the op's tensors positionally; the backward ops' is given the call but for
+    # the tensors that may come in any layout (attention_bwd's out, lse and dout; the norms' dout and dh).
+    # What ``run`` would look up per call is looked up once (docs/adding-a-backend.md).
     prepare: Callable[..., Callable[..., Any]] | None = None
     # What it takes, as data (None: no limit): the dtypes of the op's floating-point tensors, the largest
     # head dim, and which of the op's optional features (``Op.features``, by name) it has.
@@ -317,7 +318,8 @@ def strict() -> bool:
 
 def state() -> tuple:
     """What a choice that is not a fallback depends on besides the call: the forced backend and the backends
-    loaded (strict mode changes only what a fallback does)."""
+    loaded (strict mode changes only what a fallback does, and fallbacks are never memoised). Every memoised
+    eager call reads it."""
     return forced_backend(), tuple(map(id, _backends.values()))
 
 

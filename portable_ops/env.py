@@ -15,14 +15,21 @@ TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off", "")
 
 
+_ENCODED: dict[str, bytes] = {}  # names as the environment's own dict keys them
+_KEYED_BY_BYTES = os.name != "nt"  # elsewhere its dict is keyed by upper-cased names
+
+
 def get(name: str) -> str | None:
     """``os.environ.get(name)``. Dispatch reads variables on every call, and ``os.environ.get`` of one that is
-    not set costs ~0.5 us (a KeyError raised and caught inside ``Mapping.get``); the mapping's own dict,
-    which every change through ``os.environ`` updates, answers in a tenth of that."""
+    not set raises and catches a KeyError inside ``Mapping.get``; the mapping's own dict, which every change
+    through ``os.environ`` updates, keyed by the name encoded once, answers in a fraction of that."""
     data = getattr(os.environ, "_data", None)
-    if data is None or os.name == "nt":  # no such dict, or not one keyed by encoded names
+    if data is None or not _KEYED_BY_BYTES:
         return os.environ.get(name)
-    value = data.get(os.fsencode(name))
+    encoded = _ENCODED.get(name)
+    if encoded is None:
+        encoded = _ENCODED[name] = os.fsencode(name)
+    value = data.get(encoded)
     return None if value is None else os.fsdecode(value)
 
 
@@ -44,7 +51,9 @@ def choice(name: str, choices: tuple[str, ...]) -> str | None:
     """The environment variable ``name`` as one of ``choices`` (any case, surrounding spaces ignored), or None
     when it is unset or empty."""
     value = get(name)
-    word = (value or "").strip().lower()
+    if value is None:
+        return None
+    word = value.strip().lower()
     if not word:
         return None
     if word not in choices:

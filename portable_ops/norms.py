@@ -6,7 +6,9 @@ folded), and return the output, the sum ``x + residual`` where there is one, and
 (``mean``, LayerNorm only, and ``rstd`` per row) that the backward reuses. Three wrappers run them:
 
 * eager calls: :class:`_EagerNorm`, an ``autograd.Function`` whose backward dispatches the row's
-  backward op (``create_graph=True`` differentiates the definition instead);
+  backward op (``create_graph=True`` differentiates the definition instead), memoised as attention's eager
+  calls are (``portable_ops/memo.py``): a call whose key was seen runs its backend's prepared run with no
+  checks or dispatch, and its backward is dispatched and prepared once per key;
 * torch.compile: the custom ops ``portable_ops::rms_norm_fwd`` / ``_bwd`` and ``layer_norm_fwd`` / ``_bwd``,
   with fake implementations and ``register_autograd``;
 * torch.func transforms and forward-mode AD: the definition (``portable_ops.definitions.norms``), plain
@@ -15,10 +17,12 @@ folded), and return the output, the sum ``x + residual`` where there is one, and
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from . import norm_checks
-from .attention import _autocasting, call_layout, run_op, transformed
+from . import dispatch, memo, norm_checks
+from .attention import call_layout, run_op, transformed
 from .definitions import norms as definition
 from .dispatch import forced_backend
 
@@ -31,10 +35,19 @@ def autocast_inputs(x, residual, weight, bias):
     """torch's autocast policy for its norms: on a device type in :data:`FP32_UNDER_AUTOCAST`, float16 and
     bfloat16 tensors cast to float32; elsewhere unchanged."""
     device_type = x.device.type
-    if device_type not in FP32_UNDER_AUTOCAST or not _autocasting(device_type):
+    if device_type not in FP32_UNDER_AUTOCAST or not memo.autocasting(device_type):
         return x, residual, weight, bias
     return tuple(t.float() if t is not None and t.dtype in (torch.float16, torch.bfloat16) else t
                  for t in (x, residual, weight, bias))
+
+
+def _cast(x, residual, weight, bias):
+    """Autocast's casts, then torch's promotion of a residual of another dtype (``x + residual``'s dtype)."""
+    x, residual, weight, bias = autocast_inputs(x, residual, weight, bias)
+    if residual is not None and residual.dtype != x.dtype:
+        dtype = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(dtype), residual.to(dtype)
+    return x, residual, weight, bias
 
 
 def norm_call(op, x, residual, weight, bias, eps):
@@ -42,13 +55,13 @@ def norm_call(op, x, residual, weight, bias, eps):
     dtype, and return them as the backends take them, but for x and residual in their own shapes
     (:func:`forward` folds them into rows)."""
     norm_checks.check_norm(op, x, residual, weight, bias)
-    x, residual, weight, bias = autocast_inputs(x, residual, weight, bias)
-    if residual is not None and residual.dtype != x.dtype:  # torch's x + residual: the promoted dtype
-        dtype = torch.promote_types(x.dtype, residual.dtype)
-        x, residual = x.to(dtype), residual.to(dtype)
-    eps = norm_checks.norm_eps(op, eps, x.dtype)
+    x, residual, weight, bias = _cast(x, residual, weight, bias)
+    return _forward_call(op == "rms_norm", x, residual, weight, bias, norm_checks.norm_eps(op, eps, x.dtype))
+
+
+def _forward_call(rms, x, residual, weight, bias, eps):
     call = dict(x=x, residual=residual, weight=weight)
-    if op == "layer_norm":
+    if not rms:
         call["bias"] = bias
     call["eps"] = eps
     return call
@@ -58,15 +71,18 @@ def _rows(t):
     return None if t is None else t.reshape(-1, t.shape[-1])
 
 
+_FWD_OP = {True: "rms_norm_fwd", False: "layer_norm_fwd"}
+_BWD_OP = {True: "rms_norm_bwd", False: "layer_norm_bwd"}
+# the tensors of each op's call, as its prepared runs take them positionally
+_FWD_TENSORS = {True: ("x", "residual", "weight"), False: ("x", "residual", "weight", "bias")}
+_BWD_TENSORS = {True: ("x", "weight", "rstd", "dout", "dh"), False: ("x", "weight", "mean", "rstd", "dout", "dh")}
+
+
 def forward(rms, x, residual, weight, bias, eps):
     """``(out, h, mean, rstd)`` in x's shape (statistics in its leading shape) from the backend chosen for this
     call; ``h`` None without a residual, ``mean`` None for RMSNorm."""
-    call = dict(x=_rows(x), residual=_rows(residual), weight=weight)
-    if not rms:
-        call["bias"] = bias
-    call["eps"] = eps
-    op = "rms_norm_fwd" if rms else "layer_norm_fwd"
-    result = run_op(op, call, call_layout(call), x.device, None)
+    call = _forward_call(rms, _rows(x), _rows(residual), weight, bias, eps)
+    result = run_op(_FWD_OP[rms], call, call_layout(call), x.device, None)
     out, h, *stats = result if not rms else (result[0], result[1], None, result[2])
     lead = x.shape[:-1]
     mean, rstd = (None if s is None else s.reshape(lead) for s in stats)
@@ -83,8 +99,7 @@ def backward(rms, x, weight, mean, rstd, dout, dh, has_bias, prefer=None):
     call.update(rstd=rstd.reshape(-1), dout=_rows(dout), dh=_rows(dh))
     if not rms:
         call["has_bias"] = has_bias
-    op = "rms_norm_bwd" if rms else "layer_norm_bwd"
-    result = run_op(op, call, call_layout(call), x.device, prefer)
+    result = run_op(_BWD_OP[rms], call, call_layout(call), x.device, prefer)
     dx, dweight, dbias = (result[0], result[1], None) if rms else result
     return dx.reshape(x.shape), dweight, dbias
 
@@ -101,16 +116,26 @@ def _definition(rms, x, residual, weight, bias, eps):
 
 # ----------------------------------------------------------------------------- eager
 
+class _How:
+    """What :class:`_EagerNorm` runs, handed over as one argument: ``forward(x, residual, weight, bias) -> (out, h,
+    mean, rstd)`` and ``backward(x, weight, mean, rstd, dout, dh, has_bias, prefer) -> (dx, dweight, dbias)``, whose
+    statistics are the forward's as it returns them; ``rms`` and ``eps`` for the definition."""
+
+    __slots__ = ("rms", "eps", "forward", "backward")
+
+    def __init__(self, rms, eps, forward, backward):
+        self.rms, self.eps, self.forward, self.backward = rms, eps, forward, backward
+
+
 class _EagerNorm(torch.autograd.Function):
-    """``apply(x, residual, weight, bias, (rms, eps))`` -> out, or (out, h) with a residual."""
+    """``apply(x, residual, weight, bias, how)`` -> out, or (out, h) with a residual."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, how):
-        rms, eps = how
-        out, h, mean, rstd = forward(rms, x, residual, weight, bias, eps)
+        out, h, mean, rstd = how.forward(x, residual, weight, bias)
         # what was normalised (the sum, an output, with a residual): x and residual themselves are not kept
         ctx.save_for_backward(h if h is not None else x, weight, bias, mean, rstd)
-        ctx.rms, ctx.eps, ctx.prefer, ctx.has_residual = rms, eps, forced_backend(), residual is not None
+        ctx.how, ctx.prefer, ctx.has_residual = how, forced_backend(), residual is not None
         ctx.set_materialize_grads(False)
         return (out, h) if h is not None else out
 
@@ -122,19 +147,19 @@ class _EagerNorm(torch.autograd.Function):
         if dout is None:  # only the sum's gradient arrived: the norm's output was not used
             return dh, dh if ctx.has_residual else None, None, None, None
         if torch.is_grad_enabled():  # create_graph=True: differentiate the definition again
-            dx, dweight, dbias = _differentiated_again(ctx, saved, weight, bias, dout, dh)
+            dx, dweight, dbias = _differentiated_again(ctx.how, saved, weight, bias, dout, dh)
         else:
-            dx, dweight, dbias = backward(ctx.rms, saved, weight, mean, rstd, dout, dh, bias is not None, ctx.prefer)
+            dx, dweight, dbias = ctx.how.backward(saved, weight, mean, rstd, dout, dh, bias is not None, ctx.prefer)
             dweight, dbias = _param_grad(dweight, weight), _param_grad(dbias, bias)
         return dx, dx if ctx.has_residual else None, dweight, dbias, None
 
 
-def _differentiated_again(ctx, saved, weight, bias, dout, dh):
+def _differentiated_again(how, saved, weight, bias, dout, dh):
     """First derivatives that are themselves differentiable: the definition's, taken at what was normalised
     (the sum, an output of the forward, through which a second derivative reaches x and residual)."""
     given = [t if t is not None and t.requires_grad else None for t in (saved, weight, bias)]
     with torch.enable_grad():
-        out = _definition(ctx.rms, saved, None, weight, bias, ctx.eps)
+        out = _definition(how.rms, saved, None, weight, bias, how.eps)
         wanted = [t for t in given if t is not None]
         grads = iter(torch.autograd.grad(out, wanted, dout, create_graph=True, allow_unused=True))
     dx, dweight, dbias = (next(grads) if t is not None else None for t in given)
@@ -239,9 +264,14 @@ _ln_fwd_op.register_autograd(_ln_backward, setup_context=_ln_setup)
 # ----------------------------------------------------------------------------- the public functions
 
 def _norm(rms, x, residual, weight, bias, eps):
-    op = "rms_norm" if rms else "layer_norm"
-    call = norm_call(op, x, residual, weight, bias, eps)
-    x, residual, weight, eps = call["x"], call["residual"], call["weight"], call["eps"]
+    key = _memo_key(rms, x, residual, weight, bias, eps)
+    if key is not None:
+        call = memo.memoised(_memo, key, _FWD_OP[rms])
+        if call is not None:
+            return call(x, residual, weight, bias)
+    given = (x, residual, weight, bias)
+    call = norm_call("rms_norm" if rms else "layer_norm", x, residual, weight, bias, eps)
+    x, residual, weight, bias, eps = call["x"], call["residual"], call["weight"], call.get("bias"), call["eps"]
     if x.numel() == 0 or transformed():  # nothing to launch, or torch.func: the definition's torch ops
         return _definition(rms, x, residual, weight, bias, eps)
     if torch.compiler.is_compiling():
@@ -250,12 +280,138 @@ def _norm(rms, x, residual, weight, bias, eps):
         else:
             out, h, _, _ = _ln_fwd_op(x, residual, weight, bias, eps)
         return (out, h) if residual is not None else out
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                 for t in (x, residual, weight, bias))
+    needs_grad = _needs_grad(x, residual, weight, bias)
+    entry = _memoise(rms, given, (x, residual, weight, bias), eps, needs_grad) if key is not None else None
+    if entry is not None:
+        result = entry[2](x, residual, weight, bias)
+        memo.remember(_memo, key, entry)
+        return result
     if not needs_grad:
         out, h, _, _ = forward(rms, x, residual, weight, bias, eps)
         return (out, h) if residual is not None else out
-    return _EagerNorm.apply(x, residual, weight, bias, (rms, eps))
+    return _EagerNorm.apply(x, residual, weight, bias, _How(rms, eps, functools.partial(forward, rms, eps=eps),
+                                                           functools.partial(backward, rms)))
+
+
+# ----------------------------------------------------------------------------- eager calls, memoised
+
+_memo: dict = {}  # key -> (backend, its op, call): portable_ops.memo's rules
+# Classes whose == and hash stand for everything the checks read of an argument (bool is refused as an eps)
+_PLAIN_EPS = (float, int, type(None))
+_PLAIN_TENSOR = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_OPTIONAL = (torch.Tensor, torch.nn.Parameter, type(None))
+
+
+def _needs_grad(x, residual, weight, bias) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or (residual is not None and residual.requires_grad)
+                                        or (weight is not None and weight.requires_grad)
+                                        or (bias is not None and bias.requires_grad))
+
+
+def _layout_of(t):
+    """What a memo key holds of a tensor: its shape, strides, dtype, device and 16-byte alignment."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+
+
+def _memo_key(rms, x, residual, weight, bias, eps):
+    """The memo key of an eager call outside torch.func transforms with plain tensors (parameters included)
+    and a plain eps; None for any other call, and for one whose forced backend is not a backend's name (the
+    checked path says what is wrong, where the call gets that far). Written out: every eager call builds one."""
+    if (torch.compiler.is_compiling() or x.__class__ not in _PLAIN_TENSOR or residual.__class__ not in _PLAIN_OPTIONAL
+            or weight.__class__ not in _PLAIN_OPTIONAL or bias.__class__ not in _PLAIN_OPTIONAL
+            or eps.__class__ not in _PLAIN_EPS or transformed()):
+        return None
+    try:
+        return (rms, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16,
+                None if residual is None else _layout_of(residual), None if weight is None else _layout_of(weight),
+                None if bias is None else _layout_of(bias), eps, _needs_grad(x, residual, weight, bias),
+                memo.autocast_key(x.device.type), dispatch.state())
+    except (RuntimeError, ValueError):  # no strides or storage (sparse, ...), or PORTABLE_OPS_BACKEND unknown
+        return None
+
+
+def _memoise(rms, given, cast, eps, needs_grad):
+    """``(backend, its op, call)``, where ``call(x, residual, weight, bias)`` serves every call of the key of
+    ``given`` (the tensors as the caller gave them; ``cast``: as :func:`_cast` casts them, checked); None where
+    the call falls back (a fallback is not memoised: each warns, or raises under strict mode)."""
+    x, residual, weight, bias = cast
+    rows = _forward_call(rms, _rows(x), _rows(residual), weight, bias, eps)
+    layout = call_layout(rows)
+    _, backend_op = memo.choose(_FWD_OP[rms], layout, rows, x.device)
+    if backend_op is None:
+        return None
+    backend, impl = backend_op
+    run = memo.prepared(impl, rows, _FWD_TENSORS[rms])
+    forward_rows = _folded_forward(rms, run, x, residual is not None, statistics=needs_grad)
+    device_type = x.device.type
+    if memo.autocasting(device_type):
+        def compute(x, residual, weight, bias):  # as run_op does: inputs cast before, the backend run autocast off
+            with memo.autocast_off(device_type):
+                return forward_rows(x, residual, weight, bias)
+    else:
+        compute = forward_rows
+    if needs_grad:
+        backward_rows = _prepared_backward(rms, layout, x, residual is not None, weight, bias is not None)
+        how = _How(rms, eps, compute, backward_rows)
+        finish = lambda x, residual, weight, bias: _EagerNorm.apply(x, residual, weight, bias, how)  # noqa: E731
+    else:  # autograd.Function.apply costs tens of us of host time with nothing to differentiate
+        finish = compute
+    if any(a is not b for a, b in zip(cast, given)):  # this key's calls are cast, as the checked path casts them
+        return backend, impl, lambda *tensors: finish(*_cast(*tensors))
+    return backend, impl, finish
+
+
+def _folded_forward(rms, run, x, has_residual, statistics):
+    """``forward(x, residual, weight, bias)`` through ``run`` (a prepared run of the forward op) for every x of this
+    one's shape, in that shape: ``(out, h, mean, rstd)``, the statistics as rows, where ``statistics``; else what
+    the public function returns (out, or ``(out, h)`` with a residual)."""
+    shape, rows = x.shape, (-1, x.shape[-1])
+    fold = x.dim() != 2
+
+    def forward_rows(x, residual, weight, bias):
+        if fold:
+            x = x.reshape(rows)
+            if has_residual:
+                residual = residual.reshape(rows)
+        result = run(x, residual, weight) if rms else run(x, residual, weight, bias)
+        out, h = result[0], result[1]
+        if fold:
+            out = out.reshape(shape)
+            h = None if h is None else h.reshape(shape)
+        if statistics:
+            return out, h, None if rms else result[2], result[-1]
+        return (out, h) if has_residual else out
+
+    return forward_rows
+
+
+def _prepared_backward(rms, layout, x, has_residual, weight, has_bias):
+    """``_How.backward`` for every call of a memoised key (x and weight: the forward's, cast): the backward
+    op with its dispatch memoised per forced backend and its backend's run prepared, both at its first call
+    (``memo.prepared_backward``), dout and dh of any layout. Where what the forward saved (x, or the sum with a
+    residual) or the weight no longer has the forward's layout (a ``.data`` swapped since), :func:`backward` runs."""
+    names = _BWD_TENSORS[rms]
+    options = {} if rms else {"has_bias": has_bias}
+    run = memo.prepared_backward(_BWD_OP[rms], layout, x.device, lambda *given: dict(zip(names, given), **options),
+                                 names, ("dout", "dh"))
+    # the sum is the backend's, contiguous in x's shape (and so aligned)
+    saved = _layout_of(x) if not has_residual else (x.shape, x.new_empty(x.shape, device="meta").stride(), x.dtype,
+                                                     x.device, 0)
+    expected = (saved, _layout_of(weight))
+    shape, rows = x.shape, (-1, x.shape[-1])
+    fold = x.dim() != 2
+
+    def run_backward(x, weight, mean, rstd, dout, dh, has_bias, prefer):
+        if (_layout_of(x), _layout_of(weight)) != expected:
+            return backward(rms, x, weight, mean, rstd, dout, dh, has_bias, prefer)
+        if fold:
+            x, dout = x.reshape(rows), dout.reshape(rows)
+            dh = None if dh is None else dh.reshape(rows)
+        result = run(prefer, x, weight, rstd, dout, dh) if rms else run(prefer, x, weight, mean, rstd, dout, dh)
+        dx = result[0].reshape(shape) if fold else result[0]
+        return dx, result[1], None if rms else result[2]
+
+    return run_backward
 
 
 def rms_norm(x, weight=None, eps=None, *, residual=None):

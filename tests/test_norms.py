@@ -205,6 +205,7 @@ def test_autocast_follows_torch_on_the_cpu_and_casts_to_float32_where_torch_does
                              (portable_ops.layer_norm(x.float(), w), F.layer_norm(x.float(), (8,), w))):
             assert ours.dtype == theirs.dtype  # CPU autocast lists neither norm: inputs as given
     monkeypatch.setattr(norms, "FP32_UNDER_AUTOCAST", ("cpu",))  # what CUDA's autocast does
+    monkeypatch.setattr(norms, "_memo", {})  # the calls above were memoised under the CPU's policy
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = portable_ops.rms_norm(x, w)
     assert out.dtype == torch.float32

@@ -18,7 +18,8 @@ import torch
 from portable_ops.definitions.norms import norm_bwd, norm_fwd
 
 _aten = torch.ops.aten
-_FUSED_RMS = hasattr(_aten, "_fused_rms_norm")
+# aten's fused RMSNorm through torch's C binding: torch.ops' Python dispatch costs several us a call
+_fused_rms = getattr(torch, "_fused_rms_norm", None)
 _FUSED_RMS_BACKWARD = hasattr(_aten, "_fused_rms_norm_backward")
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -33,11 +34,25 @@ def _sum(x, residual):
 def rms_norm_fwd(x, residual, weight, eps):
     h = _sum(x, residual)
     src = h if h is not None else x
-    if not _FUSED_RMS:
+    if _fused_rms is None:
         out, _, _, rstd = norm_fwd(src, None, weight, None, eps, rms=True)
         return out.contiguous(), h, rstd
-    out, rstd = _aten._fused_rms_norm(src, [src.shape[-1]], weight, eps)
+    out, rstd = _fused_rms(src, [src.shape[-1]], weight, eps)
     return out, h, rstd.reshape(-1)
+
+
+def prepare_rms_norm_fwd(x, residual, weight, eps):
+    """``rms_norm_fwd`` for every call of this one's layout and eps (``OpImpl.prepare``): ``run(x, residual,
+    weight)``, aten's fused op called at once where it runs the call (no residual to add first)."""
+    if residual is not None or _fused_rms is None:
+        return lambda x, residual, weight: rms_norm_fwd(x, residual, weight, eps)
+    normalized = [x.shape[-1]]
+
+    def run(x, residual, weight):
+        out, rstd = _fused_rms(x, normalized, weight, eps)
+        return out, None, rstd.reshape(-1)
+
+    return run
 
 
 def rms_norm_bwd(x, weight, rstd, dout, dh):
@@ -66,6 +81,20 @@ def layer_norm_fwd(x, residual, weight, bias, eps):
         return out.contiguous(), h, mean, rstd
     out, mean, rstd = torch.native_layer_norm(src, [src.shape[-1]], weight, bias, eps)
     return out, h, mean.reshape(-1), rstd.reshape(-1)
+
+
+def prepare_layer_norm_fwd(x, residual, weight, bias, eps):
+    """``layer_norm_fwd`` for every call of this one's layout and eps (``OpImpl.prepare``): ``run(x, residual,
+    weight, bias)``, ``native_layer_norm`` called at once where it runs the call (dtypes it takes, no residual)."""
+    if residual is not None or not _aten_takes(x, weight, bias):
+        return lambda x, residual, weight, bias: layer_norm_fwd(x, residual, weight, bias, eps)
+    normalized = [x.shape[-1]]
+
+    def run(x, residual, weight, bias):
+        out, mean, rstd = torch.native_layer_norm(x, normalized, weight, bias, eps)
+        return out, None, mean.reshape(-1), rstd.reshape(-1)
+
+    return run
 
 
 def layer_norm_bwd(x, weight, mean, rstd, dout, dh, has_bias):

@@ -5,13 +5,19 @@ storing their sum rounded to x's dtype, which is what it normalises), takes the 
 ``rstd``, stores them for the backward, and writes the output in x's dtype. Any strides: rows and columns are
 addressed through both strides, in 64-bit offsets.
 
-Backward, in two launches and no atomics, so the weight and bias gradients are the same bits on every run:
+Backward, in two steps and no atomics, so the weight and bias gradients are the same bits on every run:
 each of ``P`` programs takes a contiguous run of rows, writes their dx (plus the gradient that reached the
 sum, for the fused residual) and keeps its rows' ``dy * xhat`` and ``dy`` column sums in registers, stored as
-one row of a ``[P, D]`` float32 partials tensor; a second launch sums the partials' rows in a fixed order.
+one row of a ``[P, D]`` float32 partials tensor; a second launch per partials tensor sums its rows in a fixed
+order.
+
+Every launch is a plan's (``launch.Launch``), kept per layout: a call costs a key, its allocations and its
+launches, and a prepared run (``OpImpl.prepare``, for the memoised eager calls) not even the key.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -19,7 +25,7 @@ import triton.language as tl
 
 from .adam import _TL_DTYPE
 from .interpreter import INTERPRETED, to_dtype
-from .launch import in_compile_env
+from .launch import Launch
 
 MAX_D = 8192  # a row is one block of registers: at 16384 the forward spills (sm_90, 16 or 32 warps)
 W_RESIDENT_BLOCK = 4096  # the backward keeps the weight in registers up to this block; wider rows spill with it
@@ -135,67 +141,162 @@ def _dense(t):
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def _norm_fwd(x, residual, weight, bias, eps, rms):
-    m, d = x.shape
-    weight, bias = _dense(weight), _dense(bias)
-    out = torch.empty((m, d), dtype=x.dtype, device=x.device)
-    h = torch.empty_like(out) if residual is not None else None
-    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-    mean = None if rms else torch.empty_like(rstd)
-    block = triton.next_power_of_2(d)
-    r = residual if residual is not None else x
-    in_compile_env(_norm_fwd_kernel[(m,)], x, r, weight if weight is not None else x, bias if bias is not None else x,
-                   out, h if h is not None else out, mean if mean is not None else rstd, rstd, x.stride(0),
-                   x.stride(1), r.stride(0), r.stride(1), d, eps, DTYPE=_TL_DTYPE[x.dtype],
-                   HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms,
-                   BLOCK_D=block, num_warps=_warps(block))
-    return out, h, mean, rstd
+def _dtype(t):
+    return None if t is None else t.dtype
 
 
-def _column_sums(partials):
-    p, d = partials.shape
-    out = torch.empty(d, dtype=torch.float32, device=partials.device)
-    in_compile_env(_column_sum_kernel[(triton.cdiv(d, COLUMN_BLOCK),)], partials, out, p, d, BLOCK=COLUMN_BLOCK,
-                   num_warps=4)
-    return out
+# Plans by layout: a launch fixes its grid, constexprs and integers (launch.Launch), all of which the key holds
+PLANS_SIZE = 4096
+_plans: dict = {}
 
 
-def _norm_bwd(x, weight, mean, rstd, dout, dh, rms, has_bias):
-    m, d = x.shape
-    weight = _dense(weight)
-    programs = _programs(m, x.device)
-    rows_per_program = triton.cdiv(m, programs)
-    programs = triton.cdiv(m, rows_per_program)
-    dx = torch.empty((m, d), dtype=x.dtype, device=x.device)
-    dw_part = torch.empty((programs, d), dtype=torch.float32, device=x.device) if weight is not None else None
-    db_part = torch.empty((programs, d), dtype=torch.float32, device=x.device) if has_bias else None
-    block = triton.next_power_of_2(d)
-    g = dh if dh is not None else dout
-    in_compile_env(_norm_bwd_kernel[(programs,)], x, weight if weight is not None else x,
-                   mean if mean is not None else rstd, rstd, dout, g, dx,
-                   dw_part if dw_part is not None else rstd, db_part if db_part is not None else rstd,
-                   x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), g.stride(0), g.stride(1), m, d,
-                   rows_per_program, DTYPE=_TL_DTYPE[x.dtype], HAS_W=weight is not None, HAS_DH=dh is not None,
-                   BIAS_GRAD=has_bias, RMS=rms, BLOCK_D=block, W_RESIDENT=block <= W_RESIDENT_BLOCK,
-                   num_warps=_warps(block))
-    dweight = _column_sums(dw_part) if dw_part is not None else None
-    dbias = _column_sums(db_part) if db_part is not None else None
-    return dx, dweight, dbias
+def _plan(key, build):
+    plan = _plans.get(key)
+    if plan is None:
+        if len(_plans) >= PLANS_SIZE:
+            _plans.clear()
+        plan = _plans[key] = build()
+    return plan
+
+
+def _launched(key, plan, launch, *args):
+    """``launch(*args)``; a launch that fails takes its plan out with it (a plan built from what made it fail
+    would fail every later call of its layout)."""
+    try:
+        launch(*args)
+    except BaseException:
+        if _plans.get(key) is plan:
+            del _plans[key]
+        raise
+
+
+class _Forward:
+    """The forward of one layout (x's shape, strides and dtype; the residual's strides and dtype; the weight's and
+    bias's dtypes; the device): its allocations and its one launch, for any eps. Returns the op's tuple."""
+
+    __slots__ = ("key", "rows", "device", "residual", "rms", "ints", "launch")
+
+    def __init__(self, key, x, residual, weight, bias, rms):
+        m, d = x.shape
+        self.key, self.rows, self.device, self.residual, self.rms = key, m, x.device, residual is not None, rms
+        r = residual if residual is not None else x
+        self.ints = (x.stride(0), x.stride(1), r.stride(0), r.stride(1), d)
+        block = triton.next_power_of_2(d)
+        self.launch = Launch(_norm_fwd_kernel, (m,), 8, DTYPE=_TL_DTYPE[x.dtype], HAS_RES=residual is not None,
+                             HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms, BLOCK_D=block,
+                             num_warps=_warps(block))
+
+    def __call__(self, x, residual, weight, bias, eps):
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        h = torch.empty_like(out) if self.residual else None
+        rstd = torch.empty(self.rows, dtype=torch.float32, device=self.device)
+        mean = None if self.rms else torch.empty_like(rstd)
+        weight, bias = _dense(weight), _dense(bias)
+        _launched(self.key, self, self.launch, x, residual if residual is not None else x,
+                  weight if weight is not None else x, bias if bias is not None else x, out,
+                  h if h is not None else out, mean if mean is not None else rstd, rstd, *self.ints, float(eps))
+        return (out, h, rstd) if self.rms else (out, h, mean, rstd)
+
+
+def _forward(x, residual, weight, bias, rms) -> _Forward:
+    key = (x.shape, x.stride(), None if residual is None else residual.stride(), x.dtype, _dtype(residual),
+           _dtype(weight), _dtype(bias), x.device, rms)
+    return _plan(key, lambda: _Forward(key, x, residual, weight, bias, rms))
+
+
+class _Backward:
+    """The backward of one layout (x's shape, strides and dtype; the weight's dtype; whether there is a bias; the
+    device; dout's and dh's strides and dtypes): dx and each program's weight and bias partial sums in one
+    launch, then a launch summing each partial's rows. Returns ``(dx, dweight, dbias)``."""
+
+    __slots__ = ("key", "columns", "device", "programs", "weight", "bias", "ints", "rows", "column_sums")
+
+    def __init__(self, key, x, weight, dout, dh, rms, has_bias):
+        m, d = x.shape
+        self.key, self.columns, self.device, self.weight, self.bias = key, d, x.device, weight is not None, has_bias
+        programs = _programs(m, x.device)
+        rows_per_program = triton.cdiv(m, programs)
+        self.programs = programs = triton.cdiv(m, rows_per_program)
+        g = dh if dh is not None else dout
+        self.ints = (x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), g.stride(0), g.stride(1), m, d,
+                     rows_per_program)
+        block = triton.next_power_of_2(d)
+        self.rows = Launch(_norm_bwd_kernel, (programs,), 9, DTYPE=_TL_DTYPE[x.dtype], HAS_W=weight is not None,
+                           HAS_DH=dh is not None, BIAS_GRAD=has_bias, RMS=rms, BLOCK_D=block,
+                           W_RESIDENT=block <= W_RESIDENT_BLOCK, num_warps=_warps(block))
+        self.column_sums = Launch(_column_sum_kernel, (triton.cdiv(d, COLUMN_BLOCK),), 2, BLOCK=COLUMN_BLOCK,
+                                  num_warps=4)
+
+    def __call__(self, x, weight, mean, rstd, dout, dh):
+        dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+        dw_part, db_part = self._partials(self.weight), self._partials(self.bias)
+        weight = _dense(weight)
+        _launched(self.key, self, self.rows, x, weight if weight is not None else x,
+                  mean if mean is not None else rstd, rstd, dout, dh if dh is not None else dout, dx,
+                  dw_part if dw_part is not None else rstd, db_part if db_part is not None else rstd, *self.ints)
+        return dx, self._summed(dw_part), self._summed(db_part)
+
+    def _partials(self, wanted):
+        return torch.empty((self.programs, self.columns), dtype=torch.float32, device=self.device) if wanted else None
+
+    def _summed(self, partials):
+        if partials is None:
+            return None
+        out = torch.empty(self.columns, dtype=torch.float32, device=self.device)
+        _launched(self.key, self, self.column_sums, partials, out, self.programs, self.columns)
+        return out
+
+
+def _backward_layout(x, weight, rms, has_bias) -> tuple:
+    """What a backward's plan key holds besides dout's and dh's strides and dtypes."""
+    return x.shape, x.stride(), x.dtype, _dtype(weight), x.device, rms, has_bias
+
+
+def _backward(layout, x, weight, mean, rstd, dout, dh):
+    """``(dx, dweight, dbias)`` from the plan of ``layout`` (:func:`_backward_layout`) and dout's and dh's strides
+    and dtypes."""
+    key = (layout, dout.stride(), dout.dtype, None if dh is None else dh.stride(), _dtype(dh))
+    plan = _plan(key, lambda: _Backward(key, x, weight, dout, dh, *layout[-2:]))
+    return plan(x, weight, mean, rstd, dout, dh)
 
 
 def rms_norm_fwd(x, residual, weight, eps):
-    out, h, _, rstd = _norm_fwd(x, residual, weight, None, eps, rms=True)
-    return out, h, rstd
+    return _forward(x, residual, weight, None, True)(x, residual, weight, None, eps)
+
+
+def prepare_rms_norm_fwd(x, residual, weight, eps):
+    """``rms_norm_fwd`` for every call of this one's layout and eps (``OpImpl.prepare``): ``run(x, residual,
+    weight)``, its plan found here, once."""
+    return functools.partial(_forward(x, residual, weight, None, True), bias=None, eps=eps)
 
 
 def rms_norm_bwd(x, weight, rstd, dout, dh):
-    dx, dweight, _ = _norm_bwd(x, weight, None, rstd, dout, dh, rms=True, has_bias=False)
-    return dx, dweight
+    return _backward(_backward_layout(x, weight, True, False), x, weight, None, rstd, dout, dh)[:2]
+
+
+def prepare_rms_norm_bwd(x, weight, rstd):
+    """``rms_norm_bwd`` for every call whose x and weight have this one's layout (``OpImpl.prepare``):
+    ``run(x, weight, rstd, dout, dh)``, which finds its plan by dout's and dh's alone."""
+    layout = _backward_layout(x, weight, True, False)
+    return lambda x, weight, rstd, dout, dh: _backward(layout, x, weight, None, rstd, dout, dh)[:2]
 
 
 def layer_norm_fwd(x, residual, weight, bias, eps):
-    return _norm_fwd(x, residual, weight, bias, eps, rms=False)
+    return _forward(x, residual, weight, bias, False)(x, residual, weight, bias, eps)
+
+
+def prepare_layer_norm_fwd(x, residual, weight, bias, eps):
+    """``layer_norm_fwd`` for every call of this one's layout and eps (``OpImpl.prepare``): ``run(x, residual,
+    weight, bias)``, its plan found here, once."""
+    return functools.partial(_forward(x, residual, weight, bias, False), eps=eps)
 
 
 def layer_norm_bwd(x, weight, mean, rstd, dout, dh, has_bias):
-    return _norm_bwd(x, weight, mean, rstd, dout, dh, rms=False, has_bias=has_bias)
+    return _backward(_backward_layout(x, weight, False, has_bias), x, weight, mean, rstd, dout, dh)
+
+
+def prepare_layer_norm_bwd(x, weight, mean, rstd, has_bias):
+    """``layer_norm_bwd`` for every call whose x and weight have this one's layout (``OpImpl.prepare``):
+    ``run(x, weight, mean, rstd, dout, dh)``, which finds its plan by dout's and dh's alone."""
+    layout = _backward_layout(x, weight, False, has_bias)
+    return functools.partial(_backward, layout)

@@ -9,7 +9,8 @@ through the integration (portable_ops/bench/hf.py); ``hf --tiny`` is a CPU smoke
 ``ops`` times the step's other ops (norms) against torch eager and compiled (portable_ops/bench/ops.py).
 ``attention --head-dims 40,80,96,192`` times those head dims and their next powers of two, with
 each odd one's TFLOP/s as a fraction of its power of two's (``of pow2``). Three need no GPU:
-``attention-host`` measures the triton backend's host time per call with no-op launches,
+``attention-host`` measures the triton backend's host time per call with no-op launches (and the norms'
+through the public functions, beside torch's),
 ``nki`` estimates the NKI kernels' time on Trn2/Trn3 from the emulator's counts
 (portable_ops/bench/nki.py), and ``fallback`` times each op with the backend forced to ``reference``
 against torch's fastest call for the same work, on CUDA when available, else the CPU (``--device``
@@ -140,12 +141,13 @@ def main(argv=None) -> int:
         from .nki import run as run_nki
         return run_nki(args.out)
     if args.bench == "attention-host":
-        from .attention import run_attention_host
+        from .attention import NORM_HOST_COLUMNS, run_attention_host, run_norm_host
 
         rows = run_attention_host()
         print(table(rows, COLUMNS[args.bench]))
         print("CPU host time per call with no-op kernel launches (not GPU time)" if rows[0]["device"] == "cpu"
               else "host time per call with no-op kernel launches")
+        print(table(run_norm_host(), NORM_HOST_COLUMNS))
         return 0
     if args.bench == "fallback":
         from .fallback import fallback_info, pick_device, run_fallback

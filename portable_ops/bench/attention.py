@@ -195,6 +195,19 @@ class _NoLaunch:
 
 
 @contextlib.contextmanager
+def _replaced(replacements):
+    """Each ``(owner, name, value)``: ``owner.name`` set to ``value`` inside the block, and back after."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
+    try:
+        for owner, name, value in replacements:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+@contextlib.contextmanager
 def no_launches():
     """Every attention kernel the triton backend's plans launch (backends/triton/attention_plans.py) and
     its Hopper forward (attention_sm90.py, where Gluon is there) replaced by a no-op."""
@@ -202,14 +215,20 @@ def no_launches():
     kernels = [(plans, name) for name in ("fwd_kernel", "combine_kernel", "delta_kernel", "dkdv_kernel", "dq_kernel")]
     if hasattr(plans.attention_sm90, "fwd_kernel"):
         kernels.append((plans.attention_sm90, "fwd_kernel"))
-    saved = [(owner, name, getattr(owner, name)) for owner, name in kernels]
-    try:
-        for owner, name, kernel in saved:
-            setattr(owner, name, _NoLaunch(kernel))
+    with _replaced([(owner, name, _NoLaunch(getattr(owner, name))) for owner, name in kernels]):
         yield
-    finally:
-        for owner, name, kernel in saved:
-            setattr(owner, name, kernel)
+
+
+@contextlib.contextmanager
+def no_norm_launches():
+    """The triton backend's norm kernels replaced by no-ops, with a plan cache and a memo of the public norms of
+    their own inside the block (their plans and prepared runs hold launches): nothing made inside outlives it."""
+    kernels = importlib.import_module("portable_ops.backends.triton.norms")
+    public = importlib.import_module("portable_ops.norms")
+    with _replaced([*((kernels, name, _NoLaunch(getattr(kernels, name)))
+                      for name in ("_norm_fwd_kernel", "_norm_bwd_kernel", "_column_sum_kernel")),
+                    (kernels, "_plans", {}), (public, "_memo", {})]):
+        yield
 
 
 def run_attention_host(calls=2000, b=4, s=256, heads=16, kv_heads=4, d=64) -> list[dict]:
@@ -243,3 +262,66 @@ def run_attention_host(calls=2000, b=4, s=256, heads=16, kv_heads=4, d=64) -> li
             rows.append({"bench": "attention host", "variant": "triton backend, no-op launches", "dir": direction,
                          "device": device, "B": b, "S": s, "Hq": heads, "Hkv": kv_heads, "D": d, "host us": best})
     return rows
+
+
+NORM_HOST_COLUMNS = ["op", "variant", "dir", "device", "shape", "host us", "vs torch"]
+
+
+def _norm_cases(x, r, w, b, eps):
+    """(op, portable_ops' call, torch's call, the inputs the backward differentiates): the same work each."""
+    d = x.shape[-1]
+    return [
+        ("rms_norm", lambda: portable_ops.rms_norm(x, w, eps), lambda: F.rms_norm(x, (d,), w, eps), (x, w)),
+        ("rms_norm + residual", lambda: portable_ops.rms_norm(x, w, eps, residual=r)[0],
+         lambda: F.rms_norm(x + r, (d,), w, eps), (x, r, w)),
+        ("layer_norm", lambda: portable_ops.layer_norm(x, w, b, eps), lambda: F.layer_norm(x, (d,), w, b, eps),
+         (x, w, b)),
+    ]
+
+
+def run_norm_host(calls=50, rounds=30, shape=(2, 16, 128)) -> list[dict]:
+    """Host microseconds per call of ``rms_norm`` (with and without its residual add) and ``layer_norm``, forward
+    and forward+backward, beside torch's ``F.rms_norm`` / ``F.layer_norm`` on the same tensors: portable_ops on
+    the reference backend (aten's kernels run, as torch's do) and on the triton backend with no-op launches,
+    both through the public function's memoised eager path. Variants are timed in turn, round after round, and
+    each keeps its best round: the least disturbed by other processes. CPU tensors unless CUDA is present:
+    CPU host time, with small tensors so that the kernels torch and the reference run cost little, on one
+    intra-op thread (on tensors this small a thread pool's wake-ups would be timed, not the calls)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(shape, generator=g).to(device).requires_grad_() for _ in range(2))
+    w, b = (torch.randn(shape[-1], generator=g).to(device).requires_grad_() for _ in range(2))
+    dout = torch.randn(shape, generator=g).to(device)
+    variants = {"torch eager": contextlib.nullcontext,
+                "portable_ops, reference": lambda: portable_ops.use_backend("reference"),
+                "portable_ops, triton no-op launches": lambda: portable_ops.use_backend("triton")}
+    rows = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with no_norm_launches():
+            for op, ours, theirs, inputs in _norm_cases(x, r, w, b, 1e-5):
+                for direction in ("fwd", "fwd+bwd"):
+                    best = dict.fromkeys(variants, float("inf"))
+                    for _ in range(rounds):
+                        for name, forced in variants.items():
+                            call = theirs if forced is contextlib.nullcontext else ours
+                            if direction == "fwd+bwd":
+                                call = lambda call=call, inputs=inputs: torch.autograd.grad(call(), inputs, dout)  # noqa: E731
+                            with forced(), torch.no_grad() if direction == "fwd" else contextlib.nullcontext():
+                                best[name] = min(best[name], _host_us(call, calls))
+                    rows += [{"bench": "norm host", "op": op, "variant": name, "dir": direction, "device": device,
+                              "shape": "x".join(map(str, shape)), "host us": us, "vs torch": us / best["torch eager"]}
+                             for name, us in best.items()]
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def _host_us(call, calls) -> float:
+    """Microseconds per call of ``calls`` calls back to back, after one (the first call of a key memoises it)."""
+    call()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    return (time.perf_counter() - start) / calls * 1e6
