@@ -3,7 +3,7 @@
 Layout: positions on the partitions, the R rotated dims along the free axis: a tile ``[128, n, R]`` holds
 ``128 * n`` positions, n consecutive ones per partition (``n = 1024 // R``: one DMA moves a head's 128 KiB at
 D = 128, bf16, where one of 128 positions would spend as long on the transfer's fixed cost as on its bytes). For
-each batch and tile of positions the tables are loaded once (float32; the DMA converts) and the signed sines made
+each batch and tile of positions the tables are loaded once (as stored) and the signed sines made (float32)
 once, ``t = (-sin_lo, sin_hi)`` (the backward's transpose: ``(sin_hi, -sin_lo)``, each half its partner's sine),
 so that for every head of q and then of k, ``out = x * cos + swap(x) * t`` is three element-wise instructions:
 ``x * cos`` on GpSimd, the two halves of ``swap(x) * t`` on the Vector Engine (a pair is dims ``j`` and
@@ -46,8 +46,8 @@ def _rows(t, s0, rows, n, r):
 
 
 def _load(src, shape):
-    tile = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_copy(dst=tile, src=src)  # the DMA converts to float32
+    tile = nl.ndarray(shape, dtype=src.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=src)  # as stored: the engines read any dtype (a DMA converts only in some modes)
     return tile
 
 
@@ -101,11 +101,13 @@ def rope_kernel(cos, sin, q=None, k=None, interleaved=False, inverse=False, in_p
                     x_lo, x_hi = _halves(xt, r, interleaved)
                     nisa.tensor_tensor(dst=z_lo, data1=x_hi, data2=t_lo, op=nl.multiply, engine=nisa.engine.vector)
                     nisa.tensor_tensor(dst=z_hi, data1=x_lo, data2=t_hi, op=nl.multiply, engine=nisa.engine.vector)
-                    # the sum on the Vector Engine one head in three, on GpSimd (25% faster) the other two: balanced
-                    nisa.tensor_tensor(dst=y, data1=y, data2=z, op=nl.add,
+                    # the sum, rounded once to x's dtype by the engine, on the Vector Engine one head in three and on
+                    # GpSimd (25% faster) the other two: balanced
+                    total = y if x.dtype == nl.float32 else nl.ndarray(shape, dtype=x.dtype, buffer=nl.sbuf)
+                    nisa.tensor_tensor(dst=total, data1=y, data2=z, op=nl.add,
                                        engine=nisa.engine.vector if turn % 3 == 0 else nisa.engine.gpsimd)
                     turn += 1
-                    nisa.dma_copy(dst=_rows(out[b, h], s0, rows, n, r), src=y)  # rounds once to x's dtype
+                    nisa.dma_copy(dst=_rows(out[b, h], s0, rows, n, r), src=total)
     if in_place:
         return None
     return tuple(out for _, out in pairs)
