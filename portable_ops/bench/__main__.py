@@ -6,7 +6,8 @@ and writes JSON and a plot into DIR (default docs/perf). ``train`` is the headli
 model trained with each stack, eager and compiled (portable_ops/bench/train.py). ``hf`` trains
 transformers' Llama and Mistral with each of its attention implementations and with portable_ops'
 through the integration (portable_ops/bench/hf.py); ``hf --tiny`` is a CPU smoke run.
-``ops`` times the step's other ops (norms) against torch eager and compiled (portable_ops/bench/ops.py).
+``ops`` times the step's other ops (norms, RoPE, linear cross-entropy) against torch eager and compiled
+(portable_ops/bench/ops.py).
 ``attention --head-dims 40,80,96,192`` times those head dims and their next powers of two, with
 each odd one's TFLOP/s as a fraction of its power of two's (``of pow2``). Three need no GPU:
 ``attention-host`` measures the triton backend's host time per call with no-op launches (and the norms'

@@ -1,4 +1,5 @@
-"""The training step's other ops, each against torch: ``python -m portable_ops.bench ops``.
+"""The training step's other ops (the norms, RoPE, the head and its loss), each against torch:
+``python -m portable_ops.bench ops``.
 
 Every case runs one portable_ops call and the same computation written in torch, eagerly and under
 ``torch.compile`` (Inductor's fused kernel, torch's best for these ops), on the Llama benchmark's activations
@@ -74,8 +75,45 @@ def norm_cases(name, shape) -> list[Case]:
 OPS_SHAPES = {name: SHAPES[name] for name in list(SHAPES)[:2]}
 
 
+def rope_cases(name, shape) -> list[Case]:
+    """q and k transposed out of the model's fused projection, float32 tables (the benchmark model's)."""
+    b, s, d = shape.batch, shape.seq, shape.head_dim
+
+    def inputs(device):
+        qkv = torch.randn(b, s, shape.heads + 2 * shape.kv_heads, d, device=device, dtype=DTYPE, requires_grad=True)
+        q, k = qkv[:, :, :shape.heads].transpose(1, 2), qkv[:, :, shape.heads:-shape.kv_heads].transpose(1, 2)
+        angles = torch.outer(torch.arange(s, device=device, dtype=torch.float32),
+                             torch.rand(d // 2, device=device))
+        angles = torch.cat([angles, angles], dim=-1)
+        return q, k, angles.cos(), angles.sin()
+
+    def transformers_rope(q, k, cos, sin):  # transformers' apply_rotary_pos_emb, its tables cast to q's dtype
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+
+        def rotate_half(x):
+            return torch.cat([-x[..., d // 2:], x[..., :d // 2]], dim=-1)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    return [Case("rope", name, inputs, portable_ops.rope, transformers_rope)]
+
+
+def cross_entropy_cases(name, shape) -> list[Case]:
+    """The model's head and loss over its tokens: hidden and weight in bf16 (as autocast hands them)."""
+    def inputs(device):
+        hidden, = _rows(shape, device, shape.d_model)
+        weight = (0.02 * torch.randn(shape.vocab, shape.d_model, device=device, dtype=DTYPE)).requires_grad_()
+        target = torch.randint(0, shape.vocab, (hidden.shape[0],), device=device)
+        return hidden, weight, target
+
+    def torch_loss(hidden, weight, target):
+        return F.cross_entropy(F.linear(hidden, weight).float(), target)
+
+    return [Case("linear_cross_entropy", name, inputs, portable_ops.linear_cross_entropy, torch_loss)]
+
+
 def cases(shapes=OPS_SHAPES) -> list[Case]:
-    return [case for name, shape in shapes.items() for case in norm_cases(name, shape)]
+    return [case for name, shape in shapes.items()
+            for case in norm_cases(name, shape) + rope_cases(name, shape) + cross_entropy_cases(name, shape)]
 
 
 def _outputs(result):
