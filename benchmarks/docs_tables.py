@@ -77,14 +77,25 @@ def headline() -> str:
     results = load("train")
     runs = _runs(results["rows"])
     shapes = list(dict.fromkeys(shape for shape, _ in _modes(runs)))
+    all_ops = "all-ops" in _stacks(runs)
 
     def faster(shape, mode, field):  # torch's time over ours: above 1, ours is faster
         return ratio(runs[shape, mode, "torch"][field] / runs[shape, mode, "portable_ops"][field])
 
+    def all_ops_cells(shape):
+        if not all_ops:
+            return []
+        ours, torch = runs[shape, "eager", "all-ops"], runs[shape, "eager", "torch"]
+        return [ratio(ours["vs torch"]), ratio(runs[shape, "compiled", "all-ops"]["vs torch"]),
+                ratio(ours["peak GiB"] / torch["peak GiB"])]
+
     rows = [[_shape_label(s), ratio(runs[s, "eager", "portable_ops"]["vs torch"]),
-             ratio(runs[s, "compiled", "portable_ops"]["vs torch"]), faster(s, "eager", "attention fwd ms"),
-             faster(s, "eager", "attention bwd ms"), faster(s, "eager", "optimizer ms")] for s in shapes]
-    header = ["shape", "step, eager", "step, compiled", "attention forward", "attention backward", "clip + AdamW"]
+             ratio(runs[s, "compiled", "portable_ops"]["vs torch"])] + all_ops_cells(s)
+            + [faster(s, "eager", "attention fwd ms"), faster(s, "eager", "attention bwd ms"),
+               faster(s, "eager", "optimizer ms")] for s in shapes]
+    header = (["shape", "step, eager", "step, compiled"]
+              + (["all ops: eager", "all ops: compiled", "all ops: peak memory"] if all_ops else [])
+              + ["attention forward", "attention backward", "clip + AdamW"])
     return "\n\n".join([table(header, rows), provenance("train", results["info"])])
 
 
@@ -100,7 +111,10 @@ def train() -> str:
     speed, kernels = [], []
     for (shape, mode), stack in itertools.product(_modes(runs), _stacks(runs)):
         ours, torch = runs[shape, mode, stack], runs[shape, mode, "torch"]
-        host = pair(ours["host ms/step"], torch["host ms/step"], 1) if "host ms/step" in ours else "-"
+        host = "-"
+        if "host ms/step" in ours:  # "waited": a step outlasted the sleep queued ahead of it (no host time taken)
+            host = " / ".join(v if isinstance(v, str) else f"{v:.1f}"
+                              for v in (ours["host ms/step"], torch["host ms/step"]))
         peak = pair(ours["peak GiB"], torch["peak GiB"], 1) if ours.get("peak GiB") is not None else "-"
         speed.append([_shape_label(shape), mode, stack, f"{torch['tokens/s']:,.0f}", f"{ours['tokens/s']:,.0f}",
                       f"**{ratio(ours['vs torch'])}**", pair(ours["ms/step"], torch["ms/step"], 1),
@@ -394,8 +408,17 @@ def fallback(name: str = "fallback") -> str:
                                 "range over rounds", "met"], rows), *notes, provenance(name, results["info"])])
 
 
+def ops() -> str:
+    results = load("ops")
+    rows = [[r["op"], _shape_label(r["case"]), r["dir"], f"{r['ours ms']:.3f}", f"{r['torch ms']:.3f}",
+             f"{r['compiled ms']:.3f}", ratio(r["vs torch"]), f"**{ratio(r['vs compiled'])}**"]
+            for r in results["rows"]]
+    return "\n\n".join([table(["op", "activations of", "direction", "ours ms", "torch eager ms", "torch compiled ms",
+                                 "vs eager", "vs compiled"], rows), provenance("ops", results["info"])])
+
+
 RENDERERS: dict[str, Callable[[], str]] = {
-    "headline": headline, "train": train, "optimizer": optimizer, "clip": clip, "attention": attention,
+    "headline": headline, "train": train, "ops": ops, "optimizer": optimizer, "clip": clip, "attention": attention,
     "decode": decode, "features": features, "nki": nki, "hf": hf, "fallback": fallback,
     "fallback_cuda": lambda: fallback("fallback_cuda")}
 
