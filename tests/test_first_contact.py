@@ -49,7 +49,7 @@ def test_cpu_smoke_bench_runs_without_triton(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     written = json.loads((tmp_path / "train.json").read_text())
     assert written["info"]["triton"] is None
-    assert {r["stack"] for r in written["rows"]["runs"]} == {"torch", "portable_ops"}
+    assert {r["stack"] for r in written["rows"]["runs"]} == {"torch", "portable_ops", "all-ops"}
 
 
 def test_example_trains_without_triton():
