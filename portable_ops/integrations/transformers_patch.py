@@ -4,10 +4,15 @@
 class (``LlamaRMSNorm``, ``Gemma2RMSNorm``, ...), so :func:`patch` changes the instances inside one model: each
 norm whose forward it recognises gets a subclass of its own class whose forward runs :func:`portable_ops.rms_norm`
 or :func:`portable_ops.layer_norm`. Parameters, buffers, hooks and the state_dict stay as they were; other models
-in the process are untouched. ``docs/integrations.md`` says what is recognised and how.
+in the process are untouched. RoPE is a function of each model's modeling file (``apply_rotary_pos_emb``), looked
+up by name when attention runs: where it computes transformers' rotate-half formula, the file's function is
+replaced by one running :func:`portable_ops.rope` (the same function, for every model of that file in the
+process). ``docs/integrations.md`` says what is recognised and how.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -90,18 +95,73 @@ def _kind(module) -> str:
     return "layer_norm" if isinstance(module, torch.nn.LayerNorm) else "rms_norm"
 
 
-def patch(model: torch.nn.Module, *, norms: bool = True) -> dict:
-    """Run ``model``'s norms on portable_ops, in place, and return what was done: ``{"rms_norm": [module names],
-    "layer_norm": [...], "left": {module name: why}}``. Taken: ``torch.nn.RMSNorm`` and ``torch.nn.LayerNorm``
-    over the last dim (they become :mod:`portable_ops.nn`'s), and modules whose class name ends in ``RMSNorm``
-    whose forward computes transformers' RMSNorm (scaled by ``weight`` or by ``1 + weight``, checked by running
-    it once). Every other norm is left as it is, with the reason. Patching twice changes nothing more. Call it
-    after the weights are loaded and before ``torch.compile``."""
+def _transformers_rope(q, k, cos, sin):
+    """transformers' ``apply_rotary_pos_emb`` (rotate-half, ``unsqueeze_dim=1``), written out."""
+    def rotate_half(x):
+        return torch.cat([-x[..., x.shape[-1] // 2:], x[..., :x.shape[-1] // 2]], dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def _portable_ops_rope(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if unsqueeze_dim != 1 or q.dim() != 4 or cos.dim() not in (2, 3):  # a layout portable_ops.rope doesn't take
+            return original(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        return portable_ops.rope(q, k, cos, sin)
+    apply_rotary_pos_emb.portable_ops_original = original
+    return apply_rotary_pos_emb
+
+
+def _rope_formula_matches(function) -> bool:
+    """Whether ``function(q, k, cos, sin)`` computes transformers' rotate-half formula (run once on random float32
+    inputs of the layout it is called with)."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 1, 5, 8, generator=g)
+    cos, sin = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
+    try:
+        with torch.no_grad():
+            theirs = function(q, k, cos, sin)
+    except Exception:  # another signature or layout: not the formula this replaces
+        return False
+    return all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(theirs, _transformers_rope(q, k, cos, sin)))
+
+
+def _patch_rope(model, done) -> None:
+    """Replace ``apply_rotary_pos_emb`` in the modeling files of ``model``'s modules where it is the formula."""
+    files = dict.fromkeys(type(m).__module__ for m in model.modules())
+    for name in files:
+        module = sys.modules.get(name)
+        function = getattr(module, "apply_rotary_pos_emb", None)
+        if not callable(function):
+            continue
+        if getattr(function, "portable_ops_original", None) is not None:
+            done["rope"].append(name)
+        elif _rope_formula_matches(function):
+            module.apply_rotary_pos_emb = _portable_ops_rope(function)
+            done["rope"].append(name)
+        else:
+            done["left"][f"{name}.apply_rotary_pos_emb"] = "it computes another rotation than the rotate-half formula"
+
+
+def patch(model: torch.nn.Module, *, norms: bool = True, rope: bool = True) -> dict:
+    """Run ``model``'s norms and RoPE on portable_ops, in place, and return what was done: ``{"rms_norm": [module
+    names], "layer_norm": [...], "rope": [modeling files], "left": {name: why}}``.
+
+    Norms taken: ``torch.nn.RMSNorm`` and ``torch.nn.LayerNorm`` over the last dim (they become
+    :mod:`portable_ops.nn`'s), and modules whose class name ends in ``RMSNorm`` whose forward computes
+    transformers' RMSNorm (scaled by ``weight`` or by ``1 + weight``, checked by running it once). RoPE: each
+    modeling file's ``apply_rotary_pos_emb`` that computes transformers' rotate-half formula (checked by running it
+    once) is replaced, for every model of that file in the process (it computes the same function). Everything else
+    is left as it is, with the reason. Patching twice changes nothing more. Call it after the weights are loaded and
+    before ``torch.compile``."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(norms, bool):
-        raise TypeError(f"norms must be a bool, got {type(norms).__name__}")
-    done = {"rms_norm": [], "layer_norm": [], "left": {}}
+    for argument, value in (("norms", norms), ("rope", rope)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{argument} must be a bool, got {type(value).__name__}")
+    done = {"rms_norm": [], "layer_norm": [], "rope": [], "left": {}}
+    if rope:
+        _patch_rope(model, done)
     if not norms:
         return done
     for name, module in model.named_modules():
