@@ -391,3 +391,23 @@ def test_grad_scale_and_found_inf_of_shape_one_are_taken(backend):
             opt.step()
         results.append(p.detach().clone())
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- linear cross-entropy
+
+@pytest.mark.parametrize("swap", ["new_tensor", "same_memory_new_strides"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_cross_entropy_checks_a_target_whose_data_was_swapped(backend, swap):
+    """A target's values are checked once per version; ``target.data = ...`` keeps the version counter, so a
+    swapped-in target holding a class past V went unchecked and the triton kernel read logits out of bounds."""
+    device = default_device(backend)
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(3, 8, generator=g).to(device), torch.randn(5, 8, generator=g).to(device)
+    storage = torch.tensor([0, 4, 1, 99, 2, 3, 0], device=device)
+    target = storage[:3]
+    with forced_strict(backend):
+        portable_ops.linear_cross_entropy(hidden, weight, target)
+        target.data = (torch.tensor([4, 99, 0], device=device) if swap == "new_tensor"
+                       else storage.as_strided((3,), (3,)))
+        with pytest.raises(ValueError, match=r"target\[1\] \(flattened\) is 99"):
+            portable_ops.linear_cross_entropy(hidden, weight, target)
