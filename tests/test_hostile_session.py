@@ -411,3 +411,18 @@ def test_linear_cross_entropy_checks_a_target_whose_data_was_swapped(backend, sw
                        else storage.as_strided((3,), (3,)))
         with pytest.raises(ValueError, match=r"target\[1\] \(flattened\) is 99"):
             portable_ops.linear_cross_entropy(hidden, weight, target)
+
+
+@pytest.mark.parametrize("name", ["grad_scale", "found_inf"])
+@pytest.mark.parametrize("cls", ["AdamW", "SGD"])
+def test_optimizers_name_a_grad_scale_or_found_inf_that_is_not_a_tensor(cls, name):
+    """A Python number set as the optimizer's grad_scale or found_inf failed inside the step with
+    "'float' object has no attribute 'to'" instead of the checks' error naming it."""
+    p = torch.randn(4, requires_grad=True)
+    p.grad = torch.randn(4)
+    before = p.detach().clone()
+    opt = getattr(portable_ops.optim, cls)([p], lr=0.1)
+    setattr(opt, name, 1.0)
+    with pytest.raises(TypeError, match=f"{name} must be None or a one-element tensor"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and not opt.state[p]
