@@ -426,3 +426,40 @@ def test_optimizers_name_a_grad_scale_or_found_inf_that_is_not_a_tensor(cls, nam
     with pytest.raises(TypeError, match=f"{name} must be None or a one-element tensor"):
         opt.step()
     assert torch.equal(p.detach(), before) and not opt.state[p]
+
+
+class _BiasedRMSNorm(torch.nn.Module):
+    """transformers-like RMSNorm plus a bias its forward adds: made with a zero bias, it computes Llama's formula."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width))
+        self.bias = torch.nn.Parameter(torch.zeros(width))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, hidden_states):
+        return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.variance_epsilon) + self.bias
+
+
+class _SquaredWeightRMSNorm(_BiasedRMSNorm):
+    """Scales by weight twice: with a weight of ones it too computes Llama's formula."""
+
+    def forward(self, hidden_states):
+        return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.variance_epsilon) * self.weight
+
+
+@pytest.mark.parametrize("cls", [_BiasedRMSNorm, _SquaredWeightRMSNorm], ids=["bias", "weight_twice"])
+def test_patch_leaves_a_norm_that_matches_llama_only_at_its_initial_values(cls):
+    """patch() told the formulas apart by running the module with its own parameters: a bias still zero or a
+    weight still ones passed as Llama's formula, and once trained the patched model silently dropped the bias
+    (or the second weight)."""
+    from portable_ops.integrations.transformers import patch
+
+    model = torch.nn.Sequential(cls(8))
+    done = patch(model)
+    assert done["rms_norm"] == [] and "neither" in done["left"]["0"]
+    with torch.no_grad():
+        model[0].weight.fill_(2.0)
+        model[0].bias.fill_(1.0)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model(x), cls.forward(model[0], x))

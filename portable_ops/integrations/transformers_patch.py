@@ -9,6 +9,8 @@ in the process are untouched. ``docs/integrations.md`` says what is recognised a
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -56,13 +58,26 @@ def _rms_formula(module):
     eps = _eps(module)
     if eps is None:
         return None, f"no float epsilon in {' or '.join(_EPS_ATTRIBUTES)}"
-    x = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, weight.shape[0], generator=generator).to(weight.device)
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
-        theirs = type(module).forward(module, x).float()
+        probe = _with_random_parameters(module, generator)
+        theirs = type(module).forward(probe, x).float()
         for name, formula in _RMS_FORMULAS.items():
-            if torch.allclose(theirs, formula(x, weight.float(), eps), rtol=1e-3, atol=1e-5):
+            if torch.allclose(theirs, formula(x, probe.weight.float(), eps), rtol=1e-3, atol=1e-5):
                 return name, None
-    return None, "its forward computes neither x * rsqrt(mean(x^2) + eps) * weight nor * (1 + weight)"
+    return None, ("its forward computes neither x * rsqrt(mean(x^2) + eps) * weight nor * (1 + weight) (with "
+                  "random values in its parameters)")
+
+
+def _with_random_parameters(module, generator):
+    """A shallow copy of ``module`` whose own parameters hold random values: the probe then tells the formulas
+    apart whatever the loaded values (a weight of ones, a bias of zeros that the formula would ignore)."""
+    probe = copy.copy(module)
+    probe._parameters = {name: None if p is None else torch.nn.Parameter(
+        torch.randn(p.shape, generator=generator).to(p.device, p.dtype), requires_grad=False)
+        for name, p in module._parameters.items()}
+    return probe
 
 
 _subclasses: dict[tuple[type, object], type] = {}
