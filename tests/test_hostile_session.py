@@ -463,3 +463,26 @@ def test_patch_leaves_a_norm_that_matches_llama_only_at_its_initial_values(cls):
         model[0].bias.fill_(1.0)
     x = torch.randn(3, 8)
     torch.testing.assert_close(model(x), cls.forward(model[0], x))
+
+
+class _ResidualRMSNorm(_BiasedRMSNorm):
+    def forward(self, hidden_states, residual):
+        return F.rms_norm(hidden_states + residual, (hidden_states.shape[-1],), self.weight, self.variance_epsilon)
+
+
+class _ScaledRMSNorm(_BiasedRMSNorm):
+    def forward(self, hidden_states, scale=1.0):
+        return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.variance_epsilon) * scale
+
+
+@pytest.mark.parametrize("cls", [_ResidualRMSNorm, _ScaledRMSNorm], ids=["required", "optional"])
+def test_patch_leaves_a_norm_whose_forward_takes_more_than_x(cls):
+    """patch() probed forward(x) alone: a forward with a required second argument made patch() itself raise
+    TypeError; one with an optional argument was taken, and the patched model's calls passing it then failed."""
+    from portable_ops.integrations.transformers import patch
+
+    model = torch.nn.Sequential(cls(8))
+    done = patch(model)
+    assert done["rms_norm"] == [] and "other arguments" in done["left"]["0"]
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model[0](x, x), cls.forward(model[0], x, x))

@@ -10,6 +10,7 @@ in the process are untouched. ``docs/integrations.md`` says what is recognised a
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,8 @@ def _rms_formula(module):
         return None, "no 1-D weight parameter"
     if weight.device.type == "meta":
         return None, "its weight is on the meta device (patch after the weights are loaded)"
+    if not _takes_x_alone(type(module).forward):
+        return None, "its forward takes other arguments than the hidden states"
     eps = _eps(module)
     if eps is None:
         return None, f"no float epsilon in {' or '.join(_EPS_ATTRIBUTES)}"
@@ -68,6 +71,14 @@ def _rms_formula(module):
                 return name, None
     return None, ("its forward computes neither x * rsqrt(mean(x^2) + eps) * weight nor * (1 + weight) (with "
                   "random values in its parameters)")
+
+
+def _takes_x_alone(forward) -> bool:
+    """Whether ``forward(self, x)`` is its whole signature: the patched forward takes x alone, so a call passing
+    more (a residual, a gate) would fail or, with a default, differ."""
+    parameters = list(inspect.signature(forward).parameters.values())[1:]
+    return len(parameters) == 1 and parameters[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                           inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def _with_random_parameters(module, generator):
