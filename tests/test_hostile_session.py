@@ -486,3 +486,32 @@ def test_patch_leaves_a_norm_whose_forward_takes_more_than_x(cls):
     assert done["rms_norm"] == [] and "other arguments" in done["left"]["0"]
     x = torch.randn(3, 8)
     torch.testing.assert_close(model[0](x, x), cls.forward(model[0], x, x))
+
+
+# ----------------------------------------------------------------------------- rope
+
+def _rope_tables(seq, rotary):
+    angles = torch.randn(seq, rotary // 2, generator=torch.Generator().manual_seed(1)).repeat(1, 2)
+    return angles.cos(), angles.sin()
+
+
+def _rotated_half(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rope_inplace_runs_under_vmap_and_still_refuses_an_expanded_batch(backend):
+    """docs/api.md: rope_ under torch.func. Under vmap its check for elements sharing memory called
+    torch._debug_has_internal_overlap on a batched tensor, which has no batching rule: every vmapped rope_ raised."""
+    device = default_device(backend)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 1, 2, 4, 8, generator=g).to(device), torch.randn(3, 1, 1, 4, 8, generator=g).to(device)
+    cos, sin = (t.to(device) for t in _rope_tables(4, 8))
+    want_q, want_k = _rotated_half(q, cos, sin), _rotated_half(k, cos, sin)
+    with forced_strict(backend), torch.no_grad():
+        torch.vmap(lambda a, b: portable_ops.rope_(a, b, cos, sin))(q, k)
+        torch.testing.assert_close((q, k), (want_q, want_k))
+        expanded = torch.randn(1, 1, 2, 4, 8, generator=g).to(device).expand(3, 1, 2, 4, 8)
+        with pytest.raises(ValueError, match="q has elements that share memory"):
+            torch.vmap(lambda a, b: portable_ops.rope_(a, b, cos, sin))(expanded, k)
