@@ -515,3 +515,24 @@ def test_rope_inplace_runs_under_vmap_and_still_refuses_an_expanded_batch(backen
         expanded = torch.randn(1, 1, 2, 4, 8, generator=g).to(device).expand(3, 1, 2, 4, 8)
         with pytest.raises(ValueError, match="q has elements that share memory"):
             torch.vmap(lambda a, b: portable_ops.rope_(a, b, cos, sin))(expanded, k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_cross_entropy_takes_a_hidden_size_of_zero(backend):
+    """F.linear over H = 0 gives the bias (or zeros) as logits; the definition, which empty inputs take, reshaped
+    hidden with -1 rows, which torch can't infer from zero elements, and raised a reshape error."""
+    device = default_device(backend)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 3, 0, generator=g).to(device).requires_grad_()
+    weight = torch.randn(5, 0, generator=g).to(device).requires_grad_()
+    bias = torch.randn(5, generator=g).to(device).requires_grad_()
+    target = torch.tensor([[0, 4, -100], [1, 1, 3]], device=device)
+    with forced_strict(backend):
+        loss = portable_ops.linear_cross_entropy(hidden, weight, target, bias=bias, label_smoothing=0.1)
+        loss.backward()
+    leaf = bias.detach().requires_grad_()
+    want = F.cross_entropy(F.linear(hidden.detach(), weight.detach(), leaf).reshape(6, 5), target.reshape(6),
+                           label_smoothing=0.1)
+    want.backward()
+    torch.testing.assert_close((loss, bias.grad), (want, leaf.grad))
+    assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
