@@ -1,4 +1,5 @@
-"""Regressions found by a hostile-user pass over the norms, optim.SGD and the transformers integration.
+"""Regressions found by hostile-user passes over the norms, the optimizers, the transformers integration (mask
+path and patch()), linear_cross_entropy's target checks and rope_ under torch.func.
 
 Each test failed before its fix: a LayerNorm weight/bias dtype mix the op takes but the reference backend handed
 to aten, which refused it; a momentum buffer assigned or deleted by hand that the SGD step's cached lists did not
