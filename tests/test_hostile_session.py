@@ -537,3 +537,12 @@ def test_linear_cross_entropy_takes_a_hidden_size_of_zero(backend):
     want.backward()
     torch.testing.assert_close((loss, bias.grad), (want, leaf.grad))
     assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
+
+
+@pytest.mark.parametrize("ignore_index", [2**63, -(2**63) - 1])
+def test_linear_cross_entropy_names_an_ignore_index_past_int64(ignore_index):
+    """An ignore_index no int64 target can hold passed the checks and failed later with OverflowError "int too big to
+    convert", naming nothing."""
+    hidden, weight, target = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="ignore_index must fit in int64"):
+        portable_ops.linear_cross_entropy(hidden, weight, target, ignore_index=ignore_index)
