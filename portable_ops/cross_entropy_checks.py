@@ -18,6 +18,7 @@ from .definitions.linear_cross_entropy import REDUCTIONS
 from .index_values import check_values_once
 
 OP = "linear_cross_entropy"
+_INT64 = torch.iinfo(torch.int64)
 
 
 def _tensor(arg: str, t) -> None:
@@ -67,6 +68,8 @@ def options(ignore_index, label_smoothing, reduction, softcap) -> tuple[int, flo
     ignore_index, label_smoothing, softcap = plain(ignore_index), plain(label_smoothing), plain(softcap)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"{OP}: ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not _INT64.min <= ignore_index <= _INT64.max:  # compared with int64 targets
+        raise ValueError(f"{OP}: ignore_index must fit in int64 (target's dtype), got {ignore_index}")
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
         raise TypeError(f"{OP}: label_smoothing must be a float, got {type(label_smoothing).__name__}")
     if not 0.0 <= label_smoothing <= 1.0:  # NaN fails it too

@@ -9,8 +9,9 @@ import numpy as np
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-# Value checks already passed: tensor -> {params: (versions, the other tensors)}. Keyed by identity (a
-# weakref.WeakKeyDictionary compares tensors with ==), weakly, so a dropped tensor takes its entry with it.
+# Value checks already passed: tensor -> {params: (states, the other tensors, their storages)}. Keyed by
+# identity (a weakref.WeakKeyDictionary compares tensors with ==), weakly, so a dropped tensor takes its entry
+# with it.
 _checked_values = WeakIdKeyDictionary()
 _CHECKS_PER_TENSOR = 16  # params a tensor is checked under (a decode step: attention and append, per length)
 
@@ -29,9 +30,16 @@ def read_values(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
+def _state(t: torch.Tensor) -> tuple:
+    """What a passed check holds of ``t``: its version counter, which a ``.data`` swap keeps, and where and how its
+    values lie, which the swap changes (the record holds the storage, so its address is not reused meanwhile)."""
+    return t._version, t.data_ptr(), tuple(t.shape), t.stride()
+
+
 def check_values_once(tensors: tuple[torch.Tensor, ...], params: tuple, check) -> None:
     """``check(*arrays)`` on the values of ``tensors`` (numpy, one device-to-host read per distinct tensor),
-    unless it passed before on these same tensors, unmodified since (their version counters), with the
+    unless it passed before on these same tensors, unmodified since (their version counters, and their memory and
+    layout: a ``.data`` swapped since keeps the counter), with the
     same ``params``. So the usual loop, one ``cu_seqlens`` (or block table) per step passed to every
     layer, reads once per step, not per layer. Inference tensors have no version counter: they are read
     every call."""
@@ -39,9 +47,9 @@ def check_values_once(tensors: tuple[torch.Tensor, ...], params: tuple, check) -
         return
     tracked = not any(t.is_inference() for t in tensors)
     if tracked:
-        versions = tuple(t._version for t in tensors)
+        states = tuple(_state(t) for t in tensors)
         record = _checked_values.get(tensors[0], {}).get(params)
-        if (record is not None and record[0] == versions
+        if (record is not None and record[0] == states
                 and all(ref() is t for ref, t in zip(record[1], tensors[1:]))):
             return
     arrays: dict[int, np.ndarray] = {}
@@ -53,4 +61,5 @@ def check_values_once(tensors: tuple[torch.Tensor, ...], params: tuple, check) -
         records = _checked_values.setdefault(tensors[0], {})
         if len(records) >= _CHECKS_PER_TENSOR:
             records.clear()
-        records[params] = (versions, tuple(weakref.ref(t) for t in tensors[1:]))
+        records[params] = (states, tuple(weakref.ref(t) for t in tensors[1:]),
+                           tuple(t.untyped_storage() for t in tensors))

@@ -547,4 +547,4 @@ def _named_as_the_user_sees_them(g: int, group: dict, keys: list):
 
 
 def _on(t, device):
-    return None if t is None else t.to(device)
+    return t.to(device) if isinstance(t, torch.Tensor) else t  # anything else: the call's checks name it

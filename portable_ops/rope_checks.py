@@ -72,6 +72,7 @@ def check_writable(q, k) -> None:
     """What torch's in-place ops refuse and a kernel's raw pointers would not: elements sharing memory (an expanded
     view), q and k at the same memory (each rotated twice), an inference tensor written outside inference mode.
     Not traceable: eager calls check here, compiled graphs in the custom op as it runs."""
+    q, k = _written(q), _written(k)
     for arg, t in (("q", q), ("k", k)):
         if torch._debug_has_internal_overlap(t) == 1:  # 0 no, 1 yes, 2 can't tell
             raise ValueError(f"rope_: {arg} has elements that share memory (an expanded view, strides "
@@ -83,3 +84,11 @@ def check_writable(q, k) -> None:
     if q.numel() and k.numel() and q.data_ptr() == k.data_ptr():
         raise ValueError("rope_: q and k start at the same memory; rope_ would rotate it twice: pass q and k that "
                          "share no element (slices of one fused projection are fine)")
+
+
+def _written(t):
+    """The tensor whose memory a write to ``t`` changes: under torch.func transforms, the one ``t`` wraps (a vmap's
+    batch of them), which torch's internal-overlap check can take."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t

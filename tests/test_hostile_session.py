@@ -1,4 +1,5 @@
-"""Regressions found by a hostile-user pass over the norms, optim.SGD and the transformers integration.
+"""Regressions found by hostile-user passes over the norms, the optimizers, the transformers integration (mask
+path and patch()), linear_cross_entropy's target checks and rope_ under torch.func.
 
 Each test failed before its fix: a LayerNorm weight/bias dtype mix the op takes but the reference backend handed
 to aten, which refused it; a momentum buffer assigned or deleted by hand that the SGD step's cached lists did not
@@ -391,3 +392,157 @@ def test_grad_scale_and_found_inf_of_shape_one_are_taken(backend):
             opt.step()
         results.append(p.detach().clone())
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- linear cross-entropy
+
+@pytest.mark.parametrize("swap", ["new_tensor", "same_memory_new_strides"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_cross_entropy_checks_a_target_whose_data_was_swapped(backend, swap):
+    """A target's values are checked once per version; ``target.data = ...`` keeps the version counter, so a
+    swapped-in target holding a class past V went unchecked and the triton kernel read logits out of bounds."""
+    device = default_device(backend)
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(3, 8, generator=g).to(device), torch.randn(5, 8, generator=g).to(device)
+    storage = torch.tensor([0, 4, 1, 99, 2, 3, 0], device=device)
+    target = storage[:3]
+    with forced_strict(backend):
+        portable_ops.linear_cross_entropy(hidden, weight, target)
+        target.data = (torch.tensor([4, 99, 0], device=device) if swap == "new_tensor"
+                       else storage.as_strided((3,), (3,)))
+        with pytest.raises(ValueError, match=r"target\[1\] \(flattened\) is 99"):
+            portable_ops.linear_cross_entropy(hidden, weight, target)
+
+
+@pytest.mark.parametrize("name", ["grad_scale", "found_inf"])
+@pytest.mark.parametrize("cls", ["AdamW", "SGD"])
+def test_optimizers_name_a_grad_scale_or_found_inf_that_is_not_a_tensor(cls, name):
+    """A Python number set as the optimizer's grad_scale or found_inf failed inside the step with
+    "'float' object has no attribute 'to'" instead of the checks' error naming it."""
+    p = torch.randn(4, requires_grad=True)
+    p.grad = torch.randn(4)
+    before = p.detach().clone()
+    opt = getattr(portable_ops.optim, cls)([p], lr=0.1)
+    setattr(opt, name, 1.0)
+    with pytest.raises(TypeError, match=f"{name} must be None or a one-element tensor"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and not opt.state[p]
+
+
+class _BiasedRMSNorm(torch.nn.Module):
+    """transformers-like RMSNorm plus a bias its forward adds: made with a zero bias, it computes Llama's formula."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width))
+        self.bias = torch.nn.Parameter(torch.zeros(width))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, hidden_states):
+        return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.variance_epsilon) + self.bias
+
+
+class _SquaredWeightRMSNorm(_BiasedRMSNorm):
+    """Scales by weight twice: with a weight of ones it too computes Llama's formula."""
+
+    def forward(self, hidden_states):
+        return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.variance_epsilon) * self.weight
+
+
+@pytest.mark.parametrize("cls", [_BiasedRMSNorm, _SquaredWeightRMSNorm], ids=["bias", "weight_twice"])
+def test_patch_leaves_a_norm_that_matches_llama_only_at_its_initial_values(cls):
+    """patch() told the formulas apart by running the module with its own parameters: a bias still zero or a
+    weight still ones passed as Llama's formula, and once trained the patched model silently dropped the bias
+    (or the second weight)."""
+    from portable_ops.integrations.transformers import patch
+
+    model = torch.nn.Sequential(cls(8))
+    done = patch(model)
+    assert done["rms_norm"] == [] and "neither" in done["left"]["0"]
+    with torch.no_grad():
+        model[0].weight.fill_(2.0)
+        model[0].bias.fill_(1.0)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model(x), cls.forward(model[0], x))
+
+
+class _ResidualRMSNorm(_BiasedRMSNorm):
+    def forward(self, hidden_states, residual):
+        return F.rms_norm(hidden_states + residual, (hidden_states.shape[-1],), self.weight, self.variance_epsilon)
+
+
+class _ScaledRMSNorm(_BiasedRMSNorm):
+    def forward(self, hidden_states, scale=1.0):
+        return F.rms_norm(hidden_states, (hidden_states.shape[-1],), self.weight, self.variance_epsilon) * scale
+
+
+@pytest.mark.parametrize("cls", [_ResidualRMSNorm, _ScaledRMSNorm], ids=["required", "optional"])
+def test_patch_leaves_a_norm_whose_forward_takes_more_than_x(cls):
+    """patch() probed forward(x) alone: a forward with a required second argument made patch() itself raise
+    TypeError; one with an optional argument was taken, and the patched model's calls passing it then failed."""
+    from portable_ops.integrations.transformers import patch
+
+    model = torch.nn.Sequential(cls(8))
+    done = patch(model)
+    assert done["rms_norm"] == [] and "other arguments" in done["left"]["0"]
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(model[0](x, x), cls.forward(model[0], x, x))
+
+
+# ----------------------------------------------------------------------------- rope
+
+def _rope_tables(seq, rotary):
+    angles = torch.randn(seq, rotary // 2, generator=torch.Generator().manual_seed(1)).repeat(1, 2)
+    return angles.cos(), angles.sin()
+
+
+def _rotated_half(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rope_inplace_runs_under_vmap_and_still_refuses_an_expanded_batch(backend):
+    """docs/api.md: rope_ under torch.func. Under vmap its check for elements sharing memory called
+    torch._debug_has_internal_overlap on a batched tensor, which has no batching rule: every vmapped rope_ raised."""
+    device = default_device(backend)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 1, 2, 4, 8, generator=g).to(device), torch.randn(3, 1, 1, 4, 8, generator=g).to(device)
+    cos, sin = (t.to(device) for t in _rope_tables(4, 8))
+    want_q, want_k = _rotated_half(q, cos, sin), _rotated_half(k, cos, sin)
+    with forced_strict(backend), torch.no_grad():
+        torch.vmap(lambda a, b: portable_ops.rope_(a, b, cos, sin))(q, k)
+        torch.testing.assert_close((q, k), (want_q, want_k))
+        expanded = torch.randn(1, 1, 2, 4, 8, generator=g).to(device).expand(3, 1, 2, 4, 8)
+        with pytest.raises(ValueError, match="q has elements that share memory"):
+            torch.vmap(lambda a, b: portable_ops.rope_(a, b, cos, sin))(expanded, k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_linear_cross_entropy_takes_a_hidden_size_of_zero(backend):
+    """F.linear over H = 0 gives the bias (or zeros) as logits; the definition, which empty inputs take, reshaped
+    hidden with -1 rows, which torch can't infer from zero elements, and raised a reshape error."""
+    device = default_device(backend)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 3, 0, generator=g).to(device).requires_grad_()
+    weight = torch.randn(5, 0, generator=g).to(device).requires_grad_()
+    bias = torch.randn(5, generator=g).to(device).requires_grad_()
+    target = torch.tensor([[0, 4, -100], [1, 1, 3]], device=device)
+    with forced_strict(backend):
+        loss = portable_ops.linear_cross_entropy(hidden, weight, target, bias=bias, label_smoothing=0.1)
+        loss.backward()
+    leaf = bias.detach().requires_grad_()
+    want = F.cross_entropy(F.linear(hidden.detach(), weight.detach(), leaf).reshape(6, 5), target.reshape(6),
+                           label_smoothing=0.1)
+    want.backward()
+    torch.testing.assert_close((loss, bias.grad), (want, leaf.grad))
+    assert hidden.grad.shape == hidden.shape and weight.grad.shape == weight.shape
+
+
+@pytest.mark.parametrize("ignore_index", [2**63, -(2**63) - 1])
+def test_linear_cross_entropy_names_an_ignore_index_past_int64(ignore_index):
+    """An ignore_index no int64 target can hold passed the checks and failed later with OverflowError "int too big to
+    convert", naming nothing."""
+    hidden, weight, target = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="ignore_index must fit in int64"):
+        portable_ops.linear_cross_entropy(hidden, weight, target, ignore_index=ignore_index)

@@ -50,7 +50,8 @@ def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, l
                          softcap=None):
     """The loss of ``hidden [..., H]`` through ``weight [V, H]`` (and ``bias [V]``) against ``target [...]``,
     differentiable in hidden, weight and bias; ``"none"`` returns target's shape."""
-    rows, flat = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    flat = target.reshape(-1)
+    rows = hidden.reshape(flat.shape[0], hidden.shape[-1])  # not -1: H may be 0
     logits = rows @ weight.T if bias is None else torch.addmm(bias, rows, weight.T)
     z = capped(logits.to(loss_dtype(logits.dtype)), softcap)
     losses = token_losses(z, torch.logsumexp(z, dim=-1), flat, ignore_index, label_smoothing)

@@ -12,6 +12,8 @@ process). ``docs/integrations.md`` says what is recognised and how.
 
 from __future__ import annotations
 
+import copy
+import inspect
 import sys
 
 import torch
@@ -58,16 +60,39 @@ def _rms_formula(module):
         return None, "no 1-D weight parameter"
     if weight.device.type == "meta":
         return None, "its weight is on the meta device (patch after the weights are loaded)"
+    if not _takes_x_alone(type(module).forward):
+        return None, "its forward takes other arguments than the hidden states"
     eps = _eps(module)
     if eps is None:
         return None, f"no float epsilon in {' or '.join(_EPS_ATTRIBUTES)}"
-    x = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, weight.shape[0], generator=generator).to(weight.device)
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
-        theirs = type(module).forward(module, x).float()
+        probe = _with_random_parameters(module, generator)
+        theirs = type(module).forward(probe, x).float()
         for name, formula in _RMS_FORMULAS.items():
-            if torch.allclose(theirs, formula(x, weight.float(), eps), rtol=1e-3, atol=1e-5):
+            if torch.allclose(theirs, formula(x, probe.weight.float(), eps), rtol=1e-3, atol=1e-5):
                 return name, None
-    return None, "its forward computes neither x * rsqrt(mean(x^2) + eps) * weight nor * (1 + weight)"
+    return None, ("its forward computes neither x * rsqrt(mean(x^2) + eps) * weight nor * (1 + weight) (with "
+                  "random values in its parameters)")
+
+
+def _takes_x_alone(forward) -> bool:
+    """Whether ``forward(self, x)`` is its whole signature: the patched forward takes x alone, so a call passing
+    more (a residual, a gate) would fail or, with a default, differ."""
+    parameters = list(inspect.signature(forward).parameters.values())[1:]
+    return len(parameters) == 1 and parameters[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                                           inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _with_random_parameters(module, generator):
+    """A shallow copy of ``module`` whose own parameters hold random values: the probe then tells the formulas
+    apart whatever the loaded values (a weight of ones, a bias of zeros that the formula would ignore)."""
+    probe = copy.copy(module)
+    probe._parameters = {name: None if p is None else torch.nn.Parameter(
+        torch.randn(p.shape, generator=generator).to(p.device, p.dtype), requires_grad=False)
+        for name, p in module._parameters.items()}
+    return probe
 
 
 _subclasses: dict[tuple[type, object], type] = {}
