@@ -1,6 +1,7 @@
 """The oracles the runner compares a backend with: ``float64``, the reference backend's code run in float64
 on the CPU, and ``torch``, PyTorch itself (``torch.optim``'s functional Adam and SGD, SDPA under an explicit
-mask)."""
+mask) or, for what SDPA lacks, the defining formula of the model family that introduced it (Gemma 2's softcap,
+gpt-oss's sinks)."""
 
 from __future__ import annotations
 
@@ -53,49 +54,64 @@ def torch_mask(sq, skv, causal, window):
     return mask
 
 
-def torch_attention(q, k, v, mask, scale, softcap):
-    """PyTorch's attention under an explicit boolean mask: SDPA, or without a softcap in SDPA, the
-    softcapped math definition (``softcap * tanh(s / softcap)`` of the scaled scores, then the mask)."""
-    if softcap is None:
+def torch_attention(q, k, v, mask, scale, softcap, sinks=None):
+    """PyTorch's attention under an explicit boolean mask: SDPA or, where SDPA has no such option, the
+    model family's own formula: the softcapped scores (``softcap * tanh(s / softcap)`` of the scaled scores, then
+    the mask; Gemma 2's), and the sinks as gpt-oss's eager attention takes them (one more column of logits per
+    row, dropped after the softmax)."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    scores = softcap * torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap)
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ v
+    logits = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    return torch.softmax(logits, dim=-1)[..., :-1] @ v
 
 
-def attention_oracle(oracle, q, k, v, dout, rows, causal, scale, window=None, softcap=None):
-    """``out`` and ``dq`` on query rows ``rows = (start, end)``, and ``dk``, ``dv`` over every key, of the
-    attention of those rows alone: with ``dout`` zero on every other row, the whole attention's gradients.
-    Causal: the keys end at the last one the block's last row sees, so that the block's bottom-right
-    mask is the whole sequence's. ``dout=None``: ``out`` alone. The torch oracle takes only the rows
-    that see a key (SDPA gives NaN for the others): zeros elsewhere, as the convention says."""
+def attention_oracle(oracle, q, k, v, dout, rows, causal, scale, window=None, softcap=None, sinks=None):
+    """``out`` and ``dq`` on query rows ``rows = (start, end)``, and ``dk``, ``dv`` over every key (and
+    ``dsinks``, None without sinks), of the attention of those rows alone: with ``dout`` zero on every other
+    row, the whole attention's gradients. Causal: the keys end at the last one the block's last row sees, so
+    that the block's bottom-right mask is the whole sequence's. ``dout=None``: ``out`` alone. The torch oracle
+    takes only the rows that see a key (SDPA gives NaN for the others): zeros elsewhere, as the convention says
+    (such a row's sink gets no gradient: its output is 0, whatever the sink)."""
     start, end = rows
     skv = k.shape[-2]
     seen = max(0, min(skv, end + skv - q.shape[-2])) if causal else skv  # 0: the block sees no key
     q, k, v = q[:, :, start:end], k[:, :, :seen], v[:, :, :seen]
     if oracle == "float64":
-        out, lse = reference_attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
+        out, lse = reference_attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+                                           sinks=sinks)
         if dout is None:
             return out
         grads = reference_attention_bwd(q, k, v, out, lse, dout[:, :, start:end], causal=causal, scale=scale,
-                                        window=window, softcap=softcap)
+                                        window=window, softcap=softcap, sinks=sinks)
     else:
-        leaves = [t.clone().requires_grad_(dout is not None) for t in (q, k, v)]
+        leaves = [t.clone().requires_grad_(dout is not None) for t in (q, k, v, *_given(sinks))]
         mask = torch_mask(q.shape[-2], seen, causal, window)
         rows_seeing = mask.any(-1).nonzero()[:, 0]
         out = torch.zeros_like(q)
         if len(rows_seeing):
-            out = out.index_copy(2, rows_seeing, torch_attention(leaves[0][:, :, rows_seeing], *leaves[1:],
-                                                                 mask[rows_seeing], scale, softcap))
+            out = out.index_copy(2, rows_seeing, torch_attention(leaves[0][:, :, rows_seeing], *leaves[1:3],
+                                                                 mask[rows_seeing], scale, softcap, *leaves[3:]))
         if dout is None:
             return out.detach()
         grads = [torch.zeros_like(t) for t in leaves]
         if len(rows_seeing):
             grads = torch.autograd.grad(out, leaves, dout[:, :, start:end])
-    dq, dk, dv = grads
+    dq, dk, dv, *dsinks = grads
     unseen = (0, 0, 0, skv - seen)
-    return out.detach(), dq, F.pad(dk, unseen), F.pad(dv, unseen)
+    return out.detach(), dq, F.pad(dk, unseen), F.pad(dv, unseen), (dsinks or [None])[0]
+
+
+def _given(tensor) -> tuple:
+    return () if tensor is None else (tensor,)
 
 
 def sgd_oracle(oracle, params, buffers, grads, kw):

@@ -327,19 +327,42 @@ def attention_inputs(case: Case):
     return q, k, v, dout, blocks, sampled
 
 
+# Sinks of mean 3 and std 2 against rows whose lse is 2-6 (a few to a few hundred keys of scores of std 1): each row
+# gives its sink from a few percent to most of its weight, so a backend that ignored them fails out and dsinks.
+SINK_MEAN, SINK_STD = 3.0, 2.0
+
+
+def case_sinks(case: Case, heads: int) -> torch.Tensor | None:
+    """The case's sinks (float32, CPU), None for a case without; drawn apart from its other inputs."""
+    if not case.params.get("sinks"):
+        return None
+    return SINK_MEAN + SINK_STD * torch.randn(heads, generator=torch.Generator().manual_seed(case.seed + 1))
+
+
+def _leaf(t, device):
+    return None if t is None else t.to(device).requires_grad_(True)
+
+
+def _check_dsinks(result, oracle, sinks, want, tol):
+    if sinks is not None:
+        result.check(oracle, "dsinks", sinks.grad, want, *tol)
+
+
 def run_attention(case: Case, backend: str, device: torch.device, oracles: list[str], result: Comparison):
-    """Out and dq, dk, dv against each oracle. With ``sampled_rows``, dout is zero outside those blocks of
-    query rows: the backend still runs the whole sequence, but its gradients are then exactly those of
+    """Out and dq, dk, dv (and dsinks) against each oracle. With ``sampled_rows``, dout is zero outside those
+    blocks of query rows: the backend still runs the whole sequence, but its gradients are then exactly those of
     the sampled rows' attention, which the oracles compute at a cost of (sampled rows) x Skv. Out and
     dq are compared on the sampled rows, dk and dv everywhere, and dq elsewhere must be exactly zero
     (dS = P * (dout V^T - rowsum(dout * out)) is, row by row)."""
     p, dtype = case.params, case.dtype
     q, k, v, dout, blocks, sampled = attention_inputs(case)
     inputs = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+    sinks = _leaf(case_sinks(case, p["Hq"]), device)
     scale = p.get("scale", 1.0 / math.sqrt(p["D"]))
     window, softcap = p.get("window"), p.get("softcap")
     with forced_strict(backend):
-        out = portable_ops.attention(*inputs, causal=p["causal"], scale=scale, window=window, softcap=softcap)
+        out = portable_ops.attention(*inputs, causal=p["causal"], scale=scale, window=window, softcap=softcap,
+                                     sinks=sinks)
         out.backward(dout.to(device, dtype))
     atol, rtol = case.tolerance
     grad_tol = case.tolerance.scaled(GRADIENT_FACTOR)
@@ -349,17 +372,20 @@ def run_attention(case: Case, backend: str, device: torch.device, oracles: list[
         result.check("float64", "dq outside the sampled rows", outside, torch.zeros_like(outside), 0.0, 0.0)
     # The oracles see the inputs rounded to the case's dtype, as the backend did.
     q64, k64, v64 = _f64(inputs)
+    sinks64 = None if sinks is None else sinks.detach().to("cpu", F64)
     dout64 = dout.to(dtype).to(F64)
     for oracle in oracles:
-        dk_ref = dv_ref = 0.0
+        dk_ref = dv_ref = dsinks_ref = 0.0
         for start, end in blocks:
-            ref, dq_ref, dk_rows, dv_rows = attention_oracle(oracle, q64, k64, v64, dout64, (start, end),
-                                                              p["causal"], scale, window, softcap)
+            ref, dq_ref, dk_rows, dv_rows, dsinks_rows = attention_oracle(
+                oracle, q64, k64, v64, dout64, (start, end), p["causal"], scale, window, softcap, sinks64)
             result.check(oracle, f"out rows {start}:{end}", out[:, :, start:end], ref, atol, rtol)
             result.check(oracle, f"dq rows {start}:{end}", dq[:, :, start:end], dq_ref, *grad_tol)
             dk_ref, dv_ref = dk_ref + dk_rows, dv_ref + dv_rows
+            dsinks_ref = dsinks_ref + (0.0 if dsinks_rows is None else dsinks_rows)
         result.check(oracle, "dk", dk, dk_ref, *grad_tol)
         result.check(oracle, "dv", dv, dv_ref, *grad_tol)
+        _check_dsinks(result, oracle, sinks, dsinks_ref, grad_tol)
 
 
 def _dense(t):
@@ -386,30 +412,35 @@ def run_attention_varlen(case: Case, backend: str, device: torch.device, oracles
     scale = p.get("scale", 1.0 / math.sqrt(p["D"]))
     options = dict(causal=p["causal"], scale=scale, window=p.get("window"), softcap=p.get("softcap"))
     inputs = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+    sinks = _leaf(case_sinks(case, p["Hq"]), device)
     with forced_strict(backend):
         out = portable_ops.attention_varlen(*inputs, cu_q.to(device), cu_k.to(device), max(lens_q), max(lens_k),
-                                            **options)
+                                            **options, sinks=sinks)
         out.backward(dout.to(device, dtype))
     atol, rtol = case.tolerance
     grad_tol = case.tolerance.scaled(GRADIENT_FACTOR)
     q64, k64, v64 = _f64(inputs)
+    options["sinks"] = None if sinks is None else sinks.detach().to("cpu", F64)
     dout64 = dout.to(dtype).to(F64)
     for oracle in oracles:
         if oracle == "float64":
             ref, lse = reference_varlen_fwd(q64, k64, v64, cu_q, cu_k, max(lens_q), max(lens_k), **options)
             grads = reference_varlen_bwd(q64, k64, v64, ref, lse, dout64, cu_q, cu_k, max(lens_q), max(lens_k),
                                          **options)
+            dsinks_ref = grads[3] if sinks is not None else None
         else:
-            parts = []
+            parts, dsinks_ref = [], 0.0
             for (q0, q1), (k0, k1) in zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist())):
                 dense = [_dense(t) for t in (q64[q0:q1], k64[k0:k1], v64[k0:k1], dout64[q0:q1])]
-                parts.append([t[0].transpose(0, 1) for t in
-                              attention_oracle("torch", *dense, (0, q1 - q0), p["causal"], scale, options["window"],
-                                               options["softcap"])])
+                *sequence, dsinks = attention_oracle("torch", *dense, (0, q1 - q0), p["causal"], scale,
+                                                     options["window"], options["softcap"], options["sinks"])
+                parts.append([t[0].transpose(0, 1) for t in sequence])
+                dsinks_ref = dsinks_ref + (0.0 if dsinks is None else dsinks)
             ref, *grads = (torch.cat(ts) for ts in zip(*parts))
         result.check(oracle, "out", out, ref, atol, rtol)
         for label, got, want in zip(("dq", "dk", "dv"), (t.grad for t in inputs), grads):
             result.check(oracle, label, got, want, *grad_tol)
+        _check_dsinks(result, oracle, sinks, dsinks_ref, grad_tol)
 
 
 # The table entry of a page a sliding window has left behind (a cache may release it): far past the pool, so
@@ -450,12 +481,15 @@ def run_paged(case: Case, backend: str, device: torch.device, oracles: list[str]
     q, k_cache, v_cache, table, lens, k_new, v_new = paged_inputs(case)
     sq, page_size = p["Sq"], p["page_size"]
     scale = p.get("scale", 1.0 / math.sqrt(p["D"]))
+    sinks = case_sinks(case, p["Hq"])
     options = dict(scale=scale, window=p.get("window"), softcap=p.get("softcap"))
     q, k_cache, v_cache, k_new, v_new = (t.to(device, dtype) for t in (q, k_cache, v_cache, k_new, v_new))
     expected = _f64([k_cache, v_cache])
     with forced_strict(backend), torch.no_grad():
         portable_ops.paged_kv_append(k_cache, v_cache, table.to(device), (lens - sq).to(device), k_new, v_new)
-        out = portable_ops.paged_attention(q, k_cache, v_cache, table.to(device), lens.to(device), **options)
+        out = portable_ops.paged_attention(q, k_cache, v_cache, table.to(device), lens.to(device), **options,
+                                           sinks=None if sinks is None else sinks.to(device))
+    options["sinks"] = None if sinks is None else sinks.to(F64)
     for b, length in enumerate(lens.tolist()):
         for t in range(sq):
             position = length - sq + t
@@ -476,8 +510,9 @@ def run_paged(case: Case, backend: str, device: torch.device, oracles: list[str]
                 first = 0 if left is None else max(0, length - sq - left)
                 keys = [torch.stack([cache[int(table[b, j // page_size]), j % page_size] for j in range(first, length)])
                         if length > first else cache.new_zeros(0, p["Hkv"], p["D"]) for cache in (k64, v64)]
-                refs.append(attention_oracle("torch", _dense(q64[b]), *map(_dense, keys), None, (0, sq), True, scale,
-                                             options["window"], options["softcap"])[0].transpose(0, 1))
+                ref_b = attention_oracle("torch", _dense(q64[b]), *map(_dense, keys), None, (0, sq), True, scale,
+                                         options["window"], options["softcap"], options["sinks"])
+                refs.append(ref_b[0].transpose(0, 1))
             ref = torch.stack(refs)
         result.check(oracle, "out", out, ref, atol, rtol)
 

@@ -278,6 +278,28 @@ def check_attention(q, k, v) -> None:
         _check_qkv(q, k, v, "[batch, heads, seq, head_dim]", batched=True)
 
 
+def attention_sinks(sinks, q, heads_dim: int):
+    """``sinks`` as the backends take it: None, or ``[heads]`` in lse's dtype (float32; float64 for float64 q) on
+    q's device, cast from any floating dtype (differentiably: its gradient reaches the caller's tensor in its own
+    dtype). ``heads_dim``: q's dim that counts the query heads."""
+    if sinks is None:
+        return None
+    expected = "a floating-point tensor [heads] (one logit per query head)"
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be None or {expected}, got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks has dtype {sinks.dtype}; expected {expected}")
+    if sinks.dim() != 1:
+        raise ValueError(f"sinks must have 1 dimension [heads], got shape {tuple(sinks.shape)}")
+    heads = q.shape[heads_dim]
+    if sinks.shape[0] != heads:
+        raise ValueError(f"sinks has {sinks.shape[0]} entries but q has {heads} heads: one logit per query head")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return sinks if sinks.dtype == dtype else sinks.to(dtype)
+
+
 def attention_options(head_dim, causal, scale, window, softcap, *, compiling=False) -> tuple:
     """``(causal, scale, window, softcap)`` checked and as the backends take them: ``scale`` a float
     (default ``1 / sqrt(head_dim)``), ``window`` None or ``(left, right)`` of ints or None, ``softcap``
@@ -530,7 +552,7 @@ def check_not_differentiated(op: str, **tensors) -> None:
     if not torch.is_grad_enabled():
         return
     for arg, t in tensors.items():
-        if t.requires_grad:
+        if t is not None and t.requires_grad:
             raise RuntimeError(f"{op} is not differentiable (inference only), but {arg} requires grad: call it "
                                f"under torch.no_grad() or torch.inference_mode(), or pass {arg}.detach()")
 

@@ -21,7 +21,8 @@ _SGD_CALL_KEYWORDS = [name for name, p in inspect.signature(sgd_call).parameters
 # arguments as bound to its signature (defaults applied).
 _CALLS = {
     "attention": (attention,
-                  lambda a: attention_call(a["q"], a["k"], a["v"], a["causal"], a["scale"], a["window"], a["softcap"])),
+                  lambda a: attention_call(a["q"], a["k"], a["v"], a["causal"], a["scale"], a["window"], a["softcap"],
+                                           a["sinks"])),
     "attention_varlen": (attention_varlen, lambda a: attention_varlen_call(**a)),
     "paged_attention": (paged_attention, lambda a: paged_attention_call(**a)),
     "paged_kv_append": (paged_kv_append, lambda a: paged_kv_append_call(**a)),

@@ -44,11 +44,12 @@ def _q_head_dim(call: Call) -> int:
 CAUSAL = Feature("causal", lambda call: "causal=True" if call["causal"] else "")
 WINDOW = Feature("window", lambda call: f"window={call['window']}" if call["window"] is not None else "")
 SOFTCAP = Feature("softcap", lambda call: f"softcap={call['softcap']:g}" if call["softcap"] is not None else "")
+SINKS = Feature("sinks", lambda call: "sinks (a learned logit per query head)" if call.get("sinks") is not None else "")
 OTHER_NORMS = Feature("other norm types",
                       lambda call: "" if call["norm_type"] in (2.0, math.inf) else f"norm_type {call['norm_type']:g}",
                       without="2 and inf are")
 
-_ATTENTION = dict(tensors=("q", "k", "v"), head_dim=_q_head_dim, features=(CAUSAL, WINDOW, SOFTCAP))
+_ATTENTION = dict(tensors=("q", "k", "v"), head_dim=_q_head_dim, features=(CAUSAL, WINDOW, SOFTCAP, SINKS))
 _VARLEN = dict(public="attention_varlen", description="packed variable-length sequences", family="attention_varlen",
                **_ATTENTION)
 
@@ -66,7 +67,7 @@ OPS: dict[str, Op] = {
     "attention_varlen_bwd": Op(**_VARLEN),
     "paged_attention": Op(public="paged_attention", description="attention over a paged KV cache",
                           family="paged_attention", tensors=("q", "k_cache", "v_cache"), head_dim=_q_head_dim,
-                          features=(WINDOW, SOFTCAP)),
+                          features=(WINDOW, SOFTCAP, SINKS)),
     "paged_kv_append": Op(public="paged_kv_append", description="appending to a paged KV cache",
                           family="paged_attention", tensors=("k_cache", "v_cache", "k_new", "v_new"),
                           head_dim=lambda call: call["k_new"].shape[-1]),

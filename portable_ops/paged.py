@@ -17,15 +17,17 @@ from . import checks
 from .attention import call_layout, refuse_transforms, run_op, window_args, window_of
 
 
-def paged_attention_call(q, k_cache, v_cache, block_table, cache_seqlens, scale, window, softcap):
+def paged_attention_call(q, k_cache, v_cache, block_table, cache_seqlens, scale, window, softcap, sinks=None):
     """Check one call's arguments (the page tables' values once per version) and return them as the
     backends take them."""
     checks.check_paged_attention(q, k_cache, v_cache, block_table, cache_seqlens)
+    sinks = checks.attention_sinks(sinks, q, 2)
+    checks.check_not_differentiated("paged_attention", sinks=sinks)
     _, scale, window, softcap = checks.attention_options(q.shape[-1], True, scale, window, softcap,
                                                          compiling=torch.compiler.is_compiling())
     _check_page_values_for_attention(q, k_cache, block_table, cache_seqlens, window)
     return dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, cache_seqlens=cache_seqlens,
-                scale=scale, window=window, softcap=softcap)
+                scale=scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def paged_kv_append_call(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new):
@@ -61,18 +63,18 @@ def _append(call):
 def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                         cache_seqlens: torch.Tensor, scale: float, window_left: int | None, window_right: int | None,
                         softcap: float | None, scale_tensor: torch.Tensor | None = None,
-                        softcap_tensor: torch.Tensor | None = None) -> torch.Tensor:
+                        softcap_tensor: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     scale, softcap = checks.op_values(scale, softcap, scale_tensor, softcap_tensor)
     window = window_of(window_left, window_right)
     # A compiled graph's first chance to read the page tables (tracing could not): once per version.
     _check_page_values_for_attention(q, k_cache, block_table, cache_seqlens, window)
     return _attend(dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, cache_seqlens=cache_seqlens,
-                        scale=scale, window=window, softcap=softcap))
+                        scale=scale, window=window, softcap=softcap, sinks=sinks))
 
 
 @_paged_attention_op.register_fake
 def _(q, k_cache, v_cache, block_table, cache_seqlens, scale, window_left, window_right, softcap, scale_tensor=None,
-      softcap_tensor=None):
+      softcap_tensor=None, sinks=None):
     return q.new_empty(q.shape)
 
 
@@ -92,7 +94,8 @@ def _(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new):
 
 # ----------------------------------------------------------------------------- the public functions
 
-def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale=None, softcap=None, window=None):
+def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale=None, softcap=None, window=None,
+                    sinks=None):
     """Attention of each sequence's newest ``Sq`` tokens over its tokens in a paged KV cache.
 
     q ``[B, Sq, Hq, D]`` (``Sq = 1`` for decode, a few for speculative decoding); k_cache and v_cache
@@ -100,17 +103,17 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale=No
     ``[B, max_pages]``; ``cache_seqlens`` int32 ``[B]``: each sequence's valid tokens, the ``Sq`` new
     ones included (append them first with :func:`paged_kv_append`). Query ``t`` of sequence ``b`` sits
     at position ``cache_seqlens[b] - Sq + t`` and sees the keys at positions up to its own (causal,
-    always), minus ``window=(left, right)``'s (``right`` is moot). ``scale`` and ``softcap`` as for
-    :func:`portable_ops.attention`. Returns ``[B, Sq, Hq, D]``, contiguous. Not differentiable.
+    always), minus ``window=(left, right)``'s (``right`` is moot). ``scale``, ``softcap`` and ``sinks`` as
+    for :func:`portable_ops.attention`. Returns ``[B, Sq, Hq, D]``, contiguous. Not differentiable.
     """
-    refuse_transforms("paged_attention", q, k_cache, v_cache)
-    call = paged_attention_call(q, k_cache, v_cache, block_table, cache_seqlens, scale, window, softcap)
+    refuse_transforms("paged_attention", q, k_cache, v_cache, sinks)
+    call = paged_attention_call(q, k_cache, v_cache, block_table, cache_seqlens, scale, window, softcap, sinks)
     if q.numel() == 0 or k_cache.numel() == 0:
         return q.new_zeros(q.shape)  # nothing to compute, or an empty cache (every length 0): no row sees a key
     if torch.compiler.is_compiling():
         scale, softcap, scale_tensor, softcap_tensor = checks.op_scalars(call["scale"], call["softcap"])
         return _paged_attention_op(q, k_cache, v_cache, block_table, cache_seqlens, scale, *window_args(call["window"]),
-                                   softcap, scale_tensor, softcap_tensor)
+                                   softcap, scale_tensor, softcap_tensor, call["sinks"])
     return _attend(call)
 
 

@@ -267,12 +267,21 @@ def test_a_backend_declining_packed_attention_refuses_under_strict_mode():
 
 # ----------------------------------------------------------------------------- refusals
 
-def test_gpt_oss_sinks_are_refused():
-    config = transformers.GptOssConfig(vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
-                                       num_experts_per_tok=1, sliding_window=4, attn_implementation=NAME)
-    with pytest.raises(NotImplementedError, match=r"can't take s_aux \(attention sinks"):
-        transformers.GptOssForCausalLM(config)(tokens(1, 6))
+def test_gpt_oss_sinks_match_eager(calls):
+    """gpt-oss's learned sinks (``s_aux``, a parameter of each attention layer) and its sliding layers: logits and
+    every gradient, the sinks' included, as eager's."""
+    def config(attn_implementation):
+        return transformers.GptOssConfig(vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                                         num_experts_per_tok=1, sliding_window=4, initializer_range=0.3,
+                                         attn_implementation=attn_implementation)
+
+    torch.manual_seed(0)
+    eager = transformers.GptOssForCausalLM(config("eager"))
+    ours = transformers.GptOssForCausalLM(config(NAME))
+    ours.load_state_dict(eager.state_dict())
+    assert_matches_eager(eager, ours, "reference", input_ids=tokens(2, 9))
+    assert set(calls) == {"attention"}
 
 
 def test_deepseek_v3_latent_attention_head_dims_are_refused():

@@ -152,11 +152,12 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                          "so_h", "so_m", "slse_split", "slse_b", "slse_h", "stable_b", "H", "GROUP", "SQ", "SKV",
                          "LEFT", "RIGHT", "PAIRS", "KEYS_PER_SPLIT"]
                 types_ = attention_types(("Q", "K", "V", "O", "LSE"), names, {**floats, **offsets, "CACHE_LENS": "*i32",
-                                                                             "TABLE": "*i32"})
+                                                                             "TABLE": "*i32", "SINK": "*fp32"})
                 consts = dict(head, **features, PAGED=kind == "paged", PAGE=16 if kind == "paged" else 0,
                               BLOCK_M=block_m, BLOCK_N=block_n, PACK_GROUP=kind in ("decode", "paged"),
                               NEGATIVE_SCALE=False, UNIT=spec.get("unit", 8),
-                              OFFSETS_64=spec.get("offsets_64", False), FOLD=spec.get("fold", False))
+                              OFFSETS_64=spec.get("offsets_64", False), FOLD=spec.get("fold", False),
+                              SINKS=spec.get("sinks", False))
                 row.update(run(fwd_kernels.fwd_kernel, types_, consts, warps, stages, False))
             elif kind == "dkdv":
                 block_m, block_n, warps, stages = spec["config"]
@@ -189,9 +190,9 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                               FOLD=spec.get("fold", False))
                 row.update(run(bwd_kernels.delta_kernel, types_, consts, 4, 3, d % 16 == 0))
             elif kind == "combine":
-                types_ = {"O_PART": "*fp32", "LSE_PART": "*fp32", "O": "*bf16", "LSE": "*fp32", "SPLITS": "i32",
-                          "H": "i32", "SQ": "i32", **strides("o")}
-                consts = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=16)
+                types_ = {"O_PART": "*fp32", "LSE_PART": "*fp32", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32",
+                          "SPLITS": "i32", "H": "i32", "SQ": "i32", **strides("o")}
+                consts = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=16, SINKS=spec.get("sinks", False))
                 row.update(run(fwd_kernels.combine_kernel, types_, consts, 4, 3, d % 16 == 0))
             elif kind == "norm_partials":
                 types_ = {"addresses": "*i64", "chunk_tensor": "*i32", "chunk_start": "*i64", "numels": "*i64",
@@ -328,6 +329,10 @@ else:
             specs += [{"kernel": kernel, "d": 128, "config": list(CONFIGS[kernel][128][0]), "window": True,
                        "softcap": True, "varlen": True}]
         specs.append({"kernel": "paged", "d": 128, "config": list(DECODE_CONFIG), "window": True})
+        # issue 33's: sinks in the forward, the GQA-packed decode and the split-key merge
+        specs += [{"kernel": "fwd", "d": 128, "config": list(CONFIGS["fwd"][128][0]), "sinks": True},
+                  {"kernel": "decode", "d": 128, "config": list(DECODE_CONFIG), "sinks": True},
+                  {"kernel": "combine", "d": 128, "sinks": True}]
         # (sequence, head) pairs past CUDA's grid limit, folded over the grid's third dim
         specs += [{"kernel": kernel, "d": 128, "config": list(CONFIGS[kernel][128][0]), "fold": True}
                   for kernel in ("fwd", "dkdv", "dq")]

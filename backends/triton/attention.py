@@ -65,28 +65,29 @@ def _row_major(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
-    return _forward_call(q, k, v, causal, scale, window, softcap, layout.strides_like(q), None, (q, q, q, q))
+def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None, sinks=None):
+    return _forward_call(q, k, v, causal, scale, window, softcap, sinks, layout.strides_like(q), None, (q, q, q, q))
 
 
 def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, scale,
-                         window=None, softcap=None):
+                         window=None, softcap=None, sinks=None):
     """``q [Tq, H, D]`` -> (out ``[Tq, H, D]`` contiguous, lse ``[H, Tq]``), one launch for every sequence."""
     seqs = _varlen_sequences(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     offsets = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous())  # the kernels step them by one
-    out, lse = _forward_call(*_as_batch(q, k, v), causal, scale, window, softcap, _as_batch_strides(q), seqs,
+    out, lse = _forward_call(*_as_batch(q, k, v), causal, scale, window, softcap, sinks, _as_batch_strides(q), seqs,
                              (*offsets, q, q))
     return layout.unviewed(out[0].transpose(0, 1)), lse[0]
 
 
-def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, window=None, softcap=None):
+def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, window=None, softcap=None, sinks=None):
     """``q [B, Sq, Hq, D]`` over ``[pages, page_size, Hkv, D]`` caches -> ``[B, Sq, Hq, D]`` contiguous."""
     b, sq, h, d = q.shape
     page = k_cache.shape[1]
     block_table = block_table.contiguous()  # its row stride is a plan's, its columns are stepped by one
     seqs = Sequences("paged", b, sq, block_table.shape[1] * page, page, block_table.stride(0))
     out, _ = _forward_call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), True, scale, window,
-                           softcap, (sq * h * d, d, h * d, 1), seqs, (q, q, cache_seqlens.contiguous(), block_table))
+                           softcap, sinks, (sq * h * d, d, h * d, 1), seqs,
+                           (q, q, cache_seqlens.contiguous(), block_table))
     return layout.unviewed(out.transpose(1, 2))
 
 
@@ -109,41 +110,43 @@ def _as_batch_strides(t) -> tuple:
 
 
 def prepare_attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
-    """``attention_fwd`` for every call of this one's layout and options (``OpImpl.prepare``):
+    """``attention_fwd`` without sinks for every call of this one's layout and options (``OpImpl.prepare``):
     ``run(q, k, v)``, its plan found here, once."""
     # not a launch of q, k, v as they are; or float32, whose products follow torch's TF32 switch per call
     if any(t.stride(-1) != 1 for t in (q, k, v)) or q.dtype == torch.float32:
         return lambda q, k, v: attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
-    plan, scale, softcap = plan_of_forward(q, k, v, causal, scale, window, softcap, layout.strides_like(q), None,
-                                           (q, q, q, q))
+    plan, scale, softcap = plan_of_forward(q, k, v, causal, scale, window, softcap, None, layout.strides_like(q),
+                                           None, (q, q, q, q))
     return lambda q, k, v: run_forward(plan, q, k, v, scale, softcap, (q, q, q, q))
 
 
-def _forward_call(q, k, v, causal, scale, window, softcap, out_stride, seqs, extras):
+def _forward_call(q, k, v, causal, scale, window, softcap, sinks, out_stride, seqs, extras):
     """``seqs``: None for a dense batch; ``extras``: the kernel's CU_Q, CU_K, CACHE_LENS, TABLE (q where unused)."""
     q, k, v = _row_major(q), _row_major(k), _row_major(v)
-    plan, scale, softcap = plan_of_forward(q, k, v, causal, scale, window, softcap, out_stride, seqs, extras)
-    return run_forward(plan, q, k, v, scale, softcap, extras)
+    plan, scale, softcap = plan_of_forward(q, k, v, causal, scale, window, softcap, sinks, out_stride, seqs, extras)
+    return run_forward(plan, q, k, v, scale, softcap, extras, sinks)
 
 
-def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None):
+def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None, sinks=None):
+    """``(dq, dk, dv)``, and ``dsinks`` after them when there are sinks."""
     strides = (layout.strides_like(q), layout.strides_like(k), layout.strides_like(v))
-    return _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, None, (q, q))
+    return _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, strides, None, (q, q))
 
 
 def attention_varlen_bwd(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                         causal, scale, window=None, softcap=None):
-    """Gradients ``[T, H, D]``, contiguous, of :func:`attention_varlen_fwd`."""
+                         causal, scale, window=None, softcap=None, sinks=None):
+    """Gradients ``[T, H, D]``, contiguous, of :func:`attention_varlen_fwd` (and ``dsinks``, with sinks)."""
     seqs = _varlen_sequences(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     strides = tuple(_as_batch_strides(t) for t in (q, k, v))
-    grads = _backward_call(*_as_batch(q, k, v, out), lse[None], *_as_batch(dout), causal, scale, window, softcap,
-                           strides, seqs, (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()))
-    return tuple(layout.unviewed(g[0].transpose(0, 1)) for g in grads)
+    dq, dk, dv, *dsinks = _backward_call(*_as_batch(q, k, v, out), lse[None], *_as_batch(dout), causal, scale,
+                                         window, softcap, sinks, strides, seqs,
+                                         (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()))
+    return (*(layout.unviewed(g[0].transpose(0, 1)) for g in (dq, dk, dv)), *dsinks)
 
 
 def prepare_attention_bwd(q, k, v, *, causal, scale, window=None, softcap=None):
-    """``attention_bwd`` for every call whose q, k and v have this one's layout (shapes, strides, dtypes,
-    device, 16-byte alignment; the caller sees to that) and these options (``OpImpl.prepare``):
+    """``attention_bwd`` without sinks for every call whose q, k and v have this one's layout (shapes, strides,
+    dtypes, device, 16-byte alignment; the caller sees to that) and these options (``OpImpl.prepare``):
     ``run(q, k, v, out, lse, dout)``, which finds its plan by out, lse and dout's layouts alone."""
     # not a launch of q, k, v as they are; or float32, whose products follow torch's TF32 switch per call
     if any(t.stride(-1) != 1 for t in (q, k, v)) or q.dtype == torch.float32:
@@ -158,11 +161,12 @@ def prepare_attention_bwd(q, k, v, *, causal, scale, window=None, softcap=None):
         found = plans.get(key)
         if found is None:
             if out.stride(-1) != 1 or dout.stride(-1) != 1 or not lse.is_contiguous():
-                return _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, None, (q, q))
+                return _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, None, strides, None,
+                                      (q, q))
             if len(plans) >= 16:
                 plans.clear()
-            found = plans[key] = plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, strides,
-                                                  None, (q, q))
+            found = plans[key] = plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, None,
+                                                  strides, None, (q, q))
         try:
             return run_backward(*found, q, k, v, out, lse, dout, (q, q))
         except BaseException:  # a call that failed leaves no plan behind (run_backward drops it from its own)
@@ -173,11 +177,11 @@ def prepare_attention_bwd(q, k, v, *, causal, scale, window=None, softcap=None):
     return run
 
 
-def _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, seqs, extras):
+def _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, strides, seqs, extras):
     q, k, v, out, dout = _row_major(q), _row_major(k), _row_major(v), _row_major(out), _row_major(dout)
     lse = lse.contiguous()  # ours: already contiguous, so no copy
-    plan = plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, seqs, extras)
-    return run_backward(*plan, q, k, v, out, lse, dout, extras)
+    plan = plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, strides, seqs, extras)
+    return run_backward(*plan, q, k, v, out, lse, dout, extras, sinks)
 
 
 def paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new):

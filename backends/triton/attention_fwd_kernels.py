@@ -3,12 +3,14 @@ into ranges of keys, the merge of those ranges, and the paged cache's append.
 
 Scores are kept in the log2 domain (``scale * log2(e)`` folded into one multiply), so the online softmax
 uses ``exp2``. Grouped-query attention reads KV head ``h // group`` and never materialises repeated K/V.
+A sink (one logit per query head) joins each row's denominator once, where the row's sum is final: in the
+forward when its keys are not split, else in the merge.
 """
 
 import triton
 import triton.language as tl
 
-from .attention_tiles import LN2, dot_over_head, key_ranges, kv_rows, load_tile, logits, packed_sequence, \
+from .attention_tiles import LN2, LOG2E, dot_over_head, key_ranges, kv_rows, load_tile, logits, packed_sequence, \
     store_tile, unit_strides, visible
 from .interpreter import to_dtype
 
@@ -55,8 +57,19 @@ def _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, table, sk_page, sk_
     return acc0, acc1, l_i, m_i
 
 
+@triton.jit
+def _with_sink(m_i, l_i, SINK, heads):
+    """A row's running max and sum (log2 domain) with its head's sink joined, and the factor that takes its
+    accumulator to the new max (0 for a row that saw no key). A sink of -inf is none."""
+    sink = tl.load(SINK + heads) * LOG2E
+    m_all = tl.maximum(m_i, sink)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+    decay = tl.exp2(m_i - m_all)
+    return m_all, l_i * decay + tl.exp2(sink - m_all), decay
+
+
 @triton.jit(do_not_specialize=["PAIRS"])  # read only under FOLD: its value compiles no variant of its own
-def fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, CACHE_LENS, TABLE,
+def fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, CACHE_LENS, TABLE, SINK,
                sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_split, so_b, so_h, so_m,
                slse_split, slse_b, slse_h, stable_b, H, GROUP, SQ, SKV, LEFT, RIGHT, PAIRS,
                scale_log2, squash, cap_log2, KEYS_PER_SPLIT,
@@ -64,13 +77,14 @@ def fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, CACHE_LENS, TABLE,
                PAGED: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PACK_GROUP: tl.constexpr,
                NEGATIVE_SCALE: tl.constexpr, UNIT: tl.constexpr, OFFSETS_64: tl.constexpr,
-               PRECISION: tl.constexpr, FOLD: tl.constexpr):
+               PRECISION: tl.constexpr, FOLD: tl.constexpr, SINKS: tl.constexpr):
     """BLOCK_M query rows of one (batch, head) against one range of keys (``program_id(2)``: a decode
     splits its keys between programs). Under PACK_GROUP (decode under GQA) the rows are every query head
     of a KV head's group, head-major, so that each K/V tile is read once for the whole group. Packed
     sequences (VARLEN) start at rows ``q_start``, ``k_start`` of one [1, H, T, D] view whose batch strides
     are 0; a paged cache's batch strides are its pages'. Under FOLD the grid's (batch, head) pairs, ``PAIRS``
-    of them, run over its second and third dims (``attention_plans.fold``), and keys are not split."""
+    of them, run over its second and third dims (``attention_plans.fold``), and keys are not split. Under
+    SINKS each row's head's sink joins its denominator (never with split keys: the merge adds it)."""
     sq_b, sq_h, sq_m = unit_strides(sq_b, sq_h, sq_m, UNIT, OFFSETS_64)
     sk_b, sk_h, sk_n = unit_strides(sk_b, sk_h, sk_n, UNIT, OFFSETS_64)
     sv_b, sv_h, sv_n = unit_strides(sv_b, sv_h, sv_n, UNIT, OFFSETS_64)
@@ -145,31 +159,40 @@ def fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, CACHE_LENS, TABLE,
                                           (full_lo, full_hi, hi)[part], SKV, first_key, lo_off, hi_off, scale_log2,
                                           squash, cap_log2, D, D0, D1, part != 1, BOUND_LEFT, BOUND_RIGHT, SOFTCAP,
                                           PAGED, PAGE, UPCAST, NEGATIVE_SCALE, PRECISION)
+    decay = 1.0
+    if SINKS:
+        m_i, l_i, decay = _with_sink(m_i, l_i, SINK, tl.where(valid, h, 0))
     seen = l_i > 0
-    norm = 1.0 / tl.where(seen, l_i, 1.0)
+    norm = decay / tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     store_tile(o_base, h * so_h + pos * so_m, valid, acc0 * norm[:, None], acc1 * norm[:, None], D, D1)
     tl.store(lse_base + h.to(tl.int64) * slse_h + pos, lse, mask=valid)
 
 
 @triton.jit
-def combine_kernel(O_PART, LSE_PART, O, LSE, SPLITS, H, SQ, so_b, so_h, so_m,
-                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Merge split-key partial results of one query row: weights exp(lse_i - lse_total).
-    Partials are [splits, B * H * SQ, D] float32; the output is written through its strides."""
+def combine_kernel(O_PART, LSE_PART, O, LSE, SINK, SPLITS, H, SQ, so_b, so_h, so_m,
+                   D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr):
+    """Merge split-key partial results of one query row: weights exp(lse_i - lse_total), the row's head's sink
+    one more term of lse_total under SINKS. Partials are [splits, B * H * SQ, D] float32; the output is written
+    through its strides."""
     row = tl.program_id(0).to(tl.int64)
     rows = tl.num_programs(0)
+    b, h, pos = row // (H * SQ), row // SQ % H, row % SQ
     splits = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     lse = tl.load(LSE_PART + splits * rows + row, mask=splits < SPLITS, other=float("-inf"))
     m = tl.max(lse, axis=0)
+    if SINKS:
+        sink = tl.load(SINK + h)
+        m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m_safe)
     total = tl.sum(w, axis=0)
+    if SINKS:
+        total += tl.exp(sink - m_safe)
     parts = tl.load(O_PART + (splits[:, None] * rows + row) * D + offs_d[None, :],
                     mask=(splits[:, None] < SPLITS) & (offs_d[None, :] < D), other=0.0)
     out = tl.sum(parts * (w / tl.where(total > 0, total, 1.0))[:, None], axis=0)
-    b, h, pos = row // (H * SQ), row // SQ % H, row % SQ
     tl.store(O + b * so_b + h * so_h + pos * so_m + offs_d, to_dtype(out, O.dtype.element_ty), mask=offs_d < D)
     tl.store(LSE + row, tl.where(total > 0, m_safe + tl.log(total), float("-inf")))
 

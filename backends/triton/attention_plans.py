@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 import triton
 
+from portable_ops.definitions.attention import sink_gradient
+
 from . import attention_sm90
 from .attention_bwd_kernels import delta_kernel, dkdv_kernel, dq_kernel
 from .attention_configs import DECODE_CONFIG, dot_precision, head_split, key_splits, tile_config, upcast
@@ -180,7 +182,7 @@ class FwdPlan:
     __slots__ = ("key", "out_stride", "hopper", "splits", "args", "keys_per_split", "fwd", "combine")
 
 
-def fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_stride, seqs, extras):
+def fwd_plan(key, q, k, v, causal, scale, window, softcap, sinks, precision, out_stride, seqs, extras):
     seqs = seqs or dense_sequences(q, k)
     h, d = q.shape[1], q.shape[3]
     hkv, b, sq, skv = k.shape[1], seqs.batch, seqs.sq, seqs.skv
@@ -190,7 +192,7 @@ def fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_stride
     # the Gluon kernel on sm_90 where it takes the call (attention_sm90.supports says when)
     plan.hopper = None
     if (not INTERPRETED and seqs.kind == "dense"
-            and not attention_sm90.supports(q, k, v, causal, out_stride, window, softcap)):
+            and not attention_sm90.supports(q, k, v, causal, out_stride, window, softcap, sinks)):
         plan.hopper = attention_sm90.Plan(q, k, v, out_stride, causal, scale)
         return remember(fwd_plans, plan)
     bound_left, bound_right, left, right = band(causal, window, seqs)
@@ -221,51 +223,54 @@ def fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_stride
         offsets_64 = needs_offsets_64(d, Extent(h, sq, q_st), Extent(hkv, kv_rows, k_st), Extent(hkv, kv_rows, v_st),
                                       Extent(h, sq, out_st))
         plan.args = (*divided(strides, unit), *slse, seqs.table_stride, h, group, sq, skv, left, right, b * heads)
-        plan.fwd = over_pairs(fwd_kernel, triton.cdiv(rows, config.BLOCK_M), b * heads, 9, plan.splits,
+        plan.fwd = over_pairs(fwd_kernel, triton.cdiv(rows, config.BLOCK_M), b * heads, 10, plan.splits,
                               BOUND_LEFT=bound_left, BOUND_RIGHT=bound_right, SOFTCAP=softcap is not None,
                               VARLEN=seqs.kind == "varlen", PAGED=seqs.kind == "paged", PAGE=seqs.page, D=d,
                               D0=d0, D1=d1, UPCAST=upcast(q.dtype), PACK_GROUP=pack, NEGATIVE_SCALE=scale < 0,
-                              UNIT=unit, OFFSETS_64=offsets_64, PRECISION=precision, **config._asdict())
-        plan.combine = Launch(combine_kernel, (b * h * sq,), 4, D=d, BLOCK_D=triton.next_power_of_2(d),
-                              BLOCK_S=triton.next_power_of_2(plan.splits), num_warps=4)
+                              UNIT=unit, OFFSETS_64=offsets_64, PRECISION=precision,
+                              SINKS=sinks is not None and plan.splits == 1, **config._asdict())
+        plan.combine = Launch(combine_kernel, (b * h * sq,), 5, D=d, BLOCK_D=triton.next_power_of_2(d),
+                              BLOCK_S=triton.next_power_of_2(plan.splits), SINKS=sinks is not None, num_warps=4)
         return plan
 
     decode_programs = b * packed(DECODE_CONFIG.BLOCK_M)[1]  # every decode tile's BLOCK_M
     config = tile_config("fwd", q, sq, skv, hkv, bound_right, precision,
-                         lambda c: run_forward(configure(c), q, k, v, scale, softcap, extras), decode_programs)
+                         lambda c: run_forward(configure(c), q, k, v, scale, softcap, extras, sinks), decode_programs)
     return remember(fwd_plans, configure(config))
 
 
-def plan_of_forward(q, k, v, causal, scale, window, softcap, out_stride, seqs, extras) -> tuple:
+def plan_of_forward(q, k, v, causal, scale, window, softcap, sinks, out_stride, seqs, extras) -> tuple:
     """(plan, scale, softcap): the plan of row-major q, k, v's layout, and the floats its launches take."""
     scale = float(scale)  # a plan's launches take floats: an int would be specialised on its value
     softcap = effective_softcap(softcap)
     precision = dot_precision(q.dtype)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out_stride, q.dtype, k.dtype, v.dtype, q.device,
-           causal, window, softcap is None, scale < 0, precision, seqs, aligned(q, k, v))
+           causal, window, softcap is None, sinks is None, scale < 0, precision, seqs, aligned(q, k, v))
     plan = fwd_plans.get(key)
     if plan is None:
-        plan = fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_stride, seqs, extras)
+        plan = fwd_plan(key, q, k, v, causal, scale, window, softcap, sinks, precision, out_stride, seqs, extras)
     return plan, scale, softcap
 
 
-def run_forward(plan, q, k, v, scale, softcap, extras):
+def run_forward(plan, q, k, v, scale, softcap, extras, sinks=None):
+    """``sinks``: None, or the ``[H]`` float32 logits the plan was made for."""
     b, h, sq, d = q.shape
     try:
         out = torch.empty_strided(q.shape, plan.out_stride, dtype=q.dtype, device=q.device)
         if plan.hopper is not None:
             return attention_sm90.forward(plan.hopper, q, k, v, out, scale)
         floats = (scale * LOG2E.value, *softcap_floats(scale, softcap))
+        sink = q if sinks is None else sinks  # q stands in for a pointer the kernels do not read
         if plan.splits == 1:
             lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-            plan.fwd(q, k, v, out, lse, *extras, *plan.args, *floats, plan.keys_per_split)
+            plan.fwd(q, k, v, out, lse, *extras, sink, *plan.args, *floats, plan.keys_per_split)
             return out, lse
         # Split partial results stay in float32 until they are merged.
         parts = torch.empty((plan.splits, b, h, sq, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((plan.splits, b, h, sq), dtype=torch.float32, device=q.device)
-        plan.fwd(q, k, v, parts, part_lse, *extras, *plan.args, *floats, plan.keys_per_split)
+        plan.fwd(q, k, v, parts, part_lse, *extras, sink, *plan.args, *floats, plan.keys_per_split)
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-        plan.combine(parts, part_lse, out, lse, plan.splits, h, sq, *plan.out_stride[:3])
+        plan.combine(parts, part_lse, out, lse, sink, plan.splits, h, sq, *plan.out_stride[:3])
         return out, lse
     except BaseException:
         forget(fwd_plans, plan)
@@ -277,7 +282,8 @@ class BwdPlan:
                  "dq", "dq_args")
 
 
-def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, precision, out_strides, seqs, extras):
+def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, precision, out_strides, seqs,
+             extras):
     seqs = seqs or dense_sequences(q, k)
     h, d = q.shape[1], q.shape[3]
     hkv, b, sq, skv = k.shape[1], seqs.batch, seqs.sq, seqs.skv
@@ -288,7 +294,7 @@ def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, preci
     plan.hopper = None
     # the Hopper backward's grid has batch x KV heads programs in its second dim, not folded
     if (not INTERPRETED and seqs.kind == "dense" and b * hkv <= MAX_GRID_Y
-            and not attention_sm90.supports_backward(q, k, v, dout, causal, out_strides, window, softcap)):
+            and not attention_sm90.supports_backward(q, k, v, dout, causal, out_strides, window, softcap, sinks)):
         plan.hopper = attention_sm90.BwdPlan(q, k, v, dout, plan.dk_stride, plan.dv_stride, causal)
     block = 64 if d <= 128 else 32
     # delta over the [B, H, S] rows of the views (varlen: [1, H, T], the layout of its lse)
@@ -340,23 +346,32 @@ def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, preci
     return remember(bwd_plans, plan)
 
 
-def plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, seqs, extras) -> tuple:
+def plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, strides, seqs,
+                     extras) -> tuple:
     """(plan, scale, softcap): the plan of row-major q, k, v, out, dout and contiguous lse whose gradients
     take ``strides``, and the floats its launches take."""
     scale = float(scale)
     softcap = effective_softcap(softcap)
     precision = dot_precision(q.dtype)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), strides, q.dtype,
-           k.dtype, v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, causal, window, softcap is None, precision,
-           torch.are_deterministic_algorithms_enabled(), seqs, aligned(q, k, v, dout))
+           k.dtype, v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, causal, window, softcap is None,
+           sinks is None, precision, torch.are_deterministic_algorithms_enabled(), seqs, aligned(q, k, v, dout))
     plan = bwd_plans.get(key)
     if plan is None:
-        plan = bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, precision, strides, seqs,
-                        extras)
+        plan = bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, precision, strides,
+                        seqs, extras)
     return plan, scale, softcap
 
 
-def run_backward(plan, scale, softcap, q, k, v, out, lse, dout, extras):
+def run_backward(plan, scale, softcap, q, k, v, out, lse, dout, extras, sinks=None):
+    """``(dq, dk, dv)``, and ``dsinks`` after them with ``sinks``: the probabilities come from the sunk lse as
+    they are, and the sinks' gradient from lse and delta, row by row."""
+    dq, dk, dv, delta = _gradients(plan, scale, softcap, q, k, v, out, lse, dout, extras)
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, sink_gradient(sinks, lse, delta))
+
+
+def _gradients(plan, scale, softcap, q, k, v, out, lse, dout, extras):
+    """``(dq, dk, dv, delta)``."""
     try:
         delta, dq, dk, dv = bwd_buffers(plan, q, k, v)
         if plan.hopper is not None:
@@ -364,12 +379,12 @@ def run_backward(plan, scale, softcap, q, k, v, out, lse, dout, extras):
             plan.delta(out, dout, delta, dq_sum, *plan.delta_args)
             attention_sm90.backward(plan.hopper, q, k, v, dout, lse, delta, dq_sum, dk, dv, scale)
             dq.copy_(dq_sum)
-            return dq, dk, dv
+            return dq, dk, dv, delta
         plan.delta(out, dout, delta, delta, *plan.delta_args)
         floats = (scale, scale * LOG2E.value, *softcap_floats(scale, softcap))
         plan.dkdv(q, k, v, dout, lse, delta, dk, dv, *extras, *plan.dkdv_args, *floats)
         plan.dq(q, k, v, dout, lse, delta, dq, *extras, *plan.dq_args, *floats)
-        return dq, dk, dv
+        return dq, dk, dv, delta
     except BaseException:
         forget(bwd_plans, plan)
         raise

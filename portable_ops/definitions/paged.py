@@ -21,7 +21,7 @@ def _slots(block_table, positions, page_size):
     return pages, positions % page_size
 
 
-def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, window=None, softcap=None,
+def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, window=None, softcap=None, sinks=None,
                     dense_fwd=attention_fwd):
     """``q [B, Sq, Hq, D]`` -> ``out [B, Sq, Hq, D]`` (contiguous); ``dense_fwd``: the dense attention run on
     each sequence (the reference backend passes its own)."""
@@ -35,7 +35,7 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, w
         pages, offsets = _slots(block_table[b], torch.arange(first, length, device=q.device), page_size)
         keys = [cache[pages, offsets].transpose(0, 1)[None] for cache in (k_cache, v_cache)]  # [1, Hkv, L, D]
         seq_out, _ = dense_fwd(q[b].transpose(0, 1)[None], *keys, causal=True, scale=scale, window=window,
-                               softcap=softcap)
+                               softcap=softcap, sinks=sinks)
         out[b] = seq_out[0].transpose(0, 1)
     return out
 

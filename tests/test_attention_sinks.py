@@ -1,0 +1,321 @@
+"""Attention sinks (gpt-oss) in ``attention``, ``attention_varlen`` and ``paged_attention``.
+
+Each is compared with a computation written in the tests from its definition (tests/attention_definitions.py:
+the sink is one more logit of each row, dropped after the softmax) and with transformers' own gpt-oss eager
+attention; gradients through torch's autograd of those, in float64. Bad input must be refused before anything
+runs, naming the argument. torch.compile, torch.func and autocast must see them as they see the other options.
+The kernel backends' numbers are the conformance suite's (tests/test_conformance.py, the ``*sinks*`` cases).
+"""
+
+import math
+import re
+import warnings
+
+import pytest
+import torch
+
+import portable_ops
+from attention_definitions import F64, NOT_REFERENCE, TAKING, definition, gathered, packed, paged_cache, qkv
+from portable_ops import dispatch
+from portable_ops.conformance.runner import default_device, forced_strict
+
+
+def sinks_of(heads, dtype=F64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (1.0 + torch.randn(heads, generator=g, dtype=dtype)).requires_grad_()
+
+
+def assert_same_with_gradients(ours, theirs, inputs, tol=1e-10):
+    """Outputs, and gradients of a random projection of them, equal."""
+    dout = torch.randn(ours.shape, generator=torch.Generator().manual_seed(9), dtype=ours.dtype)
+    torch.testing.assert_close(ours, theirs, atol=tol, rtol=tol)
+    for a, b in zip(torch.autograd.grad(ours, inputs, dout), torch.autograd.grad(theirs, inputs, dout)):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------- the definition, and gpt-oss's
+
+@pytest.mark.parametrize("options", [dict(), dict(causal=True), dict(window=(2, 1)), dict(causal=True, softcap=3.0)],
+                         ids=["plain", "causal", "window", "causal-softcap"])
+@pytest.mark.parametrize("sq, skv", [(9, 9), (5, 13), (11, 4)], ids=["square", "fewer-queries", "more-queries"])
+def test_sinks_are_the_definition(options, sq, skv):
+    q, k, v = qkv(sq=sq, skv=skv)
+    sinks = sinks_of(4)
+    ours = portable_ops.attention(q, k, v, sinks=sinks, **options)
+    assert_same_with_gradients(ours, definition(q, k, v, sinks=sinks, **options), (q, k, v, sinks))
+
+
+def test_sinks_are_gpt_oss_eager_attention():
+    """transformers' gpt-oss eager attention (its sinks as one more column of logits, under an additive mask)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    q, k, v = qkv(b=2, hq=4, hkv=2, sq=7, skv=7)
+    module = torch.nn.Module()
+    module.sinks, module.num_key_value_groups = sinks_of(4), 2
+    window = (3, 0)  # gpt-oss's sliding layers: the last 4 tokens, the query's own included
+    visible = torch.ones(7, 7, dtype=torch.bool).tril() & ~torch.ones(7, 7, dtype=torch.bool).tril(-4)
+    mask = torch.zeros(7, 7, dtype=F64).masked_fill(~visible, -math.inf)
+    theirs, _ = eager_attention_forward(module, q, k, v, mask, scaling=0.3)
+    ours = portable_ops.attention(q, k, v, window=window, scale=0.3, sinks=module.sinks)
+    assert_same_with_gradients(ours.transpose(1, 2), theirs, (q, k, v, module.sinks))
+
+
+def test_a_row_that_sees_no_key_outputs_zeros_and_its_lse_is_its_sink():
+    """Queries 0-2 of 8 over 5 keys under window (0, 0) see nothing: the sink is all of their softmax."""
+    from portable_ops.definitions.attention import attention_fwd
+
+    q, k, v = qkv(sq=8, skv=5)
+    sinks = sinks_of(4)
+    out = portable_ops.attention(q, k, v, window=(0, 0), sinks=sinks)
+    dq, dsinks = torch.autograd.grad(out[:, :, :3].sum(), (q, sinks))
+    assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3]))
+    assert torch.equal(dq, torch.zeros_like(dq)) and torch.equal(dsinks, torch.zeros_like(dsinks))
+    _, lse = attention_fwd(q.detach(), k.detach(), v.detach(), causal=False, scale=0.3, window=(0, 0),
+                           sinks=sinks.detach())
+    torch.testing.assert_close(lse[:, :, :3], sinks.detach()[None, :, None].expand(2, 4, 3))
+
+
+def test_no_keys_at_all():
+    q, k, v = qkv(skv=0)
+    sinks = sinks_of(4)
+    out = portable_ops.attention(q, k, v, sinks=sinks)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in torch.autograd.grad(out.sum(), (q, sinks)))
+
+
+def test_the_sinks_gradient_is_minus_p_sink_times_dout_dot_out():
+    """``d/d sinks[h] = -sum over the rows of head h of p_sink * (dout . out)``, ``p_sink = exp(sink - lse)``."""
+    from portable_ops.definitions.attention import attention_fwd
+
+    q, k, v = (t.detach() for t in qkv(hq=4, hkv=1))
+    sinks = sinks_of(4)
+    out = portable_ops.attention(q, k, v, causal=True, sinks=sinks)
+    dout = torch.randn_like(out)
+    dsinks, = torch.autograd.grad(out, sinks, dout)
+    _, lse = attention_fwd(q, k, v, causal=True, scale=1 / math.sqrt(8), sinks=sinks.detach())
+    p_sink = torch.exp(sinks.detach()[None, :, None] - lse)
+    torch.testing.assert_close(dsinks, -(p_sink * (dout * out.detach()).sum(-1)).sum((0, 2)))
+
+
+def test_gradcheck_and_second_derivatives_with_sinks():
+    q, k, v = qkv(b=1, hq=2, hkv=1, sq=4, skv=6, d=3)
+    sinks = sinks_of(2)
+
+    def f(q, k, v, sinks):
+        return portable_ops.attention(q, k, v, causal=True, window=(2, None), softcap=2.0, scale=1.5, sinks=sinks)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, sinks))
+    assert torch.autograd.gradgradcheck(f, (q, k, v, sinks))
+
+
+def test_varlen_sinks_are_each_sequence_on_its_own():
+    lens_q, lens_k = (5, 0, 4, 7), (6, 3, 2, 7)
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k)
+    sinks = sinks_of(4)
+    ours = portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 7, 7, causal=True, sinks=sinks)
+    theirs, start_q, start_k = [], 0, 0
+    for lq, lk in zip(lens_q, lens_k):
+        dense = [t.transpose(0, 1)[None] for t in (q[start_q:start_q + lq], k[start_k:start_k + lk],
+                                                   v[start_k:start_k + lk])]
+        theirs.append(definition(*dense, causal=True, sinks=sinks)[0].transpose(0, 1))
+        start_q, start_k = start_q + lq, start_k + lk
+    assert_same_with_gradients(ours, torch.cat(theirs), (q, k, v, sinks))
+
+
+def test_paged_sinks_are_dense_sinks_over_the_gathered_keys():
+    lens, page_size = [5, 9, 1], 4
+    k_cache, v_cache, table, seqlens = paged_cache(lens, page_size)
+    q = torch.randn(3, 2, 4, 8, dtype=F64)
+    sinks = sinks_of(4).detach()
+    with torch.no_grad():
+        out = portable_ops.paged_attention(q, k_cache, v_cache, table, seqlens, sinks=sinks, window=(3, None))
+    for b, length in enumerate(lens):
+        keys = [gathered(cache, table, b, length, page_size) for cache in (k_cache, v_cache)]
+        want = definition(q[b].transpose(0, 1)[None], *keys, causal=True, window=(3, None), sinks=sinks)
+        torch.testing.assert_close(out[b], want[0].transpose(0, 1))
+
+
+# ----------------------------------------------------------------------------- inside PyTorch's machinery
+
+def test_torch_func_grad_vmap_jvp_and_jacrev_in_sinks():
+    q, k, v = (t.detach() for t in qkv(b=1, sq=5, skv=7))
+    sinks = sinks_of(4).detach()
+    options = dict(causal=True, window=(3, None), scale=0.7)
+
+    def ours(q, k, v, sinks):
+        return portable_ops.attention(q, k, v, sinks=sinks, **options)
+
+    def theirs(q, k, v, sinks):
+        return definition(q, k, v, sinks=sinks, **options)
+
+    for a, b in zip(torch.func.grad(lambda *t: ours(*t).square().sum(), argnums=(0, 3))(q, k, v, sinks),
+                    torch.func.grad(lambda *t: theirs(*t).square().sum(), argnums=(0, 3))(q, k, v, sinks)):
+        torch.testing.assert_close(a, b)
+    tangents = tuple(torch.randn_like(t) for t in (q, k, v, sinks))
+    torch.testing.assert_close(torch.func.jvp(ours, (q, k, v, sinks), tangents)[1],
+                               torch.func.jvp(theirs, (q, k, v, sinks), tangents)[1])
+    batch = [torch.stack([t, t.flip(0)]) for t in (q, k, v, sinks)]
+    for in_dims in ((0, 0, 0, None), (None, None, None, 0)):  # sinks shared, then one per sample
+        torch.testing.assert_close(torch.func.vmap(ours, in_dims)(*(b if d is not None else t for b, t, d
+                                                                    in zip(batch, (q, k, v, sinks), in_dims))),
+                                   torch.func.vmap(theirs, in_dims)(*(b if d is not None else t for b, t, d
+                                                                      in zip(batch, (q, k, v, sinks), in_dims))))
+    torch.testing.assert_close(torch.func.jacrev(lambda s: ours(q, k, v, s).sum((0, 2, 3)))(sinks),
+                               torch.func.jacrev(lambda s: theirs(q, k, v, s).sum((0, 2, 3)))(sinks))
+
+
+def test_autocast_keeps_sinks_in_float32_and_gives_their_gradient_in_their_dtype():
+    q, k, v = (t.detach().float().requires_grad_() for t in qkv())
+    sinks = sinks_of(4, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = portable_ops.attention(q, k, v, causal=True, sinks=sinks)
+    assert out.dtype == torch.bfloat16
+    low = [t.detach().bfloat16() for t in (q, k, v)]
+    torch.testing.assert_close(out, portable_ops.attention(*low, causal=True, sinks=sinks.detach()))
+    out.float().sum().backward()
+    assert sinks.grad.dtype == torch.float32 and sinks.grad.abs().sum() > 0
+    half_sinks = sinks.detach().bfloat16().requires_grad_()  # taken in float32, its gradient in its own dtype
+    portable_ops.attention(*low, sinks=half_sinks).float().sum().backward()
+    assert half_sinks.grad.dtype == torch.bfloat16
+
+
+def sinks_step(x, w, sinks):
+    """A transformer's attention block with gpt-oss's learned sinks (a parameter of the module)."""
+    b, s, _ = x.shape
+    q, k, v = (x @ w).view(b, s, 8, 16).split([4, 2, 2], dim=2)
+    y = portable_ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, sinks=sinks)
+    return y.transpose(1, 2).reshape(b, s, -1).square().mean()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_sinks_compile_fullgraph_without_breaks_and_train_like_eager():
+    from torch._dynamo.utils import counters
+
+    sinks = torch.nn.Parameter(torch.randn(4))
+    compiled = torch.compile(sinks_step, backend="aot_eager", fullgraph=True, dynamic=True)
+    for s in (9, 17):
+        g = torch.Generator().manual_seed(s)
+        x = torch.randn(2, s, 32, generator=g, requires_grad=True)
+        w = (torch.randn(32, 128, generator=g) / 4).requires_grad_()
+        got, want = compiled(x, w, sinks), sinks_step(x, w, sinks)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for a, b in zip(torch.autograd.grad(got, (x, w, sinks)), torch.autograd.grad(want, (x, w, sinks))):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_custom_ops_with_sinks_pass_opcheck():
+    q, k, v = (t.detach().float() for t in qkv(d=16))
+    sinks = torch.randn(4)
+    args = (q, k, v, True, 0.25, 3, None, None, None, None, sinks)
+    torch.library.opcheck(torch.ops.portable_ops.attention_fwd.default, args)
+    out, lse = torch.ops.portable_ops.attention_fwd.default(*args)
+    torch.library.opcheck(torch.ops.portable_ops.attention_bwd.default,
+                          (q, k, v, out, lse, torch.randn_like(out), *args[3:]))
+    tq, tk, tv, cu_q, cu_k = (t.detach().float() if t.is_floating_point() else t for t in packed((3, 5), (4, 5)))
+    args = (tq, tk, tv, cu_q, cu_k, 5, 5, True, 0.3, None, None, None, None, None, sinks)
+    torch.library.opcheck(torch.ops.portable_ops.attention_varlen_fwd.default, args)
+    out, lse = torch.ops.portable_ops.attention_varlen_fwd.default(*args)
+    torch.library.opcheck(torch.ops.portable_ops.attention_varlen_bwd.default,
+                          (tq, tk, tv, out, lse, torch.randn_like(out), *args[3:]))
+
+
+# ----------------------------------------------------------------------------- bad input, and the backends
+
+BAD_SINKS = {
+    "a list": ([1.0, 2.0, 3.0, 4.0], TypeError, r"sinks must be None or a floating-point tensor \[heads\]"),
+    "integers": (torch.arange(4), TypeError, "sinks has dtype torch.int64; expected a floating-point tensor"),
+    "complex": (torch.zeros(4, dtype=torch.complex64), TypeError, "sinks has dtype torch.complex64"),
+    "2-d": (torch.zeros(1, 4), ValueError, r"sinks must have 1 dimension \[heads\], got shape \(1, 4\)"),
+    "one per KV head": (torch.zeros(2), ValueError, "sinks has 2 entries but q has 4 heads: one logit per query head"),
+    "another device": (torch.zeros(4, device="meta"), ValueError, "sinks is on meta but q is on cpu"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_SINKS)
+def test_bad_sinks_are_refused_by_name_before_anything_runs(name, fake_backend):
+    calls = []
+    stand_in = fake_backend("triton", ops=("attention_fwd", "attention_bwd", "attention_varlen_fwd",
+                                           "attention_varlen_bwd", "paged_attention"))
+    for op in stand_in.ops:
+        stand_in.ops[op] = dispatch.OpImpl(run=lambda **call: calls.append(call))
+    sinks, error, message = BAD_SINKS[name]
+    q, k, v = qkv()
+    pq, pk, pv, cu_q, cu_k = packed((3, 4), (3, 4))
+    k_cache, v_cache, table, seqlens = paged_cache([3, 5], 4)
+    tensors = [t for t in (q, k, v, sinks) if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+    before = [t.detach().clone() for t in tensors]
+    with portable_ops.use_backend("triton"):
+        for call in (lambda: portable_ops.attention(q, k, v, sinks=sinks),
+                     lambda: portable_ops.attention_varlen(pq, pk, pv, cu_q, cu_k, 4, 4, sinks=sinks),
+                     lambda: portable_ops.paged_attention(torch.randn(2, 1, 4, 8, dtype=F64), k_cache, v_cache,
+                                                          table, seqlens, sinks=sinks)):
+            with pytest.raises(error, match=message):
+                call()
+    assert not calls
+    assert all(torch.equal(a, b) for a, b in zip(before, tensors))
+
+
+def test_paged_sinks_that_require_grad_are_refused():
+    k_cache, v_cache, table, seqlens = paged_cache([3, 5], 4)
+    with pytest.raises(RuntimeError, match="paged_attention is not differentiable .* but sinks requires grad"):
+        portable_ops.paged_attention(torch.randn(2, 1, 4, 8, dtype=F64), k_cache, v_cache, table, seqlens,
+                                     sinks=sinks_of(4))
+
+
+def test_a_backend_without_sinks_declines_them_with_the_reason(fake_backend):
+    """explain, the fallback and strict mode all name the feature the backend lacks."""
+    stand_in = fake_backend("triton")
+    for op in ("attention_fwd", "attention_bwd"):
+        stand_in.ops[op] = dispatch.OpImpl(run=stand_in.ops[op].run, features=("causal", "window", "softcap"))
+    q, k, v = qkv()
+    sinks = sinks_of(4)
+    expected = "sinks (a learned logit per query head) is not supported"
+    with portable_ops.use_backend("triton"):
+        choice = portable_ops.explain(portable_ops.attention, q, k, v, sinks=sinks)
+        assert choice.backend == "reference" and choice.rejected["triton"] == [expected]
+        assert portable_ops.explain(portable_ops.attention, q, k, v).backend == "triton"
+    with forced_strict("triton"), pytest.raises(portable_ops.BackendUnavailableError, match=re.escape(expected)):
+        portable_ops.attention(q, k, v, sinks=sinks)
+
+
+def test_a_backend_whose_sinks_gradient_is_wrong_fails_its_case(fake_backend):
+    from portable_ops.conformance import CASES, run_case
+
+    stand_in = fake_backend("triton")
+    run = stand_in.ops["attention_bwd"].run
+
+    def off_by_a_tenth(**call):
+        dq, dk, dv, dsinks = run(**call)
+        return dq, dk, dv, dsinks * 1.1
+
+    stand_in.ops["attention_bwd"] = dispatch.OpImpl(run=off_by_a_tenth)
+    case = next(c for c in CASES if c.name == "attn_sinks_gqa_window_more_queries" and c.dtype == torch.float16)
+    row = run_case(case, "triton", device=torch.device("cpu"))
+    assert row.status == "fail" and "dsinks" in row.detail, row
+
+
+@pytest.mark.parametrize("backend", NOT_REFERENCE)
+def test_kernel_backends_take_sinks(backend, monkeypatch):
+    """No fallback: explain, strict mode and the warning filter all see the call run on the backend."""
+    monkeypatch.setattr(dispatch, "_warned", set())
+    device = default_device(backend)
+    q, k, v = (t.detach().to(device, torch.float32) for t in qkv())
+    sinks = sinks_of(4, dtype=torch.float32).detach().to(device)
+    with portable_ops.use_backend(backend):
+        assert portable_ops.explain(portable_ops.attention, q, k, v, sinks=sinks).backend == backend
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", portable_ops.FallbackWarning)
+            out = portable_ops.attention(q, k, v, causal=True, sinks=sinks)
+    want = definition(*(t.double().cpu() for t in (q, k, v)), causal=True, sinks=sinks.double().cpu())
+    torch.testing.assert_close(out.cpu(), want.float(), atol=2e-3, rtol=2e-3)
+    if backend in TAKING:
+        pq, pk, pv, cu_q, cu_k = (t.detach().to(device, torch.float32) if t.is_floating_point() else t.to(device)
+                                  for t in packed((3, 5), (4, 5)))
+        k_cache, v_cache, table, seqlens = (t.to(device, torch.float32) if t.is_floating_point() else t.to(device)
+                                            for t in paged_cache([3, 6], 4))
+        with forced_strict(backend), torch.no_grad():
+            portable_ops.attention_varlen(pq, pk, pv, cu_q, cu_k, 5, 5, causal=True, sinks=sinks)
+            portable_ops.paged_attention(torch.randn(2, 1, 4, 8, device=device), k_cache, v_cache, table, seqlens,
+                                         sinks=sinks)
