@@ -76,9 +76,9 @@ def attention_call(q, k, v, causal, scale, window=None, softcap=None, sinks=None
     return dict(q=q, k=k, v=v, causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks)
 
 
-def _layout(q, k, v, causal, scale, window, softcap, sinks=None):
+def _layout(q, k, v, causal, scale, window, softcap, sinks=None, dlse=None):
     return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, causal, scale, window, softcap,
-            sinks is not None)
+            sinks is not None, dlse is not None)
 
 
 def call_layout(call) -> tuple:
@@ -110,19 +110,19 @@ def with_dsinks(grads, sinks) -> tuple:
     return grads if sinks is not None else (*grads, None)
 
 
-def backward(q, k, v, out, lse, dout, sinks, causal, scale, window=None, softcap=None, prefer=None):
-    """(dq, dk, dv, dsinks) from the backend chosen for this call (dsinks None without sinks); ``prefer``: the
-    backend forced when the forward ran, which the backward keeps (``loss.backward()`` usually runs outside the
-    block that forced a backend for the forward)."""
+def backward(q, k, v, out, lse, dout, dlse, sinks, causal, scale, window=None, softcap=None, prefer=None):
+    """(dq, dk, dv, dsinks) from the backend chosen for this call (dsinks None without sinks; ``dlse``: None, or
+    the gradient that reached lse); ``prefer``: the backend forced when the forward ran, which the backward keeps
+    (``loss.backward()`` usually runs outside the block that forced a backend for the forward)."""
     call = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, causal=causal, scale=scale, window=window,
-                softcap=softcap, sinks=sinks)
-    layout = _layout(q, k, v, causal, scale, window, softcap, sinks)
+                softcap=softcap, sinks=sinks, dlse=dlse)
+    layout = _layout(q, k, v, causal, scale, window, softcap, sinks, dlse)
     return with_dsinks(run_op("attention_bwd", call, layout, q.device, prefer), sinks)
 
 
 def _definition(q, k, v, sinks, causal, scale, window, softcap):
     return definition.attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
-                                    sinks=sinks)[0]
+                                    sinks=sinks)
 
 
 class Variant:
@@ -134,8 +134,9 @@ class Variant:
 
     def __init__(self, forward: Callable, backward: Callable, definition: Callable, index_tensors: int = 0):
         self.forward = forward  # (q, k, v, sinks, *options) -> (out, lse)
-        self.backward = backward  # (q, k, v, out, lse, dout, sinks, *options, prefer=...) -> (dq, dk, dv, dsinks)
-        self.definition = definition  # (q, k, v, sinks, *options) -> out: the definition, differentiable twice
+        # (q, k, v, out, lse, dout, dlse, sinks, *options, prefer=...) -> (dq, dk, dv, dsinks)
+        self.backward = backward
+        self.definition = definition  # (q, k, v, sinks, *options) -> (out, lse): the definition, differentiable twice
         self.index_tensors = index_tensors
 
 
@@ -152,14 +153,15 @@ class Options:
 DENSE = Variant(forward, backward, _definition)
 
 
-def _differentiated_again(definition, q, k, v, sinks, dout, options, needs_grad):
+def _differentiated_again(definition, q, k, v, sinks, dout, dlse, options, needs_grad):
     """First derivatives that are themselves differentiable (``create_graph=True``): the kernels'
     backward is not, so the definition is differentiated instead, one block of queries
     at a time (its autograd graph keeps every block's probabilities: O(Sq x Skv) memory)."""
     inputs = [t for t, needed in zip((q, k, v, sinks), needs_grad) if needed]
     with torch.enable_grad(), autocast_off(q.device.type):
-        out = definition(q, k, v, sinks, *options)
-        grads = iter(torch.autograd.grad(out, inputs, dout, create_graph=True))
+        out, lse = definition(q, k, v, sinks, *options)
+        outputs, grads_in = ((out,), (dout,)) if dlse is None else ((out, lse), (dout, dlse))
+        grads = iter(torch.autograd.grad(outputs, inputs, grads_in, create_graph=True))
     return tuple(next(grads) if needed else None for needed in needs_grad)
 
 
@@ -167,7 +169,7 @@ def _differentiated_again(definition, q, k, v, sinks, dout, options, needs_grad)
 
 class EagerAttention(torch.autograd.Function):
     """``apply(q, k, v, sinks, Options(variant, options))`` -> (out, lse), differentiable in q, k, v and sinks
-    (None: no sinks)."""
+    (None: no sinks), through out and lse."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, how):
@@ -175,21 +177,21 @@ class EagerAttention(torch.autograd.Function):
         out, lse = variant.forward(q, k, v, sinks, *options)
         ctx.save_for_backward(q, k, v, out, lse, sinks, *options[:variant.index_tensors])
         ctx.variant, ctx.options, ctx.prefer = variant, options[variant.index_tensors:], forced_backend()
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # _dlse, materialised, would cost a zero-filled tensor every call
+        ctx.set_materialize_grads(False)  # a dlse materialised would cost a zero-filled tensor every call
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
-        if dout is None:  # no gradient reached the output (gradcheck sends such a call)
+    def backward(ctx, dout, dlse):
+        if dout is None and dlse is None:  # no gradient reached the outputs (gradcheck sends such a call)
             return None, None, None, None, None
         q, k, v, out, lse, sinks, *index = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
         options = (*index, *ctx.options)
         if torch.is_grad_enabled():  # create_graph=True
-            grads = _differentiated_again(ctx.variant.definition, q, k, v, sinks, dout, options,
+            grads = _differentiated_again(ctx.variant.definition, q, k, v, sinks, dout, dlse, options,
                                           ctx.needs_input_grad[:4])
         else:
-            grads = ctx.variant.backward(q, k, v, out, lse, dout, sinks, *options, prefer=ctx.prefer)
+            grads = ctx.variant.backward(q, k, v, out, lse, dout, dlse, sinks, *options, prefer=ctx.prefer)
         return *grads, None
 
 
@@ -211,17 +213,19 @@ def lse_dtype(q):
 
 def register_autograd(fwd_op, bwd_op, index_tensors=0):
     """Autograd for a forward op ``(q, k, v, *options, sinks) -> (out, lse)`` through its backward op
-    ``(q, k, v, out, lse, dout, *options, sinks) -> (dq, dk, dv, dsinks)`` (dsinks: :func:`op_dsinks`); the
+    ``(q, k, v, out, lse, dout, *options, sinks, dlse) -> (dq, dk, dv, dsinks)`` (dsinks: :func:`op_grads`); the
     first ``index_tensors`` options are tensors, saved for the backward."""
     def setup_context(ctx, inputs, output):
         q, k, v, *options, sinks = inputs
         ctx.save_for_backward(q, k, v, *output, sinks, *options[:index_tensors])
         ctx.options = options[index_tensors:]
+        ctx.set_materialize_grads(False)  # no dlse unless lse was used: the backend's fast path
 
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks, *index = ctx.saved_tensors
         options = (*index, *ctx.options)
-        dq, dk, dv, dsinks = bwd_op(q, k, v, out, lse, dout, *options, sinks)
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv, dsinks = bwd_op(q, k, v, out, lse, dout, *options, sinks, dlse)
         return dq, dk, dv, *(None,) * len(options), dsinks if sinks is not None else None
 
     fwd_op.register_autograd(backward, setup_context=setup_context)
@@ -258,16 +262,16 @@ def _attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: to
                       dout: torch.Tensor, causal: bool, scale: float, window_left: int | None = None,
                       window_right: int | None = None, softcap: float | None = None,
                       scale_tensor: torch.Tensor | None = None, softcap_tensor: torch.Tensor | None = None,
-                      sinks: torch.Tensor | None = None
+                      sinks: torch.Tensor | None = None, dlse: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     scale, softcap = checks.op_values(scale, softcap, scale_tensor, softcap_tensor)
     window = window_of(window_left, window_right)
-    return op_grads(backward(q, k, v, out, lse, dout, sinks, causal, scale, window, softcap))
+    return op_grads(backward(q, k, v, out, lse, dout, dlse, sinks, causal, scale, window, softcap))
 
 
 @_attention_bwd_op.register_fake
 def _(q, k, v, out, lse, dout, causal, scale, window_left=None, window_right=None, softcap=None, scale_tensor=None,
-      softcap_tensor=None, sinks=None):
+      softcap_tensor=None, sinks=None, dlse=None):
     return layout.empty_like(q), layout.empty_like(k), layout.empty_like(v), fake_dsinks(q, sinks)
 
 
@@ -313,12 +317,14 @@ class _FuncAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.save_for_forward(q, k, v, lse, sinks)
         ctx.options, ctx.prefer = options, forced_backend()
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv, dsinks = _FuncAttentionBackward.apply(q, k, v, out, lse, dout, sinks, *ctx.options, ctx.prefer)
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv, dsinks = _FuncAttentionBackward.apply(q, k, v, out, lse, dout, dlse, sinks, *ctx.options,
+                                                          ctx.prefer)
         return dq, dk, dv, dsinks if sinks is not None else None, *(None,) * len(ctx.options)
 
     @staticmethod
@@ -327,7 +333,7 @@ class _FuncAttention(torch.autograd.Function):
         causal, scale, window, softcap = ctx.options
         with autocast_off(q.device.type):
             return definition.attention_jvp(q, k, v, lse, tq, tk, tv, causal=causal, scale=scale, window=window,
-                                           softcap=softcap, sinks=sinks, tsinks=tsinks), None
+                                           softcap=softcap, sinks=sinks, tsinks=tsinks)
 
     @staticmethod
     def vmap(info, in_dims, q, k, v, sinks, *options):
@@ -346,8 +352,8 @@ class _FuncAttentionBackward(torch.autograd.Function):
     """``(dq, dk, dv, dsinks)``, dsinks empty without sinks (a vmapped function returns tensors)."""
 
     @staticmethod
-    def forward(q, k, v, out, lse, dout, sinks, causal, scale, window, softcap, prefer):
-        return op_grads(backward(q, k, v, out, lse, dout, sinks, causal, scale, window, softcap, prefer))
+    def forward(q, k, v, out, lse, dout, dlse, sinks, causal, scale, window, softcap, prefer):
+        return op_grads(backward(q, k, v, out, lse, dout, dlse, sinks, causal, scale, window, softcap, prefer))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -362,11 +368,11 @@ class _FuncAttentionBackward(torch.autograd.Function):
         raise RuntimeError(_NO_SECOND_DERIVATIVES)
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, out, lse, dout, sinks, *options):
+    def vmap(info, in_dims, q, k, v, out, lse, dout, dlse, sinks, *options):
         if sinks is not None:  # each sample's dsinks is its own sum over the batch
-            return _sample_by_sample(_FuncAttentionBackward.apply, info, in_dims, (q, k, v, out, lse, dout, sinks,
-                                                                                   *options))
-        *grads, dsinks = _FuncAttentionBackward.apply(*_batched((q, k, v, out, lse, dout), in_dims[:6],
+            return _sample_by_sample(_FuncAttentionBackward.apply, info, in_dims, (q, k, v, out, lse, dout, dlse,
+                                                                                   sinks, *options))
+        *grads, dsinks = _FuncAttentionBackward.apply(*_batched((q, k, v, out, lse, dout, dlse), in_dims[:7],
                                                                 info.batch_size), sinks, *options)
         return (*_unbatched(grads, info.batch_size), dsinks), (0, 0, 0, None)
 
@@ -487,9 +493,9 @@ def _prepared_backward(q, k, v, causal, scale, window, softcap):
     device = q.device
     runs: dict = {}  # (prefer, dispatch.state()) -> (backend, its op, run)
 
-    def run_backward(q, k, v, out, lse, dout, sinks, *options, prefer=None):
+    def run_backward(q, k, v, out, lse, dout, dlse, sinks, *options, prefer=None):
         if _tensors_key(q, k, v) != tensors:
-            return backward(q, k, v, out, lse, dout, sinks, *options, prefer=prefer)
+            return backward(q, k, v, out, lse, dout, dlse, sinks, *options, prefer=prefer)
         state = (prefer, dispatch.state())
         found = runs.get(state)
         if found is None or found[0].ops.get(_BWD_OP) is not found[1]:
@@ -547,7 +553,7 @@ def _remember(key, entry):
     _memo[key] = entry
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, sinks=None):
+def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, sinks=None, return_lse=False):
     """Softmax attention of q ``[B, Hq, Sq, D]`` over k, v ``[B, Hkv, Skv, D]``, ``Hq % Hkv == 0``.
 
     Query ``i`` sits at key position ``p = i + Skv - Sq`` (masks are aligned to the bottom right, so
@@ -560,26 +566,39 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, s
     ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)``
     when ``Sq == Skv`` and there is no window, softcap or sink, autocast included. Differentiable in q, k,
     v and sinks, twice with ``create_graph=True``; the output's memory layout follows q's
-    (``portable_ops.layout``). ``docs/api.md``, "Attention features", has the details.
+    (``portable_ops.layout``). ``return_lse=True`` returns ``(out, lse)``: ``lse [B, Hq, Sq]`` float32 (float64
+    for float64 q), each row's natural-log softmax denominator, its sink included (-inf where a row sees
+    nothing), with an exact gradient. ``docs/api.md``, "Attention features", has the details.
     """
-    key = _memo_key(q, k, v, causal, scale, window, softcap) if sinks is None else None
+    key = _memo_key(q, k, v, causal, scale, window, softcap) if sinks is None and return_lse is False else None
     call = _memoised(key) if key is not None else None
     if call is not None:
         return call(q, k, v)
     q, k, v, sinks, causal, scale, window, softcap = _checked(q, k, v, causal, scale, window, softcap, sinks)
+    return_lse = checks.flag("return_lse", return_lse)
+    return as_returned(_attention(q, k, v, sinks, causal, scale, window, softcap, key), return_lse)
+
+
+def as_returned(result, return_lse: bool):
+    """``(out, lse)`` or ``out`` alone: what the caller asked for."""
+    return result if return_lse else result[0]
+
+
+def _attention(q, k, v, sinks, causal, scale, window, softcap, key):
+    """``(out, lse)`` of a checked call; ``key``: its memo key, or None where it is not memoised."""
     if q.numel() == 0 or k.numel() == 0:
-        return degenerate(q, k, v, sinks)[0]
+        return degenerate(q, k, v, sinks)
     if torch.compiler.is_compiling():
         scale, softcap, scale_tensor, softcap_tensor = checks.op_scalars(scale, softcap)
         return _attention_fwd_op(q, k, v, causal, scale, *window_args(window), softcap, scale_tensor,
-                                 softcap_tensor, sinks)[0]
+                                 softcap_tensor, sinks)
     if transformed():
-        return _FuncAttention.apply(q, k, v, sinks, causal, scale, window, softcap)[0]
+        return _FuncAttention.apply(q, k, v, sinks, causal, scale, window, softcap)
     entry = _memoise(key, q, k, v, causal, scale, window, softcap) if key is not None else None
     if entry is not None:
         out = entry[2](q, k, v)
         _remember(key, entry)
-        return out
+        return out, None
     if not _needs_grad(q, k, v, sinks):
-        return forward(q, k, v, sinks, causal, scale, window, softcap)[0]
-    return EagerAttention.apply(q, k, v, sinks, Options(DENSE, (causal, scale, window, softcap)))[0]
+        return forward(q, k, v, sinks, causal, scale, window, softcap)
+    return EagerAttention.apply(q, k, v, sinks, Options(DENSE, (causal, scale, window, softcap)))

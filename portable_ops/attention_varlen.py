@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 
 from . import checks
-from .attention import (EagerAttention, Options, Variant, autocast_inputs, call_layout, degenerate, fake_dsinks,
-                        lse_dtype, op_grads, refuse_transforms, register_autograd, run_op, window_args, window_of,
-                        with_dsinks)
+from .attention import (EagerAttention, Options, Variant, as_returned, autocast_inputs, call_layout, degenerate,
+                        fake_dsinks, lse_dtype, op_grads, refuse_transforms, register_autograd, run_op, window_args,
+                        window_of, with_dsinks)
 from .definitions import attention_varlen as definition
 
 
@@ -40,20 +40,19 @@ def forward(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     return run_op("attention_varlen_fwd", call, call_layout(call), q.device, None)
 
 
-def backward(q, k, v, out, lse, dout, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-             window, softcap, prefer=None):
+def backward(q, k, v, out, lse, dout, dlse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+             scale, window, softcap, prefer=None):
     """(dq, dk, dv, dsinks) from the backend chosen for this call (``prefer``: as dense attention's backward)."""
     call = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal, scale=scale, window=window,
-                softcap=softcap, sinks=sinks)
+                softcap=softcap, sinks=sinks, dlse=dlse)
     return with_dsinks(run_op("attention_varlen_bwd", call, call_layout(call), q.device, prefer), sinks)
 
 
 def _definition(q, k, v, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window,
                 softcap):
     return definition.attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                           causal=causal, scale=scale, window=window, softcap=softcap,
-                                           sinks=sinks)[0]
+                                           causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks)
 
 
 VARLEN = Variant(forward, backward, _definition, index_tensors=2)
@@ -85,16 +84,16 @@ def _varlen_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    dout: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                    max_seqlen_k: int, causal: bool, scale: float, window_left: int | None, window_right: int | None,
                    softcap: float | None, scale_tensor: torch.Tensor | None = None,
-                   softcap_tensor: torch.Tensor | None = None, sinks: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   softcap_tensor: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                   dlse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     scale, softcap = checks.op_values(scale, softcap, scale_tensor, softcap_tensor)
-    return op_grads(backward(q, k, v, out, lse, dout, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             causal, scale, window_of(window_left, window_right), softcap))
+    return op_grads(backward(q, k, v, out, lse, dout, dlse, sinks, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                             max_seqlen_k, causal, scale, window_of(window_left, window_right), softcap))
 
 
 @_varlen_bwd_op.register_fake
 def _(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left,
-      window_right, softcap, scale_tensor=None, softcap_tensor=None, sinks=None):
+      window_right, softcap, scale_tensor=None, softcap_tensor=None, sinks=None, dlse=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), fake_dsinks(q, sinks)
 
 
@@ -104,7 +103,7 @@ register_autograd(_varlen_fwd_op, _varlen_bwd_op, index_tensors=2)
 # ----------------------------------------------------------------------------- the public function
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
-                     window=None, softcap=None, sinks=None):
+                     window=None, softcap=None, sinks=None, return_lse=False):
     """Attention of each packed sequence's queries over its own keys (FlashAttention's
     ``flash_attn_varlen_func``).
 
@@ -115,20 +114,23 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     sequence. ``causal``, ``scale``, ``window``, ``softcap`` and ``sinks`` mean what they mean for
     :func:`portable_ops.attention`, per sequence (bottom-right: query ``i`` of sequence ``b`` sits at
     key position ``i + len_k(b) - len_q(b)``). Returns ``[Tq, Hq, D]``, contiguous; differentiable in
-    q, k, v and sinks. The offsets' values are read once per version of each tensor (``docs/api.md``).
+    q, k, v and sinks. ``return_lse=True`` returns ``(out, lse)``, ``lse [Hq, Tq]`` as for
+    :func:`portable_ops.attention`. The offsets' values are read once per version of each tensor
+    (``docs/api.md``).
     """
     refuse_transforms("attention_varlen", q, k, v, sinks)
     call = attention_varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
                                  window, softcap, sinks)
     q, k, v, sinks = call["q"], call["k"], call["v"], call.pop("sinks")
     options = tuple(call.values())[3:]
+    return_lse = checks.flag("return_lse", return_lse)
     if q.numel() == 0 or k.numel() == 0:
         # No row sees a key, or there is nothing to compute: dense attention's answer, as one sequence
-        out, _ = degenerate(*(t.transpose(0, 1)[None] for t in (q, k, v)), sinks)
-        return out[0].transpose(0, 1).contiguous()
+        out, lse = degenerate(*(t.transpose(0, 1)[None] for t in (q, k, v)), sinks)
+        return as_returned((out[0].transpose(0, 1).contiguous(), lse[0]), return_lse)
     if torch.compiler.is_compiling():
         cu_q, cu_k, max_q, max_k, causal, scale, window, softcap = options
         scale, softcap, scale_tensor, softcap_tensor = checks.op_scalars(scale, softcap)
-        return _varlen_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, *window_args(window), softcap,
-                              scale_tensor, softcap_tensor, sinks)[0]
-    return EagerAttention.apply(q, k, v, sinks, Options(VARLEN, options))[0]
+        return as_returned(_varlen_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, *window_args(window),
+                                       softcap, scale_tensor, softcap_tensor, sinks), return_lse)
+    return as_returned(EagerAttention.apply(q, k, v, sinks, Options(VARLEN, options)), return_lse)

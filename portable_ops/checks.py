@@ -278,6 +278,14 @@ def check_attention(q, k, v) -> None:
         _check_qkv(q, k, v, "[batch, heads, seq, head_dim]", batched=True)
 
 
+def flag(arg: str, value) -> bool:
+    """A bool option (numpy's too), refused by name otherwise."""
+    value = plain(value)
+    if not isinstance(value, bool):
+        raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 def attention_sinks(sinks, q, heads_dim: int):
     """``sinks`` as the backends take it: None, or ``[heads]`` in lse's dtype (float32; float64 for float64 q) on
     q's device, cast from any floating dtype (differentiably: its gradient reaches the caller's tensor in its own
@@ -311,9 +319,7 @@ def attention_options(head_dim, causal, scale, window, softcap, *, compiling=Fal
     One spelling per mask, so that a kernel without windows still takes the masks it has: under
     ``causal`` a window's right side is moot (dropped); ``window=(left, 0)`` is ``causal`` with
     ``(left, None)``; a window unbounded on both sides is no window."""
-    causal = plain(causal)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    causal = flag("causal", causal)
     if scale is None:
         d = int(head_dim)  # under torch.compile this specialises the head dim: the kernels do too
         scale = 1.0 / math.sqrt(d) if d else 1.0

@@ -45,11 +45,15 @@ CAUSAL = Feature("causal", lambda call: "causal=True" if call["causal"] else "")
 WINDOW = Feature("window", lambda call: f"window={call['window']}" if call["window"] is not None else "")
 SOFTCAP = Feature("softcap", lambda call: f"softcap={call['softcap']:g}" if call["softcap"] is not None else "")
 SINKS = Feature("sinks", lambda call: "sinks (a learned logit per query head)" if call.get("sinks") is not None else "")
+# A backward's: the gradient that reached lse (return_lse=True), which changes each row's delta
+LSE_GRADIENT = Feature("lse gradient", lambda call: "a gradient through lse (return_lse=True)"
+                       if call.get("dlse") is not None else "")
 OTHER_NORMS = Feature("other norm types",
                       lambda call: "" if call["norm_type"] in (2.0, math.inf) else f"norm_type {call['norm_type']:g}",
                       without="2 and inf are")
 
-_ATTENTION = dict(tensors=("q", "k", "v"), head_dim=_q_head_dim, features=(CAUSAL, WINDOW, SOFTCAP, SINKS))
+_ATTENTION = dict(tensors=("q", "k", "v"), head_dim=_q_head_dim,
+                  features=(CAUSAL, WINDOW, SOFTCAP, SINKS, LSE_GRADIENT))
 _VARLEN = dict(public="attention_varlen", description="packed variable-length sequences", family="attention_varlen",
                **_ATTENTION)
 

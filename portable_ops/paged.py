@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import checks
-from .attention import call_layout, refuse_transforms, run_op, window_args, window_of
+from .attention import as_returned, call_layout, lse_dtype, refuse_transforms, run_op, window_args, window_of
 
 
 def paged_attention_call(q, k_cache, v_cache, block_table, cache_seqlens, scale, window, softcap, sinks=None):
@@ -50,6 +50,7 @@ def _check_page_values_for_append(k_cache, block_table, cache_seqlens, k_new):
 
 
 def _attend(call):
+    """(out, lse) from the backend chosen for this call."""
     return run_op("paged_attention", call, call_layout(call), call["q"].device, None)
 
 
@@ -63,7 +64,8 @@ def _append(call):
 def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                         cache_seqlens: torch.Tensor, scale: float, window_left: int | None, window_right: int | None,
                         softcap: float | None, scale_tensor: torch.Tensor | None = None,
-                        softcap_tensor: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        softcap_tensor: torch.Tensor | None = None,
+                        sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     scale, softcap = checks.op_values(scale, softcap, scale_tensor, softcap_tensor)
     window = window_of(window_left, window_right)
     # A compiled graph's first chance to read the page tables (tracing could not): once per version.
@@ -75,7 +77,7 @@ def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 @_paged_attention_op.register_fake
 def _(q, k_cache, v_cache, block_table, cache_seqlens, scale, window_left, window_right, softcap, scale_tensor=None,
       softcap_tensor=None, sinks=None):
-    return q.new_empty(q.shape)
+    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype(q))
 
 
 @torch.library.custom_op("portable_ops::paged_kv_append", mutates_args=("k_cache", "v_cache"))
@@ -95,7 +97,7 @@ def _(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new):
 # ----------------------------------------------------------------------------- the public functions
 
 def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale=None, softcap=None, window=None,
-                    sinks=None):
+                    sinks=None, return_lse=False):
     """Attention of each sequence's newest ``Sq`` tokens over its tokens in a paged KV cache.
 
     q ``[B, Sq, Hq, D]`` (``Sq = 1`` for decode, a few for speculative decoding); k_cache and v_cache
@@ -104,17 +106,29 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale=No
     ones included (append them first with :func:`paged_kv_append`). Query ``t`` of sequence ``b`` sits
     at position ``cache_seqlens[b] - Sq + t`` and sees the keys at positions up to its own (causal,
     always), minus ``window=(left, right)``'s (``right`` is moot). ``scale``, ``softcap`` and ``sinks`` as
-    for :func:`portable_ops.attention`. Returns ``[B, Sq, Hq, D]``, contiguous. Not differentiable.
+    for :func:`portable_ops.attention`. Returns ``[B, Sq, Hq, D]``, contiguous, or with ``return_lse=True``
+    ``(out, lse)``, ``lse [B, Hq, Sq]`` as for :func:`portable_ops.attention`. Not differentiable.
     """
     refuse_transforms("paged_attention", q, k_cache, v_cache, sinks)
     call = paged_attention_call(q, k_cache, v_cache, block_table, cache_seqlens, scale, window, softcap, sinks)
+    return_lse = checks.flag("return_lse", return_lse)
     if q.numel() == 0 or k_cache.numel() == 0:
-        return q.new_zeros(q.shape)  # nothing to compute, or an empty cache (every length 0): no row sees a key
+        # nothing to compute, or an empty cache (every length 0): no row sees a key
+        return as_returned((q.new_zeros(q.shape), _lse_of_no_key(q, call["sinks"])), return_lse)
     if torch.compiler.is_compiling():
         scale, softcap, scale_tensor, softcap_tensor = checks.op_scalars(call["scale"], call["softcap"])
-        return _paged_attention_op(q, k_cache, v_cache, block_table, cache_seqlens, scale, *window_args(call["window"]),
-                                   softcap, scale_tensor, softcap_tensor, call["sinks"])
-    return _attend(call)
+        return as_returned(_paged_attention_op(q, k_cache, v_cache, block_table, cache_seqlens, scale,
+                                            *window_args(call["window"]), softcap, scale_tensor, softcap_tensor,
+                                            call["sinks"]), return_lse)
+    return as_returned(_attend(call), return_lse)
+
+
+def _lse_of_no_key(q, sinks):
+    """``[B, Hq, Sq]``: rows that see no key have -inf, or their sink."""
+    b, sq, hq = q.shape[:3]
+    if sinks is None:
+        return torch.full((b, hq, sq), float("-inf"), dtype=lse_dtype(q), device=q.device)
+    return sinks[None, :, None].expand(b, hq, sq).clone()
 
 
 def paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new) -> None:

@@ -1,15 +1,16 @@
-"""Attention sinks (gpt-oss) in ``attention``, ``attention_varlen`` and ``paged_attention``.
+"""Attention sinks (gpt-oss) and the returned log-sum-exp in ``attention``, ``attention_varlen`` and
+``paged_attention``.
 
 Each is compared with a computation written in the tests from its definition (tests/attention_definitions.py:
-the sink is one more logit of each row, dropped after the softmax) and with transformers' own gpt-oss eager
-attention; gradients through torch's autograd of those, in float64. Bad input must be refused before anything
-runs, naming the argument. torch.compile, torch.func and autocast must see them as they see the other options.
-The kernel backends' numbers are the conformance suite's (tests/test_conformance.py, the ``*sinks*`` cases).
+the sink is one more logit of each row, dropped after the softmax; lse the log-sum-exp of a row's logits) and
+with transformers' own gpt-oss eager attention; gradients through torch's autograd of those, in float64. Bad
+input must be refused before anything runs, naming the argument. torch.compile, torch.func and autocast must
+see them as they see the other options. The kernel backends' numbers are the conformance suite's
+(tests/test_conformance.py, the ``*sinks*`` and ``*lse*`` cases).
 """
 
 import math
 import re
-import warnings
 
 import pytest
 import torch
@@ -26,10 +27,12 @@ def sinks_of(heads, dtype=F64, seed=1):
 
 
 def assert_same_with_gradients(ours, theirs, inputs, tol=1e-10):
-    """Outputs, and gradients of a random projection of them, equal."""
-    dout = torch.randn(ours.shape, generator=torch.Generator().manual_seed(9), dtype=ours.dtype)
+    """Outputs (a tensor, or a tuple of them), and gradients of a random projection of them, equal."""
+    ours, theirs = (t if isinstance(t, tuple) else (t,) for t in (ours, theirs))
+    g = torch.Generator().manual_seed(9)
+    douts = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in ours]
     torch.testing.assert_close(ours, theirs, atol=tol, rtol=tol)
-    for a, b in zip(torch.autograd.grad(ours, inputs, dout), torch.autograd.grad(theirs, inputs, dout)):
+    for a, b in zip(torch.autograd.grad(ours, inputs, douts), torch.autograd.grad(theirs, inputs, douts)):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
@@ -97,17 +100,6 @@ def test_the_sinks_gradient_is_minus_p_sink_times_dout_dot_out():
     torch.testing.assert_close(dsinks, -(p_sink * (dout * out.detach()).sum(-1)).sum((0, 2)))
 
 
-def test_gradcheck_and_second_derivatives_with_sinks():
-    q, k, v = qkv(b=1, hq=2, hkv=1, sq=4, skv=6, d=3)
-    sinks = sinks_of(2)
-
-    def f(q, k, v, sinks):
-        return portable_ops.attention(q, k, v, causal=True, window=(2, None), softcap=2.0, scale=1.5, sinks=sinks)
-
-    assert torch.autograd.gradcheck(f, (q, k, v, sinks))
-    assert torch.autograd.gradgradcheck(f, (q, k, v, sinks))
-
-
 def test_varlen_sinks_are_each_sequence_on_its_own():
     lens_q, lens_k = (5, 0, 4, 7), (6, 3, 2, 7)
     q, k, v, cu_q, cu_k = packed(lens_q, lens_k)
@@ -133,6 +125,120 @@ def test_paged_sinks_are_dense_sinks_over_the_gathered_keys():
         keys = [gathered(cache, table, b, length, page_size) for cache in (k_cache, v_cache)]
         want = definition(q[b].transpose(0, 1)[None], *keys, causal=True, window=(3, None), sinks=sinks)
         torch.testing.assert_close(out[b], want[0].transpose(0, 1))
+
+
+# ----------------------------------------------------------------------------- the returned lse
+
+@pytest.mark.parametrize("options", [dict(), dict(causal=True, window=(3, None)), dict(softcap=2.0, sinks=True),
+                                     dict(window=(0, 0), sinks=True)],
+                         ids=["plain", "causal-window", "softcap-sinks", "rows-seeing-nothing-sinks"])
+def test_lse_and_its_gradient_are_the_definitions(options):
+    """lse is each row's log-sum-exp of its logits, its sink included; its gradient is exact (``dS += P dlse``)."""
+    q, k, v = qkv(sq=8, skv=6)
+    extra = [sinks_of(4)] if options.get("sinks") else []
+    options = {**options, "sinks": extra[0] if extra else None}
+    ours = portable_ops.attention(q, k, v, **options, return_lse=True)
+    assert ours[1].shape == (2, 4, 8) and ours[1].dtype == F64
+    assert_same_with_gradients(ours, definition(q, k, v, **options, return_lse=True), (q, k, v, *extra))
+
+
+def test_lse_of_rows_that_see_nothing_is_minus_inf_with_no_gradient():
+    q, k, v = qkv(sq=8, skv=5)
+    out, lse = portable_ops.attention(q, k, v, window=(0, 0), return_lse=True)
+    assert torch.isneginf(lse[:, :, :3]).all() and torch.isfinite(lse[:, :, 3:]).all()
+    grads = torch.autograd.grad(lse[:, :, 3:].sum() + out.sum(), (q, k, v))
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_partial_attentions_merge_through_their_lse():
+    """The use lse is returned for: attention over all keys is the lse-weighted merge of attentions over
+    parts of them (context parallelism, split prefixes), the sinks counted once."""
+    q, k, v = (t.detach() for t in qkv(sq=5, skv=12))
+    sinks = sinks_of(4).detach()
+    whole, whole_lse = portable_ops.attention(q, k, v, sinks=sinks, return_lse=True)
+    first, first_lse = portable_ops.attention(q, k[:, :, :7], v[:, :, :7], sinks=sinks, return_lse=True)
+    second, second_lse = portable_ops.attention(q, k[:, :, 7:], v[:, :, 7:], return_lse=True)
+    lse = torch.logaddexp(first_lse, second_lse)
+    torch.testing.assert_close(lse, whole_lse)
+    torch.testing.assert_close(first * torch.exp(first_lse - lse)[..., None]
+                               + second * torch.exp(second_lse - lse)[..., None], whole)
+
+
+def test_varlen_and_paged_lse_are_each_sequences():
+    lens_q, lens_k = (5, 0, 4), (6, 3, 7)
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k)
+    sinks = sinks_of(4)
+    out, lse = portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 5, 7, causal=True, sinks=sinks, return_lse=True)
+    assert lse.shape == (4, 9)
+    start_q = start_k = 0
+    for lq, lk in zip(lens_q, lens_k):
+        dense = [t.transpose(0, 1)[None] for t in (q[start_q:start_q + lq], k[start_k:start_k + lk],
+                                                   v[start_k:start_k + lk])]
+        _, want = definition(*dense, causal=True, sinks=sinks, return_lse=True)
+        torch.testing.assert_close(lse[:, start_q:start_q + lq], want[0])
+        start_q, start_k = start_q + lq, start_k + lk
+    lens, page_size = [5, 9, 1], 4
+    k_cache, v_cache, table, seqlens = paged_cache(lens, page_size)
+    pq = torch.randn(3, 2, 4, 8, dtype=F64)
+    with torch.no_grad():
+        out, lse = portable_ops.paged_attention(pq, k_cache, v_cache, table, seqlens, sinks=sinks.detach(),
+                                                return_lse=True)
+    assert lse.shape == (3, 4, 2)
+    for b, length in enumerate(lens):
+        keys = [gathered(cache, table, b, length, page_size) for cache in (k_cache, v_cache)]
+        _, want = definition(pq[b].transpose(0, 1)[None], *keys, causal=True, sinks=sinks.detach(), return_lse=True)
+        torch.testing.assert_close(lse[b], want[0])
+
+
+def test_empty_inputs_return_lse_too():
+    q, k, v = qkv(skv=0)
+    sinks = sinks_of(4)
+    _, lse = portable_ops.attention(q, k, v, sinks=sinks, return_lse=True)
+    torch.testing.assert_close(lse, sinks.detach()[None, :, None].expand(2, 4, 9))
+    assert torch.isneginf(portable_ops.attention(q, k, v, return_lse=True)[1]).all()
+    k_cache, v_cache, table, seqlens = paged_cache([3], 4)
+    _, lse = portable_ops.paged_attention(torch.randn(1, 0, 4, 8, dtype=F64), k_cache, v_cache, table, seqlens,
+                                          return_lse=True)
+    assert lse.shape == (1, 4, 0)
+
+
+def test_gradcheck_and_second_derivatives_through_out_lse_and_sinks():
+    q, k, v = qkv(b=1, hq=2, hkv=1, sq=4, skv=6, d=3)
+    sinks = sinks_of(2)
+
+    def f(q, k, v, sinks):
+        return portable_ops.attention(q, k, v, causal=True, window=(2, None), softcap=2.0, scale=1.5, sinks=sinks,
+                                      return_lse=True)
+
+    assert torch.autograd.gradcheck(f, (q, k, v, sinks))
+    assert torch.autograd.gradgradcheck(f, (q, k, v, sinks))
+
+
+def test_a_backend_without_the_lse_gradient_declines_only_the_backward_that_needs_it(fake_backend):
+    stand_in = fake_backend("triton")
+    stand_in.ops["attention_bwd"] = dispatch.OpImpl(run=stand_in.ops["attention_bwd"].run,
+                                                    features=("causal", "window", "softcap", "sinks"))
+    q, k, v = qkv()
+    with forced_strict("triton"):
+        out, lse = portable_ops.attention(q, k, v, return_lse=True)
+        out.sum().backward()  # no gradient reached lse: the backward runs there
+        out, lse = portable_ops.attention(q, k, v, return_lse=True)
+        with pytest.raises(portable_ops.BackendUnavailableError,
+                           match=re.escape("a gradient through lse (return_lse=True) is not supported")):
+            (out.sum() + lse.sum()).backward()
+
+
+@pytest.mark.parametrize("value, error", [("yes", TypeError), (1, TypeError), (None, TypeError)])
+def test_return_lse_must_be_a_bool(value, error):
+    q, k, v = qkv()
+    pq, pk, pv, cu_q, cu_k = packed((3, 4), (3, 4))
+    k_cache, v_cache, table, seqlens = paged_cache([3, 5], 4)
+    for call in (lambda: portable_ops.attention(q, k, v, return_lse=value),
+                 lambda: portable_ops.attention_varlen(pq, pk, pv, cu_q, cu_k, 4, 4, return_lse=value),
+                 lambda: portable_ops.paged_attention(torch.randn(2, 1, 4, 8, dtype=F64), k_cache, v_cache, table,
+                                                      seqlens, return_lse=value)):
+        with pytest.raises(error, match="return_lse must be a bool"):
+            call()
 
 
 # ----------------------------------------------------------------------------- inside PyTorch's machinery
@@ -164,6 +270,27 @@ def test_torch_func_grad_vmap_jvp_and_jacrev_in_sinks():
                                torch.func.jacrev(lambda s: theirs(q, k, v, s).sum((0, 2, 3)))(sinks))
 
 
+def test_torch_func_through_lse():
+    q, k, v = (t.detach() for t in qkv(b=1, sq=5, skv=7))
+    sinks = sinks_of(4).detach()
+    options = dict(causal=True, softcap=3.0, sinks=sinks, return_lse=True)
+
+    def ours(q, k, v):
+        return portable_ops.attention(q, k, v, **options)
+
+    def theirs(q, k, v):
+        return definition(q, k, v, **options)
+
+    for a, b in zip(torch.func.grad(lambda *t: ours(*t)[1].sum(), argnums=(0, 1))(q, k, v),
+                    torch.func.grad(lambda *t: theirs(*t)[1].sum(), argnums=(0, 1))(q, k, v)):
+        torch.testing.assert_close(a, b)
+    tangents = tuple(torch.randn_like(t) for t in (q, k, v))
+    torch.testing.assert_close(torch.func.jvp(ours, (q, k, v), tangents)[1],
+                               torch.func.jvp(theirs, (q, k, v), tangents)[1])
+    batch = [torch.stack([t, t.flip(-2)]) for t in (q, k, v)]
+    torch.testing.assert_close(torch.func.vmap(ours)(*batch), torch.func.vmap(theirs)(*batch))
+
+
 def test_autocast_keeps_sinks_in_float32_and_gives_their_gradient_in_their_dtype():
     q, k, v = (t.detach().float().requires_grad_() for t in qkv())
     sinks = sinks_of(4, dtype=torch.float32)
@@ -180,15 +307,17 @@ def test_autocast_keeps_sinks_in_float32_and_gives_their_gradient_in_their_dtype
 
 
 def sinks_step(x, w, sinks):
-    """A transformer's attention block with gpt-oss's learned sinks (a parameter of the module)."""
+    """A transformer's attention block with gpt-oss's learned sinks (a parameter of the module), its loss
+    reading the lse too (a z-loss on it)."""
     b, s, _ = x.shape
     q, k, v = (x @ w).view(b, s, 8, 16).split([4, 2, 2], dim=2)
-    y = portable_ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, sinks=sinks)
-    return y.transpose(1, 2).reshape(b, s, -1).square().mean()
+    y, lse = portable_ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
+                                    sinks=sinks, return_lse=True)
+    return y.transpose(1, 2).reshape(b, s, -1).square().mean() + 1e-2 * lse.square().mean()
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_sinks_compile_fullgraph_without_breaks_and_train_like_eager():
+def test_sinks_and_lse_compile_fullgraph_without_breaks_and_train_like_eager():
     from torch._dynamo.utils import counters
 
     sinks = torch.nn.Parameter(torch.randn(4))
@@ -205,20 +334,24 @@ def test_sinks_compile_fullgraph_without_breaks_and_train_like_eager():
     assert counters["stats"]["unique_graphs"] == 1
 
 
-def test_custom_ops_with_sinks_pass_opcheck():
+def test_custom_ops_with_sinks_and_lse_gradients_pass_opcheck():
     q, k, v = (t.detach().float() for t in qkv(d=16))
     sinks = torch.randn(4)
     args = (q, k, v, True, 0.25, 3, None, None, None, None, sinks)
     torch.library.opcheck(torch.ops.portable_ops.attention_fwd.default, args)
     out, lse = torch.ops.portable_ops.attention_fwd.default(*args)
     torch.library.opcheck(torch.ops.portable_ops.attention_bwd.default,
-                          (q, k, v, out, lse, torch.randn_like(out), *args[3:]))
+                          (q, k, v, out, lse, torch.randn_like(out), *args[3:], torch.randn_like(lse)))
     tq, tk, tv, cu_q, cu_k = (t.detach().float() if t.is_floating_point() else t for t in packed((3, 5), (4, 5)))
     args = (tq, tk, tv, cu_q, cu_k, 5, 5, True, 0.3, None, None, None, None, None, sinks)
     torch.library.opcheck(torch.ops.portable_ops.attention_varlen_fwd.default, args)
     out, lse = torch.ops.portable_ops.attention_varlen_fwd.default(*args)
     torch.library.opcheck(torch.ops.portable_ops.attention_varlen_bwd.default,
-                          (tq, tk, tv, out, lse, torch.randn_like(out), *args[3:]))
+                          (tq, tk, tv, out, lse, torch.randn_like(out), *args[3:], torch.randn_like(lse)))
+    k_cache, v_cache, table, seqlens = (t.float() if t.is_floating_point() else t for t in paged_cache([3, 6], 4))
+    torch.library.opcheck(torch.ops.portable_ops.paged_attention.default,
+                          (torch.randn(2, 1, 4, 8), k_cache, v_cache, table, seqlens, 0.3, None, None, None, None,
+                           None, sinks))
 
 
 # ----------------------------------------------------------------------------- bad input, and the backends
@@ -291,25 +424,29 @@ def test_a_backend_whose_sinks_gradient_is_wrong_fails_its_case(fake_backend):
         return dq, dk, dv, dsinks * 1.1
 
     stand_in.ops["attention_bwd"] = dispatch.OpImpl(run=off_by_a_tenth)
-    case = next(c for c in CASES if c.name == "attn_sinks_gqa_window_more_queries" and c.dtype == torch.float16)
+    case = next(c for c in CASES if c.name == "attn_sinks_lse_gqa_window_more_queries" and c.dtype == torch.float16)
     row = run_case(case, "triton", device=torch.device("cpu"))
     assert row.status == "fail" and "dsinks" in row.detail, row
 
 
 @pytest.mark.parametrize("backend", NOT_REFERENCE)
-def test_kernel_backends_take_sinks(backend, monkeypatch):
-    """No fallback: explain, strict mode and the warning filter all see the call run on the backend."""
+def test_kernel_backends_take_sinks_and_lse_gradients(backend, monkeypatch):
+    """No fallback: explain, strict mode and the warning filter all see the calls run on the backend, the
+    backward through lse included."""
     monkeypatch.setattr(dispatch, "_warned", set())
     device = default_device(backend)
-    q, k, v = (t.detach().to(device, torch.float32) for t in qkv())
-    sinks = sinks_of(4, dtype=torch.float32).detach().to(device)
+    q, k, v = (t.detach().to(device, torch.float32).requires_grad_() for t in qkv())
+    sinks = sinks_of(4, dtype=torch.float32).detach().to(device).requires_grad_()
     with portable_ops.use_backend(backend):
         assert portable_ops.explain(portable_ops.attention, q, k, v, sinks=sinks).backend == backend
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", portable_ops.FallbackWarning)
-            out = portable_ops.attention(q, k, v, causal=True, sinks=sinks)
-    want = definition(*(t.double().cpu() for t in (q, k, v)), causal=True, sinks=sinks.double().cpu())
-    torch.testing.assert_close(out.cpu(), want.float(), atol=2e-3, rtol=2e-3)
+    with forced_strict(backend):
+        out, lse = portable_ops.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+        grads = torch.autograd.grad(out.square().sum() + lse.sum(), (q, k, v, sinks))
+    inputs = [t.detach().double().cpu().requires_grad_() for t in (q, k, v, sinks)]
+    want = definition(*inputs[:3], causal=True, sinks=inputs[3], return_lse=True)
+    torch.testing.assert_close((out.cpu(), lse.cpu()), tuple(t.float() for t in want), atol=2e-3, rtol=2e-3)
+    for got, expected in zip(grads, torch.autograd.grad(want[0].square().sum() + want[1].sum(), inputs)):
+        torch.testing.assert_close(got.cpu(), expected.float(), atol=8e-3, rtol=8e-3)
     if backend in TAKING:
         pq, pk, pv, cu_q, cu_k = (t.detach().to(device, torch.float32) if t.is_floating_point() else t.to(device)
                                   for t in packed((3, 5), (4, 5)))

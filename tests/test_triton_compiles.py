@@ -182,12 +182,12 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                               OFFSETS_64=spec.get("offsets_64", False), FOLD=spec.get("fold", False))
                 row.update(run(bwd_kernels.dq_kernel, types_, consts, warps, stages, False))
             elif kind == "delta":
-                types_ = {"O": "*bf16", "DO": "*bf16", "DELTA": "*fp32", "DQ_SUM": "*fp32", **strides("o", "do"),
-                          "H": "i32", "SQ": "i32", "PAIRS": "i32"}
+                types_ = {"O": "*bf16", "DO": "*bf16", "DLSE": "*fp32", "DELTA": "*fp32", "DQ_SUM": "*fp32",
+                          **strides("o", "do"), "H": "i32", "SQ": "i32", "PAIRS": "i32"}
                 # zeroing dQ's float32 sum where the Hopper backward takes the head dim, as it runs
                 consts = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK=64 if d <= 128 else 32,
                               ZERO_DQ=d in attention_sm90.BWD_HEAD_DIMS, OFFSETS_64=spec.get("offsets_64", False),
-                              FOLD=spec.get("fold", False))
+                              FOLD=spec.get("fold", False), LSE_GRADIENT=spec.get("lse_gradient", False))
                 row.update(run(bwd_kernels.delta_kernel, types_, consts, 4, 3, d % 16 == 0))
             elif kind == "combine":
                 types_ = {"O_PART": "*fp32", "LSE_PART": "*fp32", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32",
@@ -329,10 +329,10 @@ else:
             specs += [{"kernel": kernel, "d": 128, "config": list(CONFIGS[kernel][128][0]), "window": True,
                        "softcap": True, "varlen": True}]
         specs.append({"kernel": "paged", "d": 128, "config": list(DECODE_CONFIG), "window": True})
-        # issue 33's: sinks in the forward, the GQA-packed decode and the split-key merge
+        # issue 33's: sinks in the forward, the GQA-packed decode and the split-key merge; a gradient through lse
         specs += [{"kernel": "fwd", "d": 128, "config": list(CONFIGS["fwd"][128][0]), "sinks": True},
                   {"kernel": "decode", "d": 128, "config": list(DECODE_CONFIG), "sinks": True},
-                  {"kernel": "combine", "d": 128, "sinks": True}]
+                  {"kernel": "combine", "d": 128, "sinks": True}, {"kernel": "delta", "d": 128, "lse_gradient": True}]
         # (sequence, head) pairs past CUDA's grid limit, folded over the grid's third dim
         specs += [{"kernel": kernel, "d": 128, "config": list(CONFIGS[kernel][128][0]), "fold": True}
                   for kernel in ("fwd", "dkdv", "dq")]

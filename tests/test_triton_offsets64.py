@@ -124,8 +124,8 @@ def test_outputs_written_past_2_31(buffer):
     for i in range(3):  # one far gradient at a time: each is 4 GiB of address space
         strides = [g.stride() for g in grads]
         strides[i] = far
-        far_grads = attn._backward_call(q, k, v, out, lse, dout, True, 0.25, None, None, None, tuple(strides), None,
-                                        (q, q))
+        far_grads = attn._backward_call(q, k, v, out, lse, dout, True, 0.25, None, None, None, None, tuple(strides),
+                                        None, (q, q))
         assert far_grads[i].stride() == far
         assert all(torch.equal(a, b) for a, b in zip(far_grads, grads))
 

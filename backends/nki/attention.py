@@ -276,9 +276,10 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
     return out, lse
 
 
-def _query_side(q, o, do, lse, b, h, q0, bq, D, dt, shift, right, sunk):
+def _query_side(q, o, do, lse, dlse, b, h, q0, bq, D, dt, shift, right, sunk):
     """Per query tile: Q, dO, their transposes, -lse (NEG for rows without keys, unless ``sunk``: their
-    lse is then their sink) and delta = rowsum(dO * O)."""
+    lse is then their sink) and delta = rowsum(dO * O), less the gradient that reached lse (``dlse``, or
+    None: d lse / d s = P)."""
     q_sb = _load(q[b, h, q0:q0 + bq, 0:D], bq, D, dt)
     do_sb = _load(do[b, h, q0:q0 + bq, 0:D], bq, D, dt)
     o_sb = _load(o[b, h, q0:q0 + bq, 0:D], bq, D, dt)
@@ -293,6 +294,8 @@ def _query_side(q, o, do, lse, b, h, q0, bq, D, dt, shift, right, sunk):
     nisa.tensor_tensor(prod, do_sb, o_sb, op=nl.multiply)
     delta = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(delta, op=nl.add, data=prod, axis=1, keepdims=True)
+    if dlse is not None:
+        nisa.tensor_tensor(delta, delta, _load(dlse[b, h, q0:q0 + bq, 0:1], bq, 1, nl.float32), op=nl.subtract)
     return q_sb, do_sb, qT, doT, neg_lse, delta
 
 
@@ -324,11 +327,12 @@ def _cast(src, rows, cols, dtype):
 
 
 @nki.jit
-def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, scale=1.0, causal=False, window_left=None,
+def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, dlse=None, scale=1.0, causal=False, window_left=None,
                          window_right=None, softcap=None):
     """Gradients ``(dq, dk, dv)``, and with ``sinks`` each row's share of theirs, ``-p_sink * delta``
     (``[B, Hq, Sq, 1]`` fp32, summed on the host); ``lse`` is ``[B, Hq, Sq, 1]`` float32 from the
-    forward; the masks, softcap and sinks as :func:`attention_fwd_kernel`'s."""
+    forward, ``dlse`` None or the gradient that reached it, laid out as it; the masks, softcap and sinks as
+    :func:`attention_fwd_kernel`'s."""
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -351,8 +355,8 @@ def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, scale=1.0, causal=Fals
                 for qi in nl.static_range(n_q):
                     q0 = qi * B_Q
                     bq = min(B_Q, Sq - q0)
-                    _, _, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, b, h, q0, bq, D, dt, shift, right,
-                                                                sunk)
+                    _, _, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, dlse, b, h, q0, bq, D, dt, shift,
+                                                                right, sunk)
                     if sunk:  # p_sink = exp(sink - lse); its row's term -p_sink * delta
                         p_sink = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
                         nisa.activation(p_sink, op=nl.exp, data=_sink_column(sinks, h, bq), bias=neg_lse)
@@ -397,8 +401,8 @@ def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, scale=1.0, causal=Fals
                     for qi in nl.static_range(q_first, q_stop):
                         q0 = qi * B_Q
                         bq = min(B_Q, Sq - q0)
-                        q_sb, do_sb, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, b, h, q0, bq, D, dt,
-                                                                            shift, right, sunk)
+                        q_sb, do_sb, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, dlse, b, h, q0, bq, D,
+                                                                            dt, shift, right, sunk)
                         p, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, bq, bk, q0, k0, shift,
                                                    scale, left, right, softcap)
                         dv_ps = nl.ndarray((bk, D), dtype=nl.float32, buffer=nl.psum)
@@ -454,11 +458,16 @@ def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None, sinks=No
     return as_layout_of(out, q), lse.reshape(q.shape[:-1])
 
 
-def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None, sinks=None):
+def _rows(t, q):
+    """A ``[B, Hq, Sq]`` row vector as the kernels' ``[B, Hq, Sq, 1]`` float32 (None for None)."""
+    return None if t is None else t.to(torch.float32).reshape(*q.shape[:-1], 1).contiguous()
+
+
+def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None, sinks=None, dlse=None):
     """``(dq, dk, dv)``, and ``dsinks`` after them when there are sinks."""
-    lse4 = lse.to(torch.float32).reshape(*q.shape[:-1], 1).contiguous()
     dq, dk, dv, *dsink_rows = launch(attention_bwd_kernel, q.contiguous(), k.contiguous(), v.contiguous(),
-                                     out.contiguous(), lse4, dout.to(q.dtype).contiguous(),
-                                     sinks=_sinks_down_partitions(sinks), **_static(causal, scale, window, softcap))
+                                     out.contiguous(), _rows(lse, q), dout.to(q.dtype).contiguous(),
+                                     sinks=_sinks_down_partitions(sinks), dlse=_rows(dlse, q),
+                                     **_static(causal, scale, window, softcap))
     grads = as_layout_of(dq, q), as_layout_of(dk, k), as_layout_of(dv, v)
     return grads if sinks is None else (*grads, dsink_rows[0].sum((0, 2, 3)).to(sinks.dtype))

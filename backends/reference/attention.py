@@ -312,12 +312,13 @@ def _over_keys(d, t, keys):
     return whole
 
 
-def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None, sinks=None):
-    """``(dq, dk, dv)``, and ``dsinks`` after them when there are sinks."""
-    grads = _fused_bwd(q, k, v, out, lse, dout, causal, scale, window, softcap)
+def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None, sinks=None, dlse=None):
+    """``(dq, dk, dv)``, and ``dsinks`` after them when there are sinks. A gradient through lse (``dlse``) runs
+    the definition: the fused kernels take none."""
+    grads = None if dlse is not None else _fused_bwd(q, k, v, out, lse, dout, causal, scale, window, softcap)
     if grads is None:
         return definition.attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale, window=window,
-                                        softcap=softcap, sinks=sinks)
+                                        softcap=softcap, sinks=sinks, dlse=dlse)
     return grads if sinks is None else (*grads, _sink_gradient(out, lse, dout, sinks))
 
 

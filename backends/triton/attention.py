@@ -80,15 +80,16 @@ def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 
 
 def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, window=None, softcap=None, sinks=None):
-    """``q [B, Sq, Hq, D]`` over ``[pages, page_size, Hkv, D]`` caches -> ``[B, Sq, Hq, D]`` contiguous."""
+    """``q [B, Sq, Hq, D]`` over ``[pages, page_size, Hkv, D]`` caches -> (out ``[B, Sq, Hq, D]`` contiguous, lse
+    ``[B, Hq, Sq]``)."""
     b, sq, h, d = q.shape
     page = k_cache.shape[1]
     block_table = block_table.contiguous()  # its row stride is a plan's, its columns are stepped by one
     seqs = Sequences("paged", b, sq, block_table.shape[1] * page, page, block_table.stride(0))
-    out, _ = _forward_call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), True, scale, window,
-                           softcap, sinks, (sq * h * d, d, h * d, 1), seqs,
-                           (q, q, cache_seqlens.contiguous(), block_table))
-    return layout.unviewed(out.transpose(1, 2))
+    out, lse = _forward_call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), True, scale,
+                             window, softcap, sinks, (sq * h * d, d, h * d, 1), seqs,
+                             (q, q, cache_seqlens.contiguous(), block_table))
+    return layout.unviewed(out.transpose(1, 2)), lse
 
 
 def _varlen_sequences(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k) -> Sequences:
@@ -127,19 +128,20 @@ def _forward_call(q, k, v, causal, scale, window, softcap, sinks, out_stride, se
     return run_forward(plan, q, k, v, scale, softcap, extras, sinks)
 
 
-def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None, sinks=None):
+def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None, sinks=None, dlse=None):
     """``(dq, dk, dv)``, and ``dsinks`` after them when there are sinks."""
     strides = (layout.strides_like(q), layout.strides_like(k), layout.strides_like(v))
-    return _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, strides, None, (q, q))
+    return _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, dlse, strides, None,
+                          (q, q))
 
 
 def attention_varlen_bwd(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                         causal, scale, window=None, softcap=None, sinks=None):
+                         causal, scale, window=None, softcap=None, sinks=None, dlse=None):
     """Gradients ``[T, H, D]``, contiguous, of :func:`attention_varlen_fwd` (and ``dsinks``, with sinks)."""
     seqs = _varlen_sequences(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     strides = tuple(_as_batch_strides(t) for t in (q, k, v))
     dq, dk, dv, *dsinks = _backward_call(*_as_batch(q, k, v, out), lse[None], *_as_batch(dout), causal, scale,
-                                         window, softcap, sinks, strides, seqs,
+                                         window, softcap, sinks, None if dlse is None else dlse[None], strides, seqs,
                                          (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()))
     return (*(layout.unviewed(g[0].transpose(0, 1)) for g in (dq, dk, dv)), *dsinks)
 
@@ -161,12 +163,12 @@ def prepare_attention_bwd(q, k, v, *, causal, scale, window=None, softcap=None):
         found = plans.get(key)
         if found is None:
             if out.stride(-1) != 1 or dout.stride(-1) != 1 or not lse.is_contiguous():
-                return _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, None, strides, None,
-                                      (q, q))
+                return _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, None, None, strides,
+                                      None, (q, q))
             if len(plans) >= 16:
                 plans.clear()
             found = plans[key] = plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, None,
-                                                  strides, None, (q, q))
+                                                  None, strides, None, (q, q))
         try:
             return run_backward(*found, q, k, v, out, lse, dout, (q, q))
         except BaseException:  # a call that failed leaves no plan behind (run_backward drops it from its own)
@@ -177,11 +179,13 @@ def prepare_attention_bwd(q, k, v, *, causal, scale, window=None, softcap=None):
     return run
 
 
-def _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, strides, seqs, extras):
+def _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, dlse, strides, seqs, extras):
     q, k, v, out, dout = _row_major(q), _row_major(k), _row_major(v), _row_major(out), _row_major(dout)
     lse = lse.contiguous()  # ours: already contiguous, so no copy
-    plan = plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, strides, seqs, extras)
-    return run_backward(*plan, q, k, v, out, lse, dout, extras, sinks)
+    dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
+    plan = plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, dlse, strides, seqs,
+                            extras)
+    return run_backward(*plan, q, k, v, out, lse, dout, extras, sinks, dlse)
 
 
 def paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new):

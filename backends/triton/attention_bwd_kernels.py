@@ -12,10 +12,11 @@ from .attention_tiles import LOG2E, dot_over_head, key_ranges, load_tile, packed
 
 
 @triton.jit(do_not_specialize=["PAIRS"])  # read only under FOLD: its value compiles no variant of its own
-def delta_kernel(O, DO, DELTA, DQ_SUM, so_b, so_h, so_m, sdo_b, sdo_h, sdo_m, H, SQ, PAIRS,
+def delta_kernel(O, DO, DLSE, DELTA, DQ_SUM, so_b, so_h, so_m, sdo_b, sdo_h, sdo_m, H, SQ, PAIRS,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, ZERO_DQ: tl.constexpr,
-                 OFFSETS_64: tl.constexpr, FOLD: tl.constexpr):
-    """rowsum(dO * O): the softmax-gradient correction, one float32 per query row. With ``ZERO_DQ``, the
+                 OFFSETS_64: tl.constexpr, FOLD: tl.constexpr, LSE_GRADIENT: tl.constexpr):
+    """rowsum(dO * O): the softmax-gradient correction, one float32 per query row; under LSE_GRADIENT less the
+    gradient that reached the row's lse (``DLSE``, laid out as DELTA: d lse / d s = P). With ``ZERO_DQ``, the
     same rows of the float32 dQ [B, H, SQ, D] that the Hopper backward adds into are zeroed here: one
     launch fewer than a fill of their own, and its host time."""
     if OFFSETS_64:  # attention_plans.offsets_64 says when
@@ -33,8 +34,10 @@ def delta_kernel(O, DO, DELTA, DQ_SUM, so_b, so_h, so_m, sdo_b, sdo_h, sdo_m, H,
     o = tl.load(O + b.to(tl.int64) * so_b + h * so_h + rows[:, None] * so_m + cols[None, :], mask=mask, other=0.0)
     do = tl.load(DO + b.to(tl.int64) * sdo_b + h * sdo_h + rows[:, None] * sdo_m + cols[None, :], mask=mask,
                  other=0.0)
-    tl.store(DELTA + bh.to(tl.int64) * SQ + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1),
-             mask=rows < SQ)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    if LSE_GRADIENT:
+        delta -= tl.load(DLSE + bh.to(tl.int64) * SQ + rows, mask=rows < SQ, other=0.0)
+    tl.store(DELTA + bh.to(tl.int64) * SQ + rows, delta, mask=rows < SQ)
     if ZERO_DQ:
         tl.store(DQ_SUM + (bh.to(tl.int64) * SQ + rows[:, None]) * D + cols[None, :],
                  tl.zeros([BLOCK, BLOCK_D], tl.float32), mask=mask)

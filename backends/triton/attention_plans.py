@@ -282,7 +282,7 @@ class BwdPlan:
                  "dq", "dq_args")
 
 
-def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, precision, out_strides, seqs,
+def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, dlse, precision, out_strides, seqs,
              extras):
     seqs = seqs or dense_sequences(q, k)
     h, d = q.shape[1], q.shape[3]
@@ -294,15 +294,16 @@ def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, sinks
     plan.hopper = None
     # the Hopper backward's grid has batch x KV heads programs in its second dim, not folded
     if (not INTERPRETED and seqs.kind == "dense" and b * hkv <= MAX_GRID_Y
-            and not attention_sm90.supports_backward(q, k, v, dout, causal, out_strides, window, softcap, sinks)):
+            and not attention_sm90.supports_backward(q, k, v, dout, causal, out_strides, window, softcap, sinks,
+                                                     dlse)):
         plan.hopper = attention_sm90.BwdPlan(q, k, v, dout, plan.dk_stride, plan.dv_stride, causal)
     block = 64 if d <= 128 else 32
     # delta over the [B, H, S] rows of the views (varlen: [1, H, T], the layout of its lse)
     rows = q.shape[2]
     delta_64 = needs_offsets_64(d, *(Extent(h, rows, kernel_strides(q.shape, t.stride())) for t in (out, dout)))
-    plan.delta = over_pairs(delta_kernel, triton.cdiv(rows, block), q.shape[0] * h, 4, D=d,
+    plan.delta = over_pairs(delta_kernel, triton.cdiv(rows, block), q.shape[0] * h, 5, D=d,
                             BLOCK_D=triton.next_power_of_2(d), BLOCK=block, ZERO_DQ=plan.hopper is not None,
-                            OFFSETS_64=delta_64)
+                            OFFSETS_64=delta_64, LSE_GRADIENT=dlse is not None)
     plan.delta_args = (*out.stride()[:3], *dout.stride()[:3], h, q.shape[2], q.shape[0] * h)
     if plan.hopper is not None:
         return remember(bwd_plans, plan)
@@ -335,7 +336,7 @@ def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, sinks
 
     # each candidate is timed on its own kernel, over real buffers, which it overwrites: nothing is left to undo
     delta, dq, dk, dv = bwd_buffers(plan, q, k, v)
-    plan.delta(out, dout, delta, delta, *plan.delta_args)
+    plan.delta(out, dout, delta if dlse is None else dlse, delta, delta, *plan.delta_args)
     floats = (scale, scale * LOG2E.value, *softcap_floats(scale, softcap))
     configure_dkdv(tile_config("dkdv", q, sq, skv, hkv, bound_right, precision,
                                lambda c: configure_dkdv(c).dkdv(q, k, v, dout, lse, delta, dk, dv, *extras,
@@ -346,41 +347,44 @@ def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, sinks
     return remember(bwd_plans, plan)
 
 
-def plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, strides, seqs,
+def plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, dlse, strides, seqs,
                      extras) -> tuple:
-    """(plan, scale, softcap): the plan of row-major q, k, v, out, dout and contiguous lse whose gradients
-    take ``strides``, and the floats its launches take."""
+    """(plan, scale, softcap): the plan of row-major q, k, v, out, dout and contiguous lse (and dlse) whose
+    gradients take ``strides``, and the floats its launches take."""
     scale = float(scale)
     softcap = effective_softcap(softcap)
     precision = dot_precision(q.dtype)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), strides, q.dtype,
            k.dtype, v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, causal, window, softcap is None,
-           sinks is None, precision, torch.are_deterministic_algorithms_enabled(), seqs, aligned(q, k, v, dout))
+           sinks is None, dlse is None, precision, torch.are_deterministic_algorithms_enabled(), seqs,
+           aligned(q, k, v, dout))
     plan = bwd_plans.get(key)
     if plan is None:
-        plan = bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, precision, strides,
-                        seqs, extras)
+        plan = bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, dlse, precision,
+                        strides, seqs, extras)
     return plan, scale, softcap
 
 
-def run_backward(plan, scale, softcap, q, k, v, out, lse, dout, extras, sinks=None):
+def run_backward(plan, scale, softcap, q, k, v, out, lse, dout, extras, sinks=None, dlse=None):
     """``(dq, dk, dv)``, and ``dsinks`` after them with ``sinks``: the probabilities come from the sunk lse as
-    they are, and the sinks' gradient from lse and delta, row by row."""
-    dq, dk, dv, delta = _gradients(plan, scale, softcap, q, k, v, out, lse, dout, extras)
+    they are, and the sinks' gradient from lse and delta, row by row. ``dlse``: None, or the contiguous
+    gradient that reached lse, which delta takes in."""
+    dq, dk, dv, delta = _gradients(plan, scale, softcap, q, k, v, out, lse, dout, extras, dlse)
     return (dq, dk, dv) if sinks is None else (dq, dk, dv, sink_gradient(sinks, lse, delta))
 
 
-def _gradients(plan, scale, softcap, q, k, v, out, lse, dout, extras):
+def _gradients(plan, scale, softcap, q, k, v, out, lse, dout, extras, dlse):
     """``(dq, dk, dv, delta)``."""
     try:
         delta, dq, dk, dv = bwd_buffers(plan, q, k, v)
+        dlse = delta if dlse is None else dlse  # delta stands in for a pointer the kernel does not read
         if plan.hopper is not None:
             dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # zeroed by the delta kernel
-            plan.delta(out, dout, delta, dq_sum, *plan.delta_args)
+            plan.delta(out, dout, dlse, delta, dq_sum, *plan.delta_args)
             attention_sm90.backward(plan.hopper, q, k, v, dout, lse, delta, dq_sum, dk, dv, scale)
             dq.copy_(dq_sum)
             return dq, dk, dv, delta
-        plan.delta(out, dout, delta, delta, *plan.delta_args)
+        plan.delta(out, dout, dlse, delta, delta, *plan.delta_args)
         floats = (scale, scale * LOG2E.value, *softcap_floats(scale, softcap))
         plan.dkdv(q, k, v, dout, lse, delta, dk, dv, *extras, *plan.dkdv_args, *floats)
         plan.dq(q, k, v, dout, lse, delta, dq, *extras, *plan.dq_args, *floats)

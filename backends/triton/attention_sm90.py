@@ -302,9 +302,11 @@ def backward(plan, q, k, v, dout, lse, delta, dq_sum, dk, dv, scale):
     plan.launch(q, k, v, dout, dk, dv, dq_sum, lse, delta, *plan.args, scale * LOG2E.value, scale)
 
 
-def supports_backward(q, k, v, dout, causal, strides, window=None, softcap=None, sinks=None):
+def supports_backward(q, k, v, dout, causal, strides, window=None, softcap=None, sinks=None, dlse=None):
     """Why the Hopper backward can't take this call (empty: it can); ``strides``: dq's, dk's, dv's."""
     reasons = supports(q, k, v, causal, strides[0], window, softcap, sinks)
+    if dlse is not None:
+        reasons.append("a gradient through lse: not verified on the Hopper backward yet (the tl.* one takes it)")
     if q.shape[-1] not in BWD_HEAD_DIMS:
         reasons.append(f"head_dim {q.shape[-1]}: the Hopper backward takes {BWD_HEAD_DIMS} (the tl.* one the rest)")
     if torch.are_deterministic_algorithms_enabled():

@@ -9,7 +9,9 @@ unbounded); :func:`visible` is the one definition. ``softcap`` replaces each sca
 ``softcap * tanh(s / softcap)`` before the mask. ``sinks`` (gpt-oss), one logit per query head, adds a
 term ``exp(sink)`` that carries no value to each row's softmax denominator (neither scaled nor capped):
 ``lse`` includes it, and its gradient is ``-sum over rows of p_sink * delta`` (:func:`sink_gradient`). A row
-that sees no key outputs zeros and gets zero gradient; its ``lse`` is ``-inf``, or its sink.
+that sees no key outputs zeros and gets zero gradient; its ``lse`` is ``-inf``, or its sink. The gradient
+through ``lse`` is exact: an incoming ``dlse`` turns each row's ``delta = rowsum(dout * out)`` into ``delta -
+dlse`` (``d lse / d s = P``), the sinks' gradient included.
 
 Grouped-query attention is computed without repeating K and V: the ``G = Hq / Hkv`` query heads
 of a KV head are stacked as ``G * Sq`` rows against that head's keys. Rows are taken in blocks
@@ -139,14 +141,17 @@ def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None, sinks=No
     return as_layout_of(out, q), _heads(torch.cat(lses, dim=2), hq)
 
 
-def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None, sinks=None):
-    """``(dq, dk, dv)``, and ``dsinks`` after them when there are sinks."""
+def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None, sinks=None, dlse=None):
+    """``(dq, dk, dv)``, and ``dsinks`` after them when there are sinks; ``dlse``: None, or the gradient that
+    reached lse."""
     hq, sq = q.shape[1], q.shape[2]
     q_rows, k32, v32 = _opmath_rows(q, k, v)
     b, hkv, rows = q_rows.shape[:3]
     dtype = q_rows.dtype
     do_rows = _rows(dout.to(dtype), hkv)
     delta = (do_rows * _rows(out.to(dtype), hkv)).sum(-1)
+    if dlse is not None:
+        delta = delta - _rows(dlse.to(dtype)[..., None], hkv)[..., 0]
     lse_rows = _rows(lse.to(dtype)[..., None], hkv)[..., 0]
     dq = torch.empty_like(q_rows)
     dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
@@ -166,9 +171,9 @@ def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softca
 
 
 def attention_jvp(q, k, v, lse, tq, tk, tv, *, causal, scale, window=None, softcap=None, sinks=None, tsinks=None):
-    """The forward-mode derivative: the tangent of ``out`` along tangents ``tq, tk, tv, tsinks`` of the
-    inputs (None for none). With ``dS = scale (tQ K^T + Q tK^T)`` (times ``1 - tanh^2`` under a
-    softcap) and ``c = rowsum(P * dS) + p_sink * tsink``, ``t_out = P tV + (P * (dS - c)) V``."""
+    """The forward-mode derivative: the tangents of ``out`` and ``lse`` along tangents ``tq, tk, tv, tsinks`` of
+    the inputs (None for none). With ``dS = scale (tQ K^T + Q tK^T)`` (times ``1 - tanh^2`` under a
+    softcap) and ``c = rowsum(P * dS) + p_sink * tsink``, ``t_out = P tV + (P * (dS - c)) V`` and ``t_lse = c``."""
     hq, sq = q.shape[1], q.shape[2]
     q_rows, k32, v32 = _opmath_rows(q, k, v)
     b, hkv, rows = q_rows.shape[:3]
@@ -177,7 +182,7 @@ def attention_jvp(q, k, v, lse, tq, tk, tv, *, causal, scale, window=None, softc
     tk32, tv32 = (None if t is None else t.to(dtype) for t in (tk, tv))
     lse_rows = _rows(lse.to(dtype)[..., None], hkv)[..., 0]
     sink_rows, tsink_rows = _sink_rows(sinks, hkv, sq, dtype), _sink_rows(tsinks, hkv, sq, dtype)
-    t_outs = []
+    t_outs, t_lses = [], []
     for start, end in _blocks(rows, b, hkv, k.shape[2]):
         q_blk = q_rows[:, :, start:end]
         scores, tanh = _scores(q_blk, k32, start, sq, causal, scale, window, softcap)
@@ -196,4 +201,5 @@ def attention_jvp(q, k, v, lse, tq, tk, tv, *, causal, scale, window=None, softc
         if tv32 is not None:
             t_out = t_out + p @ tv32
         t_outs.append(t_out)
-    return _heads(torch.cat(t_outs, dim=2), hq).to(q.dtype)
+        t_lses.append(c[..., 0])
+    return _heads(torch.cat(t_outs, dim=2), hq).to(q.dtype), _heads(torch.cat(t_lses, dim=2), hq)

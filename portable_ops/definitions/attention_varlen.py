@@ -50,14 +50,15 @@ def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
 
 
 def attention_varlen_bwd(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                         causal, scale, window=None, softcap=None, sinks=None, dense_bwd=attention_bwd):
+                         causal, scale, window=None, softcap=None, sinks=None, dlse=None, dense_bwd=attention_bwd):
     """``(dq, dk, dv)``, and ``dsinks`` (summed over the sequences) after them when there are sinks."""
     dqs, dks, dvs = [], [], []
     dsinks = None if sinks is None else torch.zeros_like(sinks, dtype=lse.dtype)
     for rows_q, rows_k in _sequences(cu_seqlens_q, cu_seqlens_k):
         dq, dk, dv, *dsink = dense_bwd(_dense(q[rows_q]), _dense(k[rows_k]), _dense(v[rows_k]), _dense(out[rows_q]),
                                        lse[None, :, rows_q], _dense(dout[rows_q]), causal=causal, scale=scale,
-                                       window=window, softcap=softcap, sinks=sinks)
+                                       window=window, softcap=softcap, sinks=sinks,
+                                       dlse=None if dlse is None else dlse[None, :, rows_q])
         dqs.append(_packed(dq))
         dks.append(_packed(dk))
         dvs.append(_packed(dv))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import attention_fwd
+from .attention import attention_fwd, opmath
 
 
 def _slots(block_table, positions, page_size):
@@ -23,21 +23,22 @@ def _slots(block_table, positions, page_size):
 
 def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, window=None, softcap=None, sinks=None,
                     dense_fwd=attention_fwd):
-    """``q [B, Sq, Hq, D]`` -> ``out [B, Sq, Hq, D]`` (contiguous); ``dense_fwd``: the dense attention run on
-    each sequence (the reference backend passes its own)."""
+    """``q [B, Sq, Hq, D]`` -> ``(out [B, Sq, Hq, D]`` (contiguous), ``lse [B, Hq, Sq])``; ``dense_fwd``: the dense
+    attention run on each sequence (the reference backend passes its own)."""
     sq, page_size = q.shape[1], k_cache.shape[1]
     left = window[0] if window is not None else None
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((q.shape[0], q.shape[2], sq), dtype=opmath(q), device=q.device)
     for b, length in enumerate(cache_seqlens.tolist()):
         # Only the positions the window lets the queries see: pages before it are never read (a cache
         # may have released them).
         first = 0 if left is None else max(0, length - sq - left)
         pages, offsets = _slots(block_table[b], torch.arange(first, length, device=q.device), page_size)
         keys = [cache[pages, offsets].transpose(0, 1)[None] for cache in (k_cache, v_cache)]  # [1, Hkv, L, D]
-        seq_out, _ = dense_fwd(q[b].transpose(0, 1)[None], *keys, causal=True, scale=scale, window=window,
-                               softcap=softcap, sinks=sinks)
+        seq_out, lse[b] = dense_fwd(q[b].transpose(0, 1)[None], *keys, causal=True, scale=scale, window=window,
+                                    softcap=softcap, sinks=sinks)
         out[b] = seq_out[0].transpose(0, 1)
-    return out
+    return out, lse
 
 
 def paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new):
