@@ -57,10 +57,12 @@ def torch_mask(sq, skv, causal, window):
 
 
 def torch_attention(q, k, v, mask, scale, softcap, sinks=None):
-    """``(out, lse)``, PyTorch's attention under an explicit boolean mask: SDPA or, where SDPA has no such option,
-    the model family's own formula: the softcapped scores (``softcap * tanh(s / softcap)`` of the scaled scores,
-    then the mask; Gemma 2's), and the sinks as gpt-oss's eager attention takes them (one more column of logits
-    per row, the row's maximum subtracted, dropped after the softmax). lse is the logsumexp of those logits."""
+    """``(out, lse)``, PyTorch's attention under an explicit boolean mask: SDPA (v padded with zeros to q's head
+    dim where it has its own, as transformers pads it for FlashAttention, out cut back) or, where SDPA has no
+    such option, the model family's own formula: the softcapped scores (``softcap * tanh(s / softcap)`` of the
+    scaled scores, then the mask; Gemma 2's), and the sinks as gpt-oss's eager attention takes them (one more
+    column of logits per row, the row's maximum subtracted, dropped after the softmax). lse is the logsumexp of
+    those logits."""
     groups = q.shape[1] // k.shape[1]
     k_heads, v_heads = (t.repeat_interleave(groups, dim=1) for t in (k, v))
     scores = (q @ k_heads.transpose(-1, -2)) * scale
@@ -71,9 +73,18 @@ def torch_attention(q, k, v, mask, scale, softcap, sinks=None):
         scores = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
     if softcap is None and sinks is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True), lse
+        return _padded_sdpa(q, k, v, mask, scale), lse
     weights = torch.softmax(scores - scores.max(dim=-1, keepdim=True).values, dim=-1)
     return (weights if sinks is None else weights[..., :-1]) @ v_heads, lse
+
+
+def _padded_sdpa(q, k, v, mask, scale):
+    """SDPA, its q, k and v zero-padded to one head dim (the wider of q's and v's: zeros add nothing to a score
+    or to out), out cut back to v's."""
+    width = max(q.shape[-1], v.shape[-1])
+    q, k, padded_v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, padded_v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[..., :v.shape[-1]]
 
 
 class Expected(NamedTuple):
@@ -111,7 +122,7 @@ def attention_oracle(oracle, q, k, v, dout, rows, causal, scale, window=None, so
         leaves = [t.clone().requires_grad_(dout is not None) for t in (q, k, v, *_given(sinks))]
         mask = torch_mask(q.shape[-2], seen, causal, window)
         taken = torch.arange(q.shape[-2]) if sinks is not None else mask.any(-1).nonzero()[:, 0]
-        out = torch.zeros_like(q)
+        out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
         if len(taken):
             out_rows, lse_rows = torch_attention(leaves[0][:, :, taken], *leaves[1:3], mask[taken], scale, softcap,

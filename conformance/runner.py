@@ -309,14 +309,16 @@ def _run_fused_clip_step(case, backend, device, oracles, result, gen):
 # ----------------------------------------------------------------------------- attention
 
 def attention_inputs(case: Case):
-    """``q, k, v, dout`` (float32, CPU) drawn from the case's seed, the blocks of query rows that are checked,
-    and a mask of those rows; with ``sampled_rows``, dout is zero outside them."""
+    """``q, k, v, dout`` (float32, CPU) drawn from the case's seed (v and dout of head dim ``Dv``, where the case
+    gives v one of its own), the blocks of query rows that are checked, and a mask of those rows; with
+    ``sampled_rows``, dout is zero outside them."""
     p = case.params
+    dv = p.get("Dv", p["D"])
     gen = torch.Generator().manual_seed(case.seed)
     q = torch.randn(p["B"], p["Hq"], p["Sq"], p["D"], generator=gen)
     k = torch.randn(p["B"], p["Hkv"], p["Skv"], p["D"], generator=gen)
-    v = torch.randn(p["B"], p["Hkv"], p["Skv"], p["D"], generator=gen)
-    dout = torch.randn(p["B"], p["Hq"], p["Sq"], p["D"], generator=gen)
+    v = torch.randn(p["B"], p["Hkv"], p["Skv"], dv, generator=gen)
+    dout = torch.randn(p["B"], p["Hq"], p["Sq"], dv, generator=gen)
     blocks = p.get("sampled_rows") or ((0, p["Sq"]),)
     sampled = torch.zeros(p["Sq"], dtype=torch.bool)
     for start, end in blocks:
@@ -425,9 +427,10 @@ def run_attention_varlen(case: Case, backend: str, device: torch.device, oracles
     lens_k = p.get("lens_k", lens_q)
     gen = torch.Generator().manual_seed(case.seed)
     tq, tk = sum(lens_q), sum(lens_k)
+    dv = p.get("Dv", p["D"])
     q = torch.randn(tq, p["Hq"], p["D"], generator=gen)
-    k, v = (torch.randn(tk, p["Hkv"], p["D"], generator=gen) for _ in range(2))
-    dout = torch.randn(tq, p["Hq"], p["D"], generator=gen)
+    k, v = (torch.randn(tk, p["Hkv"], d, generator=gen) for d in (p["D"], dv))
+    dout = torch.randn(tq, p["Hq"], dv, generator=gen)
     cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
     scale = p.get("scale", 1.0 / math.sqrt(p["D"]))
     options = dict(causal=p["causal"], scale=scale, window=p.get("window"), softcap=p.get("softcap"))
@@ -494,9 +497,9 @@ def paged_inputs(case: Case):
         taken += n
         if left is not None:
             table[b, :max(0, length - sq - left) // page_size] = RELEASED
-    cache_shape = (len(pool), page_size, p["Hkv"], p["D"])
-    k_cache, v_cache = (torch.randn(cache_shape, generator=gen) for _ in range(2))
-    k_new, v_new = (torch.randn(len(lens), sq, p["Hkv"], p["D"], generator=gen) for _ in range(2))
+    dims = (p["D"], p.get("Dv", p["D"]))  # k's, v's
+    k_cache, v_cache = (torch.randn(len(pool), page_size, p["Hkv"], d, generator=gen) for d in dims)
+    k_new, v_new = (torch.randn(len(lens), sq, p["Hkv"], d, generator=gen) for d in dims)
     q = torch.randn(len(lens), sq, p["Hq"], p["D"], generator=gen)
     return q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32), k_new, v_new
 
@@ -537,7 +540,7 @@ def run_paged(case: Case, backend: str, device: torch.device, oracles: list[str]
             for b, length in enumerate(lens.tolist()):
                 first = 0 if left is None else max(0, length - sq - left)
                 keys = [torch.stack([cache[int(table[b, j // page_size]), j % page_size] for j in range(first, length)])
-                        if length > first else cache.new_zeros(0, p["Hkv"], p["D"]) for cache in (k64, v64)]
+                        if length > first else cache.new_zeros(0, *cache.shape[2:]) for cache in (k64, v64)]
                 want = attention_oracle("torch", _dense(q64[b]), *map(_dense, keys), None, (0, sq), True, scale,
                                         options["window"], options["softcap"], options["sinks"])
                 refs.append(want.out[0].transpose(0, 1))

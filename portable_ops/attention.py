@@ -77,7 +77,7 @@ def attention_call(q, k, v, causal, scale, window=None, softcap=None, sinks=None
 
 
 def _layout(q, k, v, causal, scale, window, softcap, sinks=None, dlse=None):
-    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, causal, scale, window, softcap,
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, causal, scale, window, softcap,
             sinks is not None, dlse is not None)
 
 
@@ -254,7 +254,7 @@ def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
 @_attention_fwd_op.register_fake
 def _(q, k, v, causal, scale, window_left=None, window_right=None, softcap=None, scale_tensor=None,
       softcap_tensor=None, sinks=None):
-    return layout.empty_like(q), q.new_empty(q.shape[:-1], dtype=lse_dtype(q))
+    return layout.empty_like(q, head_dim=v.shape[-1]), q.new_empty(q.shape[:-1], dtype=lse_dtype(q))
 
 
 @torch.library.custom_op("portable_ops::attention_bwd", mutates_args=())
@@ -554,7 +554,8 @@ def _remember(key, entry):
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, sinks=None, return_lse=False):
-    """Softmax attention of q ``[B, Hq, Sq, D]`` over k, v ``[B, Hkv, Skv, D]``, ``Hq % Hkv == 0``.
+    """Softmax attention of q ``[B, Hq, Sq, D]`` over k ``[B, Hkv, Skv, D]`` and v ``[B, Hkv, Skv, Dv]`` (v's head
+    dim may be its own: DeepSeek's MLA), ``Hq % Hkv == 0``; out is ``[B, Hq, Sq, Dv]``.
 
     Query ``i`` sits at key position ``p = i + Skv - Sq`` (masks are aligned to the bottom right, so
     with ``Sq == 1`` the one query is the newest token of a KV cache). ``causal`` hides keys
@@ -586,7 +587,7 @@ def as_returned(result, return_lse: bool):
 
 def _attention(q, k, v, sinks, causal, scale, window, softcap, key):
     """``(out, lse)`` of a checked call; ``key``: its memo key, or None where it is not memoised."""
-    if q.numel() == 0 or k.numel() == 0:
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return degenerate(q, k, v, sinks)
     if torch.compiler.is_compiling():
         scale, softcap, scale_tensor, softcap_tensor = checks.op_scalars(scale, softcap)

@@ -76,7 +76,7 @@ def _varlen_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
 @_varlen_fwd_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left, window_right,
       softcap, scale_tensor=None, softcap_tensor=None, sinks=None):
-    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q))
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty((q.shape[1], q.shape[0]), dtype=lse_dtype(q))
 
 
 @torch.library.custom_op("portable_ops::attention_varlen_bwd", mutates_args=())
@@ -107,13 +107,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """Attention of each packed sequence's queries over its own keys (FlashAttention's
     ``flash_attn_varlen_func``).
 
-    q ``[Tq, Hq, D]``, k and v ``[Tk, Hkv, D]`` (``Hq % Hkv == 0``); sequence ``b`` is rows
+    q ``[Tq, Hq, D]``, k ``[Tk, Hkv, D]`` and v ``[Tk, Hkv, Dv]`` (``Hq % Hkv == 0``); sequence ``b`` is rows
     ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of q and ``cu_seqlens_k[b] : cu_seqlens_k[b + 1]`` of k
     and v. ``cu_seqlens_*``: int32, on q's device, ``N + 1`` entries from 0, non-decreasing (empty
     sequences allowed), ending at ``Tq`` (``Tk``); ``max_seqlen_*``: ints at least the longest
     sequence. ``causal``, ``scale``, ``window``, ``softcap`` and ``sinks`` mean what they mean for
     :func:`portable_ops.attention`, per sequence (bottom-right: query ``i`` of sequence ``b`` sits at
-    key position ``i + len_k(b) - len_q(b)``). Returns ``[Tq, Hq, D]``, contiguous; differentiable in
+    key position ``i + len_k(b) - len_q(b)``). Returns ``[Tq, Hq, Dv]``, contiguous; differentiable in
     q, k, v and sinks. ``return_lse=True`` returns ``(out, lse)``, ``lse [Hq, Tq]`` as for
     :func:`portable_ops.attention`. The offsets' values are read once per version of each tensor
     (``docs/api.md``).
@@ -124,7 +124,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     q, k, v, sinks = call["q"], call["k"], call["v"], call.pop("sinks")
     options = tuple(call.values())[3:]
     return_lse = checks.flag("return_lse", return_lse)
-    if q.numel() == 0 or k.numel() == 0:
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         # No row sees a key, or there is nothing to compute: dense attention's answer, as one sequence
         out, lse = degenerate(*(t.transpose(0, 1)[None] for t in (q, k, v)), sinks)
         return as_returned((out[0].transpose(0, 1).contiguous(), lse[0]), return_lse)

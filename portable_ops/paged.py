@@ -77,7 +77,8 @@ def _paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 @_paged_attention_op.register_fake
 def _(q, k_cache, v_cache, block_table, cache_seqlens, scale, window_left, window_right, softcap, scale_tensor=None,
       softcap_tensor=None, sinks=None):
-    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype(q))
+    return (q.new_empty((*q.shape[:-1], v_cache.shape[-1])),
+            q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype(q)))
 
 
 @torch.library.custom_op("portable_ops::paged_kv_append", mutates_args=("k_cache", "v_cache"))
@@ -100,21 +101,22 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale=No
                     sinks=None, return_lse=False):
     """Attention of each sequence's newest ``Sq`` tokens over its tokens in a paged KV cache.
 
-    q ``[B, Sq, Hq, D]`` (``Sq = 1`` for decode, a few for speculative decoding); k_cache and v_cache
-    ``[num_pages, page_size, Hkv, D]`` in q's dtype, ``Hq % Hkv == 0``; ``block_table`` int32
-    ``[B, max_pages]``; ``cache_seqlens`` int32 ``[B]``: each sequence's valid tokens, the ``Sq`` new
-    ones included (append them first with :func:`paged_kv_append`). Query ``t`` of sequence ``b`` sits
-    at position ``cache_seqlens[b] - Sq + t`` and sees the keys at positions up to its own (causal,
+    q ``[B, Sq, Hq, D]`` (``Sq = 1`` for decode, a few for speculative decoding); k_cache ``[num_pages,
+    page_size, Hkv, D]`` and v_cache ``[num_pages, page_size, Hkv, Dv]`` in q's dtype, ``Hq % Hkv == 0``;
+    ``block_table`` int32 ``[B, max_pages]``; ``cache_seqlens`` int32 ``[B]``: each sequence's valid tokens,
+    the ``Sq`` new ones included (append them first with :func:`paged_kv_append`). Query ``t`` of sequence
+    ``b`` sits at position ``cache_seqlens[b] - Sq + t`` and sees the keys at positions up to its own (causal,
     always), minus ``window=(left, right)``'s (``right`` is moot). ``scale``, ``softcap`` and ``sinks`` as
-    for :func:`portable_ops.attention`. Returns ``[B, Sq, Hq, D]``, contiguous, or with ``return_lse=True``
+    for :func:`portable_ops.attention`. Returns ``[B, Sq, Hq, Dv]``, contiguous, or with ``return_lse=True``
     ``(out, lse)``, ``lse [B, Hq, Sq]`` as for :func:`portable_ops.attention`. Not differentiable.
     """
     refuse_transforms("paged_attention", q, k_cache, v_cache, sinks)
     call = paged_attention_call(q, k_cache, v_cache, block_table, cache_seqlens, scale, window, softcap, sinks)
     return_lse = checks.flag("return_lse", return_lse)
-    if q.numel() == 0 or k_cache.numel() == 0:
+    if q.numel() == 0 or k_cache.numel() == 0 or v_cache.numel() == 0:
         # nothing to compute, or an empty cache (every length 0): no row sees a key
-        return as_returned((q.new_zeros(q.shape), _lse_of_no_key(q, call["sinks"])), return_lse)
+        return as_returned((q.new_zeros((*q.shape[:-1], v_cache.shape[-1])), _lse_of_no_key(q, call["sinks"])),
+                        return_lse)
     if torch.compiler.is_compiling():
         scale, softcap, scale_tensor, softcap_tensor = checks.op_scalars(call["scale"], call["softcap"])
         return as_returned(_paged_attention_op(q, k_cache, v_cache, block_table, cache_seqlens, scale,
@@ -132,8 +134,8 @@ def _lse_of_no_key(q, sinks):
 
 
 def paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new) -> None:
-    """Write token ``t`` of ``k_new, v_new [B, Sn, Hkv, D]`` to position ``cache_seqlens[b] + t`` of
-    sequence ``b`` of the paged cache, in place.
+    """Write token ``t`` of ``k_new [B, Sn, Hkv, D]`` and ``v_new [B, Sn, Hkv, Dv]`` to position
+    ``cache_seqlens[b] + t`` of sequence ``b`` of the paged cache, in place.
 
     ``cache_seqlens`` (int32 ``[B]``) are the lengths before the append; it is not changed: add ``Sn``
     to it afterwards (as vLLM's slot mapping is computed by the caller). Every page written must be

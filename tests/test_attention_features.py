@@ -383,7 +383,7 @@ def _broken(run, **changes):
     ("paged_decode_window_page16", "paged_attention", dict(window=None)),
     ("paged_softcap_page16", "paged_attention", dict(softcap=45.0)),
     ("attn_sinks_lse_gqa_window_more_queries", "attention_fwd", dict(sinks=None)),
-    ("varlen_sinks_lse_causal_cross_lengths", "attention_varlen_fwd", dict(sinks=None)),
+    ("varlen_sinks_lse_dv_causal_cross_lengths", "attention_varlen_fwd", dict(sinks=None)),
     ("paged_sinks_decode_page16", "paged_attention", dict(sinks=None)),
 ])
 def test_a_backend_that_gets_a_feature_wrong_fails_its_cases(case_name, op, changes, fake_backend):

@@ -1,12 +1,13 @@
-"""Attention sinks (gpt-oss) and the returned log-sum-exp in ``attention``, ``attention_varlen`` and
-``paged_attention``.
+"""Attention sinks (gpt-oss), the returned log-sum-exp and v with a head dim of its own (DeepSeek's MLA) in
+``attention``, ``attention_varlen`` and ``paged_attention``.
 
 Each is compared with a computation written in the tests from its definition (tests/attention_definitions.py:
 the sink is one more logit of each row, dropped after the softmax; lse the log-sum-exp of a row's logits) and
-with transformers' own gpt-oss eager attention; gradients through torch's autograd of those, in float64. Bad
+with transformers' own gpt-oss eager attention, v's own head dim with SDPA over v padded to q's (as transformers
+pads it for FlashAttention); gradients through torch's autograd of those, in float64. Bad
 input must be refused before anything runs, naming the argument. torch.compile, torch.func and autocast must
 see them as they see the other options. The kernel backends' numbers are the conformance suite's
-(tests/test_conformance.py, the ``*sinks*`` and ``*lse*`` cases).
+(tests/test_conformance.py, the ``*sinks*``, ``*lse*``, ``*dv*`` and ``*mla*`` cases).
 """
 
 import math
@@ -14,10 +15,11 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import portable_ops
 from attention_definitions import F64, NOT_REFERENCE, TAKING, definition, gathered, packed, paged_cache, qkv
-from portable_ops import dispatch
+from portable_ops import dispatch, layout
 from portable_ops.conformance.runner import default_device, forced_strict
 
 
@@ -241,6 +243,97 @@ def test_return_lse_must_be_a_bool(value, error):
             call()
 
 
+# ----------------------------------------------------------------------------- v with a head dim of its own
+
+def mla_qkv(b=2, hq=4, hkv=2, sq=7, skv=9, d=24, dv=16, dtype=F64, seed=3):
+    """q and k of head dim ``d``, v of ``dv`` (DeepSeek's MLA: 192 and 128, here in small)."""
+    q, k, _ = qkv(b, hq, hkv, sq, skv, d, dtype, seed)
+    return q, k, torch.randn(b, hkv, skv, dv, generator=torch.Generator().manual_seed(seed + 1),
+                             dtype=dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("dv", [16, 40], ids=["narrower", "wider"])
+@pytest.mark.parametrize("options", [dict(), dict(causal=True, window=(3, None), sinks=True)], ids=["plain", "all"])
+def test_a_value_head_dim_of_its_own_is_the_definition(dv, options):
+    q, k, v = mla_qkv(dv=dv)
+    extra = [sinks_of(4)] if options.get("sinks") else []
+    options = {**options, "sinks": extra[0] if extra else None}
+    ours = portable_ops.attention(q, k, v, **options, return_lse=True)
+    assert ours[0].shape == (2, 4, 7, dv)
+    assert_same_with_gradients(ours, definition(q, k, v, **options, return_lse=True), (q, k, v, *extra))
+
+
+def test_a_value_head_dim_of_its_own_is_sdpa_over_v_padded():
+    """transformers' way to run MLA on FlashAttention: v zero-padded to q's head dim, out cut back."""
+    q, k, v = mla_qkv(sq=9, dv=16)
+    ours = portable_ops.attention(q, k, v, causal=True, scale=0.3)
+    theirs = F.scaled_dot_product_attention(q, k, F.pad(v, (0, 8)), is_causal=True, scale=0.3,
+                                            enable_gqa=True)[..., :16]
+    assert_same_with_gradients(ours, theirs, (q, k, v))
+
+
+def test_the_output_follows_qs_layout_with_vs_head_dim():
+    q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2) for t in mla_qkv())  # [B, S, H, D] in memory
+    out = portable_ops.attention(q, k, v)
+    assert out.shape == (2, 4, 7, 16) and out.stride() == layout.strides_like(q, 16)
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def test_packed_and_paged_values_of_their_own_head_dim():
+    lens_q, lens_k = (5, 0, 4), (6, 3, 7)
+    q, k, v, cu_q, cu_k = packed(lens_q, lens_k, d=24)
+    v = torch.randn(16, 2, 16, dtype=F64, requires_grad=True)
+    out = portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 5, 7, causal=True)
+    assert out.shape == (9, 4, 16)
+    theirs, start_q, start_k = [], 0, 0
+    for lq, lk in zip(lens_q, lens_k):
+        dense = [t.transpose(0, 1)[None] for t in (q[start_q:start_q + lq], k[start_k:start_k + lk],
+                                                   v[start_k:start_k + lk])]
+        theirs.append(definition(*dense, causal=True)[0].transpose(0, 1))
+        start_q, start_k = start_q + lq, start_k + lk
+    assert_same_with_gradients(out, torch.cat(theirs), (q, k, v))
+    # the absorbed decode: one KV head, a cache of keys wider than its values
+    lens, page_size = [5, 9, 1], 4
+    k_cache, _, table, seqlens = paged_cache(lens, page_size, hkv=1, d=24)
+    v_cache = torch.randn(*k_cache.shape[:3], 16, dtype=F64)
+    k_new, v_new = torch.randn(3, 1, 1, 24, dtype=F64), torch.randn(3, 1, 1, 16, dtype=F64)
+    with torch.no_grad():
+        portable_ops.paged_kv_append(k_cache, v_cache, table, seqlens - 1, k_new, v_new)
+        out = portable_ops.paged_attention(torch.randn(3, 1, 4, 24, dtype=F64), k_cache, v_cache, table, seqlens)
+    assert out.shape == (3, 1, 4, 16)
+    for b, length in enumerate(lens):
+        assert torch.equal(v_cache[table[b, (length - 1) // page_size], (length - 1) % page_size], v_new[b, 0])
+
+
+def test_mismatched_value_shapes_are_refused_by_name():
+    q, k, v = mla_qkv()
+    with pytest.raises(ValueError, match=r"k has shape \(2, 2, 9, 24\) but v has \(2, 2, 8, 16\); they must match "
+                                         r"but in the head dim"):
+        portable_ops.attention(q, k, v[:, :, :8])
+    with pytest.raises(ValueError, match="k has head_dim 16 but q has head_dim 24"):
+        portable_ops.attention(q, v, v)
+    k_cache, v_cache, table, seqlens = paged_cache([3, 5], 4)
+    with pytest.raises(ValueError, match=r"v_new has \(kv_heads, head_dim\) \(2, 4\) but v_cache has \(2, 8\)"):
+        portable_ops.paged_kv_append(k_cache, v_cache, table, seqlens, torch.randn(2, 1, 2, 8, dtype=F64),
+                                     torch.randn(2, 1, 2, 4, dtype=F64))
+
+
+def test_a_backend_without_value_head_dims_declines_them_and_head_dim_limits_read_the_wider(fake_backend):
+    stand_in = fake_backend("triton", ops=("attention_fwd", "attention_bwd", "paged_attention"))
+    for op in stand_in.ops:
+        stand_in.ops[op] = dispatch.OpImpl(run=stand_in.ops[op].run, features=("causal", "window", "softcap"),
+                                           max_head_dim=256)
+    q, k, v = mla_qkv()
+    with portable_ops.use_backend("triton"):
+        choice = portable_ops.explain(portable_ops.attention, q, k, v)
+    assert choice.rejected["triton"] == ["v's head_dim 16 beside q and k's 24 is not supported"]
+    k_cache, _, table, seqlens = paged_cache([3, 5], 4, hkv=1, d=576)
+    with portable_ops.use_backend("triton"):
+        choice = portable_ops.explain(portable_ops.paged_attention, torch.randn(2, 1, 8, 576, dtype=F64), k_cache,
+                                      k_cache[..., :512], table, seqlens)
+    assert "head_dim 576 is over 256, the largest the triton kernels take" in choice.rejected["triton"]
+
+
 # ----------------------------------------------------------------------------- inside PyTorch's machinery
 
 def test_torch_func_grad_vmap_jvp_and_jacrev_in_sinks():
@@ -268,6 +361,15 @@ def test_torch_func_grad_vmap_jvp_and_jacrev_in_sinks():
                                                                       in zip(batch, (q, k, v, sinks), in_dims))))
     torch.testing.assert_close(torch.func.jacrev(lambda s: ours(q, k, v, s).sum((0, 2, 3)))(sinks),
                                torch.func.jacrev(lambda s: theirs(q, k, v, s).sum((0, 2, 3)))(sinks))
+
+
+def test_torch_func_with_a_value_head_dim_of_its_own():
+    q, k, v = (t.detach() for t in mla_qkv(b=1))
+    tangents = tuple(torch.randn_like(t) for t in (q, k, v))
+    torch.testing.assert_close(torch.func.jvp(lambda *t: portable_ops.attention(*t, causal=True), (q, k, v), tangents),
+                               torch.func.jvp(lambda *t: definition(*t, causal=True), (q, k, v), tangents))
+    batch = [torch.stack([t, t.flip(-2)]) for t in (q, k, v)]
+    torch.testing.assert_close(torch.func.vmap(portable_ops.attention)(*batch), torch.func.vmap(definition)(*batch))
 
 
 def test_torch_func_through_lse():
@@ -308,16 +410,17 @@ def test_autocast_keeps_sinks_in_float32_and_gives_their_gradient_in_their_dtype
 
 def sinks_step(x, w, sinks):
     """A transformer's attention block with gpt-oss's learned sinks (a parameter of the module), its loss
-    reading the lse too (a z-loss on it)."""
+    reading the lse too (a z-loss on it), v's head dim half q's (MLA's kind)."""
     b, s, _ = x.shape
-    q, k, v = (x @ w).view(b, s, 8, 16).split([4, 2, 2], dim=2)
+    q, k, v = (x @ w).view(b, s, -1).split([64, 32, 16], dim=2)
+    q, k, v = q.view(b, s, 4, 16), k.view(b, s, 2, 16), v.view(b, s, 2, 8)
     y, lse = portable_ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                                     sinks=sinks, return_lse=True)
     return y.transpose(1, 2).reshape(b, s, -1).square().mean() + 1e-2 * lse.square().mean()
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_sinks_and_lse_compile_fullgraph_without_breaks_and_train_like_eager():
+def test_sinks_lse_and_value_head_dims_compile_fullgraph_without_breaks_and_train_like_eager():
     from torch._dynamo.utils import counters
 
     sinks = torch.nn.Parameter(torch.randn(4))
@@ -325,7 +428,7 @@ def test_sinks_and_lse_compile_fullgraph_without_breaks_and_train_like_eager():
     for s in (9, 17):
         g = torch.Generator().manual_seed(s)
         x = torch.randn(2, s, 32, generator=g, requires_grad=True)
-        w = (torch.randn(32, 128, generator=g) / 4).requires_grad_()
+        w = (torch.randn(32, 112, generator=g) / 4).requires_grad_()
         got, want = compiled(x, w, sinks), sinks_step(x, w, sinks)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         for a, b in zip(torch.autograd.grad(got, (x, w, sinks)), torch.autograd.grad(want, (x, w, sinks))):
@@ -334,7 +437,7 @@ def test_sinks_and_lse_compile_fullgraph_without_breaks_and_train_like_eager():
     assert counters["stats"]["unique_graphs"] == 1
 
 
-def test_custom_ops_with_sinks_and_lse_gradients_pass_opcheck():
+def test_custom_ops_with_sinks_lse_gradients_and_value_head_dims_pass_opcheck():
     q, k, v = (t.detach().float() for t in qkv(d=16))
     sinks = torch.randn(4)
     args = (q, k, v, True, 0.25, 3, None, None, None, None, sinks)
@@ -350,8 +453,14 @@ def test_custom_ops_with_sinks_and_lse_gradients_pass_opcheck():
                           (tq, tk, tv, out, lse, torch.randn_like(out), *args[3:], torch.randn_like(lse)))
     k_cache, v_cache, table, seqlens = (t.float() if t.is_floating_point() else t for t in paged_cache([3, 6], 4))
     torch.library.opcheck(torch.ops.portable_ops.paged_attention.default,
-                          (torch.randn(2, 1, 4, 8), k_cache, v_cache, table, seqlens, 0.3, None, None, None, None,
-                           None, sinks))
+                          (torch.randn(2, 1, 4, 8), k_cache, v_cache[..., :5], table, seqlens, 0.3, None, None, None,
+                           None, None, sinks))
+    q, k, v = (t.detach().float().transpose(1, 2).contiguous().transpose(1, 2) for t in mla_qkv())
+    args = (q, k, v, True, 0.25, 3, None, None, None, None, sinks)
+    torch.library.opcheck(torch.ops.portable_ops.attention_fwd.default, args)
+    out, lse = torch.ops.portable_ops.attention_fwd.default(*args)
+    torch.library.opcheck(torch.ops.portable_ops.attention_bwd.default,
+                          (q, k, v, out, lse, torch.randn_like(out), *args[3:], torch.randn_like(lse)))
 
 
 # ----------------------------------------------------------------------------- bad input, and the backends
@@ -430,12 +539,12 @@ def test_a_backend_whose_sinks_gradient_is_wrong_fails_its_case(fake_backend):
 
 
 @pytest.mark.parametrize("backend", NOT_REFERENCE)
-def test_kernel_backends_take_sinks_and_lse_gradients(backend, monkeypatch):
-    """No fallback: explain, strict mode and the warning filter all see the calls run on the backend, the
-    backward through lse included."""
+def test_kernel_backends_take_sinks_lse_gradients_and_value_head_dims(backend, monkeypatch):
+    """No fallback: explain and strict mode see the calls run on the backend, the backward through lse
+    included, with v of a head dim of its own."""
     monkeypatch.setattr(dispatch, "_warned", set())
     device = default_device(backend)
-    q, k, v = (t.detach().to(device, torch.float32).requires_grad_() for t in qkv())
+    q, k, v = (t.detach().to(device, torch.float32).requires_grad_() for t in mla_qkv(d=8, dv=12))
     sinks = sinks_of(4, dtype=torch.float32).detach().to(device).requires_grad_()
     with portable_ops.use_backend(backend):
         assert portable_ops.explain(portable_ops.attention, q, k, v, sinks=sinks).backend == backend
@@ -453,6 +562,9 @@ def test_kernel_backends_take_sinks_and_lse_gradients(backend, monkeypatch):
         k_cache, v_cache, table, seqlens = (t.to(device, torch.float32) if t.is_floating_point() else t.to(device)
                                             for t in paged_cache([3, 6], 4))
         with forced_strict(backend), torch.no_grad():
-            portable_ops.attention_varlen(pq, pk, pv, cu_q, cu_k, 5, 5, causal=True, sinks=sinks)
-            portable_ops.paged_attention(torch.randn(2, 1, 4, 8, device=device), k_cache, v_cache, table, seqlens,
-                                         sinks=sinks)
+            portable_ops.attention_varlen(pq, pk, pv[..., :5], cu_q, cu_k, 5, 5, causal=True, sinks=sinks,
+                                          return_lse=True)
+            portable_ops.paged_kv_append(k_cache, v_cache[..., :5], table, seqlens - 1,
+                                         torch.randn(2, 1, 2, 8, device=device), torch.randn(2, 1, 2, 5, device=device))
+            portable_ops.paged_attention(torch.randn(2, 1, 4, 8, device=device), k_cache, v_cache[..., :5], table,
+                                         seqlens, sinks=sinks, return_lse=True)

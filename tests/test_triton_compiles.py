@@ -97,7 +97,9 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
     for spec in specs:
         kind, d = spec["kernel"], spec.get("d", 128)
         d0, d1 = configs.head_split(d)
-        head = dict(D=d, D0=d0, D1=d1, UPCAST=False, PRECISION="ieee")
+        dv = spec.get("dv", d)  # v's head dim, where it has its own
+        dv0, dv1 = configs.head_split(dv)
+        head = dict(D=d, D0=d0, D1=d1, VD=dv, VD0=dv0, VD1=dv1, UPCAST=False, PRECISION="ieee")
         # the masks and features a spec asks for (default: causal, nothing else)
         features = dict(BOUND_LEFT=spec.get("window", False), BOUND_RIGHT=spec.get("causal", True),
                         SOFTCAP=spec.get("softcap", False), VARLEN=spec.get("varlen", False))
@@ -329,9 +331,11 @@ else:
             specs += [{"kernel": kernel, "d": 128, "config": list(CONFIGS[kernel][128][0]), "window": True,
                        "softcap": True, "varlen": True}]
         specs.append({"kernel": "paged", "d": 128, "config": list(DECODE_CONFIG), "window": True})
-        # issue 33's: sinks in the forward, the GQA-packed decode and the split-key merge; a gradient through lse
-        specs += [{"kernel": "fwd", "d": 128, "config": list(CONFIGS["fwd"][128][0]), "sinks": True},
-                  {"kernel": "decode", "d": 128, "config": list(DECODE_CONFIG), "sinks": True},
+        # issue 33's: sinks in the forward, the GQA-packed decode and the split-key merge; a gradient through lse;
+        # DeepSeek's MLA (q and k of 192, v of 128)
+        specs += [{"kernel": kernel, "d": 192, "dv": 128, "config": list(CONFIGS[kernel][192][0]),
+                   "sinks": kernel == "fwd"} for kernel in ("fwd", "dkdv", "dq")]
+        specs += [{"kernel": "decode", "d": 128, "config": list(DECODE_CONFIG), "sinks": True},
                   {"kernel": "combine", "d": 128, "sinks": True}, {"kernel": "delta", "d": 128, "lse_gradient": True}]
         # (sequence, head) pairs past CUDA's grid limit, folded over the grid's third dim
         specs += [{"kernel": kernel, "d": 128, "config": list(CONFIGS[kernel][128][0]), "fold": True}

@@ -2,6 +2,9 @@
 sliding window, logit softcap).
 
 Layout: a query tile holds up to 128 rows on the partitions; a key tile holds up to 128 keys.
+V (and O, dO) may have a head dim of their own, ``Dv`` (DeepSeek's MLA): Q and K's ``D`` is
+contracted in ``S`` and dQ, dK; ``Dv`` in ``dP = dO V^T``, and it is P V's free size.
+
 Scores ``S = Q K^T`` come from ``nc_matmul(stationary=Q^T [D, bq], moving=K^T [D, bk])`` into
 PSUM, so the head dim is the contraction, on the partitions. A head dim over 128 is split into
 chunks of at most 128 partitions (``[128, n_chunks, rows]`` tiles) whose matmuls accumulate into
@@ -195,17 +198,18 @@ def _join_sink(m, l_sum, sink, bq):
 @nki.jit
 def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_left=None, window_right=None,
                          softcap=None):
-    """``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Skv, D]`` -> ``out`` like q, ``lse [B, Hq, Sq, 1]`` fp32.
+    """``q [B, Hq, Sq, D]``, ``k [B, Hkv, Skv, D]``, ``v [B, Hkv, Skv, Dv]`` -> ``out [B, Hq, Sq, Dv]``,
+    ``lse [B, Hq, Sq, 1]`` fp32.
     ``sinks``: None or ``[Hq, 128, 1]`` fp32 (each head's sink down the partitions). ``window_left`` /
     ``window_right``: the sliding window's sides (None: unbounded); ``softcap``: None or a positive float.
     The options are trace-time constants: each combination is its own kernel."""
     B, Hq, Sq, D = q.shape
-    Hkv, Skv = k.shape[1], k.shape[2]
+    Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
     dt = q.dtype
     shift = Skv - Sq
     left, right = _band(causal, window_left, window_right)
-    out = nl.ndarray(q.shape, dtype=dt, buffer=nl.shared_hbm)
+    out = nl.ndarray((B, Hq, Sq, Dv), dtype=dt, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Sq, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     n_q = (Sq + B_Q - 1) // B_Q
     for b in nl.affine_range(B):
@@ -220,14 +224,14 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
                     m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.memset(m, NEG)
                     l_sum = nl.zeros((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    acc = nl.zeros((bq, D), dtype=nl.float32, buffer=nl.sbuf)
+                    acc = nl.zeros((bq, Dv), dtype=nl.float32, buffer=nl.sbuf)
                     k_first, k_stop = _key_blocks(q0, bq, shift, Skv, left, right)
                     for ki in nl.static_range(k_first, k_stop):
                         k0 = ki * B_K
                         bk = min(B_K, Skv - k0)
                         k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
                         kT = _transposed_chunks(k_sb, bk, D, dt)
-                        v_sb = _load(v[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
+                        v_sb = _load(v[b, hkv, k0:k0 + bk, 0:Dv], bk, Dv, dt)
                         s, _ = _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, left, right, softcap)
                         # online softmax: m_new = max(m, rowmax(s)); alpha = exp(m - m_new)
                         m_new = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -246,7 +250,7 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
                                                   op1=nl.add, operand1=row_sum)
                         # acc = acc * alpha + P V  (P^T is the stationary operand: keys contract)
                         pT = _transposed(p, bq, bk, dt)
-                        pv = nl.ndarray((bq, D), dtype=nl.float32, buffer=nl.psum)
+                        pv = nl.ndarray((bq, Dv), dtype=nl.float32, buffer=nl.psum)
                         nisa.nc_matmul(pv, pT, v_sb, accumulate=False)
                         nisa.scalar_tensor_tensor(acc, data=acc, op0=nl.multiply, operand0=alpha,
                                                   op1=nl.add, operand1=pv)
@@ -260,7 +264,7 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
                     nisa.reciprocal(inv_l, l_safe)
                     if decay is not None:
                         nisa.tensor_tensor(inv_l, inv_l, decay, op=nl.multiply)
-                    o = nl.ndarray((bq, D), dtype=dt, buffer=nl.sbuf)
+                    o = nl.ndarray((bq, Dv), dtype=dt, buffer=nl.sbuf)
                     nisa.tensor_scalar(o, acc, op0=nl.multiply, operand0=inv_l)
                     lse_t = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.activation(lse_t, op=nl.log, data=l_sum)
@@ -268,29 +272,29 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
                     # Rows that see no key had only masked scores (or, with no visible block, none):
                     # out 0 and lse -inf, as the reference, not the mean of masked values (with a sink
                     # their lse is already the sink's: the decay dropped the masked ones).
-                    _rows_without_keys(o, q0, shift, right, D, 0.0)
+                    _rows_without_keys(o, q0, shift, right, Dv, 0.0)
                     if sinks is None:
                         _rows_without_keys(lse_t, q0, shift, right, 1, -math.inf)
-                    nisa.dma_copy(out[b, h, q0:q0 + bq, 0:D], o)
+                    nisa.dma_copy(out[b, h, q0:q0 + bq, 0:Dv], o)
                     nisa.dma_copy(lse[b, h, q0:q0 + bq, 0:1], lse_t)
     return out, lse
 
 
-def _query_side(q, o, do, lse, dlse, b, h, q0, bq, D, dt, shift, right, sunk):
+def _query_side(q, o, do, lse, dlse, b, h, q0, bq, D, Dv, dt, shift, right, sunk):
     """Per query tile: Q, dO, their transposes, -lse (NEG for rows without keys, unless ``sunk``: their
     lse is then their sink) and delta = rowsum(dO * O), less the gradient that reached lse (``dlse``, or
     None: d lse / d s = P)."""
     q_sb = _load(q[b, h, q0:q0 + bq, 0:D], bq, D, dt)
-    do_sb = _load(do[b, h, q0:q0 + bq, 0:D], bq, D, dt)
-    o_sb = _load(o[b, h, q0:q0 + bq, 0:D], bq, D, dt)
+    do_sb = _load(do[b, h, q0:q0 + bq, 0:Dv], bq, Dv, dt)
+    o_sb = _load(o[b, h, q0:q0 + bq, 0:Dv], bq, Dv, dt)
     qT = _transposed_chunks(q_sb, bq, D, dt)
-    doT = _transposed_chunks(do_sb, bq, D, dt)
+    doT = _transposed_chunks(do_sb, bq, Dv, dt)
     lse_t = _load(lse[b, h, q0:q0 + bq, 0:1], bq, 1, nl.float32)
     neg_lse = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(neg_lse, lse_t, op0=nl.multiply, operand0=-1.0)
     if not sunk:
         _rows_without_keys(neg_lse, q0, shift, right, 1, NEG)  # lse = -inf there: P must be 0, not exp(+inf)
-    prod = nl.ndarray((bq, D), dtype=nl.float32, buffer=nl.sbuf)
+    prod = nl.ndarray((bq, Dv), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(prod, do_sb, o_sb, op=nl.multiply)
     delta = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(delta, op=nl.add, data=prod, axis=1, keepdims=True)
@@ -299,14 +303,14 @@ def _query_side(q, o, do, lse, dlse, b, h, q0, bq, D, dt, shift, right, sunk):
     return q_sb, do_sb, qT, doT, neg_lse, delta
 
 
-def _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, bq, bk, q0, k0, shift, scale, left, right, softcap):
+def _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, Dv, bq, bk, q0, k0, shift, scale, left, right, softcap):
     """P = exp(S - lse) and dS = P * (dO V^T - delta), both ``[bq, bk]`` float32; under a softcap dS
     is taken back through it, times ``1 - tanh^2``, so that it is the derivative by the scaled scores."""
     s, t = _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, left, right, softcap)
     p = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(p, op=nl.exp, data=s, bias=neg_lse)
     dp_ps = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.psum)
-    _matmul_chunked(dp_ps, doT, vT, D)
+    _matmul_chunked(dp_ps, doT, vT, Dv)
     ds = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(ds, data=dp_ps, op0=nl.subtract, operand0=delta, op1=nl.multiply, operand1=p)
     if t is not None:
@@ -334,7 +338,7 @@ def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, dlse=None, scale=1.0, 
     forward, ``dlse`` None or the gradient that reached it, laid out as it; the masks, softcap and sinks as
     :func:`attention_fwd_kernel`'s."""
     B, Hq, Sq, D = q.shape
-    Hkv, Skv = k.shape[1], k.shape[2]
+    Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
     dt = q.dtype
     shift = Skv - Sq
@@ -355,7 +359,7 @@ def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, dlse=None, scale=1.0, 
                 for qi in nl.static_range(n_q):
                     q0 = qi * B_Q
                     bq = min(B_Q, Sq - q0)
-                    _, _, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, dlse, b, h, q0, bq, D, dt, shift,
+                    _, _, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, dlse, b, h, q0, bq, D, Dv, dt, shift,
                                                                 right, sunk)
                     if sunk:  # p_sink = exp(sink - lse); its row's term -p_sink * delta
                         p_sink = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -370,10 +374,10 @@ def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, dlse=None, scale=1.0, 
                         k0 = ki * B_K
                         bk = min(B_K, Skv - k0)
                         k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
-                        v_sb = _load(v[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
+                        v_sb = _load(v[b, hkv, k0:k0 + bk, 0:Dv], bk, Dv, dt)
                         kT = _transposed_chunks(k_sb, bk, D, dt)
-                        vT = _transposed_chunks(v_sb, bk, D, dt)
-                        _, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, bq, bk, q0, k0, shift, scale,
+                        vT = _transposed_chunks(v_sb, bk, Dv, dt)
+                        _, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, Dv, bq, bk, q0, k0, shift, scale,
                                                    left, right, softcap)
                         dsT = _transposed(_cast(ds, bq, bk, dt), bq, bk, dt)
                         dq_ps = nl.ndarray((bq, D), dtype=nl.float32, buffer=nl.psum)
@@ -390,11 +394,11 @@ def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, dlse=None, scale=1.0, 
                 k0 = ki * B_K
                 bk = min(B_K, Skv - k0)
                 k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
-                v_sb = _load(v[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
+                v_sb = _load(v[b, hkv, k0:k0 + bk, 0:Dv], bk, Dv, dt)
                 kT = _transposed_chunks(k_sb, bk, D, dt)
-                vT = _transposed_chunks(v_sb, bk, D, dt)
+                vT = _transposed_chunks(v_sb, bk, Dv, dt)
                 dk_acc = nl.zeros((bk, D), dtype=nl.float32, buffer=nl.sbuf)
-                dv_acc = nl.zeros((bk, D), dtype=nl.float32, buffer=nl.sbuf)
+                dv_acc = nl.zeros((bk, Dv), dtype=nl.float32, buffer=nl.sbuf)
                 q_first, q_stop = _query_tiles(k0, bk, shift, Sq, left, right)
                 for g in nl.static_range(G):
                     h = hkv * G + g
@@ -402,10 +406,10 @@ def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, dlse=None, scale=1.0, 
                         q0 = qi * B_Q
                         bq = min(B_Q, Sq - q0)
                         q_sb, do_sb, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, dlse, b, h, q0, bq, D,
-                                                                            dt, shift, right, sunk)
-                        p, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, bq, bk, q0, k0, shift,
+                                                                            Dv, dt, shift, right, sunk)
+                        p, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, Dv, bq, bk, q0, k0, shift,
                                                    scale, left, right, softcap)
-                        dv_ps = nl.ndarray((bk, D), dtype=nl.float32, buffer=nl.psum)
+                        dv_ps = nl.ndarray((bk, Dv), dtype=nl.float32, buffer=nl.psum)
                         nisa.nc_matmul(dv_ps, _cast(p, bq, bk, dt), do_sb, accumulate=False)
                         nisa.tensor_tensor(dv_acc, dv_acc, dv_ps, op=nl.add)
                         dk_ps = nl.ndarray((bk, D), dtype=nl.float32, buffer=nl.psum)
@@ -414,8 +418,8 @@ def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, dlse=None, scale=1.0, 
                 dk_t = nl.ndarray((bk, D), dtype=dt, buffer=nl.sbuf)
                 nisa.tensor_scalar(dk_t, dk_acc, op0=nl.multiply, operand0=scale)
                 nisa.dma_copy(dk[b, hkv, k0:k0 + bk, 0:D], dk_t)
-                dv_t = _cast(dv_acc, bk, D, dt)
-                nisa.dma_copy(dv[b, hkv, k0:k0 + bk, 0:D], dv_t)
+                dv_t = _cast(dv_acc, bk, Dv, dt)
+                nisa.dma_copy(dv[b, hkv, k0:k0 + bk, 0:Dv], dv_t)
     return (dq, dk, dv) if dsink_rows is None else (dq, dk, dv, dsink_rows)
 
 

@@ -3,8 +3,8 @@ picks on this device, called through the aten ops that also return the log-sum-e
 back in the backward.
 
 A call maps onto them when the device type has such a kernel for its dtype and head dim
-(:data:`FUSED_KERNELS`), it has no softcap and its scale is above zero. A plain or square causal
-call, and a single query (decode) against the span of keys it sees, run as one kernel call. Where
+(:data:`FUSED_KERNELS`), it has no softcap, one head dim for q, k and v, and its scale is above zero. A
+plain or square causal call, and a single query (decode) against the span of keys it sees, run as one kernel call. Where
 the kernel takes an additive mask (the CPU's), a window or causal with ``Sq != Skv`` (bottom-right;
 masks are the definition's ``visible``) runs one query block at a time against the keys that block
 can see, under a mask of that block's size, so memory never grows as ``Sq x Skv``. Every other call
@@ -181,10 +181,13 @@ class Block(NamedTuple):
 
 def _fused_kernel(q, scale, softcap, tensors, lse=None):
     """The device's fused kernel where it computes this call, else None. It takes ``tensors`` all of q's
-    dtype (a backward may see q's ``.data`` swapped since the forward). A scale of zero or below is left
-    to the definition: the CPU kernel gives NaN for it in float16."""
+    dtype (a backward may see q's ``.data`` swapped since the forward) and head dim (``tensors[1]`` is v: the
+    kernels take one head dim). A scale of zero or below is left to the definition: the CPU kernel gives NaN
+    for it in float16."""
     kernel = FUSED_KERNELS.get(q.device.type)
     if kernel is None or softcap is not None or scale <= 0 or q.dtype not in kernel.dtypes or q.numel() == 0:
+        return None
+    if tensors[1].shape[-1] != q.shape[-1]:
         return None
     if {t.dtype for t in tensors} != {q.dtype} or not all(t.numel() for t in tensors):
         return None

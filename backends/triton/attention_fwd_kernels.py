@@ -3,6 +3,8 @@ into ranges of keys, the merge of those ranges, and the paged cache's append.
 
 Scores are kept in the log2 domain (``scale * log2(e)`` folded into one multiply), so the online softmax
 uses ``exp2``. Grouped-query attention reads KV head ``h // group`` and never materialises repeated K/V.
+Q and K rows are ``D`` wide (column chunks ``D0``, ``D1``), V and O rows ``VD`` (``VD0``, ``VD1``): a value
+head dim of its own (DeepSeek's MLA) is one more pair of chunks.
 A sink (one logit per query head) joins each row's denominator once, where the row's sum is final: in the
 forward when its keys are not split, else in the merge.
 """
@@ -18,7 +20,8 @@ from .interpreter import to_dtype
 @triton.jit
 def _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, table, sk_page, sk_n, sv_page, sv_n, pos, offs_n, lo,
                hi, SKV, first_key, lo_off, hi_off, scale_log2, squash, cap_log2, D: tl.constexpr,
-               D0: tl.constexpr, D1: tl.constexpr, MASK: tl.constexpr, BOUND_LEFT: tl.constexpr,
+               D0: tl.constexpr, D1: tl.constexpr, VD: tl.constexpr, VD0: tl.constexpr, VD1: tl.constexpr,
+               MASK: tl.constexpr, BOUND_LEFT: tl.constexpr,
                BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
                UPCAST: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, PRECISION: tl.constexpr):
     for start_n in tl.range(lo, hi, offs_n.shape[0]):
@@ -49,9 +52,9 @@ def _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, table, sk_page, sk_
             p = tl.exp2(s * scale_log2 - m_exp[:, None])
         alpha = tl.exp2(m_i - m_exp)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v0, v1 = load_tile(v_base, v_rows, readable, D, D0, D1, MASK, False, UPCAST)
+        v0, v1 = load_tile(v_base, v_rows, readable, VD, VD0, VD1, MASK, False, UPCAST)
         acc0 = tl.dot(p.to(v0.dtype), v0, acc0 * alpha[:, None], input_precision=PRECISION)
-        if D1 > 0:
+        if VD1 > 0:
             acc1 = tl.dot(p.to(v1.dtype), v1, acc1 * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc0, acc1, l_i, m_i
@@ -75,9 +78,9 @@ def fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, CACHE_LENS, TABLE, SINK,
                scale_log2, squash, cap_log2, KEYS_PER_SPLIT,
                BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
                PAGED: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PACK_GROUP: tl.constexpr,
-               NEGATIVE_SCALE: tl.constexpr, UNIT: tl.constexpr, OFFSETS_64: tl.constexpr,
-               PRECISION: tl.constexpr, FOLD: tl.constexpr, SINKS: tl.constexpr):
+               VD: tl.constexpr, VD0: tl.constexpr, VD1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               UPCAST: tl.constexpr, PACK_GROUP: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, UNIT: tl.constexpr,
+               OFFSETS_64: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr, SINKS: tl.constexpr):
     """BLOCK_M query rows of one (batch, head) against one range of keys (``program_id(2)``: a decode
     splits its keys between programs). Under PACK_GROUP (decode under GQA) the rows are every query head
     of a KV head's group, head-major, so that each K/V tile is read once for the whole group. Packed
@@ -140,10 +143,10 @@ def fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, CACHE_LENS, TABLE, SINK,
     # m_i is already in the log2 domain (scaled); -inf until the row sees a key
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_M, D0], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_M, VD0], dtype=tl.float32)
     acc1 = acc0  # stands in for the second chunk's accumulator when there is none
-    if D1 > 0:
-        acc1 = tl.zeros([BLOCK_M, D1], dtype=tl.float32)
+    if VD1 > 0:
+        acc1 = tl.zeros([BLOCK_M, VD1], dtype=tl.float32)
     lo_off = SKV - SQ - LEFT
     hi_off = SKV - SQ + RIGHT
     lo = split * KEYS_PER_SPLIT
@@ -157,15 +160,15 @@ def fwd_kernel(Q, K, V, O, LSE, CU_Q, CU_K, CACHE_LENS, TABLE, SINK,
         acc0, acc1, l_i, m_i = _fwd_tiles(acc0, acc1, l_i, m_i, q0, q1, k_base, v_base, table, sk_b, sk_n, sv_b,
                                           sv_n, pos, offs_n, (lo, full_lo, full_hi)[part],
                                           (full_lo, full_hi, hi)[part], SKV, first_key, lo_off, hi_off, scale_log2,
-                                          squash, cap_log2, D, D0, D1, part != 1, BOUND_LEFT, BOUND_RIGHT, SOFTCAP,
-                                          PAGED, PAGE, UPCAST, NEGATIVE_SCALE, PRECISION)
+                                          squash, cap_log2, D, D0, D1, VD, VD0, VD1, part != 1, BOUND_LEFT,
+                                          BOUND_RIGHT, SOFTCAP, PAGED, PAGE, UPCAST, NEGATIVE_SCALE, PRECISION)
     decay = 1.0
     if SINKS:
         m_i, l_i, decay = _with_sink(m_i, l_i, SINK, tl.where(valid, h, 0))
     seen = l_i > 0
     norm = decay / tl.where(seen, l_i, 1.0)
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    store_tile(o_base, h * so_h + pos * so_m, valid, acc0 * norm[:, None], acc1 * norm[:, None], D, D1)
+    store_tile(o_base, h * so_h + pos * so_m, valid, acc0 * norm[:, None], acc1 * norm[:, None], VD, VD1)
     tl.store(lse_base + h.to(tl.int64) * slse_h + pos, lse, mask=valid)
 
 
@@ -200,9 +203,10 @@ def combine_kernel(O_PART, LSE_PART, O, LSE, SINK, SPLITS, H, SQ, so_b, so_h, so
 @triton.jit(do_not_specialize=["HKV"])  # read only under FOLD
 def append_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_LENS, TABLE, SN, skn_b, skn_t, skn_h, svn_b, svn_t,
                   svn_h, skc_p, skc_s, skc_h, svc_p, svc_s, svc_h, stable_b, HKV,
-                  PAGE: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, FOLD: tl.constexpr):
-    """Token ``t`` of sequence ``b`` (program ``b * SN + t``), one KV head: to its slot in the cache. Under
-    FOLD the ``HKV`` heads run over the grid's second and third dims."""
+                  PAGE: tl.constexpr, D: tl.constexpr, VD: tl.constexpr, BLOCK_D: tl.constexpr, FOLD: tl.constexpr):
+    """Token ``t`` of sequence ``b`` (program ``b * SN + t``), one KV head: to its slot in the cache (keys ``D``
+    wide, values ``VD``; ``BLOCK_D`` covers both). Under FOLD the ``HKV`` heads run over the grid's second and
+    third dims."""
     # indices in int64: an offset into k_new, v_new or a cache may pass 2^31 elements (one multiply each a program)
     token = tl.program_id(0).to(tl.int64)
     b, t = token // SN, token % SN
@@ -218,6 +222,7 @@ def append_kernel(K_NEW, V_NEW, K_CACHE, V_CACHE, CACHE_LENS, TABLE, SN, skn_b, 
     src = b * skn_b + t * skn_t + heads * skn_h + cols
     tl.store(K_CACHE + page * skc_p + (pos % PAGE) * skc_s + heads * skc_h + cols, tl.load(K_NEW + src, mask=ok),
              mask=ok)
+    ok = cols < VD
     src = b * svn_b + t * svn_t + heads * svn_h + cols
     tl.store(V_CACHE + page * svc_p + (pos % PAGE) * svc_s + heads * svc_h + cols, tl.load(V_NEW + src, mask=ok),
              mask=ok)

@@ -184,9 +184,10 @@ class FwdPlan:
 
 def fwd_plan(key, q, k, v, causal, scale, window, softcap, sinks, precision, out_stride, seqs, extras):
     seqs = seqs or dense_sequences(q, k)
-    h, d = q.shape[1], q.shape[3]
+    h, d, value_dim = q.shape[1], q.shape[3], v.shape[3]
     hkv, b, sq, skv = k.shape[1], seqs.batch, seqs.sq, seqs.skv
     d0, d1 = head_split(d)
+    dv0, dv1 = head_split(value_dim)
     plan = FwdPlan()
     plan.key, plan.out_stride = key, out_stride
     # the Gluon kernel on sm_90 where it takes the call (attention_sm90.supports says when)
@@ -214,28 +215,31 @@ def fwd_plan(key, q, k, v, causal, scale, window, softcap, sinks, precision, out
         if plan.splits == 1:  # out, through its own strides
             split_stride, out_st, slse = 0, kernel_strides(q.shape, out_stride), (0, *seqs.lse_strides(h))
         else:  # contiguous float32 partials [splits, B, H, SQ, D] and [splits, B, H, SQ]
-            split_stride, out_st = b * h * sq * d, kernel_strides(q.shape, (h * sq * d, sq * d, d))
+            split_stride = b * h * sq * value_dim
+            out_st = kernel_strides(q.shape, (h * sq * value_dim, sq * value_dim, value_dim))
             slse = (b * h * sq, h * sq, sq)
         q_st, k_st, v_st = (kernel_strides(t.shape, t.stride()) for t in (q, k, v))
         strides = (*q_st, *k_st, *v_st, split_stride, *out_st)
         unit = stride_unit(strides)
         kv_rows = k.shape[2] if seqs.kind == "paged" else skv
-        offsets_64 = needs_offsets_64(d, Extent(h, sq, q_st), Extent(hkv, kv_rows, k_st), Extent(hkv, kv_rows, v_st),
-                                      Extent(h, sq, out_st))
+        offsets_64 = needs_offsets_64(max(d, value_dim), Extent(h, sq, q_st), Extent(hkv, kv_rows, k_st),
+                                      Extent(hkv, kv_rows, v_st), Extent(h, sq, out_st))
         plan.args = (*divided(strides, unit), *slse, seqs.table_stride, h, group, sq, skv, left, right, b * heads)
         plan.fwd = over_pairs(fwd_kernel, triton.cdiv(rows, config.BLOCK_M), b * heads, 10, plan.splits,
                               BOUND_LEFT=bound_left, BOUND_RIGHT=bound_right, SOFTCAP=softcap is not None,
                               VARLEN=seqs.kind == "varlen", PAGED=seqs.kind == "paged", PAGE=seqs.page, D=d,
-                              D0=d0, D1=d1, UPCAST=upcast(q.dtype), PACK_GROUP=pack, NEGATIVE_SCALE=scale < 0,
-                              UNIT=unit, OFFSETS_64=offsets_64, PRECISION=precision,
+                              D0=d0, D1=d1, VD=value_dim, VD0=dv0, VD1=dv1, UPCAST=upcast(q.dtype), PACK_GROUP=pack,
+                              NEGATIVE_SCALE=scale < 0, UNIT=unit, OFFSETS_64=offsets_64, PRECISION=precision,
                               SINKS=sinks is not None and plan.splits == 1, **config._asdict())
-        plan.combine = Launch(combine_kernel, (b * h * sq,), 5, D=d, BLOCK_D=triton.next_power_of_2(d),
-                              BLOCK_S=triton.next_power_of_2(plan.splits), SINKS=sinks is not None, num_warps=4)
+        plan.combine = Launch(combine_kernel, (b * h * sq,), 5, D=value_dim,
+                              BLOCK_D=triton.next_power_of_2(value_dim), BLOCK_S=triton.next_power_of_2(plan.splits),
+                              SINKS=sinks is not None, num_warps=4)
         return plan
 
     decode_programs = b * packed(DECODE_CONFIG.BLOCK_M)[1]  # every decode tile's BLOCK_M
     config = tile_config("fwd", q, sq, skv, hkv, bound_right, precision,
-                         lambda c: run_forward(configure(c), q, k, v, scale, softcap, extras, sinks), decode_programs)
+                         lambda c: run_forward(configure(c), q, k, v, scale, softcap, extras, sinks), decode_programs,
+                         value_dim)
     return remember(fwd_plans, configure(config))
 
 
@@ -244,8 +248,8 @@ def plan_of_forward(q, k, v, causal, scale, window, softcap, sinks, out_stride, 
     scale = float(scale)  # a plan's launches take floats: an int would be specialised on its value
     softcap = effective_softcap(softcap)
     precision = dot_precision(q.dtype)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out_stride, q.dtype, k.dtype, v.dtype, q.device,
-           causal, window, softcap is None, sinks is None, scale < 0, precision, seqs, aligned(q, k, v))
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out_stride, q.dtype, k.dtype, v.dtype,
+           q.device, causal, window, softcap is None, sinks is None, scale < 0, precision, seqs, aligned(q, k, v))
     plan = fwd_plans.get(key)
     if plan is None:
         plan = fwd_plan(key, q, k, v, causal, scale, window, softcap, sinks, precision, out_stride, seqs, extras)
@@ -254,9 +258,10 @@ def plan_of_forward(q, k, v, causal, scale, window, softcap, sinks, out_stride, 
 
 def run_forward(plan, q, k, v, scale, softcap, extras, sinks=None):
     """``sinks``: None, or the ``[H]`` float32 logits the plan was made for."""
-    b, h, sq, d = q.shape
+    b, h, sq = q.shape[:3]
+    value_dim = v.shape[3]
     try:
-        out = torch.empty_strided(q.shape, plan.out_stride, dtype=q.dtype, device=q.device)
+        out = torch.empty_strided((b, h, sq, value_dim), plan.out_stride, dtype=q.dtype, device=q.device)
         if plan.hopper is not None:
             return attention_sm90.forward(plan.hopper, q, k, v, out, scale)
         floats = (scale * LOG2E.value, *softcap_floats(scale, softcap))
@@ -266,7 +271,7 @@ def run_forward(plan, q, k, v, scale, softcap, extras, sinks=None):
             plan.fwd(q, k, v, out, lse, *extras, sink, *plan.args, *floats, plan.keys_per_split)
             return out, lse
         # Split partial results stay in float32 until they are merged.
-        parts = torch.empty((plan.splits, b, h, sq, d), dtype=torch.float32, device=q.device)
+        parts = torch.empty((plan.splits, b, h, sq, value_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((plan.splits, b, h, sq), dtype=torch.float32, device=q.device)
         plan.fwd(q, k, v, parts, part_lse, *extras, sink, *plan.args, *floats, plan.keys_per_split)
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
@@ -285,9 +290,10 @@ class BwdPlan:
 def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, dlse, precision, out_strides, seqs,
              extras):
     seqs = seqs or dense_sequences(q, k)
-    h, d = q.shape[1], q.shape[3]
+    h, d, value_dim = q.shape[1], q.shape[3], v.shape[3]
     hkv, b, sq, skv = k.shape[1], seqs.batch, seqs.sq, seqs.skv
     d0, d1 = head_split(d)
+    dv0, dv1 = head_split(value_dim)
     plan = BwdPlan()
     plan.key = key
     plan.dq_stride, plan.dk_stride, plan.dv_stride = out_strides
@@ -297,12 +303,13 @@ def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, sinks
             and not attention_sm90.supports_backward(q, k, v, dout, causal, out_strides, window, softcap, sinks,
                                                      dlse)):
         plan.hopper = attention_sm90.BwdPlan(q, k, v, dout, plan.dk_stride, plan.dv_stride, causal)
-    block = 64 if d <= 128 else 32
+    block = 64 if value_dim <= 128 else 32
     # delta over the [B, H, S] rows of the views (varlen: [1, H, T], the layout of its lse)
     rows = q.shape[2]
-    delta_64 = needs_offsets_64(d, *(Extent(h, rows, kernel_strides(q.shape, t.stride())) for t in (out, dout)))
-    plan.delta = over_pairs(delta_kernel, triton.cdiv(rows, block), q.shape[0] * h, 5, D=d,
-                            BLOCK_D=triton.next_power_of_2(d), BLOCK=block, ZERO_DQ=plan.hopper is not None,
+    delta_64 = needs_offsets_64(value_dim, *(Extent(h, rows, kernel_strides(q.shape, t.stride()))
+                                             for t in (out, dout)))
+    plan.delta = over_pairs(delta_kernel, triton.cdiv(rows, block), q.shape[0] * h, 5, D=value_dim,
+                            BLOCK_D=triton.next_power_of_2(value_dim), BLOCK=block, ZERO_DQ=plan.hopper is not None,
                             OFFSETS_64=delta_64, LSE_GRADIENT=dlse is not None)
     plan.delta_args = (*out.stride()[:3], *dout.stride()[:3], h, q.shape[2], q.shape[0] * h)
     if plan.hopper is not None:
@@ -314,10 +321,11 @@ def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, sinks
     dkdv_strides = (*inputs, *key_like[2], *key_like[3])
     dq_strides = (*inputs, *query_like[2])
     dkdv_unit, dq_unit = stride_unit(dkdv_strides), stride_unit(dq_strides)
-    offsets_64 = needs_offsets_64(d, *(Extent(h, sq, st) for st in query_like),
+    offsets_64 = needs_offsets_64(max(d, value_dim), *(Extent(h, sq, st) for st in query_like),
                                   *(Extent(hkv, skv, st) for st in key_like))
     common = dict(BOUND_LEFT=bound_left, BOUND_RIGHT=bound_right, SOFTCAP=softcap is not None,
-                  VARLEN=seqs.kind == "varlen", D=d, D0=d0, D1=d1, UPCAST=upcast(q.dtype), OFFSETS_64=offsets_64,
+                  VARLEN=seqs.kind == "varlen", D=d, D0=d0, D1=d1, VD=value_dim, VD0=dv0, VD1=dv1,
+                  UPCAST=upcast(q.dtype), OFFSETS_64=offsets_64,
                   PRECISION=precision)
     group = h // max(hkv, 1)
     tail = (group, sq, skv, left, right)
@@ -340,10 +348,10 @@ def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, sinks
     floats = (scale, scale * LOG2E.value, *softcap_floats(scale, softcap))
     configure_dkdv(tile_config("dkdv", q, sq, skv, hkv, bound_right, precision,
                                lambda c: configure_dkdv(c).dkdv(q, k, v, dout, lse, delta, dk, dv, *extras,
-                                                                *plan.dkdv_args, *floats)))
+                                                                *plan.dkdv_args, *floats), dv=value_dim))
     configure_dq(tile_config("dq", q, sq, skv, hkv, bound_right, precision,
                              lambda c: configure_dq(c).dq(q, k, v, dout, lse, delta, dq, *extras, *plan.dq_args,
-                                                          *floats)))
+                                                          *floats), dv=value_dim))
     return remember(bwd_plans, plan)
 
 
@@ -354,8 +362,8 @@ def plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, si
     scale = float(scale)
     softcap = effective_softcap(softcap)
     precision = dot_precision(q.dtype)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), strides, q.dtype,
-           k.dtype, v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, causal, window, softcap is None,
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), dout.stride(), strides,
+           q.dtype, k.dtype, v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, causal, window, softcap is None,
            sinks is None, dlse is None, precision, torch.are_deterministic_algorithms_enabled(), seqs,
            aligned(q, k, v, dout))
     plan = bwd_plans.get(key)

@@ -97,6 +97,9 @@ def supports(q, k, v, causal, out_stride, window=None, softcap=None, sinks=None)
         reasons.append("a softcap: the Hopper kernels have no tanh in their softmax yet (the tl.* kernels have)")
     if sinks is not None:
         reasons.append("sinks: the Hopper kernels have no sink term in their softmax yet (the tl.* kernels have)")
+    if v.shape[-1] != q.shape[-1]:
+        reasons.append(f"v's head_dim {v.shape[-1]} is not q's {q.shape[-1]}: the Hopper kernels take one head dim "
+                       f"(the tl.* kernels take both)")
     if not (q.is_cuda and is_sm90(device_index(q.device))):
         reasons.append("not an sm_90 GPU")
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):

@@ -19,7 +19,8 @@ sized so that one block's scores hold at most ``SCORE_BUDGET`` elements, so a ca
 back here costs time, never a whole ``Sq x Skv`` matrix of memory. The forward is built from
 differentiable torch ops: run with autograd on, it is also the definition that double backward
 and every torch.func transform differentiate. Packed (varlen) and paged attention are this dense
-attention applied per sequence (``attention_varlen.py``, ``paged.py``).
+attention applied per sequence (``attention_varlen.py``, ``paged.py``). v may have a head dim of its own
+(DeepSeek's MLA): q and k's is contracted in the scores, v's is out's.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Packed variable-length attention (FlashAttention's ``varlen`` layout): the dense attention of
 ``attention.py`` run on each sequence in turn.
 
-``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]``; sequence ``b`` is rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]``
-of q and ``cu_seqlens_k[b] : cu_seqlens_k[b + 1]`` of k and v, and its masks are aligned to its own
-bottom right. ``lse`` is ``[Hq, Tq]`` (FlashAttention's layout). Reading the offsets costs a
-device-to-host copy per call: fine for the definition and the fallback, not how a kernel would do it.
+``q [Tq, Hq, D]``, ``k [Tk, Hkv, D]``, ``v [Tk, Hkv, Dv]``; sequence ``b`` is rows
+``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` of q and ``cu_seqlens_k[b] : cu_seqlens_k[b + 1]`` of k and v,
+and its masks are aligned to its own bottom right. ``lse`` is ``[Hq, Tq]`` (FlashAttention's layout).
+Reading the offsets costs a device-to-host copy per call: fine for the definition and the fallback, not
+how a kernel would do it.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_
         outs.append(_packed(out))
         lses.append(lse[0])
     lse_like = q.new_empty((q.shape[1], q.shape[0]), dtype=opmath(q))
-    return _cat(outs, q).contiguous(), _cat(lses, lse_like, dim=1).contiguous()
+    out_like = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return _cat(outs, out_like).contiguous(), _cat(lses, lse_like, dim=1).contiguous()
 
 
 def attention_varlen_bwd(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
