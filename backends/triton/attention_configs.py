@@ -103,10 +103,10 @@ def tile_config(kernel: str, q, sq, skv, hkv, causal, precision, launch, program
 
 def decode_tile_config(q, programs: int, dv: int | None = None) -> TileConfig:
     """The split-key forward's tiles for ``programs`` (sequences x the heads a program takes) over ``q``'s
-    head dim and v's ``dv`` (None: q's). The wide key tiles only past DECODE_NARROW_PER_SM programs an SM, where a second
-    wave of the narrow ones would run part empty, and only where they were measured and fit: sm_90, heads of
-    one column chunk of 128 (narrower ones spill in them), a 2-byte dtype (float32 tiles would not fit shared
-    memory)."""
+    head dim and v's ``dv`` (None: q's). The wide key tiles only past DECODE_NARROW_PER_SM programs an SM,
+    where a second wave of the narrow ones would run part empty, and only where they were measured and fit:
+    sm_90, heads of one column chunk of 128 (narrower ones spill in them), a 2-byte dtype (float32 tiles would
+    not fit shared memory)."""
     dv = q.shape[-1] if dv is None else dv
     if head_split(q.shape[-1]) == head_split(dv) == (128, 0) and q.element_size() == 2:
         index = attention_sm90.device_index(q.device)
