@@ -90,8 +90,8 @@ def main():
             run = backend.prepare_attention_bwd(q, k, v, causal=True, scale=scale)
             run(q, k, v, out_, lse, dout)
             (plan,) = [p for key, p in plans.bwd_plans.items() if key[:2] == (q.shape, q.stride())]
-        rows["  api.backward (dispatch, then the backend)"] = lambda: api.backward(q, k, v, out_, lse, dout, True,
-                                                                                   scale)
+        rows["  api.backward (dispatch, then the backend)"] = lambda: api.backward(q, k, v, out_, lse, dout, None,
+                                                                                   None, True, scale)
         rows["    backend attention_bwd"] = lambda: backend.attention_bwd(q, k, v, out_, lse, dout, causal=True,
                                                                           scale=scale)
         rows["    the prepared backward (a memoised call's)"] = lambda: run(q, k, v, out_, lse, dout)
@@ -99,7 +99,7 @@ def main():
             delta, dq, dk, dv = plans.bwd_buffers(plan, q, k, v)
             dq_sum = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             rows["      bwd_buffers (four allocations)"] = lambda: plans.bwd_buffers(plan, q, k, v)
-            rows["      delta launch (zeroing dQ's float32 sum)"] = lambda: plan.delta(out_, dout, delta, dq_sum,
+            rows["      delta launch (zeroing dQ's float32 sum)"] = lambda: plan.delta(out_, dout, delta, delta, dq_sum,
                                                                                        *plan.delta_args)
             rows["      Hopper backward launch"] = lambda: sm90.backward(plan.hopper, q, k, v, dout, lse, delta, dq_sum,
                                                                         dk, dv, scale)

@@ -104,7 +104,7 @@ def layers(b, cache) -> list[str]:
             "portable_ops.attention": lambda: portable_ops.attention(q, k, v, causal=True),
             "  the memo's key": lambda: api._memo_key(q, k, v, True, None, None, None),
             "  the memoised call (after the key)": lambda: memoised(q, k, v),
-            "  api.forward (checked, not memoised)": lambda: api.forward(q, k, v, True, scale),
+            "  api.forward (checked, not memoised)": lambda: api.forward(q, k, v, None, True, scale),
             "    backend attention_fwd (after dispatch)": lambda: backend.attention_fwd(q, k, v, causal=True,
                                                                                        scale=scale),
             "      plans run_forward (after the plan key)": lambda: plans.run_forward(plan, q, k, v, scale, None,
@@ -120,7 +120,7 @@ def layers(b, cache) -> list[str]:
         }
         if split:
             final, final_lse = torch.empty_like(q), torch.empty((b, heads, 1), device="cuda", dtype=torch.float32)
-            rows["        combine launch"] = lambda: plan.combine(out, lse, final, final_lse, plan.splits, heads, 1,
+            rows["        combine launch"] = lambda: plan.combine(out, lse, final, final_lse, q, plan.splits, heads, 1,
                                                                    *plan.out_stride[:3])
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             rows["cuDNN: F.scaled_dot_product_attention"] = lambda: F.scaled_dot_product_attention(

@@ -39,13 +39,13 @@ def paths(q, k, v):
     scale = q.shape[-1] ** -0.5
 
     def checked_eager(q, k, v):
-        q, k, v, *options = front._checked(q, k, v, True, None, None, None)
-        return front.EagerAttention.apply(q, k, v, front.Options(front.DENSE, tuple(options)))[0]
+        q, k, v, sinks, *options = front._checked(q, k, v, True, None, None, None)
+        return front.EagerAttention.apply(q, k, v, sinks, front.Options(front.DENSE, tuple(options)))[0]
 
     return {
         "po.attention (memo)": lambda q, k, v: po.attention(q, k, v, causal=True),
         "custom op, eager": lambda q, k, v: torch.ops.portable_ops.attention_fwd(q, k, v, True, scale)[0],
-        "torch.func path": lambda q, k, v: front._FuncAttention.apply(q, k, v, True, scale, None, None)[0],
+        "torch.func path": lambda q, k, v: front._FuncAttention.apply(q, k, v, None, True, scale, None, None)[0],
         "checks + EagerAttention": checked_eager,
         "SDPA (scale)": lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=True),

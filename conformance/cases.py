@@ -284,6 +284,35 @@ def _window_softcap_cases() -> list[Case]:
     return cases
 
 
+def _sinks_lse_value_dim_cases() -> list[Case]:
+    """gpt-oss's sinks, in every family: rows that see no key (whose lse is their sink), GQA, a decode whose keys
+    are split across programs (the merge adds the sink once), packed and paged sequences. ``lse``: the case
+    returns lse (compared) and sends a gradient back through it (every paged case compares lse). ``Dv``: v's
+    head dim, where it has its own (DeepSeek's MLA)."""
+    keys = ("B", "Hq", "Hkv", "Sq", "Skv", "D", "causal")
+    dense = {  # name: (shape as in _attention_cases, options, dtypes)
+        "attn_sinks_lse_gqa_window_more_queries": ((1, 8, 2, 20, 12, 32, False), dict(window=(2, 1), sinks=True,
+                                                                                      lse=True), (F16, F32)),
+        # v of its own head dim, two column chunks (32 + 16) where q and k have one
+        "attn_sinks_decode_split_keys_dv_48": ((1, 4, 1, 1, 600, 64, True), dict(sinks=True, Dv=48), (F16,)),
+        "attn_lse_causal_more_queries": ((1, 2, 2, 20, 12, 32, True), dict(lse=True), (F16,)),  # lse -inf rows
+    }
+    cases = [Case(name, "attention", dtype, dict(zip(keys, shape), **options))
+             for name, (shape, options, dtypes) in dense.items() for dtype in dtypes]
+    cases.append(Case("varlen_sinks_lse_dv_causal_cross_lengths", "attention_varlen", F16,
+                      dict(lens_q=(9, 4, 0, 21), lens_k=(14, 2, 3, 21), Hq=4, Hkv=2, D=32, Dv=16, causal=True,
+                           sinks=True, lse=True)))
+    cases.append(Case("paged_sinks_decode_page16", "paged_attention", F16,
+                      dict(Hq=8, Hkv=2, D=64, lens=(1, 17, 100), Sq=1, page_size=16, sinks=True)))
+    # DeepSeek's MLA: q and k of 192 (128 + 64 rope), v of 128; its absorbed decode's one KV head of a wider k
+    # (the model's 576 and 512 are past the triton kernels' 256, here in small)
+    cases.append(Case("attn_mla_dv_192_128_causal", "attention", F16, dict(B=1, Hq=2, Hkv=2, Sq=33, Skv=33, D=192,
+                                                                           Dv=128, causal=True)))
+    cases.append(Case("paged_mla_absorbed_decode_page16", "paged_attention", F16,
+                      dict(Hq=8, Hkv=1, D=96, Dv=64, lens=(1, 17, 100), Sq=1, page_size=16)))
+    return cases
+
+
 def _varlen_cases() -> list[Case]:
     """Packed sequences (attention_varlen): lengths not multiples of 16, an empty sequence, queries and
     keys of different lengths per sequence (bottom-right masks per sequence)."""
@@ -340,4 +369,5 @@ def _cross_entropy_cases() -> list[Case]:
 
 
 CASES: list[Case] = (_adam_cases() + _sgd_cases() + _clip_cases() + _attention_cases() + _window_softcap_cases()
-                     + _varlen_cases() + _paged_cases() + _norm_cases() + _rope_cases() + _cross_entropy_cases())
+                     + _varlen_cases() + _paged_cases() + _sinks_lse_value_dim_cases() + _norm_cases() + _rope_cases()
+                     + _cross_entropy_cases())

@@ -1,8 +1,11 @@
 """The oracles the runner compares a backend with: ``float64``, the reference backend's code run in float64
 on the CPU, and ``torch``, PyTorch itself (``torch.optim``'s functional Adam and SGD, SDPA under an explicit
-mask)."""
+mask) or, for what SDPA lacks, the defining formula of the model family that introduced it (Gemma 2's softcap,
+gpt-oss's sinks)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -53,49 +56,92 @@ def torch_mask(sq, skv, causal, window):
     return mask
 
 
-def torch_attention(q, k, v, mask, scale, softcap):
-    """PyTorch's attention under an explicit boolean mask: SDPA, or without a softcap in SDPA, the
-    softcapped math definition (``softcap * tanh(s / softcap)`` of the scaled scores, then the mask)."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+def torch_attention(q, k, v, mask, scale, softcap, sinks=None):
+    """``(out, lse)``, PyTorch's attention under an explicit boolean mask: SDPA (v padded with zeros to q's head
+    dim where it has its own, as transformers pads it for FlashAttention, out cut back) or, where SDPA has no
+    such option, the model family's own formula: the softcapped scores (``softcap * tanh(s / softcap)`` of the
+    scaled scores, then the mask; Gemma 2's), and the sinks as gpt-oss's eager attention takes them (one more
+    column of logits per row, the row's maximum subtracted, dropped after the softmax). lse is the logsumexp of
+    those logits."""
     groups = q.shape[1] // k.shape[1]
-    k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    scores = softcap * torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap)
-    return torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+    k_heads, v_heads = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    scores = (q @ k_heads.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)
+    if softcap is None and sinks is None:
+        return _padded_sdpa(q, k, v, mask, scale), lse
+    weights = torch.softmax(scores - scores.max(dim=-1, keepdim=True).values, dim=-1)
+    return (weights if sinks is None else weights[..., :-1]) @ v_heads, lse
 
 
-def attention_oracle(oracle, q, k, v, dout, rows, causal, scale, window=None, softcap=None):
-    """``out`` and ``dq`` on query rows ``rows = (start, end)``, and ``dk``, ``dv`` over every key, of the
-    attention of those rows alone: with ``dout`` zero on every other row, the whole attention's gradients.
-    Causal: the keys end at the last one the block's last row sees, so that the block's bottom-right
-    mask is the whole sequence's. ``dout=None``: ``out`` alone. The torch oracle takes only the rows
-    that see a key (SDPA gives NaN for the others): zeros elsewhere, as the convention says."""
+def _padded_sdpa(q, k, v, mask, scale):
+    """SDPA, its q, k and v zero-padded to one head dim (the wider of q's and v's: zeros add nothing to a score
+    or to out), out cut back to v's."""
+    width = max(q.shape[-1], v.shape[-1])
+    q, k, padded_v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, padded_v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[..., :v.shape[-1]]
+
+
+class Expected(NamedTuple):
+    """An oracle's attention of some query rows: out and lse on those rows, and the gradients (None when no dout
+    was given): dq on those rows, dk, dv over every key, dsinks (None without sinks)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    dq: torch.Tensor | None = None
+    dk: torch.Tensor | None = None
+    dv: torch.Tensor | None = None
+    dsinks: torch.Tensor | None = None
+
+
+def attention_oracle(oracle, q, k, v, dout, rows, causal, scale, window=None, softcap=None, sinks=None,
+                     dlse=None) -> Expected:
+    """The attention of query rows ``rows = (start, end)`` alone: with ``dout`` (and ``dlse``) zero on every other
+    row, the whole attention's gradients. Causal: the keys end at the last one the block's last row sees, so
+    that the block's bottom-right mask is the whole sequence's. ``dout=None``: out and lse alone. Without sinks
+    the torch oracle takes only the rows that see a key (SDPA gives NaN for the others): zeros and lse -inf
+    elsewhere, as the convention says; with sinks every row (gpt-oss's formula gives the others the sink alone)."""
     start, end = rows
     skv = k.shape[-2]
     seen = max(0, min(skv, end + skv - q.shape[-2])) if causal else skv  # 0: the block sees no key
     q, k, v = q[:, :, start:end], k[:, :, :seen], v[:, :, :seen]
+    dlse = None if dlse is None else dlse[:, :, start:end]
     if oracle == "float64":
-        out, lse = reference_attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
+        out, lse = reference_attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+                                           sinks=sinks)
         if dout is None:
-            return out
+            return Expected(out, lse)
         grads = reference_attention_bwd(q, k, v, out, lse, dout[:, :, start:end], causal=causal, scale=scale,
-                                        window=window, softcap=softcap)
+                                        window=window, softcap=softcap, sinks=sinks, dlse=dlse)
     else:
-        leaves = [t.clone().requires_grad_(dout is not None) for t in (q, k, v)]
+        leaves = [t.clone().requires_grad_(dout is not None) for t in (q, k, v, *_given(sinks))]
         mask = torch_mask(q.shape[-2], seen, causal, window)
-        rows_seeing = mask.any(-1).nonzero()[:, 0]
-        out = torch.zeros_like(q)
-        if len(rows_seeing):
-            out = out.index_copy(2, rows_seeing, torch_attention(leaves[0][:, :, rows_seeing], *leaves[1:],
-                                                                 mask[rows_seeing], scale, softcap))
+        taken = torch.arange(q.shape[-2]) if sinks is not None else mask.any(-1).nonzero()[:, 0]
+        out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+        if len(taken):
+            out_rows, lse_rows = torch_attention(leaves[0][:, :, taken], *leaves[1:3], mask[taken], scale, softcap,
+                                                 *leaves[3:])
+            out, lse = out.index_copy(2, taken, out_rows), lse.index_copy(2, taken, lse_rows)
         if dout is None:
-            return out.detach()
+            return Expected(out.detach(), lse.detach())
         grads = [torch.zeros_like(t) for t in leaves]
-        if len(rows_seeing):
-            grads = torch.autograd.grad(out, leaves, dout[:, :, start:end])
-    dq, dk, dv = grads
+        if len(taken):
+            outputs, given = ((out,), (dout[:, :, start:end],)) if dlse is None else \
+                ((out, lse), (dout[:, :, start:end], dlse))
+            grads = torch.autograd.grad(outputs, leaves, given)
+    dq, dk, dv, *dsinks = grads
     unseen = (0, 0, 0, skv - seen)
-    return out.detach(), dq, F.pad(dk, unseen), F.pad(dv, unseen)
+    return Expected(out.detach(), lse.detach(), dq, F.pad(dk, unseen), F.pad(dv, unseen), (dsinks or [None])[0])
+
+
+def _given(tensor) -> tuple:
+    return () if tensor is None else (tensor,)
 
 
 def sgd_oracle(oracle, params, buffers, grads, kw):

@@ -312,14 +312,16 @@ def _run_fused_clip_step(case, backend, device, oracles, result, gen):
 # ----------------------------------------------------------------------------- attention
 
 def attention_inputs(case: Case):
-    """``q, k, v, dout`` (float32, CPU) drawn from the case's seed, the blocks of query rows that are checked,
-    and a mask of those rows; with ``sampled_rows``, dout is zero outside them."""
+    """``q, k, v, dout`` (float32, CPU) drawn from the case's seed (v and dout of head dim ``Dv``, where the case
+    gives v one of its own), the blocks of query rows that are checked, and a mask of those rows; with
+    ``sampled_rows``, dout is zero outside them."""
     p = case.params
+    dv = p.get("Dv", p["D"])
     gen = torch.Generator().manual_seed(case.seed)
     q = torch.randn(p["B"], p["Hq"], p["Sq"], p["D"], generator=gen)
     k = torch.randn(p["B"], p["Hkv"], p["Skv"], p["D"], generator=gen)
-    v = torch.randn(p["B"], p["Hkv"], p["Skv"], p["D"], generator=gen)
-    dout = torch.randn(p["B"], p["Hq"], p["Sq"], p["D"], generator=gen)
+    v = torch.randn(p["B"], p["Hkv"], p["Skv"], dv, generator=gen)
+    dout = torch.randn(p["B"], p["Hq"], p["Sq"], dv, generator=gen)
     blocks = p.get("sampled_rows") or ((0, p["Sq"]),)
     sampled = torch.zeros(p["Sq"], dtype=torch.bool)
     for start, end in blocks:
@@ -330,20 +332,60 @@ def attention_inputs(case: Case):
     return q, k, v, dout, blocks, sampled
 
 
+# Sinks of mean 3 and std 2 against rows whose lse is 2-6 (a few to a few hundred keys of scores of std 1): each row
+# gives its sink from a few percent to most of its weight, so a backend that ignored them fails out and dsinks.
+SINK_MEAN, SINK_STD = 3.0, 2.0
+
+
+def case_sinks(case: Case, heads: int) -> torch.Tensor | None:
+    """The case's sinks (float32, CPU), None for a case without; drawn apart from its other inputs."""
+    if not case.params.get("sinks"):
+        return None
+    return SINK_MEAN + SINK_STD * torch.randn(heads, generator=torch.Generator().manual_seed(case.seed + 1))
+
+
+def case_dlse(case: Case, shape) -> torch.Tensor | None:
+    """The gradient a case sends back through lse (float32, CPU), None for a case that does not return lse."""
+    if not case.params.get("lse"):
+        return None
+    return torch.randn(shape, generator=torch.Generator().manual_seed(case.seed + 2))
+
+
+def _leaf(t, device):
+    return None if t is None else t.to(device).requires_grad_(True)
+
+
+def _check_dsinks(result, oracle, sinks, want, tol):
+    if sinks is not None:
+        result.check(oracle, "dsinks", sinks.grad, want, *tol)
+
+
+def _backward(out, lse, dout, dlse):
+    """Gradients through out, and through lse where the case returned it."""
+    if lse is None:
+        out.backward(dout)
+    else:
+        torch.autograd.backward((out, lse), (dout, dlse.to(lse.device)))
+
+
 def run_attention(case: Case, backend: str, device: torch.device, oracles: list[str], result: Comparison):
-    """Out and dq, dk, dv against each oracle. With ``sampled_rows``, dout is zero outside those blocks of
-    query rows: the backend still runs the whole sequence, but its gradients are then exactly those of
-    the sampled rows' attention, which the oracles compute at a cost of (sampled rows) x Skv. Out and
-    dq are compared on the sampled rows, dk and dv everywhere, and dq elsewhere must be exactly zero
-    (dS = P * (dout V^T - rowsum(dout * out)) is, row by row)."""
+    """Out and dq, dk, dv (and dsinks; and lse, with a gradient through it, for an ``lse`` case) against each
+    oracle. With ``sampled_rows``, dout is zero outside those blocks of query rows: the backend still runs the
+    whole sequence, but its gradients are then exactly those of the sampled rows' attention, which the oracles
+    compute at a cost of (sampled rows) x Skv. Out and dq are compared on the sampled rows, dk and dv everywhere,
+    and dq elsewhere must be exactly zero (dS = P * (dout V^T - rowsum(dout * out)) is, row by row)."""
     p, dtype = case.params, case.dtype
     q, k, v, dout, blocks, sampled = attention_inputs(case)
     inputs = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+    sinks = _leaf(case_sinks(case, p["Hq"]), device)
+    dlse = case_dlse(case, q.shape[:-1])
     scale = p.get("scale", 1.0 / math.sqrt(p["D"]))
     window, softcap = p.get("window"), p.get("softcap")
     with forced_strict(backend):
-        out = portable_ops.attention(*inputs, causal=p["causal"], scale=scale, window=window, softcap=softcap)
-        out.backward(dout.to(device, dtype))
+        out = portable_ops.attention(*inputs, causal=p["causal"], scale=scale, window=window, softcap=softcap,
+                                     sinks=sinks, return_lse=dlse is not None)
+        out, lse = out if dlse is not None else (out, None)
+        _backward(out, lse, dout.to(device, dtype), dlse)
     atol, rtol = case.tolerance
     grad_tol = case.tolerance.scaled(GRADIENT_FACTOR)
     dq, dk, dv = (t.grad for t in inputs)
@@ -352,17 +394,23 @@ def run_attention(case: Case, backend: str, device: torch.device, oracles: list[
         result.check("float64", "dq outside the sampled rows", outside, torch.zeros_like(outside), 0.0, 0.0)
     # The oracles see the inputs rounded to the case's dtype, as the backend did.
     q64, k64, v64 = _f64(inputs)
+    sinks64 = None if sinks is None else sinks.detach().to("cpu", F64)
     dout64 = dout.to(dtype).to(F64)
+    dlse64 = None if dlse is None else dlse.to(F64)
     for oracle in oracles:
-        dk_ref = dv_ref = 0.0
+        dk_ref = dv_ref = dsinks_ref = 0.0
         for start, end in blocks:
-            ref, dq_ref, dk_rows, dv_rows = attention_oracle(oracle, q64, k64, v64, dout64, (start, end),
-                                                              p["causal"], scale, window, softcap)
-            result.check(oracle, f"out rows {start}:{end}", out[:, :, start:end], ref, atol, rtol)
-            result.check(oracle, f"dq rows {start}:{end}", dq[:, :, start:end], dq_ref, *grad_tol)
-            dk_ref, dv_ref = dk_ref + dk_rows, dv_ref + dv_rows
+            want = attention_oracle(oracle, q64, k64, v64, dout64, (start, end), p["causal"], scale, window, softcap,
+                                    sinks64, dlse64)
+            result.check(oracle, f"out rows {start}:{end}", out[:, :, start:end], want.out, atol, rtol)
+            if lse is not None:
+                result.check(oracle, f"lse rows {start}:{end}", lse[:, :, start:end], want.lse, atol, rtol)
+            result.check(oracle, f"dq rows {start}:{end}", dq[:, :, start:end], want.dq, *grad_tol)
+            dk_ref, dv_ref = dk_ref + want.dk, dv_ref + want.dv
+            dsinks_ref = dsinks_ref + (0.0 if want.dsinks is None else want.dsinks)
         result.check(oracle, "dk", dk, dk_ref, *grad_tol)
         result.check(oracle, "dv", dv, dv_ref, *grad_tol)
+        _check_dsinks(result, oracle, sinks, dsinks_ref, grad_tol)
 
 
 def _dense(t):
@@ -382,37 +430,51 @@ def run_attention_varlen(case: Case, backend: str, device: torch.device, oracles
     lens_k = p.get("lens_k", lens_q)
     gen = torch.Generator().manual_seed(case.seed)
     tq, tk = sum(lens_q), sum(lens_k)
+    dv = p.get("Dv", p["D"])
     q = torch.randn(tq, p["Hq"], p["D"], generator=gen)
-    k, v = (torch.randn(tk, p["Hkv"], p["D"], generator=gen) for _ in range(2))
-    dout = torch.randn(tq, p["Hq"], p["D"], generator=gen)
+    k, v = (torch.randn(tk, p["Hkv"], d, generator=gen) for d in (p["D"], dv))
+    dout = torch.randn(tq, p["Hq"], dv, generator=gen)
     cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
     scale = p.get("scale", 1.0 / math.sqrt(p["D"]))
     options = dict(causal=p["causal"], scale=scale, window=p.get("window"), softcap=p.get("softcap"))
     inputs = [t.to(device, dtype).requires_grad_(True) for t in (q, k, v)]
+    sinks = _leaf(case_sinks(case, p["Hq"]), device)
+    dlse = case_dlse(case, (p["Hq"], tq))
     with forced_strict(backend):
         out = portable_ops.attention_varlen(*inputs, cu_q.to(device), cu_k.to(device), max(lens_q), max(lens_k),
-                                            **options)
-        out.backward(dout.to(device, dtype))
+                                            **options, sinks=sinks, return_lse=dlse is not None)
+        out, lse = out if dlse is not None else (out, None)
+        _backward(out, lse, dout.to(device, dtype), dlse)
     atol, rtol = case.tolerance
     grad_tol = case.tolerance.scaled(GRADIENT_FACTOR)
     q64, k64, v64 = _f64(inputs)
+    options["sinks"] = None if sinks is None else sinks.detach().to("cpu", F64)
     dout64 = dout.to(dtype).to(F64)
+    dlse64 = None if dlse is None else dlse.to(F64)
     for oracle in oracles:
         if oracle == "float64":
-            ref, lse = reference_varlen_fwd(q64, k64, v64, cu_q, cu_k, max(lens_q), max(lens_k), **options)
-            grads = reference_varlen_bwd(q64, k64, v64, ref, lse, dout64, cu_q, cu_k, max(lens_q), max(lens_k),
-                                         **options)
+            ref, lse_ref = reference_varlen_fwd(q64, k64, v64, cu_q, cu_k, max(lens_q), max(lens_k), **options)
+            grads = reference_varlen_bwd(q64, k64, v64, ref, lse_ref, dout64, cu_q, cu_k, max(lens_q), max(lens_k),
+                                         **options, dlse=dlse64)
+            dsinks_ref = grads[3] if sinks is not None else None
         else:
-            parts = []
+            parts, lses, dsinks_ref = [], [], 0.0
             for (q0, q1), (k0, k1) in zip(itertools.pairwise(cu_q.tolist()), itertools.pairwise(cu_k.tolist())):
                 dense = [_dense(t) for t in (q64[q0:q1], k64[k0:k1], v64[k0:k1], dout64[q0:q1])]
-                parts.append([t[0].transpose(0, 1) for t in
-                              attention_oracle("torch", *dense, (0, q1 - q0), p["causal"], scale, options["window"],
-                                               options["softcap"])])
+                want = attention_oracle("torch", *dense, (0, q1 - q0), p["causal"], scale, options["window"],
+                                        options["softcap"], options["sinks"],
+                                        None if dlse64 is None else dlse64[None, :, q0:q1])
+                parts.append([t[0].transpose(0, 1) for t in (want.out, want.dq, want.dk, want.dv)])
+                lses.append(want.lse[0])
+                dsinks_ref = dsinks_ref + (0.0 if want.dsinks is None else want.dsinks)
             ref, *grads = (torch.cat(ts) for ts in zip(*parts))
+            lse_ref = torch.cat(lses, dim=1)
         result.check(oracle, "out", out, ref, atol, rtol)
+        if lse is not None:
+            result.check(oracle, "lse", lse, lse_ref, atol, rtol)
         for label, got, want in zip(("dq", "dk", "dv"), (t.grad for t in inputs), grads):
             result.check(oracle, label, got, want, *grad_tol)
+        _check_dsinks(result, oracle, sinks, dsinks_ref, grad_tol)
 
 
 # The table entry of a page a sliding window has left behind (a cache may release it): far past the pool, so
@@ -438,9 +500,9 @@ def paged_inputs(case: Case):
         taken += n
         if left is not None:
             table[b, :max(0, length - sq - left) // page_size] = RELEASED
-    cache_shape = (len(pool), page_size, p["Hkv"], p["D"])
-    k_cache, v_cache = (torch.randn(cache_shape, generator=gen) for _ in range(2))
-    k_new, v_new = (torch.randn(len(lens), sq, p["Hkv"], p["D"], generator=gen) for _ in range(2))
+    dims = (p["D"], p.get("Dv", p["D"]))  # k's, v's
+    k_cache, v_cache = (torch.randn(len(pool), page_size, p["Hkv"], d, generator=gen) for d in dims)
+    k_new, v_new = (torch.randn(len(lens), sq, p["Hkv"], d, generator=gen) for d in dims)
     q = torch.randn(len(lens), sq, p["Hq"], p["D"], generator=gen)
     return q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32), k_new, v_new
 
@@ -453,12 +515,15 @@ def run_paged(case: Case, backend: str, device: torch.device, oracles: list[str]
     q, k_cache, v_cache, table, lens, k_new, v_new = paged_inputs(case)
     sq, page_size = p["Sq"], p["page_size"]
     scale = p.get("scale", 1.0 / math.sqrt(p["D"]))
+    sinks = case_sinks(case, p["Hq"])
     options = dict(scale=scale, window=p.get("window"), softcap=p.get("softcap"))
     q, k_cache, v_cache, k_new, v_new = (t.to(device, dtype) for t in (q, k_cache, v_cache, k_new, v_new))
     expected = _f64([k_cache, v_cache])
     with forced_strict(backend), torch.no_grad():
         portable_ops.paged_kv_append(k_cache, v_cache, table.to(device), (lens - sq).to(device), k_new, v_new)
-        out = portable_ops.paged_attention(q, k_cache, v_cache, table.to(device), lens.to(device), **options)
+        out, lse = portable_ops.paged_attention(q, k_cache, v_cache, table.to(device), lens.to(device), **options,
+                                                sinks=None if sinks is None else sinks.to(device), return_lse=True)
+    options["sinks"] = None if sinks is None else sinks.to(F64)
     for b, length in enumerate(lens.tolist()):
         for t in range(sq):
             position = length - sq + t
@@ -471,18 +536,21 @@ def run_paged(case: Case, backend: str, device: torch.device, oracles: list[str]
     q64, k64, v64 = _f64([q, k_cache, v_cache])
     for oracle in oracles:
         if oracle == "float64":
-            ref = reference_paged_attention(q64, k64, v64, table, lens, **options)
+            ref, lse_ref = reference_paged_attention(q64, k64, v64, table, lens, **options)
         else:
             left = (options["window"] or (None, None))[0]
-            refs = []
+            refs, lses = [], []
             for b, length in enumerate(lens.tolist()):
                 first = 0 if left is None else max(0, length - sq - left)
                 keys = [torch.stack([cache[int(table[b, j // page_size]), j % page_size] for j in range(first, length)])
-                        if length > first else cache.new_zeros(0, p["Hkv"], p["D"]) for cache in (k64, v64)]
-                refs.append(attention_oracle("torch", _dense(q64[b]), *map(_dense, keys), None, (0, sq), True, scale,
-                                             options["window"], options["softcap"])[0].transpose(0, 1))
-            ref = torch.stack(refs)
+                        if length > first else cache.new_zeros(0, *cache.shape[2:]) for cache in (k64, v64)]
+                want = attention_oracle("torch", _dense(q64[b]), *map(_dense, keys), None, (0, sq), True, scale,
+                                        options["window"], options["softcap"], options["sinks"])
+                refs.append(want.out[0].transpose(0, 1))
+                lses.append(want.lse[0])
+            ref, lse_ref = torch.stack(refs), torch.stack(lses)
         result.check(oracle, "out", out, ref, atol, rtol)
+        result.check(oracle, "lse", lse, lse_ref, atol, rtol)
 
 
 RUNNERS = {"adam": run_adam, "sgd": run_sgd, "clip_grad_norm_": run_clip, "attention": run_attention,

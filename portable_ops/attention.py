@@ -46,23 +46,25 @@ def autocast_inputs(q, k, v):
                  else t for t in (q, k, v))
 
 
-def _checked(q, k, v, causal, scale, window, softcap):
-    """One call's arguments, checked (after autocast's casts), as the backends take them: a tuple, which
-    the eager call unpacks faster than :func:`attention_call`'s dict."""
+def _checked(q, k, v, causal, scale, window, softcap, sinks=None):
+    """One call's arguments, checked (after autocast's casts; sinks cast to lse's dtype), as the backends take
+    them: a tuple, which the eager call unpacks faster than :func:`attention_call`'s dict."""
     q, k, v = autocast_inputs(q, k, v)
     checks.check_attention(q, k, v)
-    return (q, k, v, *checks.attention_options(q.shape[-1], causal, scale, window, softcap,
-                                               compiling=torch.compiler.is_compiling()))
+    return (q, k, v, checks.attention_sinks(sinks, q, 1),
+            *checks.attention_options(q.shape[-1], causal, scale, window, softcap,
+                                      compiling=torch.compiler.is_compiling()))
 
 
-def attention_call(q, k, v, causal, scale, window=None, softcap=None):
+def attention_call(q, k, v, causal, scale, window=None, softcap=None, sinks=None):
     """Check one call's arguments (after autocast's casts) and return them as the backends take them."""
-    q, k, v, causal, scale, window, softcap = _checked(q, k, v, causal, scale, window, softcap)
-    return dict(q=q, k=k, v=v, causal=causal, scale=scale, window=window, softcap=softcap)
+    q, k, v, sinks, causal, scale, window, softcap = _checked(q, k, v, causal, scale, window, softcap, sinks)
+    return dict(q=q, k=k, v=v, causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks)
 
 
-def _layout(q, k, v, causal, scale, window, softcap):
-    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, causal, scale, window, softcap)
+def _layout(q, k, v, causal, scale, window, softcap, sinks=None, dlse=None):
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, causal, scale, window, softcap,
+            sinks is not None, dlse is not None)
 
 
 def call_layout(call) -> tuple:
@@ -77,36 +79,44 @@ def run_op(op, call, layout, device, prefer):
     return run_choice(op, select_by_layout(op, layout, lambda: call, device, prefer), call, device)
 
 
-def forward(q, k, v, causal, scale, window=None, softcap=None):
+def forward(q, k, v, sinks, causal, scale, window=None, softcap=None):
     """(out, lse) from the backend chosen for this call."""
-    call = dict(q=q, k=k, v=v, causal=causal, scale=scale, window=window, softcap=softcap)
-    return run_op("attention_fwd", call, _layout(q, k, v, causal, scale, window, softcap), q.device, None)
+    call = dict(q=q, k=k, v=v, causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks)
+    return run_op("attention_fwd", call, _layout(q, k, v, causal, scale, window, softcap, sinks), q.device, None)
 
 
-def backward(q, k, v, out, lse, dout, causal, scale, window=None, softcap=None, prefer=None):
-    """(dq, dk, dv) from the backend chosen for this call; ``prefer``: the backend forced when the
-    forward ran, which the backward keeps (``loss.backward()`` usually runs outside the block that
-    forced a backend for the forward)."""
+def with_dsinks(grads, sinks) -> tuple:
+    """A backward op's gradients as ``(dq, dk, dv, dsinks)``: it returns ``dsinks`` only where there are sinks."""
+    return grads if sinks is not None else (*grads, None)
+
+
+def backward(q, k, v, out, lse, dout, dlse, sinks, causal, scale, window=None, softcap=None, prefer=None):
+    """(dq, dk, dv, dsinks) from the backend chosen for this call (dsinks None without sinks; ``dlse``: None, or
+    the gradient that reached lse); ``prefer``: the backend forced when the forward ran, which the backward keeps
+    (``loss.backward()`` usually runs outside the block that forced a backend for the forward)."""
     call = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, causal=causal, scale=scale, window=window,
-                softcap=softcap)
-    return run_op("attention_bwd", call, _layout(q, k, v, causal, scale, window, softcap), q.device, prefer)
+                softcap=softcap, sinks=sinks, dlse=dlse)
+    layout = _layout(q, k, v, causal, scale, window, softcap, sinks, dlse)
+    return with_dsinks(run_op("attention_bwd", call, layout, q.device, prefer), sinks)
 
 
-def _definition(q, k, v, causal, scale, window, softcap):
-    return definition.attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)[0]
+def _definition(q, k, v, sinks, causal, scale, window, softcap):
+    return definition.attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+                                    sinks=sinks)
 
 
 class Variant:
     """One kind of attention as :class:`EagerAttention` runs it: its ``options`` (the arguments after
-    q, k, v) start with ``index_tensors`` tensors (saved for the backward, so an in-place change
+    q, k, v and sinks) start with ``index_tensors`` tensors (saved for the backward, so an in-place change
     between forward and backward is caught), then plain values."""
 
     __slots__ = ("forward", "backward", "definition", "index_tensors")
 
     def __init__(self, forward: Callable, backward: Callable, definition: Callable, index_tensors: int = 0):
-        self.forward = forward  # (q, k, v, *options) -> (out, lse)
-        self.backward = backward  # (q, k, v, out, lse, dout, *options, prefer=...) -> (dq, dk, dv)
-        self.definition = definition  # (q, k, v, *options) -> out: the definition, differentiable twice
+        self.forward = forward  # (q, k, v, sinks, *options) -> (out, lse)
+        # (q, k, v, out, lse, dout, dlse, sinks, *options, prefer=...) -> (dq, dk, dv, dsinks)
+        self.backward = backward
+        self.definition = definition  # (q, k, v, sinks, *options) -> (out, lse): the definition, differentiable twice
         self.index_tensors = index_tensors
 
 
@@ -123,42 +133,45 @@ class Options:
 DENSE = Variant(forward, backward, _definition)
 
 
-def _differentiated_again(definition, q, k, v, dout, options, needs_grad):
+def _differentiated_again(definition, q, k, v, sinks, dout, dlse, options, needs_grad):
     """First derivatives that are themselves differentiable (``create_graph=True``): the kernels'
     backward is not, so the definition is differentiated instead, one block of queries
     at a time (its autograd graph keeps every block's probabilities: O(Sq x Skv) memory)."""
-    inputs = [t for t, needed in zip((q, k, v), needs_grad) if needed]
+    inputs = [t for t, needed in zip((q, k, v, sinks), needs_grad) if needed]
     with torch.enable_grad(), autocast_off(q.device.type):
-        out = definition(q, k, v, *options)
-        grads = iter(torch.autograd.grad(out, inputs, dout, create_graph=True))
+        out, lse = definition(q, k, v, sinks, *options)
+        outputs, grads_in = ((out,), (dout,)) if dlse is None else ((out, lse), (dout, dlse))
+        grads = iter(torch.autograd.grad(outputs, inputs, grads_in, create_graph=True))
     return tuple(next(grads) if needed else None for needed in needs_grad)
 
 
 # ----------------------------------------------------------------------------- eager
 
 class EagerAttention(torch.autograd.Function):
-    """``apply(q, k, v, Options(variant, options))`` -> (out, lse), differentiable in q, k and v."""
+    """``apply(q, k, v, sinks, Options(variant, options))`` -> (out, lse), differentiable in q, k, v and sinks
+    (None: no sinks), through out and lse."""
 
     @staticmethod
-    def forward(ctx, q, k, v, how):
+    def forward(ctx, q, k, v, sinks, how):
         variant, options = how.variant, how.values
-        out, lse = variant.forward(q, k, v, *options)
-        ctx.save_for_backward(q, k, v, out, lse, *options[:variant.index_tensors])
+        out, lse = variant.forward(q, k, v, sinks, *options)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, *options[:variant.index_tensors])
         ctx.variant, ctx.options, ctx.prefer = variant, options[variant.index_tensors:], forced_backend()
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # _dlse, materialised, would cost a zero-filled tensor every call
+        ctx.set_materialize_grads(False)  # a dlse materialised would cost a zero-filled tensor every call
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
-        if dout is None:  # no gradient reached the output (gradcheck sends such a call)
-            return None, None, None, None
-        q, k, v, out, lse, *index = ctx.saved_tensors
+    def backward(ctx, dout, dlse):
+        if dout is None and dlse is None:  # no gradient reached the outputs (gradcheck sends such a call)
+            return None, None, None, None, None
+        q, k, v, out, lse, sinks, *index = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
         options = (*index, *ctx.options)
         if torch.is_grad_enabled():  # create_graph=True
-            grads = _differentiated_again(ctx.variant.definition, q, k, v, dout, options, ctx.needs_input_grad[:3])
+            grads = _differentiated_again(ctx.variant.definition, q, k, v, sinks, dout, dlse, options,
+                                          ctx.needs_input_grad[:4])
         else:
-            grads = ctx.variant.backward(q, k, v, out, lse, dout, *options, prefer=ctx.prefer)
+            grads = ctx.variant.backward(q, k, v, out, lse, dout, dlse, sinks, *options, prefer=ctx.prefer)
         return *grads, None
 
 
@@ -179,51 +192,67 @@ def lse_dtype(q):
 
 
 def register_autograd(fwd_op, bwd_op, index_tensors=0):
-    """Autograd for a forward op ``(q, k, v, *options) -> (out, lse)`` through its backward op
-    ``(q, k, v, out, lse, dout, *options) -> (dq, dk, dv)``; the first ``index_tensors`` options are
-    tensors, saved for the backward."""
+    """Autograd for a forward op ``(q, k, v, *options, sinks) -> (out, lse)`` through its backward op
+    ``(q, k, v, out, lse, dout, *options, sinks, dlse) -> (dq, dk, dv, dsinks)`` (dsinks: :func:`op_grads`); the
+    first ``index_tensors`` options are tensors, saved for the backward."""
     def setup_context(ctx, inputs, output):
-        q, k, v, *options = inputs
-        ctx.save_for_backward(q, k, v, *output, *options[:index_tensors])
+        q, k, v, *options, sinks = inputs
+        ctx.save_for_backward(q, k, v, *output, sinks, *options[:index_tensors])
         ctx.options = options[index_tensors:]
+        ctx.set_materialize_grads(False)  # no dlse unless lse was used: the backend's fast path
 
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, *index = ctx.saved_tensors
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sinks, *index = ctx.saved_tensors
         options = (*index, *ctx.options)
-        return *bwd_op(q, k, v, out, lse, dout, *options), *(None,) * len(options)
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv, dsinks = bwd_op(q, k, v, out, lse, dout, *options, sinks, dlse)
+        return dq, dk, dv, *(None,) * len(options), dsinks if sinks is not None else None
 
     fwd_op.register_autograd(backward, setup_context=setup_context)
+
+
+def op_grads(grads) -> tuple:
+    """``(dq, dk, dv, dsinks)`` as a custom op returns them: an empty dsinks without sinks (its schema has no
+    optional outputs)."""
+    dq, dk, dv, dsinks = grads
+    return dq, dk, dv, dsinks if dsinks is not None else dq.new_empty(0, dtype=lse_dtype(dq))
+
+
+def fake_dsinks(q, sinks):
+    return q.new_empty(0 if sinks is None else sinks.shape[0], dtype=lse_dtype(q))
 
 
 @torch.library.custom_op("portable_ops::attention_fwd", mutates_args=())
 def _attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                       window_left: int | None = None, window_right: int | None = None, softcap: float | None = None,
-                      scale_tensor: torch.Tensor | None = None,
-                      softcap_tensor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale_tensor: torch.Tensor | None = None, softcap_tensor: torch.Tensor | None = None,
+                      sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     scale, softcap = checks.op_values(scale, softcap, scale_tensor, softcap_tensor)
-    return forward(q, k, v, causal, scale, window_of(window_left, window_right), softcap)
+    return forward(q, k, v, sinks, causal, scale, window_of(window_left, window_right), softcap)
 
 
 @_attention_fwd_op.register_fake
 def _(q, k, v, causal, scale, window_left=None, window_right=None, softcap=None, scale_tensor=None,
-      softcap_tensor=None):
-    return layout.empty_like(q), q.new_empty(q.shape[:-1], dtype=lse_dtype(q))
+      softcap_tensor=None, sinks=None):
+    return layout.empty_like(q, head_dim=v.shape[-1]), q.new_empty(q.shape[:-1], dtype=lse_dtype(q))
 
 
 @torch.library.custom_op("portable_ops::attention_bwd", mutates_args=())
 def _attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                       dout: torch.Tensor, causal: bool, scale: float, window_left: int | None = None,
                       window_right: int | None = None, softcap: float | None = None,
-                      scale_tensor: torch.Tensor | None = None,
-                      softcap_tensor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      scale_tensor: torch.Tensor | None = None, softcap_tensor: torch.Tensor | None = None,
+                      sinks: torch.Tensor | None = None, dlse: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     scale, softcap = checks.op_values(scale, softcap, scale_tensor, softcap_tensor)
-    return backward(q, k, v, out, lse, dout, causal, scale, window_of(window_left, window_right), softcap)
+    window = window_of(window_left, window_right)
+    return op_grads(backward(q, k, v, out, lse, dout, dlse, sinks, causal, scale, window, softcap))
 
 
 @_attention_bwd_op.register_fake
 def _(q, k, v, out, lse, dout, causal, scale, window_left=None, window_right=None, softcap=None, scale_tensor=None,
-      softcap_tensor=None):
-    return layout.empty_like(q), layout.empty_like(k), layout.empty_like(v)
+      softcap_tensor=None, sinks=None, dlse=None):
+    return layout.empty_like(q), layout.empty_like(k), layout.empty_like(v), fake_dsinks(q, sinks)
 
 
 register_autograd(_attention_fwd_op, _attention_bwd_op)
@@ -233,9 +262,12 @@ register_autograd(_attention_fwd_op, _attention_bwd_op)
 
 def _batched(tensors, in_dims, size):
     """Fold a vmapped dimension into the batch: ``[N, B, ...]`` -> ``[N * B, ...]`` (unbatched
-    inputs are expanded to ``N``)."""
+    inputs are expanded to ``N``; None stays None)."""
     folded = []
     for t, dim in zip(tensors, in_dims):
+        if t is None:
+            folded.append(None)
+            continue
         t = t.movedim(dim, 0) if dim is not None else t.expand(size, *t.shape)
         folded.append(t.reshape(size * t.shape[1], *t.shape[2:]))
     return folded
@@ -245,37 +277,49 @@ def _unbatched(tensors, size):
     return tuple(t.reshape(size, t.shape[0] // size, *t.shape[1:]) for t in tensors)
 
 
+def _sample_by_sample(function, info, in_dims, args):
+    """``function(*args)`` under vmap, one sample at a time, the results stacked: where a sink's gradient (a sum
+    over the batch) or a vmapped sinks (one per sample) keeps the samples from folding into the batch."""
+    samples = [function(*(a.select(dim, i) if isinstance(a, torch.Tensor) and dim is not None else a
+                          for a, dim in zip(args, in_dims))) for i in range(info.batch_size)]
+    return tuple(torch.stack(results) for results in zip(*samples)), (0,) * len(samples[0])
+
+
 class _FuncAttention(torch.autograd.Function):
     @staticmethod
-    def forward(q, k, v, causal, scale, window, softcap):
-        return forward(q, k, v, causal, scale, window, softcap)
+    def forward(q, k, v, sinks, causal, scale, window, softcap):
+        return forward(q, k, v, sinks, causal, scale, window, softcap)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, *options = inputs
+        q, k, v, sinks, *options = inputs
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.save_for_forward(q, k, v, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.save_for_forward(q, k, v, lse, sinks)
         ctx.options, ctx.prefer = options, forced_backend()
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*_FuncAttentionBackward.apply(q, k, v, out, lse, dout, *ctx.options, ctx.prefer),
-                *(None,) * len(ctx.options))
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
+        dq, dk, dv, dsinks = _FuncAttentionBackward.apply(q, k, v, out, lse, dout, dlse, sinks, *ctx.options,
+                                                          ctx.prefer)
+        return dq, dk, dv, dsinks if sinks is not None else None, *(None,) * len(ctx.options)
 
     @staticmethod
-    def jvp(ctx, tq, tk, tv, *_options):
-        q, k, v, lse = ctx.saved_tensors
+    def jvp(ctx, tq, tk, tv, tsinks, *_options):
+        q, k, v, lse, sinks = ctx.saved_tensors
         causal, scale, window, softcap = ctx.options
         with autocast_off(q.device.type):
             return definition.attention_jvp(q, k, v, lse, tq, tk, tv, causal=causal, scale=scale, window=window,
-                                           softcap=softcap), None
+                                           softcap=softcap, sinks=sinks, tsinks=tsinks)
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, *options):
-        out = _FuncAttention.apply(*_batched((q, k, v), in_dims[:3], info.batch_size), *options)
+    def vmap(info, in_dims, q, k, v, sinks, *options):
+        if in_dims[3] is not None:
+            return _sample_by_sample(_FuncAttention.apply, info, in_dims, (q, k, v, sinks, *options))
+        out = _FuncAttention.apply(*_batched((q, k, v), in_dims[:3], info.batch_size), sinks, *options)
         return _unbatched(out, info.batch_size), (0, 0)
 
 
@@ -285,9 +329,11 @@ _NO_SECOND_DERIVATIVES = ("portable_ops.attention: second derivatives inside tor
 
 
 class _FuncAttentionBackward(torch.autograd.Function):
+    """``(dq, dk, dv, dsinks)``, dsinks empty without sinks (a vmapped function returns tensors)."""
+
     @staticmethod
-    def forward(q, k, v, out, lse, dout, causal, scale, window, softcap, prefer):
-        return backward(q, k, v, out, lse, dout, causal, scale, window, softcap, prefer)
+    def forward(q, k, v, out, lse, dout, dlse, sinks, causal, scale, window, softcap, prefer):
+        return op_grads(backward(q, k, v, out, lse, dout, dlse, sinks, causal, scale, window, softcap, prefer))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -302,10 +348,13 @@ class _FuncAttentionBackward(torch.autograd.Function):
         raise RuntimeError(_NO_SECOND_DERIVATIVES)
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, out, lse, dout, *options):
-        grads = _FuncAttentionBackward.apply(*_batched((q, k, v, out, lse, dout), in_dims[:6], info.batch_size),
-                                             *options)
-        return _unbatched(grads, info.batch_size), (0, 0, 0)
+    def vmap(info, in_dims, q, k, v, out, lse, dout, dlse, sinks, *options):
+        if sinks is not None:  # each sample's dsinks is its own sum over the batch
+            return _sample_by_sample(_FuncAttentionBackward.apply, info, in_dims, (q, k, v, out, lse, dout, dlse,
+                                                                                   sinks, *options))
+        *grads, dsinks = _FuncAttentionBackward.apply(*_batched((q, k, v, out, lse, dout, dlse), in_dims[:7],
+                                                                info.batch_size), sinks, *options)
+        return (*_unbatched(grads, info.batch_size), dsinks), (0, 0, 0, None)
 
 
 # ----------------------------------------------------------------------------- the public function
@@ -327,12 +376,18 @@ def transformed() -> bool:
     return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
 
 
-def degenerate(q, k, v):
+def degenerate(q, k, v, sinks=None):
     """Inputs with a zero-size dimension: SDPA's answer (zeros where a query sees no key, empty
-    otherwise), built from torch ops so that gradients (zeros, or empty) flow to q, k and v."""
+    otherwise) and each row's lse (-inf, or its sink, where it sees no key), built from torch ops so that
+    gradients (zeros, or empty, or the sinks') flow to q, k, v and sinks."""
     groups = q.shape[1] // k.shape[1] if k.shape[1] else 1
     k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
-    return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+    scores = q @ k.transpose(-1, -2)
+    if sinks is not None:  # one more column, dropped after the softmax (gpt-oss's formula)
+        scores = torch.cat([scores, sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)], dim=-1)
+    weights = torch.softmax(scores, dim=-1)
+    lse = torch.logsumexp(scores.to(lse_dtype(q)), dim=-1)
+    return (weights if sinks is None else weights[..., :-1]) @ v, lse
 
 
 # ----------------------------------------------------------------------------- eager calls, memoised
@@ -359,8 +414,9 @@ def _plain_window(window) -> bool:
                               and window[0].__class__ in _PLAIN_INT and window[1].__class__ in _PLAIN_INT)
 
 
-def _needs_grad(q, k, v) -> bool:
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+def _needs_grad(q, k, v, sinks=None) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                        or (sinks is not None and sinks.requires_grad))
 
 
 def _signed(x):
@@ -405,10 +461,10 @@ def _prepared_backward(q, k, v, causal, scale, window, softcap):
                                  lambda *given: dict(zip(_BWD_TENSORS, given), **options), _BWD_TENSORS,
                                  ("out", "lse", "dout"))
 
-    def run_backward(q, k, v, out, lse, dout, *options, prefer=None):
+    def run_backward(q, k, v, out, lse, dout, dlse, sinks, *options, prefer=None):
         if _tensors_key(q, k, v) != tensors:
-            return backward(q, k, v, out, lse, dout, *options, prefer=prefer)
-        return run(prefer, q, k, v, out, lse, dout)
+            return backward(q, k, v, out, lse, dout, dlse, sinks, *options, prefer=prefer)
+        return (*run(prefer, q, k, v, out, lse, dout), None)
 
     return run_backward
 
@@ -435,44 +491,60 @@ def _memoise(key, q, k, v, causal, scale, window, softcap):
         options = Options(Variant(lambda q, k, v, *_: compute(q, k, v),
                                   _prepared_backward(q, k, v, causal, scale, window, softcap), _definition),
                           (causal, scale, window, softcap))
-        finish = lambda q, k, v: EagerAttention.apply(q, k, v, options)[0]  # noqa: E731
+        finish = lambda q, k, v: EagerAttention.apply(q, k, v, None, options)[0]  # noqa: E731
     else:  # autograd.Function.apply costs 20-50 us of host time even with nothing to differentiate
         finish = lambda q, k, v: compute(q, k, v)[0]  # noqa: E731
     call = (lambda q, k, v: finish(*autocast_inputs(q, k, v))) if autocast else finish
     return backend, impl, call
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None):
-    """Softmax attention of q ``[B, Hq, Sq, D]`` over k, v ``[B, Hkv, Skv, D]``, ``Hq % Hkv == 0``.
+def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, sinks=None, return_lse=False):
+    """Softmax attention of q ``[B, Hq, Sq, D]`` over k ``[B, Hkv, Skv, D]`` and v ``[B, Hkv, Skv, Dv]`` (v's head
+    dim may be its own: DeepSeek's MLA), ``Hq % Hkv == 0``; out is ``[B, Hq, Sq, Dv]``.
 
     Query ``i`` sits at key position ``p = i + Skv - Sq`` (masks are aligned to the bottom right, so
     with ``Sq == 1`` the one query is the newest token of a KV cache). ``causal`` hides keys
     ``j > p``; ``window=(left, right)`` hides keys outside ``p - left <= j <= p + right`` (None for
     an unbounded side). ``scale`` defaults to ``1 / sqrt(D)``; ``softcap`` (None or 0: off) replaces
-    each scaled score ``s`` by ``softcap * tanh(s / softcap)`` before the mask. Equal to
+    each scaled score ``s`` by ``softcap * tanh(s / softcap)`` before the mask. ``sinks`` (None, or a
+    floating tensor ``[Hq]`` on q's device: gpt-oss's learned sinks) adds ``exp(sinks[h])`` to each row's
+    softmax denominator, a term that carries no value (not scaled, not capped). Equal to
     ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)``
-    when ``Sq == Skv`` and there is no window or softcap, autocast included. Differentiable in q, k
-    and v, twice with ``create_graph=True``; the output's memory layout follows q's
-    (``portable_ops.layout``). ``docs/api.md``, "Attention features", has the details.
+    when ``Sq == Skv`` and there is no window, softcap or sink, autocast included. Differentiable in q, k,
+    v and sinks, twice with ``create_graph=True``; the output's memory layout follows q's
+    (``portable_ops.layout``). ``return_lse=True`` returns ``(out, lse)``: ``lse [B, Hq, Sq]`` float32 (float64
+    for float64 q), each row's natural-log softmax denominator, its sink included (-inf where a row sees
+    nothing), with an exact gradient. ``docs/api.md``, "Attention features", has the details.
     """
-    key = _memo_key(q, k, v, causal, scale, window, softcap)
+    key = _memo_key(q, k, v, causal, scale, window, softcap) if sinks is None and return_lse is False else None
     call = _memoised(key) if key is not None else None
     if call is not None:
         return call(q, k, v)
-    q, k, v, causal, scale, window, softcap = _checked(q, k, v, causal, scale, window, softcap)
-    if q.numel() == 0 or k.numel() == 0:
-        return degenerate(q, k, v)
+    q, k, v, sinks, causal, scale, window, softcap = _checked(q, k, v, causal, scale, window, softcap, sinks)
+    return_lse = checks.flag("return_lse", return_lse)
+    return as_returned(_attention(q, k, v, sinks, causal, scale, window, softcap, key), return_lse)
+
+
+def as_returned(result, return_lse: bool):
+    """``(out, lse)`` or ``out`` alone: what the caller asked for."""
+    return result if return_lse else result[0]
+
+
+def _attention(q, k, v, sinks, causal, scale, window, softcap, key):
+    """``(out, lse)`` of a checked call; ``key``: its memo key, or None where it is not memoised."""
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return degenerate(q, k, v, sinks)
     if torch.compiler.is_compiling():
         scale, softcap, scale_tensor, softcap_tensor = checks.op_scalars(scale, softcap)
         return _attention_fwd_op(q, k, v, causal, scale, *window_args(window), softcap, scale_tensor,
-                                 softcap_tensor)[0]
+                                 softcap_tensor, sinks)
     if transformed():
-        return _FuncAttention.apply(q, k, v, causal, scale, window, softcap)[0]
+        return _FuncAttention.apply(q, k, v, sinks, causal, scale, window, softcap)
     entry = _memoise(key, q, k, v, causal, scale, window, softcap) if key is not None else None
     if entry is not None:
         out = entry[2](q, k, v)
         memo.remember(_memo, key, entry)
-        return out
-    if not _needs_grad(q, k, v):
-        return forward(q, k, v, causal, scale, window, softcap)[0]
-    return EagerAttention.apply(q, k, v, Options(DENSE, (causal, scale, window, softcap)))[0]
+        return out, None
+    if not _needs_grad(q, k, v, sinks):
+        return forward(q, k, v, sinks, causal, scale, window, softcap)
+    return EagerAttention.apply(q, k, v, sinks, Options(DENSE, (causal, scale, window, softcap)))

@@ -237,7 +237,8 @@ def _check_rank(arg: str, t, layout: str) -> None:
 
 def _check_qkv(q, k, v, layout: str, batched: bool) -> None:
     """q, k and v as attention takes them: floating tensors of ``layout``'s rank (heads second), one dtype
-    and device, k shaped like v, one head dim, and q's heads a multiple of k's."""
+    and device, k shaped like v but in the head dim (v's may differ), q's head dim k's, and q's heads a
+    multiple of k's."""
     for arg, t in (("q", q), ("k", k), ("v", v)):
         _check_rank(arg, t, layout)
         if t.dtype not in FLOAT_DTYPES:
@@ -249,10 +250,11 @@ def _check_qkv(q, k, v, layout: str, batched: bool) -> None:
             raise ValueError(f"{arg} is on {t.device} but q is on {q.device}")
         if batched and t.shape[0] != q.shape[0]:
             raise ValueError(f"{arg} has batch {t.shape[0]} but q has batch {q.shape[0]}")
-        if t.shape[-1] != q.shape[-1]:
-            raise ValueError(f"{arg} has head_dim {t.shape[-1]} but q has head_dim {q.shape[-1]}")
-    if k.shape != v.shape:
-        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k has head_dim {k.shape[-1]} but q has head_dim {q.shape[-1]}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k has shape {tuple(k.shape)} but v has {tuple(v.shape)}; they must match but in the "
+                         f"head dim (v's may be its own)")
     _check_heads(q.shape[1], k.shape[1], "k and v")  # dim 1 in both layouts
 
 
@@ -271,7 +273,8 @@ def check_attention(q, k, v) -> None:
     # call but those with no heads; the checks one by one, to name the culprit, otherwise.
     try:
         q_shape, k_shape, dtype, device = q.shape, k.shape, q.dtype, q.device
-        ok = (len(q_shape) == 4 and k_shape == v.shape and len(k_shape) == 4 and dtype in _FLOAT_DTYPE_SET
+        ok = (len(q_shape) == 4 and k_shape[:3] == v.shape[:3] and len(k_shape) == 4 and v.dim() == 4
+              and dtype in _FLOAT_DTYPE_SET
               and k.dtype == dtype and v.dtype == dtype and k.device == device and v.device == device
               and k_shape[0] == q_shape[0] and k_shape[3] == q_shape[3] and k_shape[1] > 0
               and q_shape[1] % k_shape[1] == 0)
@@ -279,6 +282,36 @@ def check_attention(q, k, v) -> None:
         ok = False
     if not ok:
         _check_qkv(q, k, v, "[batch, heads, seq, head_dim]", batched=True)
+
+
+def flag(arg: str, value) -> bool:
+    """A bool option (numpy's too), refused by name otherwise."""
+    value = plain(value)
+    if not isinstance(value, bool):
+        raise TypeError(f"{arg} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def attention_sinks(sinks, q, heads_dim: int):
+    """``sinks`` as the backends take it: None, or ``[heads]`` in lse's dtype (float32; float64 for float64 q) on
+    q's device, cast from any floating dtype (differentiably: its gradient reaches the caller's tensor in its own
+    dtype). ``heads_dim``: q's dim that counts the query heads."""
+    if sinks is None:
+        return None
+    expected = "a floating-point tensor [heads] (one logit per query head)"
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be None or {expected}, got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks has dtype {sinks.dtype}; expected {expected}")
+    if sinks.dim() != 1:
+        raise ValueError(f"sinks must have 1 dimension [heads], got shape {tuple(sinks.shape)}")
+    heads = q.shape[heads_dim]
+    if sinks.shape[0] != heads:
+        raise ValueError(f"sinks has {sinks.shape[0]} entries but q has {heads} heads: one logit per query head")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}")
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return sinks if sinks.dtype == dtype else sinks.to(dtype)
 
 
 def attention_options(head_dim, causal, scale, window, softcap, *, compiling=False) -> tuple:
@@ -292,9 +325,7 @@ def attention_options(head_dim, causal, scale, window, softcap, *, compiling=Fal
     One spelling per mask, so that a kernel without windows still takes the masks it has: under
     ``causal`` a window's right side is moot (dropped); ``window=(left, 0)`` is ``causal`` with
     ``(left, None)``; a window unbounded on both sides is no window."""
-    causal = plain(causal)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    causal = flag("causal", causal)
     if scale is None:
         d = int(head_dim)  # under torch.compile this specialises the head dim: the kernels do too
         scale = 1.0 / math.sqrt(d) if d else 1.0
@@ -462,9 +493,9 @@ def _check_cache(k_cache, v_cache, device: torch.device, dtype: torch.dtype) -> 
             raise TypeError(f"{arg} has dtype {t.dtype} but q has {dtype}")
         if t.device != device:
             raise ValueError(f"{arg} is on {t.device} but q is on {device}")
-    if k_cache.shape != v_cache.shape:
+    if k_cache.shape[:-1] != v_cache.shape[:-1]:
         raise ValueError(f"k_cache has shape {tuple(k_cache.shape)} but v_cache has {tuple(v_cache.shape)}; they "
-                         f"must match")
+                         f"must match but in the head dim (v's may be its own)")
     if k_cache.shape[1] == 0:
         raise ValueError("k_cache has page_size 0 (its second dimension); a page must hold at least one token")
 
@@ -497,8 +528,9 @@ def check_paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v
         _check_rank(arg, t, "[batch, new_tokens, kv_heads, head_dim]")
     if k_new.dtype not in FLOAT_DTYPES:
         raise TypeError(f"k_new has dtype {k_new.dtype}; expected float16, bfloat16, float32 or float64")
-    if v_new.shape != k_new.shape:
-        raise ValueError(f"v_new has shape {tuple(v_new.shape)} but k_new has {tuple(k_new.shape)}; they must match")
+    if v_new.shape[:-1] != k_new.shape[:-1]:
+        raise ValueError(f"v_new has shape {tuple(v_new.shape)} but k_new has {tuple(k_new.shape)}; they must match "
+                         f"but in the head dim (v's may be its own)")
     for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if isinstance(t, torch.Tensor) and t.dtype != k_new.dtype:
             raise TypeError(f"{arg} has dtype {t.dtype} but k_new has {k_new.dtype}; the cache keeps its dtype, "
@@ -506,9 +538,10 @@ def check_paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v
     if v_new.dtype != k_new.dtype or v_new.device != k_new.device:
         raise TypeError(f"v_new is {v_new.dtype} on {v_new.device} but k_new is {k_new.dtype} on {k_new.device}")
     _check_cache(k_cache, v_cache, k_new.device, k_new.dtype)
-    if k_new.shape[2:] != k_cache.shape[2:]:
-        raise ValueError(f"k_new has (kv_heads, head_dim) {tuple(k_new.shape[2:])} but k_cache has "
-                         f"{tuple(k_cache.shape[2:])}")
+    for new, new_t, cache, cache_t in (("k_new", k_new, "k_cache", k_cache), ("v_new", v_new, "v_cache", v_cache)):
+        if new_t.shape[2:] != cache_t.shape[2:]:
+            raise ValueError(f"{new} has (kv_heads, head_dim) {tuple(new_t.shape[2:])} but {cache} has "
+                             f"{tuple(cache_t.shape[2:])}")
     _check_page_tables(block_table, cache_seqlens, k_new.shape[0], k_new.device)
     check_not_differentiated("paged_kv_append", k_cache=k_cache, v_cache=v_cache, k_new=k_new, v_new=v_new)
     if not torch.compiler.is_compiling():  # dynamo can't trace inference mode: the custom op checks as it runs
@@ -533,7 +566,7 @@ def check_not_differentiated(op: str, **tensors) -> None:
     if not torch.is_grad_enabled():
         return
     for arg, t in tensors.items():
-        if t.requires_grad:
+        if t is not None and t.requires_grad:
             raise RuntimeError(f"{op} is not differentiable (inference only), but {arg} requires grad: call it "
                                f"under torch.no_grad() or torch.inference_mode(), or pass {arg}.detach()")
 

@@ -23,9 +23,10 @@ _SGD_CALL_KEYWORDS = [name for name, p in inspect.signature(sgd_call).parameters
 # arguments as bound to its signature (defaults applied).
 _CALLS = {
     "attention": (attention,
-                  lambda a: attention_call(a["q"], a["k"], a["v"], a["causal"], a["scale"], a["window"], a["softcap"])),
-    "attention_varlen": (attention_varlen, lambda a: attention_varlen_call(**a)),
-    "paged_attention": (paged_attention, lambda a: paged_attention_call(**a)),
+                  lambda a: attention_call(a["q"], a["k"], a["v"], a["causal"], a["scale"], a["window"], a["softcap"],
+                                           a["sinks"])),
+    "attention_varlen": (attention_varlen, lambda a: attention_varlen_call(**_forward_arguments(a))),
+    "paged_attention": (paged_attention, lambda a: paged_attention_call(**_forward_arguments(a))),
     "paged_kv_append": (paged_kv_append, lambda a: paged_kv_append_call(**a)),
     "adam": (adam, lambda a: adam_call(**{k: v for k, v in a.items() if k in _ADAM_CALL_ARGS})),
     "sgd": (sgd, lambda a: sgd_call(a["params"], a["d_p_list"], a["momentum_buffer_list"],
@@ -39,6 +40,11 @@ _CALLS = {
     "rope_": (rope_, lambda a: rope_inplace_call(**a)),
 }
 _PUBLIC_OPS = public_ops()
+
+
+def _forward_arguments(arguments):
+    """An attention's bound arguments as its checked call takes them: what it returns aside."""
+    return {k: v for k, v in arguments.items() if k != "return_lse"}
 
 
 def _rows(call):

@@ -31,19 +31,22 @@ def heads_inner(t: torch.Tensor) -> bool:
     return t.stride(1) < t.stride(2)
 
 
-def strides_like(t: torch.Tensor) -> tuple[int, int, int, int]:
-    """The strides of :func:`empty_like` (``t``) without allocating it."""
+def strides_like(t: torch.Tensor, head_dim: int | None = None) -> tuple[int, int, int, int]:
+    """The strides of :func:`empty_like` (``t``, ``head_dim``) without allocating it."""
     b, h, s, d = t.shape
+    d = d if head_dim is None else head_dim
     if heads_inner(t):
         return (s * h * d, d, h * d, 1)
     return (h * s * d, s * d, d, 1)
 
 
-def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An uninitialised tensor of ``t``'s shape (``[B, H, S, D]``) in the layout the rule above picks."""
+def empty_like(t: torch.Tensor, dtype: torch.dtype | None = None, head_dim: int | None = None) -> torch.Tensor:
+    """An uninitialised tensor of ``t``'s shape (``[B, H, S, D]``; its last dim ``head_dim`` where given: an
+    output of v's head dim, mirroring q) in the layout the rule above picks."""
     # not new_empty(...).transpose(1, 2): that is a view, and a view made under no_grad can't be modified in
     # place once grad mode is back on (SDPA's output can)
-    return torch.empty_strided(t.shape, strides_like(t), dtype=dtype or t.dtype, device=t.device)
+    shape = t.shape if head_dim is None else (*t.shape[:3], head_dim)
+    return torch.empty_strided(shape, strides_like(t, head_dim), dtype=dtype or t.dtype, device=t.device)
 
 
 def same_layout(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -54,12 +57,13 @@ def same_layout(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
 
 
 def as_layout_of(result: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``result`` (shaped like ``t``) in ``t``'s output layout: itself when its strides already are, else a
-    copy (strides are compared exactly, size-one dimensions included: a compiled graph checks them so).
-    Never a view (:func:`unviewed`)."""
-    if result.stride() == strides_like(t):
+    """``result`` (shaped like ``t`` but perhaps in its last dim) in ``t``'s output layout: itself when its
+    strides already are, else a copy (strides are compared exactly, size-one dimensions included: a compiled
+    graph checks them so). Never a view (:func:`unviewed`)."""
+    head_dim = result.shape[-1]
+    if result.stride() == strides_like(t, head_dim):
         return unviewed(result)
-    return empty_like(t, dtype=result.dtype).copy_(result)
+    return empty_like(t, dtype=result.dtype, head_dim=head_dim).copy_(result)
 
 
 def unviewed(result: torch.Tensor) -> torch.Tensor:

@@ -37,18 +37,35 @@ class Op:
     backward: str | None = None  # the op computing its gradients; None: not differentiable through a backend
 
 
-def _q_head_dim(call: Call) -> int:
-    return call["q"].shape[-1]
+def _value(call: Call):
+    """The call's values: v, or a paged call's v_cache."""
+    return call["v"] if "v" in call else call["v_cache"]
+
+
+def _head_dim(call: Call) -> int:
+    """The widest head dim of the call: q and k's, or v's where it has its own."""
+    return max(call["q"].shape[-1], _value(call).shape[-1])
+
+
+def _value_head_dim(call: Call) -> str:
+    q_dim, v_dim = call["q"].shape[-1], _value(call).shape[-1]
+    return f"v's head_dim {v_dim} beside q and k's {q_dim}" if v_dim != q_dim else ""
 
 
 CAUSAL = Feature("causal", lambda call: "causal=True" if call["causal"] else "")
 WINDOW = Feature("window", lambda call: f"window={call['window']}" if call["window"] is not None else "")
 SOFTCAP = Feature("softcap", lambda call: f"softcap={call['softcap']:g}" if call["softcap"] is not None else "")
+VALUE_HEAD_DIM = Feature("value head dim", _value_head_dim)
+SINKS = Feature("sinks", lambda call: "sinks (a learned logit per query head)" if call.get("sinks") is not None else "")
+# A backward's: the gradient that reached lse (return_lse=True), which changes each row's delta
+LSE_GRADIENT = Feature("lse gradient", lambda call: "a gradient through lse (return_lse=True)"
+                       if call.get("dlse") is not None else "")
 OTHER_NORMS = Feature("other norm types",
                       lambda call: "" if call["norm_type"] in (2.0, math.inf) else f"norm_type {call['norm_type']:g}",
                       without="2 and inf are")
 
-_ATTENTION = dict(tensors=("q", "k", "v"), head_dim=_q_head_dim, features=(CAUSAL, WINDOW, SOFTCAP))
+_ATTENTION = dict(tensors=("q", "k", "v"), head_dim=_head_dim,
+                  features=(CAUSAL, WINDOW, SOFTCAP, SINKS, LSE_GRADIENT, VALUE_HEAD_DIM))
 _VARLEN = dict(public="attention_varlen", description="packed variable-length sequences", family="attention_varlen",
                **_ATTENTION)
 
@@ -65,11 +82,11 @@ OPS: dict[str, Op] = {
     "attention_varlen_fwd": Op(backward="attention_varlen_bwd", **_VARLEN),
     "attention_varlen_bwd": Op(**_VARLEN),
     "paged_attention": Op(public="paged_attention", description="attention over a paged KV cache",
-                          family="paged_attention", tensors=("q", "k_cache", "v_cache"), head_dim=_q_head_dim,
-                          features=(WINDOW, SOFTCAP)),
+                          family="paged_attention", tensors=("q", "k_cache", "v_cache"), head_dim=_head_dim,
+                          features=(WINDOW, SOFTCAP, SINKS, VALUE_HEAD_DIM)),
     "paged_kv_append": Op(public="paged_kv_append", description="appending to a paged KV cache",
                           family="paged_attention", tensors=("k_cache", "v_cache", "k_new", "v_new"),
-                          head_dim=lambda call: call["k_new"].shape[-1]),
+                          head_dim=lambda call: max(call["k_new"].shape[-1], call["v_new"].shape[-1])),
     # Rows ``x [M, D]`` (the leading dims folded), normalised over D; dweight and dbias come back float32.
     "rms_norm_fwd": Op(public="rms_norm", description="RMSNorm", family="rms_norm", backward="rms_norm_bwd",
                        tensors=("x", "residual", "weight")),

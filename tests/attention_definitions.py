@@ -1,6 +1,7 @@
 """The attention features' definitions, written here from their meaning, and the inputs the feature tests build:
-masks from Python loops over query and key positions, the softcap as ``softcap * tanh(s / softcap)``, packed
-sequences one at a time, a paged cache gathered position by position (tests/test_attention_features.py,
+masks from Python loops over query and key positions, the softcap as ``softcap * tanh(s / softcap)``, sinks as
+one more logit per row whose probability is dropped, packed sequences one at a time, a paged cache gathered
+position by position (tests/test_attention_features.py, tests/test_attention_sinks.py,
 tests/test_paged_attention.py)."""
 
 import math
@@ -32,16 +33,20 @@ def definition_mask(sq, skv, causal, window):
     return mask
 
 
-def definition(q, k, v, causal=False, scale=None, window=None, softcap=None):
-    """Dense attention ``[B, H, S, D]`` from its definition; rows that see no key are zeros."""
+def definition(q, k, v, causal=False, scale=None, window=None, softcap=None, sinks=None, return_lse=False):
+    """Dense attention ``[B, H, S, D]`` from its definition; rows that see no key are zeros. ``return_lse``: and
+    each row's log-sum-exp of its logits (its sink's included; -inf where there are none)."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scores = (q @ k.transpose(-1, -2)) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
-    mask = definition_mask(q.shape[-2], k.shape[-2], causal, window)
-    probs = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1).nan_to_num(0.0)
-    return probs @ v
+    scores = scores.masked_fill(~definition_mask(q.shape[-2], k.shape[-2], causal, window), -math.inf)
+    if sinks is not None:  # the sink is one more logit of each row, carrying no value
+        scores = torch.cat([scores, sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = (probs if sinks is None else probs[..., :-1]) @ v
+    return (out, torch.logsumexp(scores, dim=-1)) if return_lse else out
 
 
 def qkv(b=2, hq=4, hkv=2, sq=9, skv=9, d=8, dtype=F64, seed=0):

@@ -382,6 +382,9 @@ def _broken(run, **changes):
     ("varlen_cross_lengths_causal", "attention_varlen_bwd", dict(causal=False)),
     ("paged_decode_window_page16", "paged_attention", dict(window=None)),
     ("paged_softcap_page16", "paged_attention", dict(softcap=45.0)),
+    ("attn_sinks_lse_gqa_window_more_queries", "attention_fwd", dict(sinks=None)),
+    ("varlen_sinks_lse_dv_causal_cross_lengths", "attention_varlen_fwd", dict(sinks=None)),
+    ("paged_sinks_decode_page16", "paged_attention", dict(sinks=None)),
 ])
 def test_a_backend_that_gets_a_feature_wrong_fails_its_cases(case_name, op, changes, fake_backend):
     ops = ("attention_fwd", "attention_bwd", "attention_varlen_fwd", "attention_varlen_bwd", "paged_attention",

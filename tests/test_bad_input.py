@@ -207,7 +207,9 @@ BAD_ATTENTION = {
                              "q's head count must be a multiple of k's"),
     "head dims differ": (lambda: qkv(q=(1, 4, 8, 16), k=(1, 2, 8, 32)), ValueError,
                          "k has head_dim 32 but q has head_dim 16"),
-    "v head dim differs": (lambda: qkv(k=(1, 2, 8, 16), v=(1, 2, 8, 32)), ValueError, "v has head_dim 32"),
+    # v may have a head dim of its own (tests/test_attention_sinks.py), but not heads of its own
+    "v heads differ": (lambda: qkv(k=(1, 2, 8, 16), v=(1, 1, 8, 32)), ValueError,
+                       r"k has shape \(1, 2, 8, 16\) but v has \(1, 1, 8, 32\); they must match but in the head dim"),
     "k and v lengths differ": (lambda: qkv(k=(1, 2, 8, 16), v=(1, 2, 9, 16)), ValueError, "k has shape .* but v has"),
     "batch differs": (lambda: qkv(q=(2, 4, 8, 16)), ValueError, "k has batch 1 but q has batch 2"),
     "dtype differs": (lambda: (torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16).half(), torch.randn(1, 2, 8, 16)),

@@ -283,7 +283,8 @@ def test_explain_with_missing_arguments_names_them():
     """A lambda's TypeError (``<lambda>() missing 2 required positional arguments``) came out."""
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(TypeError, match=r"explain\(attention, \.\.\.\): missing k, v; attention takes \(q, k, v, \*, "
-                                        r"causal=False, scale=None, window=None, softcap=None\)"):
+                                        r"causal=False, scale=None, window=None, softcap=None, sinks=None, "
+                                        r"return_lse=False\)"):
         portable_ops.explain(portable_ops.attention, q)
     with pytest.raises(TypeError, match="explain.clip_grad_norm_, ....: missing max_norm"):
         portable_ops.explain(portable_ops.clip_grad_norm_, [])

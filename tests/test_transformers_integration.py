@@ -267,22 +267,38 @@ def test_a_backend_declining_packed_attention_refuses_under_strict_mode():
 
 # ----------------------------------------------------------------------------- refusals
 
-def test_gpt_oss_sinks_are_refused():
-    config = transformers.GptOssConfig(vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
-                                       num_experts_per_tok=1, sliding_window=4, attn_implementation=NAME)
-    with pytest.raises(NotImplementedError, match=r"can't take s_aux \(attention sinks"):
-        transformers.GptOssForCausalLM(config)(tokens(1, 6))
+def test_gpt_oss_sinks_match_eager(calls):
+    """gpt-oss's learned sinks (``s_aux``, a parameter of each attention layer) and its sliding layers: logits and
+    every gradient, the sinks' included, as eager's."""
+    def config(attn_implementation):
+        return transformers.GptOssConfig(vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
+                                         num_experts_per_tok=1, sliding_window=4, initializer_range=0.3,
+                                         attn_implementation=attn_implementation)
+
+    torch.manual_seed(0)
+    eager = transformers.GptOssForCausalLM(config("eager"))
+    ours = transformers.GptOssForCausalLM(config(NAME))
+    ours.load_state_dict(eager.state_dict())
+    assert_matches_eager(eager, ours, "reference", input_ids=tokens(2, 9))
+    assert set(calls) == {"attention"}
 
 
-def test_deepseek_v3_latent_attention_head_dims_are_refused():
-    config = transformers.DeepseekV3Config(
-        vocab_size=100, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-        topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=64,
-        qk_nope_head_dim=128, v_head_dim=128, attn_implementation=NAME)
-    with pytest.raises(NotImplementedError, match=r"can't take value of head dim 128 \(query and key: 192\)"):
-        transformers.DeepseekV3ForCausalLM(config)(tokens(1, 6))
+def test_deepseek_v3_latent_attention_head_dims_match_eager(calls):
+    """DeepSeek-V3's multi-head latent attention: queries and keys of 192 (128 + 64 rope), values of 128."""
+    def config(attn_implementation):
+        return transformers.DeepseekV3Config(
+            vocab_size=100, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=64,
+            qk_nope_head_dim=128, v_head_dim=128, initializer_range=0.3, attn_implementation=attn_implementation)
+
+    torch.manual_seed(0)
+    eager = transformers.DeepseekV3ForCausalLM(config("eager"))
+    ours = transformers.DeepseekV3ForCausalLM(config(NAME))
+    ours.load_state_dict(eager.state_dict())
+    assert_matches_eager(eager, ours, "reference", input_ids=tokens(2, 6))
+    assert set(calls) == {"attention"}
 
 
 def test_what_has_no_mapping_is_refused_naming_the_argument():

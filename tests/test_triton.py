@@ -79,7 +79,7 @@ def test_decode_tiles_are_chosen_for_the_programs_the_grid_has(monkeypatch):
     seen = []
     policy = configs.decode_tile_config
     monkeypatch.setattr(configs, "decode_tile_config",
-                        lambda q, programs: seen.append(programs) or policy(q, programs))
+                        lambda q, programs, dv: seen.append(programs) or policy(q, programs, dv))
     g = torch.Generator().manual_seed(2)
 
     def grid_programs():

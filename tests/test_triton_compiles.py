@@ -97,7 +97,9 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
     for spec in specs:
         kind, d = spec["kernel"], spec.get("d", 128)
         d0, d1 = configs.head_split(d)
-        head = dict(D=d, D0=d0, D1=d1, UPCAST=False, PRECISION="ieee")
+        dv = spec.get("dv", d)  # v's head dim, where it has its own
+        dv0, dv1 = configs.head_split(dv)
+        head = dict(D=d, D0=d0, D1=d1, VD=dv, VD0=dv0, VD1=dv1, UPCAST=False, PRECISION="ieee")
         # the masks and features a spec asks for (default: causal, nothing else)
         features = dict(BOUND_LEFT=spec.get("window", False), BOUND_RIGHT=spec.get("causal", True),
                         SOFTCAP=spec.get("softcap", False), VARLEN=spec.get("varlen", False))
@@ -152,11 +154,12 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                          "so_h", "so_m", "slse_split", "slse_b", "slse_h", "stable_b", "H", "GROUP", "SQ", "SKV",
                          "LEFT", "RIGHT", "PAIRS", "KEYS_PER_SPLIT"]
                 types_ = attention_types(("Q", "K", "V", "O", "LSE"), names, {**floats, **offsets, "CACHE_LENS": "*i32",
-                                                                             "TABLE": "*i32"})
+                                                                             "TABLE": "*i32", "SINK": "*fp32"})
                 consts = dict(head, **features, PAGED=kind == "paged", PAGE=16 if kind == "paged" else 0,
                               BLOCK_M=block_m, BLOCK_N=block_n, PACK_GROUP=kind in ("decode", "paged"),
                               NEGATIVE_SCALE=False, UNIT=spec.get("unit", 8),
-                              OFFSETS_64=spec.get("offsets_64", False), FOLD=spec.get("fold", False))
+                              OFFSETS_64=spec.get("offsets_64", False), FOLD=spec.get("fold", False),
+                              SINKS=spec.get("sinks", False))
                 row.update(run(fwd_kernels.fwd_kernel, types_, consts, warps, stages, False))
             elif kind == "dkdv":
                 block_m, block_n, warps, stages = spec["config"]
@@ -181,17 +184,17 @@ def _compile(specs: list[dict], backend_dir: str) -> list[dict]:
                               OFFSETS_64=spec.get("offsets_64", False), FOLD=spec.get("fold", False))
                 row.update(run(bwd_kernels.dq_kernel, types_, consts, warps, stages, False))
             elif kind == "delta":
-                types_ = {"O": "*bf16", "DO": "*bf16", "DELTA": "*fp32", "DQ_SUM": "*fp32", **strides("o", "do"),
-                          "H": "i32", "SQ": "i32", "PAIRS": "i32"}
+                types_ = {"O": "*bf16", "DO": "*bf16", "DLSE": "*fp32", "DELTA": "*fp32", "DQ_SUM": "*fp32",
+                          **strides("o", "do"), "H": "i32", "SQ": "i32", "PAIRS": "i32"}
                 # zeroing dQ's float32 sum where the Hopper backward takes the head dim, as it runs
                 consts = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK=64 if d <= 128 else 32,
                               ZERO_DQ=d in attention_sm90.BWD_HEAD_DIMS, OFFSETS_64=spec.get("offsets_64", False),
-                              FOLD=spec.get("fold", False))
+                              FOLD=spec.get("fold", False), LSE_GRADIENT=spec.get("lse_gradient", False))
                 row.update(run(bwd_kernels.delta_kernel, types_, consts, 4, 3, d % 16 == 0))
             elif kind == "combine":
-                types_ = {"O_PART": "*fp32", "LSE_PART": "*fp32", "O": "*bf16", "LSE": "*fp32", "SPLITS": "i32",
-                          "H": "i32", "SQ": "i32", **strides("o")}
-                consts = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=16)
+                types_ = {"O_PART": "*fp32", "LSE_PART": "*fp32", "O": "*bf16", "LSE": "*fp32", "SINK": "*fp32",
+                          "SPLITS": "i32", "H": "i32", "SQ": "i32", **strides("o")}
+                consts = dict(D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=16, SINKS=spec.get("sinks", False))
                 row.update(run(fwd_kernels.combine_kernel, types_, consts, 4, 3, d % 16 == 0))
             elif kind == "norm_partials":
                 types_ = {"addresses": "*i64", "chunk_tensor": "*i32", "chunk_start": "*i64", "numels": "*i64",
@@ -351,6 +354,12 @@ else:
             specs += [{"kernel": kernel, "d": 128, "config": list(CONFIGS[kernel][128][0]), "window": True,
                        "softcap": True, "varlen": True}]
         specs.append({"kernel": "paged", "d": 128, "config": list(DECODE_CONFIG), "window": True})
+        # issue 33's: sinks in the forward, the GQA-packed decode and the split-key merge; a gradient through lse;
+        # DeepSeek's MLA (q and k of 192, v of 128)
+        specs += [{"kernel": kernel, "d": 192, "dv": 128, "config": list(CONFIGS[kernel][192][0]),
+                   "sinks": kernel == "fwd"} for kernel in ("fwd", "dkdv", "dq")]
+        specs += [{"kernel": "decode", "d": 128, "config": list(DECODE_CONFIG), "sinks": True},
+                  {"kernel": "combine", "d": 128, "sinks": True}, {"kernel": "delta", "d": 128, "lse_gradient": True}]
         # (sequence, head) pairs past CUDA's grid limit, folded over the grid's third dim
         specs += [{"kernel": kernel, "d": 128, "config": list(CONFIGS[kernel][128][0]), "fold": True}
                   for kernel in ("fwd", "dkdv", "dq")]

@@ -163,7 +163,7 @@ def _paged_against_reference(q, k_cache, v_cache, table, seqlens, out, sample, *
     rows = table[index]
     sub = [c[rows.flatten().long()].double().cpu() for c in (k_cache, v_cache)]
     sub_table = torch.arange(rows.numel(), dtype=torch.int32).view(rows.shape)
-    want = ref_paged.paged_attention(q[index].double().cpu(), *sub, sub_table, seqlens[index].cpu(), **options)
+    want, _ = ref_paged.paged_attention(q[index].double().cpu(), *sub, sub_table, seqlens[index].cpu(), **options)
     _close(out[index], want, q.dtype)
 
 
@@ -179,7 +179,7 @@ def test_paged_decode_past_the_grid_limit(small_grids, b, sq, hq, hkv):
     q = _randn(b, sq, hq, 16, seed=9)
     assert attn.paged_attention_supports({"q": q, "k_cache": k_cache}) == []
     options = dict(scale=0.25, window=(9, None))
-    out = attn.paged_attention(q, k_cache, v_cache, table, seqlens, **options)
+    out, _ = attn.paged_attention(q, k_cache, v_cache, table, seqlens, **options)
     _paged_against_reference(q, k_cache, v_cache, table, seqlens, out, range(b), **options)
     _assert_folded_within(LIMIT)
 
@@ -258,7 +258,7 @@ def test_paged_decode_past_the_real_grid_limit(b, sq, folds):
     k_cache, v_cache, table, seqlens = _paged_cache(lens, 16, hkv, d, torch.bfloat16)
     q = _randn(b, sq, hq, d, dtype=torch.bfloat16, seed=12)
     assert attn.paged_attention_supports({"q": q, "k_cache": k_cache}) == []
-    out = attn.paged_attention(q, k_cache, v_cache, table, seqlens, scale=d ** -0.5)
+    out, _ = attn.paged_attention(q, k_cache, v_cache, table, seqlens, scale=d ** -0.5)
     (plan,) = plans.fwd_plans.values()
     assert plan.fwd.options["FOLD"] == folds and plan.fwd.grid[1] <= plans.MAX_GRID_Y
     _paged_against_reference(q, k_cache, v_cache, table, seqlens, out, [0, 1, b // 2, b - 2, b - 1],

@@ -117,14 +117,15 @@ def test_outputs_written_past_2_31(buffer):
     q, k, v, dout = (t.clone() for t in (q, k, v, dout))  # dense inputs: only the outputs are far
     far = _strides(q.shape, 1)
     out, lse = attn.attention_fwd(q, k, v, causal=True, scale=0.25)
-    far_out, far_lse = attn._forward_call(q, k, v, True, 0.25, None, None, far, None, (q, q, q, q))
+    far_out, far_lse = attn._forward_call(q, k, v, True, 0.25, None, None, None, far, None, (q, q, q, q))
     assert far_out.stride() == far
     assert torch.equal(far_out, out) and torch.equal(far_lse, lse)
     grads = attn.attention_bwd(q, k, v, out, lse, dout, causal=True, scale=0.25)
     for i in range(3):  # one far gradient at a time: each is 4 GiB of address space
         strides = [g.stride() for g in grads]
         strides[i] = far
-        far_grads = attn._backward_call(q, k, v, out, lse, dout, True, 0.25, None, None, tuple(strides), None, (q, q))
+        far_grads = attn._backward_call(q, k, v, out, lse, dout, True, 0.25, None, None, None, None, tuple(strides),
+                                        None, (q, q))
         assert far_grads[i].stride() == far
         assert all(torch.equal(a, b) for a, b in zip(far_grads, grads))
 

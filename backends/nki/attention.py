@@ -2,6 +2,9 @@
 sliding window, logit softcap).
 
 Layout: a query tile holds up to 128 rows on the partitions; a key tile holds up to 128 keys.
+V (and O, dO) may have a head dim of their own, ``Dv`` (DeepSeek's MLA): Q and K's ``D`` is
+contracted in ``S`` and dQ, dK; ``Dv`` in ``dP = dO V^T``, and it is P V's free size.
+
 Scores ``S = Q K^T`` come from ``nc_matmul(stationary=Q^T [D, bq], moving=K^T [D, bk])`` into
 PSUM, so the head dim is the contraction, on the partitions. A head dim over 128 is split into
 chunks of at most 128 partitions (``[128, n_chunks, rows]`` tiles) whose matmuls accumulate into
@@ -21,10 +24,16 @@ each scaled score ``s`` by ``softcap * tanh(s / softcap)`` before the mask: the 
 K/V head ``h // (Hq // Hkv)`` in place (query heads loop inside their KV head), never a repeated
 copy.
 
+Sinks (one logit per query head) join each row's denominator once, after its last key block; the
+host hands each head's sink down the partitions (``[Hq, 128, 1]``), so a query tile loads its column
+in one DMA.
+
 Forward returns ``out`` and ``lse`` (float32, natural log; ``-inf`` and zero output for rows that
-see no key). Backward recomputes P from ``lse`` in two passes: dQ with query tiles outside,
-then dK/dV with key tiles outside and every query head of the group inside, so dK/dV are
-summed over the group in SBUF. Semantics: ``backends/reference/attention.py``.
+see no key; with sinks their lse is the sink). Backward recomputes P from ``lse`` (the sunk lse:
+the sinked probabilities) in two passes: dQ with query tiles outside, then dK/dV with key tiles
+outside and every query head of the group inside, so dK/dV are summed over the group in SBUF.
+The dQ pass also writes each row's share of the sinks' gradient, ``-p_sink * delta``, which the
+host sums. Semantics: ``backends/reference/attention.py``.
 """
 
 from __future__ import annotations
@@ -164,18 +173,43 @@ def _rows_without_keys(tile, q0, shift, right, width, fill):
                            on_true_tile=tile, on_false_value=fill, cmp_op=nl.greater_equal)
 
 
+def _sink_column(sinks, h, bq):
+    """Head ``h``'s sink on each of ``bq`` partitions, ``[bq, 1]`` float32 (``sinks``: the host's
+    ``[Hq, 128, 1]``)."""
+    return _load(sinks[h, 0:bq, 0:1], bq, 1, nl.float32)
+
+
+def _join_sink(m, l_sum, sink, bq):
+    """A row's max ``m`` and sum ``l_sum`` with its sink joined, in place, and the factor ``exp(m_old - m)``
+    that takes its accumulator to the new max (0 for a row that saw no key: its ``m`` is NEG)."""
+    m_all = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(m_all, m, sink, op=nl.maximum)
+    neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(neg_m, m_all, op0=nl.multiply, operand0=-1.0)
+    decay = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(decay, op=nl.exp, data=m, bias=neg_m)
+    sink_term = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(sink_term, op=nl.exp, data=sink, bias=neg_m)
+    nisa.scalar_tensor_tensor(l_sum, data=l_sum, op0=nl.multiply, operand0=decay, op1=nl.add, operand1=sink_term)
+    nisa.tensor_copy(m, m_all)
+    return decay
+
+
 @nki.jit
-def attention_fwd_kernel(q, k, v, scale=1.0, causal=False, window_left=None, window_right=None, softcap=None):
-    """``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Skv, D]`` -> ``out`` like q, ``lse [B, Hq, Sq, 1]`` fp32.
-    ``window_left`` / ``window_right``: the sliding window's sides (None: unbounded); ``softcap``: None
-    or a positive float. All are trace-time constants: each combination is its own kernel."""
+def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_left=None, window_right=None,
+                         softcap=None):
+    """``q [B, Hq, Sq, D]``, ``k [B, Hkv, Skv, D]``, ``v [B, Hkv, Skv, Dv]`` -> ``out [B, Hq, Sq, Dv]``,
+    ``lse [B, Hq, Sq, 1]`` fp32.
+    ``sinks``: None or ``[Hq, 128, 1]`` fp32 (each head's sink down the partitions). ``window_left`` /
+    ``window_right``: the sliding window's sides (None: unbounded); ``softcap``: None or a positive float.
+    The options are trace-time constants: each combination is its own kernel."""
     B, Hq, Sq, D = q.shape
-    Hkv, Skv = k.shape[1], k.shape[2]
+    Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
     dt = q.dtype
     shift = Skv - Sq
     left, right = _band(causal, window_left, window_right)
-    out = nl.ndarray(q.shape, dtype=dt, buffer=nl.shared_hbm)
+    out = nl.ndarray((B, Hq, Sq, Dv), dtype=dt, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Sq, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     n_q = (Sq + B_Q - 1) // B_Q
     for b in nl.affine_range(B):
@@ -190,14 +224,14 @@ def attention_fwd_kernel(q, k, v, scale=1.0, causal=False, window_left=None, win
                     m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.memset(m, NEG)
                     l_sum = nl.zeros((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    acc = nl.zeros((bq, D), dtype=nl.float32, buffer=nl.sbuf)
+                    acc = nl.zeros((bq, Dv), dtype=nl.float32, buffer=nl.sbuf)
                     k_first, k_stop = _key_blocks(q0, bq, shift, Skv, left, right)
                     for ki in nl.static_range(k_first, k_stop):
                         k0 = ki * B_K
                         bk = min(B_K, Skv - k0)
                         k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
                         kT = _transposed_chunks(k_sb, bk, D, dt)
-                        v_sb = _load(v[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
+                        v_sb = _load(v[b, hkv, k0:k0 + bk, 0:Dv], bk, Dv, dt)
                         s, _ = _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, left, right, softcap)
                         # online softmax: m_new = max(m, rowmax(s)); alpha = exp(m - m_new)
                         m_new = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -216,58 +250,67 @@ def attention_fwd_kernel(q, k, v, scale=1.0, causal=False, window_left=None, win
                                                   op1=nl.add, operand1=row_sum)
                         # acc = acc * alpha + P V  (P^T is the stationary operand: keys contract)
                         pT = _transposed(p, bq, bk, dt)
-                        pv = nl.ndarray((bq, D), dtype=nl.float32, buffer=nl.psum)
+                        pv = nl.ndarray((bq, Dv), dtype=nl.float32, buffer=nl.psum)
                         nisa.nc_matmul(pv, pT, v_sb, accumulate=False)
                         nisa.scalar_tensor_tensor(acc, data=acc, op0=nl.multiply, operand0=alpha,
                                                   op1=nl.add, operand1=pv)
                         nisa.tensor_copy(m, m_new)
+                    decay = None if sinks is None else _join_sink(m, l_sum, _sink_column(sinks, h, bq), bq)
                     # A row whose every score is -inf (from its inputs, not the mask) sums to 0: its
                     # output is 0, as SDPA's and the reference's, not 0 * inf; real sums are >= 1.
                     l_safe = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.tensor_scalar(l_safe, l_sum, op0=nl.maximum, operand0=1.0e-30)
                     inv_l = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.reciprocal(inv_l, l_safe)
-                    o = nl.ndarray((bq, D), dtype=dt, buffer=nl.sbuf)
+                    if decay is not None:
+                        nisa.tensor_tensor(inv_l, inv_l, decay, op=nl.multiply)
+                    o = nl.ndarray((bq, Dv), dtype=dt, buffer=nl.sbuf)
                     nisa.tensor_scalar(o, acc, op0=nl.multiply, operand0=inv_l)
                     lse_t = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.activation(lse_t, op=nl.log, data=l_sum)
                     nisa.tensor_tensor(lse_t, lse_t, m, op=nl.add)
                     # Rows that see no key had only masked scores (or, with no visible block, none):
-                    # out 0 and lse -inf, as the reference, not the mean of masked values.
-                    _rows_without_keys(o, q0, shift, right, D, 0.0)
-                    _rows_without_keys(lse_t, q0, shift, right, 1, -math.inf)
-                    nisa.dma_copy(out[b, h, q0:q0 + bq, 0:D], o)
+                    # out 0 and lse -inf, as the reference, not the mean of masked values (with a sink
+                    # their lse is already the sink's: the decay dropped the masked ones).
+                    _rows_without_keys(o, q0, shift, right, Dv, 0.0)
+                    if sinks is None:
+                        _rows_without_keys(lse_t, q0, shift, right, 1, -math.inf)
+                    nisa.dma_copy(out[b, h, q0:q0 + bq, 0:Dv], o)
                     nisa.dma_copy(lse[b, h, q0:q0 + bq, 0:1], lse_t)
     return out, lse
 
 
-def _query_side(q, o, do, lse, b, h, q0, bq, D, dt, shift, right):
-    """Per query tile: Q, dO, their transposes, -lse (NEG for rows without keys) and
-    delta = rowsum(dO * O)."""
+def _query_side(q, o, do, lse, dlse, b, h, q0, bq, D, Dv, dt, shift, right, sunk):
+    """Per query tile: Q, dO, their transposes, -lse (NEG for rows without keys, unless ``sunk``: their
+    lse is then their sink) and delta = rowsum(dO * O), less the gradient that reached lse (``dlse``, or
+    None: d lse / d s = P)."""
     q_sb = _load(q[b, h, q0:q0 + bq, 0:D], bq, D, dt)
-    do_sb = _load(do[b, h, q0:q0 + bq, 0:D], bq, D, dt)
-    o_sb = _load(o[b, h, q0:q0 + bq, 0:D], bq, D, dt)
+    do_sb = _load(do[b, h, q0:q0 + bq, 0:Dv], bq, Dv, dt)
+    o_sb = _load(o[b, h, q0:q0 + bq, 0:Dv], bq, Dv, dt)
     qT = _transposed_chunks(q_sb, bq, D, dt)
-    doT = _transposed_chunks(do_sb, bq, D, dt)
+    doT = _transposed_chunks(do_sb, bq, Dv, dt)
     lse_t = _load(lse[b, h, q0:q0 + bq, 0:1], bq, 1, nl.float32)
     neg_lse = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_scalar(neg_lse, lse_t, op0=nl.multiply, operand0=-1.0)
-    _rows_without_keys(neg_lse, q0, shift, right, 1, NEG)  # lse = -inf there: P must be 0, not exp(+inf)
-    prod = nl.ndarray((bq, D), dtype=nl.float32, buffer=nl.sbuf)
+    if not sunk:
+        _rows_without_keys(neg_lse, q0, shift, right, 1, NEG)  # lse = -inf there: P must be 0, not exp(+inf)
+    prod = nl.ndarray((bq, Dv), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_tensor(prod, do_sb, o_sb, op=nl.multiply)
     delta = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_reduce(delta, op=nl.add, data=prod, axis=1, keepdims=True)
+    if dlse is not None:
+        nisa.tensor_tensor(delta, delta, _load(dlse[b, h, q0:q0 + bq, 0:1], bq, 1, nl.float32), op=nl.subtract)
     return q_sb, do_sb, qT, doT, neg_lse, delta
 
 
-def _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, bq, bk, q0, k0, shift, scale, left, right, softcap):
+def _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, Dv, bq, bk, q0, k0, shift, scale, left, right, softcap):
     """P = exp(S - lse) and dS = P * (dO V^T - delta), both ``[bq, bk]`` float32; under a softcap dS
     is taken back through it, times ``1 - tanh^2``, so that it is the derivative by the scaled scores."""
     s, t = _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, left, right, softcap)
     p = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(p, op=nl.exp, data=s, bias=neg_lse)
     dp_ps = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.psum)
-    _matmul_chunked(dp_ps, doT, vT, D)
+    _matmul_chunked(dp_ps, doT, vT, Dv)
     ds = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
     nisa.scalar_tensor_tensor(ds, data=dp_ps, op0=nl.subtract, operand0=delta, op1=nl.multiply, operand1=p)
     if t is not None:
@@ -288,12 +331,14 @@ def _cast(src, rows, cols, dtype):
 
 
 @nki.jit
-def attention_bwd_kernel(q, k, v, o, lse, do, scale=1.0, causal=False, window_left=None, window_right=None,
-                         softcap=None):
-    """Gradients ``(dq, dk, dv)``; ``lse`` is ``[B, Hq, Sq, 1]`` float32 from the forward; the masks
-    and softcap as :func:`attention_fwd_kernel`'s."""
+def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, dlse=None, scale=1.0, causal=False, window_left=None,
+                         window_right=None, softcap=None):
+    """Gradients ``(dq, dk, dv)``, and with ``sinks`` each row's share of theirs, ``-p_sink * delta``
+    (``[B, Hq, Sq, 1]`` fp32, summed on the host); ``lse`` is ``[B, Hq, Sq, 1]`` float32 from the
+    forward, ``dlse`` None or the gradient that reached it, laid out as it; the masks, softcap and sinks as
+    :func:`attention_fwd_kernel`'s."""
     B, Hq, Sq, D = q.shape
-    Hkv, Skv = k.shape[1], k.shape[2]
+    Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
     dt = q.dtype
     shift = Skv - Sq
@@ -301,6 +346,8 @@ def attention_bwd_kernel(q, k, v, o, lse, do, scale=1.0, causal=False, window_le
     dq = nl.ndarray(q.shape, dtype=dt, buffer=nl.shared_hbm)
     dk = nl.ndarray(k.shape, dtype=dt, buffer=nl.shared_hbm)
     dv = nl.ndarray(v.shape, dtype=dt, buffer=nl.shared_hbm)
+    dsink_rows = None if sinks is None else nl.ndarray((B, Hq, Sq, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    sunk = sinks is not None
     n_q = (Sq + B_Q - 1) // B_Q
     n_k = (Skv + B_K - 1) // B_K
 
@@ -312,17 +359,25 @@ def attention_bwd_kernel(q, k, v, o, lse, do, scale=1.0, causal=False, window_le
                 for qi in nl.static_range(n_q):
                     q0 = qi * B_Q
                     bq = min(B_Q, Sq - q0)
-                    _, _, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, b, h, q0, bq, D, dt, shift, right)
+                    _, _, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, dlse, b, h, q0, bq, D, Dv, dt, shift,
+                                                                right, sunk)
+                    if sunk:  # p_sink = exp(sink - lse); its row's term -p_sink * delta
+                        p_sink = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+                        nisa.activation(p_sink, op=nl.exp, data=_sink_column(sinks, h, bq), bias=neg_lse)
+                        term = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+                        nisa.scalar_tensor_tensor(term, data=delta, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
+                                                  operand1=p_sink)
+                        nisa.dma_copy(dsink_rows[b, h, q0:q0 + bq, 0:1], term)
                     dq_acc = nl.zeros((bq, D), dtype=nl.float32, buffer=nl.sbuf)
                     k_first, k_stop = _key_blocks(q0, bq, shift, Skv, left, right)
                     for ki in nl.static_range(k_first, k_stop):
                         k0 = ki * B_K
                         bk = min(B_K, Skv - k0)
                         k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
-                        v_sb = _load(v[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
+                        v_sb = _load(v[b, hkv, k0:k0 + bk, 0:Dv], bk, Dv, dt)
                         kT = _transposed_chunks(k_sb, bk, D, dt)
-                        vT = _transposed_chunks(v_sb, bk, D, dt)
-                        _, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, bq, bk, q0, k0, shift, scale,
+                        vT = _transposed_chunks(v_sb, bk, Dv, dt)
+                        _, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, Dv, bq, bk, q0, k0, shift, scale,
                                                    left, right, softcap)
                         dsT = _transposed(_cast(ds, bq, bk, dt), bq, bk, dt)
                         dq_ps = nl.ndarray((bq, D), dtype=nl.float32, buffer=nl.psum)
@@ -339,22 +394,22 @@ def attention_bwd_kernel(q, k, v, o, lse, do, scale=1.0, causal=False, window_le
                 k0 = ki * B_K
                 bk = min(B_K, Skv - k0)
                 k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
-                v_sb = _load(v[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
+                v_sb = _load(v[b, hkv, k0:k0 + bk, 0:Dv], bk, Dv, dt)
                 kT = _transposed_chunks(k_sb, bk, D, dt)
-                vT = _transposed_chunks(v_sb, bk, D, dt)
+                vT = _transposed_chunks(v_sb, bk, Dv, dt)
                 dk_acc = nl.zeros((bk, D), dtype=nl.float32, buffer=nl.sbuf)
-                dv_acc = nl.zeros((bk, D), dtype=nl.float32, buffer=nl.sbuf)
+                dv_acc = nl.zeros((bk, Dv), dtype=nl.float32, buffer=nl.sbuf)
                 q_first, q_stop = _query_tiles(k0, bk, shift, Sq, left, right)
                 for g in nl.static_range(G):
                     h = hkv * G + g
                     for qi in nl.static_range(q_first, q_stop):
                         q0 = qi * B_Q
                         bq = min(B_Q, Sq - q0)
-                        q_sb, do_sb, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, b, h, q0, bq, D, dt,
-                                                                            shift, right)
-                        p, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, bq, bk, q0, k0, shift,
+                        q_sb, do_sb, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, dlse, b, h, q0, bq, D,
+                                                                            Dv, dt, shift, right, sunk)
+                        p, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, Dv, bq, bk, q0, k0, shift,
                                                    scale, left, right, softcap)
-                        dv_ps = nl.ndarray((bk, D), dtype=nl.float32, buffer=nl.psum)
+                        dv_ps = nl.ndarray((bk, Dv), dtype=nl.float32, buffer=nl.psum)
                         nisa.nc_matmul(dv_ps, _cast(p, bq, bk, dt), do_sb, accumulate=False)
                         nisa.tensor_tensor(dv_acc, dv_acc, dv_ps, op=nl.add)
                         dk_ps = nl.ndarray((bk, D), dtype=nl.float32, buffer=nl.psum)
@@ -363,9 +418,9 @@ def attention_bwd_kernel(q, k, v, o, lse, do, scale=1.0, causal=False, window_le
                 dk_t = nl.ndarray((bk, D), dtype=dt, buffer=nl.sbuf)
                 nisa.tensor_scalar(dk_t, dk_acc, op0=nl.multiply, operand0=scale)
                 nisa.dma_copy(dk[b, hkv, k0:k0 + bk, 0:D], dk_t)
-                dv_t = _cast(dv_acc, bk, D, dt)
-                nisa.dma_copy(dv[b, hkv, k0:k0 + bk, 0:D], dv_t)
-    return dq, dk, dv
+                dv_t = _cast(dv_acc, bk, Dv, dt)
+                nisa.dma_copy(dv[b, hkv, k0:k0 + bk, 0:Dv], dv_t)
+    return (dq, dk, dv) if dsink_rows is None else (dq, dk, dv, dsink_rows)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -375,8 +430,8 @@ MAX_HEAD_DIM = 256
 
 
 def attention_supports(call) -> list[str]:
-    """Every window and softcap is taken (the kernels' masks and cap), dtypes and head dims are declared
-    (``BACKEND``): what is left is q, k and v agreeing, and having sizes."""
+    """Every window, softcap and sink is taken (the kernels' masks, cap and sink term), dtypes and head dims
+    are declared (``BACKEND``): what is left is q, k and v agreeing, and having sizes."""
     q, k, v = call["q"], call["k"], call["v"]
     reasons = []
     if not (q.dtype == k.dtype == v.dtype):
@@ -394,16 +449,29 @@ def _static(causal, scale, window, softcap):
                 softcap=float(softcap) if softcap else None)  # 0 is off, as the public API's
 
 
-def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
+def _sinks_down_partitions(sinks):
+    """``[Hq]`` -> ``[Hq, 128, 1]`` float32: each head's sink on every partition a query tile uses."""
+    return None if sinks is None else sinks.to(torch.float32).reshape(-1, 1, 1).expand(-1, B_Q, 1).contiguous()
+
+
+def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None, sinks=None):
     """The kernels take contiguous ``[B, H, S, D]``; ``out`` comes back in the layout
     portable_ops/layout.py gives q's output (a copy only when q's heads are inner to its sequence)."""
     out, lse = launch(attention_fwd_kernel, q.contiguous(), k.contiguous(), v.contiguous(),
-                      **_static(causal, scale, window, softcap))
+                      sinks=_sinks_down_partitions(sinks), **_static(causal, scale, window, softcap))
     return as_layout_of(out, q), lse.reshape(q.shape[:-1])
 
 
-def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None):
-    lse4 = lse.to(torch.float32).reshape(*q.shape[:-1], 1).contiguous()
-    dq, dk, dv = launch(attention_bwd_kernel, q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
-                        lse4, dout.to(q.dtype).contiguous(), **_static(causal, scale, window, softcap))
-    return as_layout_of(dq, q), as_layout_of(dk, k), as_layout_of(dv, v)
+def _rows(t, q):
+    """A ``[B, Hq, Sq]`` row vector as the kernels' ``[B, Hq, Sq, 1]`` float32 (None for None)."""
+    return None if t is None else t.to(torch.float32).reshape(*q.shape[:-1], 1).contiguous()
+
+
+def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None, sinks=None, dlse=None):
+    """``(dq, dk, dv)``, and ``dsinks`` after them when there are sinks."""
+    dq, dk, dv, *dsink_rows = launch(attention_bwd_kernel, q.contiguous(), k.contiguous(), v.contiguous(),
+                                     out.contiguous(), _rows(lse, q), dout.to(q.dtype).contiguous(),
+                                     sinks=_sinks_down_partitions(sinks), dlse=_rows(dlse, q),
+                                     **_static(causal, scale, window, softcap))
+    grads = as_layout_of(dq, q), as_layout_of(dk, k), as_layout_of(dv, v)
+    return grads if sinks is None else (*grads, dsink_rows[0].sum((0, 2, 3)).to(sinks.dtype))

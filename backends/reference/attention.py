@@ -3,13 +3,15 @@ picks on this device, called through the aten ops that also return the log-sum-e
 back in the backward.
 
 A call maps onto them when the device type has such a kernel for its dtype and head dim
-(:data:`FUSED_KERNELS`), it has no softcap and its scale is above zero. A plain or square causal
-call, and a single query (decode) against the span of keys it sees, run as one kernel call. Where
+(:data:`FUSED_KERNELS`), it has no softcap, one head dim for q, k and v, and its scale is above zero. A
+plain or square causal call, and a single query (decode) against the span of keys it sees, run as one kernel call. Where
 the kernel takes an additive mask (the CPU's), a window or causal with ``Sq != Skv`` (bottom-right;
 masks are the definition's ``visible``) runs one query block at a time against the keys that block
 can see, under a mask of that block's size, so memory never grows as ``Sq x Skv``. Every other call
 (a softcap, a mask the kernel does not take, a device with no fused kernel, an empty tensor, mixed
-dtypes) runs the definition, blocked too."""
+dtypes) runs the definition, blocked too. Sinks are added to a fused kernel's result afterwards
+(:func:`with_sinks`), and its backward takes that result as it is: the probabilities it recomputes from the
+sunk lse, and its rowsum(dout * out), are then the sunk ones."""
 
 from __future__ import annotations
 
@@ -179,10 +181,13 @@ class Block(NamedTuple):
 
 def _fused_kernel(q, scale, softcap, tensors, lse=None):
     """The device's fused kernel where it computes this call, else None. It takes ``tensors`` all of q's
-    dtype (a backward may see q's ``.data`` swapped since the forward). A scale of zero or below is left
-    to the definition: the CPU kernel gives NaN for it in float16."""
+    dtype (a backward may see q's ``.data`` swapped since the forward) and head dim (``tensors[1]`` is v: the
+    kernels take one head dim). A scale of zero or below is left to the definition: the CPU kernel gives NaN
+    for it in float16."""
     kernel = FUSED_KERNELS.get(q.device.type)
     if kernel is None or softcap is not None or scale <= 0 or q.dtype not in kernel.dtypes or q.numel() == 0:
+        return None
+    if tensors[1].shape[-1] != q.shape[-1]:
         return None
     if {t.dtype for t in tensors} != {q.dtype} or not all(t.numel() for t in tensors):
         return None
@@ -242,16 +247,31 @@ def _blocks(q, k, causal, window):
     return blocks
 
 
-def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
+def with_sinks(out, lse, sinks):
+    """A result computed without sinks, with them: each row's denominator gains ``exp(sink)``, so its lse becomes
+    ``logaddexp(lse, sink)`` and its output shrinks by ``exp(lse - that)`` (0 on a row that sees no key)."""
+    if sinks is None:
+        return out, lse
+    sunk = torch.logaddexp(lse, sinks[:, None])
+    return out.mul_(torch.exp(lse - sunk)[..., None]), sunk
+
+
+def _sink_gradient(out, lse, dout, sinks):
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    return definition.sink_gradient(sinks, lse, delta)
+
+
+def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None, sinks=None):
     fused = _fused_kernel(q, scale, softcap, (k, v))
     whole = None if fused is None else _whole(q, k, causal, window)
     if whole is not None:
         is_causal, keys = whole
         q_u, k_u, v_u = _unit_stride(q, k[:, :, keys], v[:, :, keys])
         out, lse = fused.pick(q_u, k_u, v_u, is_causal, scale).forward(q_u, k_u, v_u, is_causal, None, scale)
-        return as_layout_of(out, q), lse.contiguous()
+        return with_sinks(as_layout_of(out, q), lse.contiguous(), sinks)
     if fused is None or not fused.masks:
-        return definition.attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
+        return definition.attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+                                        sinks=sinks)
     out = empty_like(q).zero_()
     lse = torch.full(q.shape[:3], float("-inf"), dtype=definition.opmath(q), device=q.device)
     q_u, k_u, v_u = _unit_stride(q, k, v)
@@ -262,12 +282,13 @@ def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
         out_b, lse_b = fused.pick(q_b, k_b, v_b, False, scale).forward(q_b, k_b, v_b, False, block.mask, scale)
         out[:, :, block.rows] = out_b * block.seeing[:, None]  # the kernel's rows that see no key: zero
         lse[:, :, block.rows] = lse_b.masked_fill(~block.seeing, float("-inf"))
-    return out, lse
+    return with_sinks(out, lse, sinks)
 
 
 def prepare_attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
-    """``attention_fwd`` for every call of this one's layout and options (``OpImpl.prepare``): ``run(q, k, v)``,
-    its checks and span of keys found here, once (the kernel is picked per call, as SDPA's switches may change)."""
+    """``attention_fwd`` without sinks for every call of this one's layout and options (``OpImpl.prepare``):
+    ``run(q, k, v)``, its checks and span of keys found here, once (the kernel is picked per call, as SDPA's
+    switches may change)."""
     fused = _fused_kernel(q, scale, softcap, (k, v))
     whole = None if fused is None else _whole(q, k, causal, window)
     if whole is None:
@@ -294,7 +315,18 @@ def _over_keys(d, t, keys):
     return whole
 
 
-def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None):
+def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None, sinks=None, dlse=None):
+    """``(dq, dk, dv)``, and ``dsinks`` after them when there are sinks. A gradient through lse (``dlse``) runs
+    the definition: the fused kernels take none."""
+    grads = None if dlse is not None else _fused_bwd(q, k, v, out, lse, dout, causal, scale, window, softcap)
+    if grads is None:
+        return definition.attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale, window=window,
+                                        softcap=softcap, sinks=sinks, dlse=dlse)
+    return grads if sinks is None else (*grads, _sink_gradient(out, lse, dout, sinks))
+
+
+def _fused_bwd(q, k, v, out, lse, dout, causal, scale, window, softcap):
+    """The fused kernel's ``(dq, dk, dv)``, None where it does not compute this call."""
     fused = _fused_kernel(q, scale, softcap, (k, v, out, dout), lse=lse)
     whole = None if fused is None else _whole(q, k, causal, window)
     if whole is not None:
@@ -304,8 +336,7 @@ def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softca
         dq, dk, dv = kernel.backward(dout, q_u, k_u, v_u, out, lse, is_causal, None, scale)
         return as_layout_of(dq, q), _over_keys(dk, k, keys), _over_keys(dv, v, keys)
     if fused is None or not fused.masks:
-        return definition.attention_bwd(q, k, v, out, lse, dout, causal=causal, scale=scale, window=window,
-                                        softcap=softcap)
+        return None
     q_u, k_u, v_u, out, dout = _unit_stride(q, k, v, out, dout)
     dq = empty_like(q).zero_()
     dk = torch.zeros(k.shape, dtype=definition.opmath(k), device=k.device)
@@ -326,8 +357,8 @@ def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softca
 
 
 def prepare_attention_bwd(q, k, v, *, causal, scale, window=None, softcap=None):
-    """``attention_bwd`` for every call whose q, k and v have this one's layout and whose options are these
-    (``OpImpl.prepare``): ``run(q, k, v, out, lse, dout)``, its checks and span of keys found here, once; an
+    """``attention_bwd`` without sinks for every call whose q, k and v have this one's layout and whose options
+    are these (``OpImpl.prepare``): ``run(q, k, v, out, lse, dout)``, its checks and span of keys found here, once; an
     out, lse or dout of another dtype than the forward gives (a ``.data`` swap) takes the checked path."""
     fused = _fused_kernel(q, scale, softcap, (k, v))
     whole = None if fused is None else _whole(q, k, causal, window)

@@ -5,7 +5,7 @@ over a dense or a paged cache. The backend's entry points: what each takes, and 
 Causal masks are aligned to the bottom right: query ``i`` sees key ``j`` when ``j <= i + Skv - Sq``.
 Every loop over tiles is cut into a range whose tiles need no mask at all (fully visible, fully in
 bounds) and the few tiles that do (the causal diagonal, ragged tails), since a mask on every tile
-costs the forward time. Any head dim up to 256 (attention_tiles says how a row is split).
+costs the forward time. Any head dim up to 256 (attention_tiles says how a row is split), v's its own.
 """
 
 from __future__ import annotations
@@ -65,29 +65,33 @@ def _row_major(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
-    return _forward_call(q, k, v, causal, scale, window, softcap, layout.strides_like(q), None, (q, q, q, q))
+def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None, sinks=None):
+    return _forward_call(q, k, v, causal, scale, window, softcap, sinks, layout.strides_like(q, v.shape[-1]), None,
+                         (q, q, q, q))
 
 
 def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal, scale,
-                         window=None, softcap=None):
-    """``q [Tq, H, D]`` -> (out ``[Tq, H, D]`` contiguous, lse ``[H, Tq]``), one launch for every sequence."""
+                         window=None, softcap=None, sinks=None):
+    """``q [Tq, H, D]`` -> (out ``[Tq, H, Dv]`` contiguous, lse ``[H, Tq]``), one launch for every sequence."""
     seqs = _varlen_sequences(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     offsets = (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous())  # the kernels step them by one
-    out, lse = _forward_call(*_as_batch(q, k, v), causal, scale, window, softcap, _as_batch_strides(q), seqs,
-                             (*offsets, q, q))
+    out, lse = _forward_call(*_as_batch(q, k, v), causal, scale, window, softcap, sinks,
+                             _as_batch_strides(q, v.shape[-1]), seqs, (*offsets, q, q))
     return layout.unviewed(out[0].transpose(0, 1)), lse[0]
 
 
-def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, window=None, softcap=None):
-    """``q [B, Sq, Hq, D]`` over ``[pages, page_size, Hkv, D]`` caches -> ``[B, Sq, Hq, D]`` contiguous."""
-    b, sq, h, d = q.shape
+def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, window=None, softcap=None, sinks=None):
+    """``q [B, Sq, Hq, D]`` over ``[pages, page_size, Hkv, D]`` (v: ``Dv``) caches -> (out ``[B, Sq, Hq, Dv]``
+    contiguous, lse ``[B, Hq, Sq]``)."""
+    b, sq, h = q.shape[:3]
+    d = v_cache.shape[-1]
     page = k_cache.shape[1]
     block_table = block_table.contiguous()  # its row stride is a plan's, its columns are stepped by one
     seqs = Sequences("paged", b, sq, block_table.shape[1] * page, page, block_table.stride(0))
-    out, _ = _forward_call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), True, scale, window,
-                           softcap, (sq * h * d, d, h * d, 1), seqs, (q, q, cache_seqlens.contiguous(), block_table))
-    return layout.unviewed(out.transpose(1, 2))
+    out, lse = _forward_call(q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), True, scale,
+                             window, softcap, sinks, (sq * h * d, d, h * d, 1), seqs,
+                             (q, q, cache_seqlens.contiguous(), block_table))
+    return layout.unviewed(out.transpose(1, 2)), lse
 
 
 def _varlen_sequences(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k) -> Sequences:
@@ -102,48 +106,53 @@ def _as_batch(*packed):
     return tuple(t.transpose(0, 1)[None] for t in packed)
 
 
-def _as_batch_strides(t) -> tuple:
-    """The ``[1, H, T, D]`` view's strides of a contiguous ``[T, H, D]`` tensor shaped as ``t``."""
-    tokens, h, d = t.shape
+def _as_batch_strides(t, d=None) -> tuple:
+    """The ``[1, H, T, D]`` view's strides of a contiguous ``[T, H, D]`` tensor shaped as ``t`` (its last dim
+    ``d``, where given)."""
+    tokens, h, own = t.shape
+    d = own if d is None else d
     return (tokens * h * d, d, h * d, 1)
 
 
 def prepare_attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
-    """``attention_fwd`` for every call of this one's layout and options (``OpImpl.prepare``):
+    """``attention_fwd`` without sinks for every call of this one's layout and options (``OpImpl.prepare``):
     ``run(q, k, v)``, its plan found here, once."""
     # not a launch of q, k, v as they are; or float32, whose products follow torch's TF32 switch per call
     if any(t.stride(-1) != 1 for t in (q, k, v)) or q.dtype == torch.float32:
         return lambda q, k, v: attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap)
-    plan, scale, softcap = plan_of_forward(q, k, v, causal, scale, window, softcap, layout.strides_like(q), None,
-                                           (q, q, q, q))
+    plan, scale, softcap = plan_of_forward(q, k, v, causal, scale, window, softcap, None,
+                                           layout.strides_like(q, v.shape[-1]), None, (q, q, q, q))
     return lambda q, k, v: run_forward(plan, q, k, v, scale, softcap, (q, q, q, q))
 
 
-def _forward_call(q, k, v, causal, scale, window, softcap, out_stride, seqs, extras):
+def _forward_call(q, k, v, causal, scale, window, softcap, sinks, out_stride, seqs, extras):
     """``seqs``: None for a dense batch; ``extras``: the kernel's CU_Q, CU_K, CACHE_LENS, TABLE (q where unused)."""
     q, k, v = _row_major(q), _row_major(k), _row_major(v)
-    plan, scale, softcap = plan_of_forward(q, k, v, causal, scale, window, softcap, out_stride, seqs, extras)
-    return run_forward(plan, q, k, v, scale, softcap, extras)
+    plan, scale, softcap = plan_of_forward(q, k, v, causal, scale, window, softcap, sinks, out_stride, seqs, extras)
+    return run_forward(plan, q, k, v, scale, softcap, extras, sinks)
 
 
-def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None):
+def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None, sinks=None, dlse=None):
+    """``(dq, dk, dv)``, and ``dsinks`` after them when there are sinks."""
     strides = (layout.strides_like(q), layout.strides_like(k), layout.strides_like(v))
-    return _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, None, (q, q))
+    return _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, dlse, strides, None,
+                          (q, q))
 
 
 def attention_varlen_bwd(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
-                         causal, scale, window=None, softcap=None):
-    """Gradients ``[T, H, D]``, contiguous, of :func:`attention_varlen_fwd`."""
+                         causal, scale, window=None, softcap=None, sinks=None, dlse=None):
+    """Gradients ``[T, H, D]``, contiguous, of :func:`attention_varlen_fwd` (and ``dsinks``, with sinks)."""
     seqs = _varlen_sequences(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     strides = tuple(_as_batch_strides(t) for t in (q, k, v))
-    grads = _backward_call(*_as_batch(q, k, v, out), lse[None], *_as_batch(dout), causal, scale, window, softcap,
-                           strides, seqs, (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()))
-    return tuple(layout.unviewed(g[0].transpose(0, 1)) for g in grads)
+    dq, dk, dv, *dsinks = _backward_call(*_as_batch(q, k, v, out), lse[None], *_as_batch(dout), causal, scale,
+                                         window, softcap, sinks, None if dlse is None else dlse[None], strides, seqs,
+                                         (cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()))
+    return (*(layout.unviewed(g[0].transpose(0, 1)) for g in (dq, dk, dv)), *dsinks)
 
 
 def prepare_attention_bwd(q, k, v, *, causal, scale, window=None, softcap=None):
-    """``attention_bwd`` for every call whose q, k and v have this one's layout (shapes, strides, dtypes,
-    device, 16-byte alignment; the caller sees to that) and these options (``OpImpl.prepare``):
+    """``attention_bwd`` without sinks for every call whose q, k and v have this one's layout (shapes, strides,
+    dtypes, device, 16-byte alignment; the caller sees to that) and these options (``OpImpl.prepare``):
     ``run(q, k, v, out, lse, dout)``, which finds its plan by out, lse and dout's layouts alone."""
     # not a launch of q, k, v as they are; or float32, whose products follow torch's TF32 switch per call
     if any(t.stride(-1) != 1 for t in (q, k, v)) or q.dtype == torch.float32:
@@ -158,11 +167,12 @@ def prepare_attention_bwd(q, k, v, *, causal, scale, window=None, softcap=None):
         found = plans.get(key)
         if found is None:
             if out.stride(-1) != 1 or dout.stride(-1) != 1 or not lse.is_contiguous():
-                return _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, None, (q, q))
+                return _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, None, None, strides,
+                                      None, (q, q))
             if len(plans) >= 16:
                 plans.clear()
-            found = plans[key] = plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, strides,
-                                                  None, (q, q))
+            found = plans[key] = plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, None,
+                                                  None, strides, None, (q, q))
         try:
             return run_backward(*found, q, k, v, out, lse, dout, (q, q))
         except BaseException:  # a call that failed leaves no plan behind (run_backward drops it from its own)
@@ -173,15 +183,18 @@ def prepare_attention_bwd(q, k, v, *, causal, scale, window=None, softcap=None):
     return run
 
 
-def _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, seqs, extras):
+def _backward_call(q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, dlse, strides, seqs, extras):
     q, k, v, out, dout = _row_major(q), _row_major(k), _row_major(v), _row_major(out), _row_major(dout)
     lse = lse.contiguous()  # ours: already contiguous, so no copy
-    plan = plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, seqs, extras)
-    return run_backward(*plan, q, k, v, out, lse, dout, extras)
+    dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
+    plan = plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, dlse, strides, seqs,
+                            extras)
+    return run_backward(*plan, q, k, v, out, lse, dout, extras, sinks, dlse)
 
 
 def paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new):
-    """``k_new, v_new [B, Sn, Hkv, D]`` to positions ``cache_seqlens[b] + t`` of the paged caches, in place."""
+    """``k_new [B, Sn, Hkv, D]``, ``v_new [B, Sn, Hkv, Dv]`` to positions ``cache_seqlens[b] + t`` of the paged
+    caches, in place."""
     b, sn, hkv, d = k_new.shape
     k_new, v_new = _row_major(k_new), _row_major(v_new)
     block_table, cache_seqlens = block_table.contiguous(), cache_seqlens.contiguous()  # read by stepping one
@@ -189,6 +202,7 @@ def paged_kv_append(k_cache, v_cache, block_table, cache_seqlens, k_new, v_new):
     append_kernel[(b * sn, heads, folds)](k_new, v_new, k_cache, v_cache, cache_seqlens, block_table, sn,
                                           *k_new.stride()[:3], *v_new.stride()[:3], *k_cache.stride()[:3],
                                           *v_cache.stride()[:3], block_table.stride(0), hkv, PAGE=k_cache.shape[1],
-                                          D=d, BLOCK_D=triton.next_power_of_2(d), FOLD=folds > 1)
+                                          D=d, VD=v_new.shape[-1],
+                                          BLOCK_D=triton.next_power_of_2(max(d, v_new.shape[-1])), FOLD=folds > 1)
     # the kernel writes through raw pointers: tell autograd, as torch's in-place ops would
     torch.autograd.graph.increment_version([k_cache, v_cache])

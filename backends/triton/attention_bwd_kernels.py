@@ -1,7 +1,8 @@
 """The tl.* backward kernels: delta (the softmax gradient's row correction), then dK/dV and dQ in
 kernels of their own, each over the tiles its block of keys or of queries meets, so that every
 gradient is written once, without atomics. The dK/dV kernel walks the query heads of its KV head's
-group itself (grouped-query attention).
+group itself (grouped-query attention). Q, K, dQ and dK rows are ``D`` wide (``D0``, ``D1``), V, dO, dV rows
+``VD`` (``VD0``, ``VD1``).
 """
 
 import triton
@@ -12,10 +13,11 @@ from .attention_tiles import LOG2E, dot_over_head, key_ranges, load_tile, packed
 
 
 @triton.jit(do_not_specialize=["PAIRS"])  # read only under FOLD: its value compiles no variant of its own
-def delta_kernel(O, DO, DELTA, DQ_SUM, so_b, so_h, so_m, sdo_b, sdo_h, sdo_m, H, SQ, PAIRS,
+def delta_kernel(O, DO, DLSE, DELTA, DQ_SUM, so_b, so_h, so_m, sdo_b, sdo_h, sdo_m, H, SQ, PAIRS,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, ZERO_DQ: tl.constexpr,
-                 OFFSETS_64: tl.constexpr, FOLD: tl.constexpr):
-    """rowsum(dO * O): the softmax-gradient correction, one float32 per query row. With ``ZERO_DQ``, the
+                 OFFSETS_64: tl.constexpr, FOLD: tl.constexpr, LSE_GRADIENT: tl.constexpr):
+    """rowsum(dO * O): the softmax-gradient correction, one float32 per query row; under LSE_GRADIENT less the
+    gradient that reached the row's lse (``DLSE``, laid out as DELTA: d lse / d s = P). With ``ZERO_DQ``, the
     same rows of the float32 dQ [B, H, SQ, D] that the Hopper backward adds into are zeroed here: one
     launch fewer than a fill of their own, and its host time."""
     if OFFSETS_64:  # attention_plans.offsets_64 says when
@@ -33,8 +35,10 @@ def delta_kernel(O, DO, DELTA, DQ_SUM, so_b, so_h, so_m, sdo_b, sdo_h, sdo_m, H,
     o = tl.load(O + b.to(tl.int64) * so_b + h * so_h + rows[:, None] * so_m + cols[None, :], mask=mask, other=0.0)
     do = tl.load(DO + b.to(tl.int64) * sdo_b + h * sdo_h + rows[:, None] * sdo_m + cols[None, :], mask=mask,
                  other=0.0)
-    tl.store(DELTA + bh.to(tl.int64) * SQ + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1),
-             mask=rows < SQ)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    if LSE_GRADIENT:
+        delta -= tl.load(DLSE + bh.to(tl.int64) * SQ + rows, mask=rows < SQ, other=0.0)
+    tl.store(DELTA + bh.to(tl.int64) * SQ + rows, delta, mask=rows < SQ)
     if ZERO_DQ:
         tl.store(DQ_SUM + (bh.to(tl.int64) * SQ + rows[:, None]) * D + cols[None, :],
                  tl.zeros([BLOCK, BLOCK_D], tl.float32), mask=mask)
@@ -43,15 +47,16 @@ def delta_kernel(O, DO, DELTA, DQ_SUM, so_b, so_h, so_m, sdo_b, sdo_h, sdo_m, H,
 @triton.jit
 def _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, delta_base, sq_m, sdo_m, cols,
                 offs_m, lo, hi, SQ, SKV, lo_off, hi_off, scale_log2, squash, cap_log2, D: tl.constexpr,
-                D0: tl.constexpr, D1: tl.constexpr, MASK: tl.constexpr, BOUND_LEFT: tl.constexpr,
-                BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+                D0: tl.constexpr, D1: tl.constexpr, VD: tl.constexpr, VD0: tl.constexpr, VD1: tl.constexpr,
+                MASK: tl.constexpr, BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     """Query tiles ``[lo, hi)`` against this program's keys, on transposed tiles (keys x queries): P^T and
     dS^T come out of tl.dot in the layout the dV and dK products want, with no register transposes."""
     for start_m in tl.range(lo, hi, offs_m.shape[0]):
         rows = start_m + offs_m
         in_bounds = rows < SQ
         q0_t, q1_t = load_tile(q_base, rows * sq_m, in_bounds, D, D0, D1, MASK, True, UPCAST)
-        do0, do1 = load_tile(do_base, rows * sdo_m, in_bounds, D, D0, D1, MASK, False, UPCAST)
+        do0, do1 = load_tile(do_base, rows * sdo_m, in_bounds, VD, VD0, VD1, MASK, False, UPCAST)
         # rows past SQ and rows that see no key read lse = -inf: their P is 0
         lse = tl.load(lse_base + rows, mask=in_bounds, other=float("-inf"))
         lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
@@ -63,9 +68,9 @@ def _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, lse_base, d
             p_t = tl.where(visible(rows[None, :], cols[:, None], cols[:, None] < SKV, lo_off, hi_off, BOUND_LEFT,
                                    BOUND_RIGHT), p_t, 0.0)
         dv0 = tl.dot(p_t.to(do0.dtype), do0, dv0, input_precision=PRECISION)
-        if D1 > 0:
+        if VD1 > 0:
             dv1 = tl.dot(p_t.to(do1.dtype), do1, dv1, input_precision=PRECISION)
-        dp_t = dot_over_head(v0, v1, tl.trans(do0), tl.trans(do1), zeros, D1, PRECISION)
+        dp_t = dot_over_head(v0, v1, tl.trans(do0), tl.trans(do1), zeros, VD1, PRECISION)
         ds_t = p_t * (dp_t - delta[None, :]) * slope
         dk0 = tl.dot(ds_t.to(q0_t.dtype), tl.trans(q0_t), dk0, input_precision=PRECISION)
         if D1 > 0:
@@ -78,9 +83,9 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, sq_b, sq_h, sq_m, s
                 sv_n, sdo_b, sdo_h, sdo_m, sdk_b, sdk_h, sdk_n, sdv_b, sdv_h, sdv_n, slse_b, slse_h,
                 HKV, GROUP, SQ, SKV, LEFT, RIGHT, PAIRS, scale, scale_log2, squash, cap_log2,
                 BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-                D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr,
-                OFFSETS_64: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr):
+                D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, VD: tl.constexpr, VD0: tl.constexpr,
+                VD1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+                UNIT: tl.constexpr, OFFSETS_64: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr):
     sq_b, sq_h, sq_m = unit_strides(sq_b, sq_h, sq_m, UNIT, OFFSETS_64)
     sk_b, sk_h, sk_n = unit_strides(sk_b, sk_h, sk_n, UNIT, OFFSETS_64)
     sv_b, sv_h, sv_n = unit_strides(sv_b, sv_h, sv_n, UNIT, OFFSETS_64)
@@ -117,13 +122,14 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, sq_b, sq_h, sq_m, s
     in_bounds = cols < SKV
     offs_m = tl.arange(0, BLOCK_M)
     k0, k1 = load_tile(K + k_off + hk * sk_h, cols * sk_n, in_bounds, D, D0, D1, True, False, UPCAST)
-    v0, v1 = load_tile(V + v_off + hk * sv_h, cols * sv_n, in_bounds, D, D0, D1, True, False, UPCAST)
+    v0, v1 = load_tile(V + v_off + hk * sv_h, cols * sv_n, in_bounds, VD, VD0, VD1, True, False, UPCAST)
     dk0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
-    dk1, dv1 = dk0, dk0  # stand in for the second chunk's accumulators when there is none
+    dv0 = tl.zeros([BLOCK_N, VD0], dtype=tl.float32)
+    dk1, dv1 = dk0, dv0  # stand in for the second chunks' accumulators when there are none
     if D1 > 0:
         dk1 = tl.zeros([BLOCK_N, D1], dtype=tl.float32)
-        dv1 = tl.zeros([BLOCK_N, D1], dtype=tl.float32)
-    dv0 = tl.zeros([BLOCK_N, D0], dtype=tl.float32)
+    if VD1 > 0:
+        dv1 = tl.zeros([BLOCK_N, VD1], dtype=tl.float32)
     lo_off = SKV - SQ - LEFT
     hi_off = SKV - SQ + RIGHT
     lo, full_lo, full_hi, hi = query_ranges(n0, SQ, SKV, lo_off, hi_off, BLOCK_M, BLOCK_N, BOUND_LEFT, BOUND_RIGHT)
@@ -136,29 +142,29 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, sq_b, sq_h, sq_m, s
             dk0, dk1, dv0, dv1 = _dkdv_tiles(dk0, dk1, dv0, dv1, k0, k1, v0, v1, q_base, do_base, LSE + row0,
                                              DELTA + row0, sq_m, sdo_m, cols, offs_m, (lo, full_lo, full_hi)[part],
                                              (full_lo, full_hi, hi)[part], SQ, SKV, lo_off, hi_off, scale_log2, squash,
-                                             cap_log2, D, D0, D1, part != 1, BOUND_LEFT, BOUND_RIGHT, SOFTCAP, UPCAST,
-                                             PRECISION)
+                                             cap_log2, D, D0, D1, VD, VD0, VD1, part != 1, BOUND_LEFT, BOUND_RIGHT,
+                                             SOFTCAP, UPCAST, PRECISION)
     store_tile(DK + dk_off + hk * sdk_h, cols * sdk_n, in_bounds, dk0 * scale, dk1 * scale, D, D1)
-    store_tile(DV + dv_off + hk * sdv_h, cols * sdv_n, in_bounds, dv0, dv1, D, D1)
+    store_tile(DV + dv_off + hk * sdv_h, cols * sdv_n, in_bounds, dv0, dv1, VD, VD1)
 
 
 @triton.jit
 def _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, sk_n, sv_n, rows, offs_n, lo, hi, SKV,
               lo_off, hi_off, scale_log2, squash, cap_log2, D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-              MASK: tl.constexpr, BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-              UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+              VD: tl.constexpr, VD0: tl.constexpr, VD1: tl.constexpr, MASK: tl.constexpr, BOUND_LEFT: tl.constexpr,
+              BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     for start_n in tl.range(lo, hi, offs_n.shape[0]):
         cols = start_n + offs_n
         in_bounds = cols < SKV
         k0_t, k1_t = load_tile(k_base, cols * sk_n, in_bounds, D, D0, D1, MASK, True, UPCAST)
-        v0_t, v1_t = load_tile(v_base, cols * sv_n, in_bounds, D, D0, D1, MASK, True, UPCAST)
+        v0_t, v1_t = load_tile(v_base, cols * sv_n, in_bounds, VD, VD0, VD1, MASK, True, UPCAST)
         zeros = tl.zeros([rows.shape[0], offs_n.shape[0]], dtype=tl.float32)
         p, slope = probabilities(dot_over_head(q0, q1, k0_t, k1_t, zeros, D1, PRECISION), lse[:, None], scale_log2,
                                  squash, cap_log2, SOFTCAP)
         if MASK:
             p = tl.where(visible(rows[:, None], cols[None, :], in_bounds[None, :], lo_off, hi_off, BOUND_LEFT,
                                  BOUND_RIGHT), p, 0.0)
-        dp = dot_over_head(do0, do1, v0_t, v1_t, zeros, D1, PRECISION)
+        dp = dot_over_head(do0, do1, v0_t, v1_t, zeros, VD1, PRECISION)
         ds = p * (dp - delta[:, None]) * slope
         dq0 = tl.dot(ds.to(k0_t.dtype), tl.trans(k0_t), dq0, input_precision=PRECISION)
         if D1 > 0:
@@ -171,9 +177,9 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, sq_b, sq_h, sq_m, sk_b, s
               sdo_b, sdo_h, sdo_m, sdq_b, sdq_h, sdq_m, slse_b, slse_h, H, GROUP, SQ, SKV, LEFT, RIGHT, PAIRS, scale,
               scale_log2, squash, cap_log2,
               BOUND_LEFT: tl.constexpr, BOUND_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, VARLEN: tl.constexpr,
-              D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, UNIT: tl.constexpr,
-              OFFSETS_64: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr):
+              D: tl.constexpr, D0: tl.constexpr, D1: tl.constexpr, VD: tl.constexpr, VD0: tl.constexpr,
+              VD1: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+              UNIT: tl.constexpr, OFFSETS_64: tl.constexpr, PRECISION: tl.constexpr, FOLD: tl.constexpr):
     sq_b, sq_h, sq_m = unit_strides(sq_b, sq_h, sq_m, UNIT, OFFSETS_64)
     sk_b, sk_h, sk_n = unit_strides(sk_b, sk_h, sk_n, UNIT, OFFSETS_64)
     sv_b, sv_h, sv_n = unit_strides(sv_b, sv_h, sv_n, UNIT, OFFSETS_64)
@@ -208,7 +214,7 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, sq_b, sq_h, sq_m, sk_b, s
     in_bounds = rows < SQ
     offs_n = tl.arange(0, BLOCK_N)
     q0, q1 = load_tile(Q + q_off + h * sq_h, rows * sq_m, in_bounds, D, D0, D1, True, False, UPCAST)
-    do0, do1 = load_tile(DO + do_off + h * sdo_h, rows * sdo_m, in_bounds, D, D0, D1, True, False, UPCAST)
+    do0, do1 = load_tile(DO + do_off + h * sdo_h, rows * sdo_m, in_bounds, VD, VD0, VD1, True, False, UPCAST)
     row0 = lse_off + h.to(tl.int64) * slse_h
     lse = tl.load(LSE + row0 + rows, mask=in_bounds, other=float("-inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # P = 0 on rows that see no key
@@ -227,6 +233,6 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, sq_b, sq_h, sq_m, sk_b, s
     for part in tl.static_range(3):  # masked, whole, masked
         dq0, dq1 = _dq_tiles(dq0, dq1, q0, q1, do0, do1, lse, delta, k_base, v_base, sk_n, sv_n, rows, offs_n,
                              (lo, full_lo, full_hi)[part], (full_lo, full_hi, hi)[part], SKV, lo_off, hi_off,
-                             scale_log2, squash, cap_log2, D, D0, D1, part != 1, BOUND_LEFT, BOUND_RIGHT, SOFTCAP,
-                             UPCAST, PRECISION)
+                             scale_log2, squash, cap_log2, D, D0, D1, VD, VD0, VD1, part != 1, BOUND_LEFT,
+                             BOUND_RIGHT, SOFTCAP, UPCAST, PRECISION)
     store_tile(DQ + dq_off + h * sdq_h, rows * sdq_m, in_bounds, dq0 * scale, dq1 * scale, D, D1)

@@ -28,6 +28,11 @@ def head_split(d: int) -> tuple[int, int]:
     return (2 * d0, 0) if d1 >= d0 else (d0, d1)
 
 
+def tile_width(d: int, dv: int) -> int:
+    """The columns a kernel's widest tile row holds: a q/k row's (head dim ``d``) or a v/o row's (``dv``)."""
+    return max(sum(head_split(d)), sum(head_split(dv)))
+
+
 class TileConfig(NamedTuple):
     """A tl.* kernel's tile and schedule, named as its launch takes them."""
 
@@ -83,30 +88,31 @@ DECODE_NARROW_PER_SM = 3  # programs of DECODE_CONFIG whose shared memory fits o
 _tuner = Tuner(name="attention", sources=(attention_tiles, attention_fwd_kernels, attention_bwd_kernels, to_dtype))
 
 
-def tile_config(kernel: str, q, sq, skv, hkv, causal, precision, launch, programs=0) -> TileConfig:
+def tile_config(kernel: str, q, sq, skv, hkv, causal, precision, launch, programs=0, dv=None) -> TileConfig:
     """``q``: the [B, H, S, D] view; ``sq``, ``skv``: each sequence's (longest) query and key lengths;
-    ``programs``: a decode's (sequences x heads a program takes)."""
+    ``programs``: a decode's (sequences x heads a program takes); ``dv``: v's head dim (None: q's)."""
     if INTERPRETED:
         return INTERPRETER_CONFIG
     b, h, _, d = q.shape
-    width = sum(head_split(d))
+    dv = d if dv is None else dv
     if kernel == "fwd" and sq <= 16:
-        return decode_tile_config(q, programs)
-    key = (kernel, d, q.dtype, precision, causal, bucket(sq), bucket(skv), bucket(b * h), h // max(hkv, 1))
-    return _tuner.pick(key, CONFIGS[kernel][width], launch)
+        return decode_tile_config(q, programs, dv)
+    key = (kernel, d, dv, q.dtype, precision, causal, bucket(sq), bucket(skv), bucket(b * h), h // max(hkv, 1))
+    return _tuner.pick(key, CONFIGS[kernel][tile_width(d, dv)], launch)
 
 
-def decode_tile_config(q, programs: int) -> TileConfig:
+def decode_tile_config(q, programs: int, dv: int | None = None) -> TileConfig:
     """The split-key forward's tiles for ``programs`` (sequences x the heads a program takes) over ``q``'s
-    head dim. The wide key tiles only past DECODE_NARROW_PER_SM programs an SM, where a second wave of the
-    narrow ones would run part empty, and only where they were measured and fit: sm_90, heads of one column
-    chunk of 128 (narrower ones spill in them), a 2-byte dtype (float32 tiles would not fit shared memory)."""
-    split = head_split(q.shape[-1])
-    if split == (128, 0) and q.element_size() == 2:
+    head dim and v's ``dv`` (None: q's). The wide key tiles only past DECODE_NARROW_PER_SM programs an SM,
+    where a second wave of the narrow ones would run part empty, and only where they were measured and fit:
+    sm_90, heads of one column chunk of 128 (narrower ones spill in them), a 2-byte dtype (float32 tiles would
+    not fit shared memory)."""
+    dv = q.shape[-1] if dv is None else dv
+    if head_split(q.shape[-1]) == head_split(dv) == (128, 0) and q.element_size() == 2:
         index = attention_sm90.device_index(q.device)
         if programs > DECODE_NARROW_PER_SM * multiprocessors(index) and attention_sm90.is_sm90(index):
             return DECODE_CONFIG_WIDE_KEYS
-    return DECODE_CONFIG_WIDE_HEADS if sum(split) > 128 else DECODE_CONFIG
+    return DECODE_CONFIG_WIDE_HEADS if tile_width(q.shape[-1], dv) > 128 else DECODE_CONFIG
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,6 +15,8 @@ from typing import NamedTuple
 import torch
 import triton
 
+from portable_ops.definitions.attention import sink_gradient
+
 from . import attention_sm90
 from .attention_bwd_kernels import delta_kernel, dkdv_kernel, dq_kernel
 from .attention_configs import DECODE_CONFIG, dot_precision, head_split, key_splits, tile_config, upcast
@@ -180,17 +182,18 @@ class FwdPlan:
     __slots__ = ("key", "out_stride", "hopper", "splits", "args", "keys_per_split", "fwd", "combine")
 
 
-def fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_stride, seqs, extras):
+def fwd_plan(key, q, k, v, causal, scale, window, softcap, sinks, precision, out_stride, seqs, extras):
     seqs = seqs or dense_sequences(q, k)
-    h, d = q.shape[1], q.shape[3]
+    h, d, value_dim = q.shape[1], q.shape[3], v.shape[3]
     hkv, b, sq, skv = k.shape[1], seqs.batch, seqs.sq, seqs.skv
     d0, d1 = head_split(d)
+    dv0, dv1 = head_split(value_dim)
     plan = FwdPlan()
     plan.key, plan.out_stride = key, out_stride
     # the Gluon kernel on sm_90 where it takes the call (attention_sm90.supports says when)
     plan.hopper = None
     if (not INTERPRETED and seqs.kind == "dense"
-            and not attention_sm90.supports(q, k, v, causal, out_stride, window, softcap)):
+            and not attention_sm90.supports(q, k, v, causal, out_stride, window, softcap, sinks)):
         plan.hopper = attention_sm90.Plan(q, k, v, out_stride, causal, scale)
         return remember(fwd_plans, plan)
     bound_left, bound_right, left, right = band(causal, window, seqs)
@@ -212,60 +215,67 @@ def fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_stride
         if plan.splits == 1:  # out, through its own strides
             split_stride, out_st, slse = 0, kernel_strides(q.shape, out_stride), (0, *seqs.lse_strides(h))
         else:  # contiguous float32 partials [splits, B, H, SQ, D] and [splits, B, H, SQ]
-            split_stride, out_st = b * h * sq * d, kernel_strides(q.shape, (h * sq * d, sq * d, d))
+            split_stride = b * h * sq * value_dim
+            out_st = kernel_strides(q.shape, (h * sq * value_dim, sq * value_dim, value_dim))
             slse = (b * h * sq, h * sq, sq)
         q_st, k_st, v_st = (kernel_strides(t.shape, t.stride()) for t in (q, k, v))
         strides = (*q_st, *k_st, *v_st, split_stride, *out_st)
         unit = stride_unit(strides)
         kv_rows = k.shape[2] if seqs.kind == "paged" else skv
-        offsets_64 = needs_offsets_64(d, Extent(h, sq, q_st), Extent(hkv, kv_rows, k_st), Extent(hkv, kv_rows, v_st),
-                                      Extent(h, sq, out_st))
+        offsets_64 = needs_offsets_64(max(d, value_dim), Extent(h, sq, q_st), Extent(hkv, kv_rows, k_st),
+                                      Extent(hkv, kv_rows, v_st), Extent(h, sq, out_st))
         plan.args = (*divided(strides, unit), *slse, seqs.table_stride, h, group, sq, skv, left, right, b * heads)
-        plan.fwd = over_pairs(fwd_kernel, triton.cdiv(rows, config.BLOCK_M), b * heads, 9, plan.splits,
+        plan.fwd = over_pairs(fwd_kernel, triton.cdiv(rows, config.BLOCK_M), b * heads, 10, plan.splits,
                               BOUND_LEFT=bound_left, BOUND_RIGHT=bound_right, SOFTCAP=softcap is not None,
                               VARLEN=seqs.kind == "varlen", PAGED=seqs.kind == "paged", PAGE=seqs.page, D=d,
-                              D0=d0, D1=d1, UPCAST=upcast(q.dtype), PACK_GROUP=pack, NEGATIVE_SCALE=scale < 0,
-                              UNIT=unit, OFFSETS_64=offsets_64, PRECISION=precision, **config._asdict())
-        plan.combine = Launch(combine_kernel, (b * h * sq,), 4, D=d, BLOCK_D=triton.next_power_of_2(d),
-                              BLOCK_S=triton.next_power_of_2(plan.splits), num_warps=4)
+                              D0=d0, D1=d1, VD=value_dim, VD0=dv0, VD1=dv1, UPCAST=upcast(q.dtype), PACK_GROUP=pack,
+                              NEGATIVE_SCALE=scale < 0, UNIT=unit, OFFSETS_64=offsets_64, PRECISION=precision,
+                              SINKS=sinks is not None and plan.splits == 1, **config._asdict())
+        plan.combine = Launch(combine_kernel, (b * h * sq,), 5, D=value_dim,
+                              BLOCK_D=triton.next_power_of_2(value_dim), BLOCK_S=triton.next_power_of_2(plan.splits),
+                              SINKS=sinks is not None, num_warps=4)
         return plan
 
     decode_programs = b * packed(DECODE_CONFIG.BLOCK_M)[1]  # every decode tile's BLOCK_M
     config = tile_config("fwd", q, sq, skv, hkv, bound_right, precision,
-                         lambda c: run_forward(configure(c), q, k, v, scale, softcap, extras), decode_programs)
+                         lambda c: run_forward(configure(c), q, k, v, scale, softcap, extras, sinks), decode_programs,
+                         value_dim)
     return remember(fwd_plans, configure(config))
 
 
-def plan_of_forward(q, k, v, causal, scale, window, softcap, out_stride, seqs, extras) -> tuple:
+def plan_of_forward(q, k, v, causal, scale, window, softcap, sinks, out_stride, seqs, extras) -> tuple:
     """(plan, scale, softcap): the plan of row-major q, k, v's layout, and the floats its launches take."""
     scale = float(scale)  # a plan's launches take floats: an int would be specialised on its value
     softcap = effective_softcap(softcap)
     precision = dot_precision(q.dtype)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out_stride, q.dtype, k.dtype, v.dtype, q.device,
-           causal, window, softcap is None, scale < 0, precision, seqs, aligned(q, k, v))
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out_stride, q.dtype, k.dtype, v.dtype,
+           q.device, causal, window, softcap is None, sinks is None, scale < 0, precision, seqs, aligned(q, k, v))
     plan = fwd_plans.get(key)
     if plan is None:
-        plan = fwd_plan(key, q, k, v, causal, scale, window, softcap, precision, out_stride, seqs, extras)
+        plan = fwd_plan(key, q, k, v, causal, scale, window, softcap, sinks, precision, out_stride, seqs, extras)
     return plan, scale, softcap
 
 
-def run_forward(plan, q, k, v, scale, softcap, extras):
-    b, h, sq, d = q.shape
+def run_forward(plan, q, k, v, scale, softcap, extras, sinks=None):
+    """``sinks``: None, or the ``[H]`` float32 logits the plan was made for."""
+    b, h, sq = q.shape[:3]
+    value_dim = v.shape[3]
     try:
-        out = torch.empty_strided(q.shape, plan.out_stride, dtype=q.dtype, device=q.device)
+        out = torch.empty_strided((b, h, sq, value_dim), plan.out_stride, dtype=q.dtype, device=q.device)
         if plan.hopper is not None:
             return attention_sm90.forward(plan.hopper, q, k, v, out, scale)
         floats = (scale * LOG2E.value, *softcap_floats(scale, softcap))
+        sink = q if sinks is None else sinks  # q stands in for a pointer the kernels do not read
         if plan.splits == 1:
             lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-            plan.fwd(q, k, v, out, lse, *extras, *plan.args, *floats, plan.keys_per_split)
+            plan.fwd(q, k, v, out, lse, *extras, sink, *plan.args, *floats, plan.keys_per_split)
             return out, lse
         # Split partial results stay in float32 until they are merged.
-        parts = torch.empty((plan.splits, b, h, sq, d), dtype=torch.float32, device=q.device)
+        parts = torch.empty((plan.splits, b, h, sq, value_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((plan.splits, b, h, sq), dtype=torch.float32, device=q.device)
-        plan.fwd(q, k, v, parts, part_lse, *extras, *plan.args, *floats, plan.keys_per_split)
+        plan.fwd(q, k, v, parts, part_lse, *extras, sink, *plan.args, *floats, plan.keys_per_split)
         lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-        plan.combine(parts, part_lse, out, lse, plan.splits, h, sq, *plan.out_stride[:3])
+        plan.combine(parts, part_lse, out, lse, sink, plan.splits, h, sq, *plan.out_stride[:3])
         return out, lse
     except BaseException:
         forget(fwd_plans, plan)
@@ -277,26 +287,30 @@ class BwdPlan:
                  "dq", "dq_args")
 
 
-def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, precision, out_strides, seqs, extras):
+def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, dlse, precision, out_strides, seqs,
+             extras):
     seqs = seqs or dense_sequences(q, k)
-    h, d = q.shape[1], q.shape[3]
+    h, d, value_dim = q.shape[1], q.shape[3], v.shape[3]
     hkv, b, sq, skv = k.shape[1], seqs.batch, seqs.sq, seqs.skv
     d0, d1 = head_split(d)
+    dv0, dv1 = head_split(value_dim)
     plan = BwdPlan()
     plan.key = key
     plan.dq_stride, plan.dk_stride, plan.dv_stride = out_strides
     plan.hopper = None
     # the Hopper backward's grid has batch x KV heads programs in its second dim, not folded
     if (not INTERPRETED and seqs.kind == "dense" and b * hkv <= MAX_GRID_Y
-            and not attention_sm90.supports_backward(q, k, v, dout, causal, out_strides, window, softcap)):
+            and not attention_sm90.supports_backward(q, k, v, dout, causal, out_strides, window, softcap, sinks,
+                                                     dlse)):
         plan.hopper = attention_sm90.BwdPlan(q, k, v, dout, plan.dk_stride, plan.dv_stride, causal)
-    block = 64 if d <= 128 else 32
+    block = 64 if value_dim <= 128 else 32
     # delta over the [B, H, S] rows of the views (varlen: [1, H, T], the layout of its lse)
     rows = q.shape[2]
-    delta_64 = needs_offsets_64(d, *(Extent(h, rows, kernel_strides(q.shape, t.stride())) for t in (out, dout)))
-    plan.delta = over_pairs(delta_kernel, triton.cdiv(rows, block), q.shape[0] * h, 4, D=d,
-                            BLOCK_D=triton.next_power_of_2(d), BLOCK=block, ZERO_DQ=plan.hopper is not None,
-                            OFFSETS_64=delta_64)
+    delta_64 = needs_offsets_64(value_dim, *(Extent(h, rows, kernel_strides(q.shape, t.stride()))
+                                             for t in (out, dout)))
+    plan.delta = over_pairs(delta_kernel, triton.cdiv(rows, block), q.shape[0] * h, 5, D=value_dim,
+                            BLOCK_D=triton.next_power_of_2(value_dim), BLOCK=block, ZERO_DQ=plan.hopper is not None,
+                            OFFSETS_64=delta_64, LSE_GRADIENT=dlse is not None)
     plan.delta_args = (*out.stride()[:3], *dout.stride()[:3], h, q.shape[2], q.shape[0] * h)
     if plan.hopper is not None:
         return remember(bwd_plans, plan)
@@ -307,10 +321,11 @@ def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, preci
     dkdv_strides = (*inputs, *key_like[2], *key_like[3])
     dq_strides = (*inputs, *query_like[2])
     dkdv_unit, dq_unit = stride_unit(dkdv_strides), stride_unit(dq_strides)
-    offsets_64 = needs_offsets_64(d, *(Extent(h, sq, st) for st in query_like),
+    offsets_64 = needs_offsets_64(max(d, value_dim), *(Extent(h, sq, st) for st in query_like),
                                   *(Extent(hkv, skv, st) for st in key_like))
     common = dict(BOUND_LEFT=bound_left, BOUND_RIGHT=bound_right, SOFTCAP=softcap is not None,
-                  VARLEN=seqs.kind == "varlen", D=d, D0=d0, D1=d1, UPCAST=upcast(q.dtype), OFFSETS_64=offsets_64,
+                  VARLEN=seqs.kind == "varlen", D=d, D0=d0, D1=d1, VD=value_dim, VD0=dv0, VD1=dv1,
+                  UPCAST=upcast(q.dtype), OFFSETS_64=offsets_64,
                   PRECISION=precision)
     group = h // max(hkv, 1)
     tail = (group, sq, skv, left, right)
@@ -329,47 +344,59 @@ def bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, preci
 
     # each candidate is timed on its own kernel, over real buffers, which it overwrites: nothing is left to undo
     delta, dq, dk, dv = bwd_buffers(plan, q, k, v)
-    plan.delta(out, dout, delta, delta, *plan.delta_args)
+    plan.delta(out, dout, delta if dlse is None else dlse, delta, delta, *plan.delta_args)
     floats = (scale, scale * LOG2E.value, *softcap_floats(scale, softcap))
     configure_dkdv(tile_config("dkdv", q, sq, skv, hkv, bound_right, precision,
                                lambda c: configure_dkdv(c).dkdv(q, k, v, dout, lse, delta, dk, dv, *extras,
-                                                                *plan.dkdv_args, *floats)))
+                                                                *plan.dkdv_args, *floats), dv=value_dim))
     configure_dq(tile_config("dq", q, sq, skv, hkv, bound_right, precision,
                              lambda c: configure_dq(c).dq(q, k, v, dout, lse, delta, dq, *extras, *plan.dq_args,
-                                                          *floats)))
+                                                          *floats), dv=value_dim))
     return remember(bwd_plans, plan)
 
 
-def plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, strides, seqs, extras) -> tuple:
-    """(plan, scale, softcap): the plan of row-major q, k, v, out, dout and contiguous lse whose gradients
-    take ``strides``, and the floats its launches take."""
+def plan_of_backward(q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, dlse, strides, seqs,
+                     extras) -> tuple:
+    """(plan, scale, softcap): the plan of row-major q, k, v, out, dout and contiguous lse (and dlse) whose
+    gradients take ``strides``, and the floats its launches take."""
     scale = float(scale)
     softcap = effective_softcap(softcap)
     precision = dot_precision(q.dtype)
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(), strides, q.dtype,
-           k.dtype, v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, causal, window, softcap is None, precision,
-           torch.are_deterministic_algorithms_enabled(), seqs, aligned(q, k, v, dout))
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), dout.stride(), strides,
+           q.dtype, k.dtype, v.dtype, out.dtype, dout.dtype, lse.dtype, q.device, causal, window, softcap is None,
+           sinks is None, dlse is None, precision, torch.are_deterministic_algorithms_enabled(), seqs,
+           aligned(q, k, v, dout))
     plan = bwd_plans.get(key)
     if plan is None:
-        plan = bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, precision, strides, seqs,
-                        extras)
+        plan = bwd_plan(key, q, k, v, out, lse, dout, causal, scale, window, softcap, sinks, dlse, precision,
+                        strides, seqs, extras)
     return plan, scale, softcap
 
 
-def run_backward(plan, scale, softcap, q, k, v, out, lse, dout, extras):
+def run_backward(plan, scale, softcap, q, k, v, out, lse, dout, extras, sinks=None, dlse=None):
+    """``(dq, dk, dv)``, and ``dsinks`` after them with ``sinks``: the probabilities come from the sunk lse as
+    they are, and the sinks' gradient from lse and delta, row by row. ``dlse``: None, or the contiguous
+    gradient that reached lse, which delta takes in."""
+    dq, dk, dv, delta = _gradients(plan, scale, softcap, q, k, v, out, lse, dout, extras, dlse)
+    return (dq, dk, dv) if sinks is None else (dq, dk, dv, sink_gradient(sinks, lse, delta))
+
+
+def _gradients(plan, scale, softcap, q, k, v, out, lse, dout, extras, dlse):
+    """``(dq, dk, dv, delta)``."""
     try:
         delta, dq, dk, dv = bwd_buffers(plan, q, k, v)
+        dlse = delta if dlse is None else dlse  # delta stands in for a pointer the kernel does not read
         if plan.hopper is not None:
             dq_sum = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # zeroed by the delta kernel
-            plan.delta(out, dout, delta, dq_sum, *plan.delta_args)
+            plan.delta(out, dout, dlse, delta, dq_sum, *plan.delta_args)
             attention_sm90.backward(plan.hopper, q, k, v, dout, lse, delta, dq_sum, dk, dv, scale)
             dq.copy_(dq_sum)
-            return dq, dk, dv
-        plan.delta(out, dout, delta, delta, *plan.delta_args)
+            return dq, dk, dv, delta
+        plan.delta(out, dout, dlse, delta, delta, *plan.delta_args)
         floats = (scale, scale * LOG2E.value, *softcap_floats(scale, softcap))
         plan.dkdv(q, k, v, dout, lse, delta, dk, dv, *extras, *plan.dkdv_args, *floats)
         plan.dq(q, k, v, dout, lse, delta, dq, *extras, *plan.dq_args, *floats)
-        return dq, dk, dv
+        return dq, dk, dv, delta
     except BaseException:
         forget(bwd_plans, plan)
         raise

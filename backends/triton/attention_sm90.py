@@ -78,7 +78,7 @@ FWD_MAXNREG = {2: MAXNREG, 3: 128}  # the forward's, by consumers: three make fo
 GLUON_READ_IN = ((3, 6), (3, 9))
 
 
-def supports(q, k, v, causal, out_stride, window=None, softcap=None) -> list[str]:
+def supports(q, k, v, causal, out_stride, window=None, softcap=None, sinks=None) -> list[str]:
     """Why the Hopper kernel can't take this call, whose output will have strides ``out_stride``
     (empty: it can)."""
     from portable_ops import env  # here: the kernel module loads without the package (tests/test_triton_compiles.py)
@@ -95,6 +95,11 @@ def supports(q, k, v, causal, out_stride, window=None, softcap=None) -> list[str
                        "blocks outside it)")
     if softcap is not None:
         reasons.append("a softcap: the Hopper kernels have no tanh in their softmax yet (the tl.* kernels have)")
+    if sinks is not None:
+        reasons.append("sinks: the Hopper kernels have no sink term in their softmax yet (the tl.* kernels have)")
+    if v.shape[-1] != q.shape[-1]:
+        reasons.append(f"v's head_dim {v.shape[-1]} is not q's {q.shape[-1]}: the Hopper kernels take one head dim "
+                       f"(the tl.* kernels take both)")
     if not (q.is_cuda and is_sm90(device_index(q.device))):
         reasons.append("not an sm_90 GPU")
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k.dtype == v.dtype):
@@ -300,9 +305,11 @@ def backward(plan, q, k, v, dout, lse, delta, dq_sum, dk, dv, scale):
     plan.launch(q, k, v, dout, dk, dv, dq_sum, lse, delta, *plan.args, scale * LOG2E.value, scale)
 
 
-def supports_backward(q, k, v, dout, causal, strides, window=None, softcap=None):
+def supports_backward(q, k, v, dout, causal, strides, window=None, softcap=None, sinks=None, dlse=None):
     """Why the Hopper backward can't take this call (empty: it can); ``strides``: dq's, dk's, dv's."""
-    reasons = supports(q, k, v, causal, strides[0], window, softcap)
+    reasons = supports(q, k, v, causal, strides[0], window, softcap, sinks)
+    if dlse is not None:
+        reasons.append("a gradient through lse: not verified on the Hopper backward yet (the tl.* one takes it)")
     if q.shape[-1] not in BWD_HEAD_DIMS:
         reasons.append(f"head_dim {q.shape[-1]}: the Hopper backward takes {BWD_HEAD_DIMS} (the tl.* one the rest)")
     if torch.are_deterministic_algorithms_enabled():

@@ -8,9 +8,10 @@
 builds no 4-D mask: it hands every layer None for an unpadded batch, the 2-D padding mask for a padded one, and
 for sequences transformers found packed (restarting position ids, no cache, no padding mask) its sequence index
 per token. The attention function then runs :func:`portable_ops.attention` (no padding: causal, sliding window,
-softcap, GQA, decode from a KV cache) or unpads and runs :func:`portable_ops.attention_varlen` (padding, packed
-sequences, ``cu_seq_lens_q/k``). What it can't map exactly is refused with an error naming the argument.
-``docs/integrations.md`` has the mapping, the refusals and what was verified where.
+softcap, sinks, GQA, a value head dim of its own, decode from a KV cache) or unpads and runs
+:func:`portable_ops.attention_varlen` (padding, packed sequences, ``cu_seq_lens_q/k``). What it can't map
+exactly is refused with an error naming the argument. ``docs/integrations.md`` has the mapping, the refusals
+and what was verified where.
 """
 
 from __future__ import annotations
@@ -286,23 +287,17 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if output_attentions:
         _refuse(module, "output_attentions=True", "portable_ops never forms the attention weights; "
                 "use attn_implementation='eager' to see them")
-    if s_aux is not None:
-        _refuse(module, "s_aux (attention sinks, as in gpt-oss)", "portable_ops has no sinks yet")
     for argument, what in _UNMAPPED.items():
         if kwargs.get(argument) is not None:
             _refuse(module, argument, f"{what} has no portable_ops mapping")
     if dropout and module.training:
         _refuse(module, f"dropout={dropout} while training", "portable_ops attention has no dropout; "
                 "set the config's attention_dropout to 0")
-    if value.shape[-1] != query.shape[-1]:
-        _refuse(module, f"value of head dim {value.shape[-1]} (query and key: {query.shape[-1]})",
-                "portable_ops attention takes one head dim for q, k and v (multi-head latent attention is not "
-                "supported yet)")
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         _refuse(module, "is_causal=False", "only causal attention is mapped (transformers' masks for it "
                 "can't be told from the arguments)")
     window = None if sliding_window is None else (sliding_window - 1, 0)  # transformers' window counts the query
-    options = dict(causal=True, scale=scaling, window=window, softcap=softcap)
+    options = dict(causal=True, scale=scaling, window=window, softcap=softcap, sinks=s_aux)  # s_aux: gpt-oss's sinks
 
     varlen = (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)
     if any(x is not None for x in varlen) and not all(x is not None for x in varlen):

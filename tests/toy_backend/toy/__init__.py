@@ -39,7 +39,7 @@ def _on_toy(op, run):
 
 
 def _declared(op):
-    """Dtypes for every op; attention without windows and softcaps, up to head dim 128."""
+    """Dtypes for every op; attention without windows, softcaps and sinks, up to head dim 128."""
     if op in ATTENTION_OPS:
         return dict(dtypes=DTYPES, max_head_dim=128, features=("causal",))
     return dict(dtypes=DTYPES)
