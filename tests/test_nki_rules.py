@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from portable_ops.backends.nki import emulator, runtime
+from portable_ops.backends.nki import emulator
 from portable_ops.backends.nki.adam import adam, adam_supports
 from portable_ops.backends.nki.grad_norm import grad_norm
 from portable_ops.backends.nki.emulator import EmulatorError
@@ -294,9 +294,3 @@ def test_the_2_norm_of_zero_tiny_huge_and_nonfinite_grads_is_the_definitions(sca
     grads = [torch.full((130,), scale), torch.zeros(3, dtype=torch.bfloat16)]
     expected = reference_grad_norm(grads, 2.0)
     torch.testing.assert_close(grad_norm(grads, 2.0), expected, equal_nan=True, rtol=1e-5, atol=0)
-
-
-def test_kernels_run_poisoned_only_where_the_list_says_and_the_list_names_real_kernels():
-    from portable_ops.backends.nki import attention
-    for name, where in runtime.POISONED_IN_EMULATOR.items():
-        assert callable(getattr(attention, name)) and where.startswith("attention.py")

@@ -256,10 +256,10 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
                                                   op1=nl.add, operand1=pv)
                         nisa.tensor_copy(m, m_new)
                     decay = None if sinks is None else _join_sink(m, l_sum, _sink_column(sinks, h, bq), bq)
-                    # A row whose every score is -inf (from its inputs, not the mask) sums to 0: its
-                    # output is 0, as SDPA's and the reference's, not 0 * inf; real sums are >= 1.
+                    # A real row's sum is >= 1 (its max term, a key's or its sink's, is exp(0)); one that sees
+                    # nothing sums to 0 and is overwritten below: 1 keeps reciprocal and log in their domains
                     l_safe = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(l_safe, l_sum, op0=nl.maximum, operand0=1.0e-30)
+                    nisa.tensor_scalar(l_safe, l_sum, op0=nl.maximum, operand0=1.0)
                     inv_l = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.reciprocal(inv_l, l_safe)
                     if decay is not None:
@@ -267,7 +267,7 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
                     o = nl.ndarray((bq, Dv), dtype=dt, buffer=nl.sbuf)
                     nisa.tensor_scalar(o, acc, op0=nl.multiply, operand0=inv_l)
                     lse_t = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.activation(lse_t, op=nl.log, data=l_sum)
+                    nisa.activation(lse_t, op=nl.log, data=l_safe)
                     nisa.tensor_tensor(lse_t, lse_t, m, op=nl.add)
                     # Rows that see no key had only masked scores (or, with no visible block, none):
                     # out 0 and lse -inf, as the reference, not the mean of masked values (with a sink

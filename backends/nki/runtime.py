@@ -35,15 +35,6 @@ def _tensors(args):
             yield from _tensors(a)
 
 
-# Kernels that break an emulator rule in code another change owns: the emulator runs them with that rule's invalid
-# results poisoned (NaN) rather than refused, so their outputs are still checked. Each entry says where to fix it.
-POISONED_IN_EMULATOR = {
-    "attention_fwd_kernel": "attention.py, attention_fwd_kernel: activation(op=nl.log) of a row sum that is 0 in "
-                            "query tiles that see no key block (Sq > Skv under causal or a window); log's valid "
-                            "range is [2^-64, 2^64]. Those rows are overwritten (-inf) afterwards.",
-}
-
-
 def launch(kernel, *args, **static):
     """Run ``kernel(*args, **static)`` where its tensors live (arguments may be lists of tensors);
     returns torch tensors on that device. Kernels may also write their argument tensors in place."""
@@ -58,9 +49,6 @@ def launch(kernel, *args, **static):
             raise RuntimeError("the installed nki has no nki.simulate (NKI 0.3+ needed) to run CPU tensors")
         out = compat.nki.simulate(kernel)(*args, **static)
         return _as_torch(out, device)
-    if kernel.__name__ in POISONED_IN_EMULATOR:
-        with compat.nki.domain_policy("poison"):
-            return kernel(*args, **static)
     return kernel(*args, **static)
 
 
