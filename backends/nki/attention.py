@@ -257,9 +257,13 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
                         nisa.tensor_copy(m, m_new)
                     decay = None if sinks is None else _join_sink(m, l_sum, _sink_column(sinks, h, bq), bq)
                     # A real row's sum is >= 1 (its max term, a key's or its sink's, is exp(0)); one that sees
-                    # nothing sums to 0 and is overwritten below: 1 keeps reciprocal and log in their domains
+                    # nothing sums to 0 and is overwritten below, one with a key scoring +inf is NaN (its acc
+                    # too): 1 in both keeps reciprocal and log in their domains
                     l_safe = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.tensor_scalar(l_safe, l_sum, op0=nl.maximum, operand0=1.0)
+                    real = nl.ndarray((bq, 1), dtype=nl.uint8, buffer=nl.sbuf)
+                    nisa.tensor_scalar(real, l_sum, op0=nl.less_equal, operand0=float(2 ** 60))  # NaN: false
+                    nisa.tensor_copy_predicated(dst=l_safe, src=1.0, predicate=real, reverse_pred=True)
                     inv_l = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.reciprocal(inv_l, l_safe)
                     if decay is not None:
@@ -268,6 +272,9 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
                     nisa.tensor_scalar(o, acc, op0=nl.multiply, operand0=inv_l)
                     lse_t = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
                     nisa.activation(lse_t, op=nl.log, data=l_safe)
+                    # + l_sum * 0: NaN where the sum is, so such a row's lse is NaN as its output
+                    nisa.scalar_tensor_tensor(lse_t, data=l_sum, op0=nl.multiply, operand0=0.0, op1=nl.add,
+                                              operand1=lse_t)
                     nisa.tensor_tensor(lse_t, lse_t, m, op=nl.add)
                     # Rows that see no key had only masked scores (or, with no visible block, none):
                     # out 0 and lse -inf, as the reference, not the mean of masked values (with a sink
