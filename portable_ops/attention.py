@@ -434,7 +434,7 @@ def _memo_key(q, k, v, causal, scale, window, softcap):
         return None
     try:
         return (_tensors_key(q, k, v), causal, _signed(scale), window, softcap, _needs_grad(q, k, v),
-                memo.autocast_key(q.device.type), dispatch.state())
+                memo.autocast_key(q), dispatch.state())
     except (RuntimeError, ValueError):  # no strides or storage (sparse, ...), or PORTABLE_OPS_BACKEND unknown
         return None
 

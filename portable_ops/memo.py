@@ -35,9 +35,12 @@ def autocast_off(device_type: str):
     return torch.autocast(device_type, enabled=False) if autocasting(device_type) else contextlib.nullcontext()
 
 
-def autocast_key(device_type: str):
-    """What a memo key holds of autocast: its dtype for ``device_type`` where it is on, else False."""
-    return torch._C._is_any_autocast_enabled() and autocasting(device_type) and torch.get_autocast_dtype(device_type)
+def autocast_key(t: torch.Tensor):
+    """What a memo key holds of autocast: its dtype for ``t``'s device type where it is on, else False."""
+    if not torch._C._is_any_autocast_enabled():
+        return False
+    device_type = t.device.type
+    return autocasting(device_type) and torch.get_autocast_dtype(device_type)
 
 
 def run_choice(op, choice, call, device):

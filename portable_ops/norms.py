@@ -325,7 +325,7 @@ def _memo_key(rms, x, residual, weight, bias, eps):
         return (rms, x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16,
                 None if residual is None else _layout_of(residual), None if weight is None else _layout_of(weight),
                 None if bias is None else _layout_of(bias), eps, _needs_grad(x, residual, weight, bias),
-                memo.autocast_key(x.device.type), dispatch.state())
+                memo.autocast_key(x), dispatch.state())
     except (RuntimeError, ValueError):  # no strides or storage (sparse, ...), or PORTABLE_OPS_BACKEND unknown
         return None
 
