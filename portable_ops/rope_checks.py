@@ -81,9 +81,53 @@ def check_writable(q, k) -> None:
             raise RuntimeError(f"rope_: {arg} was made under torch.inference_mode(), and torch lets an inference "
                                f"tensor be written in place only inside it: call rope_ under torch.inference_mode() "
                                f"too")
-    if q.numel() and k.numel() and q.data_ptr() == k.data_ptr():
-        raise ValueError("rope_: q and k start at the same memory; rope_ would rotate it twice: pass q and k that "
-                         "share no element (slices of one fused projection are fine)")
+    if q.numel() and k.numel() and _share_an_element(q, k):
+        raise ValueError("rope_: q and k share memory (an element of one is an element of the other); rope_ would "
+                         "rotate it twice: pass q and k that share no element (slices of one fused projection are "
+                         "fine)")
+
+
+# Past this many elements, q and k of different strides in one storage are taken as disjoint unchecked
+_ELEMENTS_SET_CHECKED = 1 << 22
+
+
+def _share_an_element(q, k) -> bool:
+    """Whether q and k, of one storage, have an element in common: exactly for equal strides (every slice of a
+    fused projection, whatever the head counts), by their element sets up to ``_ELEMENTS_SET_CHECKED`` elements
+    otherwise."""
+    if q.device != k.device or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+        return False
+    spans = [(t.storage_offset(), t.storage_offset() + _reach(t.shape, t.stride())) for t in (q, k)]
+    if spans[0][1] < spans[1][0] or spans[1][1] < spans[0][0]:
+        return False
+    if q.stride() == k.stride() and q.dim() == k.dim():
+        dims = sorted(zip(q.stride(), q.shape, k.shape), reverse=True)
+        return _meet(k.storage_offset() - q.storage_offset(), dims)
+    if q.numel() + k.numel() > _ELEMENTS_SET_CHECKED:
+        return False
+    offsets = [torch.as_strided(torch.arange(end + 1), t.shape, t.stride(), t.storage_offset()).flatten()
+               for t, (_, end) in zip((q, k), spans)]
+    return bool(torch.isin(offsets[0], offsets[1]).any())
+
+
+def _reach(shape, stride) -> int:
+    return sum((n - 1) * s for n, s in zip(shape, stride))
+
+
+def _meet(delta: int, dims: list) -> bool:
+    """Whether ``delta`` is ``sum(d_j * stride_j)`` with ``-(k_size_j - 1) <= d_j <= q_size_j - 1`` (``dims``:
+    (stride, q's size, k's size), largest stride first): q's element at index i and k's at index l are one
+    element when ``delta = sum((i_j - l_j) * stride_j)``, k's start less q's being ``delta``."""
+    if not dims:
+        return delta == 0
+    (stride, q_size, k_size), rest = dims[0], dims[1:]
+    if stride == 0:
+        return _meet(delta, rest)
+    up = sum((qn - 1) * s for s, qn, _ in rest)  # what the smaller strides can add to a difference, and take
+    down = sum((kn - 1) * s for s, _, kn in rest)
+    low = max(-(k_size - 1), -((up - delta) // stride))
+    high = min(q_size - 1, (delta + down) // stride)
+    return any(_meet(delta - d * stride, rest) for d in range(low, high + 1))
 
 
 def _written(t):

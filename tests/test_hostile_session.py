@@ -546,3 +546,22 @@ def test_linear_cross_entropy_names_an_ignore_index_past_int64(ignore_index):
     hidden, weight, target = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 1, 2])
     with pytest.raises(ValueError, match="ignore_index must fit in int64"):
         portable_ops.linear_cross_entropy(hidden, weight, target, ignore_index=ignore_index)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rope_inplace_refuses_q_and_k_sharing_some_heads(backend):
+    """q and k overlapping in a head but starting apart (base[:, 0:2] and base[:, 1:3]) passed the same-start
+    check, and rope_ rotated the shared head twice on every backend; slices of one fused projection still pass."""
+    device = default_device(backend)
+    base = torch.randn(1, 3, 4, 8, device=device)
+    cos, sin = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device)
+    before = base.clone()
+    with forced_strict(backend), pytest.raises(ValueError, match="share memory"):
+        portable_ops.rope_(base[:, 0:2], base[:, 1:3], cos, sin)
+    assert torch.equal(base, before)
+    fused = torch.randn(1, 4, 5, 8, device=device)  # [B, S, Hq + Hk, D]: q and k its transposed slices
+    q, k = fused[:, :, :3].transpose(1, 2), fused[:, :, 3:].transpose(1, 2)
+    want = portable_ops.rope(q, k, cos, sin)
+    with forced_strict(backend):
+        portable_ops.rope_(q, k, cos, sin)
+    torch.testing.assert_close((q, k), want)

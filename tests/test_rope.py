@@ -191,7 +191,7 @@ INPLACE_BAD = {
     "requires_grad": (lambda a: a["q"].requires_grad_(), RuntimeError, "rope_: q requires grad, and rope_ writes it"),
     "expanded": (lambda a: a.update(k=torch.randn(2, 1, 6, 16).expand(2, 2, 6, 16)), ValueError,
                  "rope_: k has elements that share memory"),
-    "same_memory": (lambda a: a.update(k=a["q"][:, :2]), ValueError, "rope_: q and k start at the same memory"),
+    "same_memory": (lambda a: a.update(k=a["q"][:, :2]), ValueError, "rope_: q and k share memory"),
 }
 
 
