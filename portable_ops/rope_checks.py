@@ -95,7 +95,7 @@ def _share_an_element(q, k) -> bool:
     """Whether q and k, of one storage, have an element in common: exactly for equal strides (every slice of a
     fused projection, whatever the head counts), by their element sets up to ``_ELEMENTS_SET_CHECKED`` elements
     otherwise."""
-    if q.device != k.device or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr():
+    if q.device != k.device or _storage_start(q) != _storage_start(k):
         return False
     spans = [(t.storage_offset(), t.storage_offset() + _reach(t.shape, t.stride())) for t in (q, k)]
     if spans[0][1] < spans[1][0] or spans[1][1] < spans[0][0]:
@@ -108,6 +108,12 @@ def _share_an_element(q, k) -> bool:
     offsets = [torch.as_strided(torch.arange(end + 1), t.shape, t.stride(), t.storage_offset()).flatten()
                for t, (_, end) in zip((q, k), spans)]
     return bool(torch.isin(offsets[0], offsets[1]).any())
+
+
+def _storage_start(t) -> int:
+    """The address of ``t``'s storage, from its own pointer (wrapper tensors of other device types have no storage
+    of their own to ask)."""
+    return t.data_ptr() - t.storage_offset() * t.element_size()
 
 
 def _reach(shape, stride) -> int:
