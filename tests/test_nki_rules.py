@@ -10,20 +10,14 @@ import torch
 from portable_ops.backends.nki import emulator
 from portable_ops.backends.nki.adam import adam, adam_supports
 from portable_ops.backends.nki.grad_norm import grad_norm
-from portable_ops.backends.nki.emulator import EmulatorError
 from portable_ops.backends.nki.emulator import isa as nisa
 from portable_ops.backends.nki.emulator import language as nl
 from portable_ops.definitions.adam import adam as reference_adam
 from portable_ops.definitions.grad_norm import grad_norm as reference_grad_norm
 
+from test_nki_emulator import rejects  # noqa: E402
+
 jit = emulator.jit
-
-
-def rejects(rule, fn, *args, **kwargs):
-    with pytest.raises(EmulatorError) as info:
-        fn(*args, **kwargs)
-    assert info.value.rule == rule and f"[{rule}]" in str(info.value), str(info.value)
-    return str(info.value)
 
 
 @jit
