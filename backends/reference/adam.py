@@ -4,10 +4,10 @@ infinity (torch's CUDA kernel does): the param is NaN either way, and the kind o
 is not part of the contract (docs/api.md).
 
 The kernel takes a call whose tensors agree, index by index, in device and dtype (the optimizer's
-state in the param's dtype), all contiguous, with float32 step counts beside the params. It leaves
-the caller's grads as they were: the kernel steps on scaled copies of them instead (``grad_copies.py``;
-torch's kernel unscales its grads in place), a clip folded into the scale. A call the kernel doesn't
-take (a ``state_dtype`` unlike the param's, say) runs the definition."""
+state in the param's dtype), all contiguous, with float32 step counts beside the params; the steps are
+counted here, as torch's ``adam`` does around it. It leaves the caller's grads as they were: a call that
+scales them (a clip, a GradScaler's scale) steps on scaled copies (``scaled_grads.py``). A call the kernel
+doesn't take (a ``state_dtype`` unlike the param's, say) runs the definition."""
 
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ import itertools
 import operator
 
 import torch
-from torch.optim.adam import adam as torch_adam
 
 from portable_ops.definitions.adam import adam as definition
 from portable_ops.sgd_checks import check_no_internal_overlap
 
-from .grad_copies import fused_inputs, keep
+from .scaled_grads import batches
 
 KERNEL_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 KERNEL_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
@@ -65,14 +64,20 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
                    found_inf=found_inf, clip_coef=clip_coef, **options)
         return
     device = params[0].device
-    grads, grad_scale, found_inf, copies = fused_inputs(grads, grad_scale, found_inf, clip_coef, device)
+    lr, found_inf = (t.to(device, torch.float32).reshape(()) if isinstance(t, torch.Tensor) else t
+                     for t in (lr, found_inf))
+    kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
     max_exp_avg_sqs = max_exp_avg_sqs if amsgrad else []
-    torch_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, fused=True, grad_scale=grad_scale,
-               found_inf=found_inf, **options)
+    torch._foreach_add_(state_steps, 1)
+    for (p, m, v, vmax), (steps,), g, kernel_scale in batches(grads, grad_scale, clip_coef,
+                                                              (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs),
+                                                              (state_steps,)):
+        kernel(p, g, m, v, vmax, steps, amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2,
+               weight_decay=weight_decay, eps=eps, maximize=maximize, grad_scale=kernel_scale, found_inf=found_inf)
+    if found_inf is not None:  # a skipped step is not counted
+        torch._foreach_sub_(state_steps, [found_inf] * len(state_steps))
     # the fused kernel writes without bumping version counters; autograd must see a saved param change
     torch.autograd.graph.increment_version([*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs])
-    if copies is not None:
-        keep(copies)
 
 
 def _as_0d(t):

@@ -1,5 +1,9 @@
 """The global gradient norm as ``torch.nn.utils.clip_grad_norm_(foreach=True)`` takes it: one
-``_foreach_norm`` per (device, dtype) group, then the norm of those norms."""
+``_foreach_norm`` per (device, dtype) group, then the norm of those norms in float32 (float64 for float64).
+
+bfloat16 grads' norms are torch's own: accumulated in float32 and rounded once to bfloat16 (at most 2^-9
+relative), as ``clip_grad_norm_`` rounds them, where converting the grads to float32 first would be one
+more pass through them. float16 grads are converted: a float16 norm overflows past 65504."""
 
 from __future__ import annotations
 
@@ -17,8 +21,12 @@ def grad_norm(grads, norm_type):
         grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), dtype=dtype)
-    # float32 norms even of half-precision grads (clip_grad_norm_ rounds each to the grads' dtype, which the
-    # clip's float32 result can't afford), at the cost of the kernel converting the grads first
-    norms = [torch.stack(torch._foreach_norm(group, norm_type, dtype=dtype)).to(grads[0].device)
+    norms = [torch.stack(_norms(group, norm_type, dtype)).to(grads[0].device, dtype)
              for [group], _ in _group_tensors_by_device_and_dtype([grads]).values()]
     return torch.linalg.vector_norm(torch.cat(norms), norm_type)
+
+
+def _norms(group, norm_type, dtype):
+    if group[0].dtype == torch.bfloat16:
+        return torch._foreach_norm(group, norm_type)
+    return torch._foreach_norm(group, norm_type, dtype=dtype)

@@ -9,7 +9,7 @@ so half-precision calls they would take run the definition; so do those on the C
 The fused kernel's ``is_first_step`` (set the momentum buffer to the
 grad) is one flag per launch, so a call whose new and old buffers are mixed (params that got their first grad
 later) is two launches. The caller's grads stay as they were: the fused kernel unscales its grads in place, so
-a call with a ``grad_scale`` or a clip (folded into the grad scale) scales copies (``grad_copies.py``). The
+a call with a ``grad_scale`` or a clip steps on scaled copies (``scaled_grads.py``). The
 foreach path has no ``grad_scale`` or ``found_inf`` and reads a tensor ``lr`` on the host: such calls off the
 fused kernel's devices run the definition, as do calls whose tensors aren't contiguous.
 """
@@ -25,7 +25,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from portable_ops.definitions.sgd import sgd as definition
 from portable_ops.sgd_checks import check_no_internal_overlap
 
-from .grad_copies import copies_of, fused_inputs, keep
+from .scaled_grads import batches
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FUSED_DEVICE_TYPES = tuple(_get_fused_kernels_supported_devices())
@@ -81,33 +81,26 @@ def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening
 
 def _fused(params, grads, momentum_buffers, first_steps, grad_scale, found_inf, clip_coef, options):
     device = params[0].device
-    grads, grad_scale, found_inf, copies = fused_inputs(grads, grad_scale, found_inf, clip_coef, device)
-    lr = options["lr"]
-    if isinstance(lr, torch.Tensor):
-        lr = lr.to(device, torch.float32)
+    lr, found_inf = (t.to(device, torch.float32).reshape(()) if isinstance(t, torch.Tensor) else t
+                     for t in (options["lr"], found_inf))
     for (_, first), idx in _groups(params, first_steps):
-        torch._fused_sgd_([params[i] for i in idx], [grads[i] for i in idx],
-                          [momentum_buffers[i] for i in idx] if momentum_buffers else [],
-                          weight_decay=options["weight_decay"], momentum=options["momentum"], lr=lr,
-                          dampening=options["dampening"], nesterov=options["nesterov"],
-                          maximize=options["maximize"], is_first_step=first, grad_scale=grad_scale,
-                          found_inf=found_inf)
-    if copies is not None:
-        keep(copies)
+        for (p, bufs), _, g, kernel_scale in batches([grads[i] for i in idx], grad_scale, clip_coef,
+                                                     ([params[i] for i in idx],
+                                                      [momentum_buffers[i] for i in idx] if momentum_buffers else [])):
+            torch._fused_sgd_(p, g, bufs, weight_decay=options["weight_decay"], momentum=options["momentum"], lr=lr,
+                              dampening=options["dampening"], nesterov=options["nesterov"],
+                              maximize=options["maximize"], is_first_step=first, grad_scale=kernel_scale,
+                              found_inf=found_inf)
 
 
 def _foreach(params, grads, momentum_buffers, first_steps, clip_coef, options):
-    copies = None
     if clip_coef is not None:  # the foreach kernels take no grad scale: scale copies
         grads = torch._foreach_mul(grads, clip_coef.to(params[0].device))
     elif options["nesterov"] and not options["maximize"] and not options["weight_decay"]:
-        copies = copies_of(grads)  # torch's foreach Nesterov adds the buffer to the grads it was handed
-        grads = copies[1]
+        grads = [g.clone() for g in grads]  # torch's foreach Nesterov adds the buffer to the grads it was handed
     # torch clones the grad into a None buffer: hand it Nones there, and keep its clones in the call's buffers
     buffers = [None if first else b for b, first in zip(momentum_buffers, first_steps)]
     torch_sgd(params, grads, buffers, foreach=True, **options)
     made = [i for i, first in enumerate(first_steps) if first]
     if made:
         torch._foreach_copy_([momentum_buffers[i] for i in made], [buffers[i] for i in made])
-    if copies is not None:
-        keep(copies)

@@ -1,0 +1,78 @@
+"""The reference backend's fused optimizer steps on scaled copies of the grads, in batches on the CPU
+(backends/reference/scaled_grads.py): batching changes nothing beyond rounding, the caller's grads stay as they were, and
+float16 grads under a GradScaler keep what a product in float16 would flush to zero."""
+
+import pytest
+import torch
+
+import portable_ops
+from portable_ops.backends.reference import scaled_grads
+from portable_ops.conformance.tolerances import tolerance
+
+SHAPES = [(37, 5), (3,), (), (0, 4), (129,), (11, 13)]
+
+
+def _model(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
+    grads = [torch.randn(s, generator=g).to(dtype) for s in SHAPES]
+    return params, grads
+
+
+def _steps(make, dtype, batch, monkeypatch, steps=3):
+    monkeypatch.setattr(scaled_grads, "CPU_BATCH", batch)
+    cuts = []
+    cut = scaled_grads._cut
+    monkeypatch.setattr(scaled_grads, "_cut", lambda *a: cuts.append(len(a[0])) or cut(*a))
+    params, grads = _model(dtype)
+    opt = make(params)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    for _ in range(steps):
+        with portable_ops.use_backend("reference"):
+            opt.step()
+    for p, g in zip(params, grads):
+        assert torch.equal(p.grad, g), "the step wrote the caller's grads"
+    if batch == 1:  # one launch per element; a zero-size piece joins a batch (the definition would launch none)
+        assert len(cuts) == steps * sum(p.numel() for p in params)
+    return [p.detach() for p in params], opt
+
+
+OPTIMIZERS = {
+    "adamw_clip": lambda ps: portable_ops.optim.AdamW(ps, lr=1e-2, max_grad_norm=0.5),
+    "adam_amsgrad_clip": lambda ps: portable_ops.optim.Adam(ps, lr=1e-2, amsgrad=True, max_grad_norm=0.5),
+    "sgd_momentum_clip": lambda ps: portable_ops.optim.SGD(ps, lr=1e-2, momentum=0.9, max_grad_norm=0.5),
+}
+# the reference's SGD runs the definition for half-precision params on the CPU (backends/reference/sgd.py)
+CASES = [(name, dtype) for name in OPTIMIZERS for dtype in (torch.float32, torch.bfloat16)
+         if not (name.startswith("sgd") and dtype == torch.bfloat16)]
+
+
+@pytest.mark.parametrize("name, dtype", CASES)
+def test_batches_of_any_size_step_as_one_launch(name, dtype, monkeypatch):
+    whole, _ = _steps(OPTIMIZERS[name], dtype, 1 << 30, monkeypatch)
+    for batch in (1, 7, 64):
+        pieces, _ = _steps(OPTIMIZERS[name], dtype, batch, monkeypatch)
+        for a, b in zip(whole, pieces):
+            # within one step's rounding: torch's CPU kernel takes a piece's tail outside its vector loop
+            tol = tolerance("sgd" if name.startswith("sgd") else "adam", dtype)
+            torch.testing.assert_close(a, b, atol=tol.atol, rtol=tol.rtol,
+                                       msg=f"batches of {batch} elements step differently from one launch")
+
+
+def test_step_counts_once_per_step_whatever_the_batches(monkeypatch):
+    _, opt = _steps(OPTIMIZERS["adamw_clip"], torch.float32, 7, monkeypatch, steps=3)
+    assert {float(s["step"]) for s in opt.state.values()} == {3.0}
+
+
+def test_float16_under_a_grad_scale_keeps_grads_float16_would_flush():
+    # 1e-8 unscaled is below float16's smallest subnormal: a product in float16 would make it 0
+    scale = torch.tensor(2.0**16)
+    p = torch.nn.Parameter(torch.zeros(64, dtype=torch.float16))
+    g = torch.full((64,), 1e-8 * 2.0**16, dtype=torch.float16)
+    m, v, step = torch.zeros_like(p), torch.zeros_like(p), torch.zeros(())
+    from portable_ops.backends.reference.adam import adam
+    adam([p.detach()], [g], [m], [v], [], [step], amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-3, weight_decay=0.0,
+         eps=1e-12, maximize=False, decoupled_weight_decay=True, grad_scale=scale)
+    assert bool((p < 0).all()), "the unscaled grad was flushed to zero"
+    assert torch.equal(g, torch.full((64,), 1e-8 * 2.0**16, dtype=torch.float16))
