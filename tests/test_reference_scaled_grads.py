@@ -1,6 +1,6 @@
 """The reference backend's fused optimizer steps on scaled copies of the grads, in batches on the CPU
-(backends/reference/scaled_grads.py): batching changes nothing beyond rounding, the caller's grads stay as they were, and
-float16 grads under a GradScaler keep what a product in float16 would flush to zero."""
+(backends/reference/scaled_grads.py): batching changes nothing beyond rounding, the caller's grads stay as
+they were, and float16 grads under a GradScaler keep what a product in float16 would flush to zero."""
 
 import pytest
 import torch

@@ -43,7 +43,11 @@ def _multiplier(grad_scale, clip_coef, device):
     if grad_scale is None and clip_coef is None:
         return None
     clip = torch.ones((), device=device) if clip_coef is None else clip_coef.to(device, torch.float32)
-    return clip if grad_scale is None else clip / grad_scale.to(device, torch.float32)
+    multiplier = clip if grad_scale is None else clip / grad_scale.to(device, torch.float32)
+    # reading it costs the CPU nothing (no stream to wait for), and an unclipped, unscaled step needs no copies
+    if device.type == "cpu" and bool(multiplier == 1):
+        return None
+    return multiplier
 
 
 def _by_dtype(tensors) -> dict:
@@ -54,27 +58,31 @@ def _by_dtype(tensors) -> dict:
 
 
 def _pieces(grads, columns, per_tensor, limit):
-    """Batches of flat pieces of at most ``limit`` elements in all (None: one batch of the whole tensors)."""
+    """Batches of at most ``limit`` elements in all (None: one batch of the whole tensors): tensors within the
+    limit whole, larger ones as flat pieces of at most ``limit`` elements."""
     if limit is None:
         yield columns, per_tensor, grads
         return
-    batch: list[tuple] = []  # (index, start, end)
+    batch: list[tuple] = []  # (index, a slice of its flat elements, or None for the whole tensor)
     size = 0
     for i, g in enumerate(grads):
-        for start in range(0, max(g.numel(), 1), limit):
-            end = min(start + limit, g.numel())
-            if batch and size + end - start > limit:
+        n = g.numel()
+        for part in [None] if n <= limit else [slice(start, start + limit) for start in range(0, n, limit)]:
+            length = n if part is None else min(part.stop, n) - part.start
+            if batch and size + length > limit:
                 yield _cut(batch, grads, columns, per_tensor)
                 batch, size = [], 0
-            batch.append((i, start, end))
-            size += end - start
+            batch.append((i, part))
+            size += length
     if batch:
         yield _cut(batch, grads, columns, per_tensor)
 
 
 def _cut(batch, grads, columns, per_tensor):
-    def flat(t, start, end):
-        return t.view(-1)[start:end]
-    return ([[flat(c[i], s, e) for i, s, e in batch] if c else c for c in columns],
-            [[p[i] for i, _, _ in batch] for p in per_tensor],
-            [flat(grads[i], s, e) for i, s, e in batch])
+    def piece(t, part):
+        if part is None:  # a 0-d grad times the 0-d multiplier would promote to float32
+            return t if t.dim() else t.view(1)
+        return t.view(-1)[part]
+    return ([[piece(c[i], part) for i, part in batch] if c else c for c in columns],
+            [[p[i] for i, _ in batch] for p in per_tensor],
+            [piece(grads[i], part) for i, part in batch])
