@@ -90,8 +90,16 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
                            "by the non-finite norm anyway, set `error_if_nonfinite=False`")
     coef = clip_coefficient(norm, max_norm)
     for same_device in _by_device_and_dtype(call["grads"]):
-        torch._foreach_mul_(same_device, coef.to(same_device[0].device))
+        torch._foreach_mul_(same_device, _factor_for(coef, same_device[0]))
     return norm
+
+
+def _factor_for(coef, grad):
+    """``coef`` where ``grad``'s group is multiplied: in bfloat16 for bfloat16 grads, as torch's clip has it (the
+    product rounds to bfloat16 either way, and the CUDA foreach kernel's fast path takes a factor of the grads'
+    dtype only); float32 otherwise (a float16 factor would flush a tiny one to zero)."""
+    dtype = torch.bfloat16 if grad.dtype == torch.bfloat16 else None
+    return coef.to(grad.device, dtype)
 
 
 def _by_device_and_dtype(tensors):
