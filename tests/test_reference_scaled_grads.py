@@ -76,3 +76,25 @@ def test_float16_under_a_grad_scale_keeps_grads_float16_would_flush():
          eps=1e-12, maximize=False, decoupled_weight_decay=True, grad_scale=scale)
     assert bool((p < 0).all()), "the unscaled grad was flushed to zero"
     assert torch.equal(g, torch.full((64,), 1e-8 * 2.0**16, dtype=torch.float16))
+
+
+
+def test_params_of_several_dtypes_step_as_torchs_clip_then_step():
+    """One launch per dtype, each group's scaled copies of its own dtype, under one global clip."""
+    params, grads = _model(torch.float32)
+    ours = params[:3] + [torch.nn.Parameter(p.detach().double()) for p in params[3:]]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    for a, b, g in zip(ours, theirs, grads):
+        a.grad, b.grad = g.to(a.dtype), g.to(a.dtype)
+    opt = portable_ops.optim.AdamW(ours, lr=1e-2, max_grad_norm=0.5)
+    torch_opt = torch.optim.AdamW(theirs, lr=1e-2, fused=True)
+    for _ in range(2):
+        with portable_ops.use_backend("reference"):
+            opt.step()
+        torch.nn.utils.clip_grad_norm_(theirs, 0.5)
+        torch_opt.step()
+        for b, g in zip(theirs, grads):
+            b.grad = g.to(b.dtype)
+    for a, b in zip(ours, theirs):
+        tol = tolerance("adam", torch.float32)
+        torch.testing.assert_close(a, b, atol=tol.atol, rtol=tol.rtol)

@@ -10,9 +10,13 @@ memory (and page faults) than torch's in-place clip."""
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 CPU_BATCH = 1 << 20
+
+_dtype = operator.attrgetter("dtype")
 
 
 def batches(grads, grad_scale, clip_coef, columns, per_tensor=()):
@@ -22,10 +26,7 @@ def batches(grads, grad_scale, clip_coef, columns, per_tensor=()):
     them by (a float32 device scalar, or None)."""
     device = grads[0].device
     multiplier = _multiplier(grad_scale, clip_coef, device)
-    for idx in _by_dtype(grads).values():
-        group_grads = [grads[i] for i in idx]
-        group_columns = [[c[i] for i in idx] if c else c for c in columns]
-        group_per_tensor = [[p[i] for i in idx] for p in per_tensor]
+    for group_grads, group_columns, group_per_tensor in _by_dtype(grads, columns, per_tensor):
         if multiplier is None:
             yield group_columns, group_per_tensor, group_grads, None
             continue
@@ -50,11 +51,17 @@ def _multiplier(grad_scale, clip_coef, device):
     return multiplier
 
 
-def _by_dtype(tensors) -> dict:
+def _by_dtype(grads, columns, per_tensor):
+    """``(grads, columns, per_tensor)`` of each dtype's indices; the lists themselves when there is one dtype."""
+    if len(set(map(_dtype, grads))) == 1:  # C-level: the common call
+        yield grads, columns, per_tensor
+        return
     groups: dict = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(t.dtype, []).append(i)
-    return groups
+    for i, g in enumerate(grads):
+        groups.setdefault(g.dtype, []).append(i)
+    for idx in groups.values():
+        yield ([grads[i] for i in idx], [[c[i] for i in idx] if c else c for c in columns],
+               [[p[i] for i in idx] for p in per_tensor])
 
 
 def _pieces(grads, columns, per_tensor, limit):
