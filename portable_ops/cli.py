@@ -16,7 +16,7 @@ def device(text: str) -> torch.device:
     try:
         parsed = torch.device(text)
     except RuntimeError:
-        raise ValueError(f"--device {text!r} is not a device name (cpu, cuda, cuda:1, xla, ...)") from None
+        raise ValueError(f"--device {text!r} is not a device name (cpu, cuda, cuda:1, neuron, ...)") from None
     if parsed.type == "meta":
         raise ValueError(f"--device {text!r}: meta tensors hold no values to check; name a device that computes")
     try:

@@ -21,8 +21,12 @@ def _hardware() -> list[str]:
     else:
         lines.append("cuda: none (" + ("torch is a CPU build" if torch.version.cuda is None
                                        else "no CUDA device visible") + ")")
-    neuron = [m for m in ("torch_neuronx", "torch_xla") if importlib.util.find_spec(m) is not None]
-    lines.append("trainium: " + (f"{', '.join(neuron)} installed" if neuron else "none (torch-neuronx not installed)"))
+    if importlib.util.find_spec("torch_neuronx") is None:
+        lines.append("trainium: none (torch-neuronx not installed)")
+    else:
+        present = dispatch.device_present("neuron")
+        lines.append("trainium: torch-neuronx installed, " + ("neuron device present" if present
+                                                             else "no neuron device visible"))
     return lines
 
 

@@ -50,7 +50,12 @@ def test_gpu_and_trainium_jobs_run_on_their_self_hosted_runners():
     assert trn["env"]["NEURON_PLATFORM_TARGET_OVERRIDE"] == "${{ matrix.instance }}"
     trn_runs = [s.get("run", "") for s in trn["steps"]]
     joined = " ".join(trn_runs)
-    assert "neuronx-cc" in joined and "--backend nki --device xla" in joined
+    # the Neuron SDK 2.33: torch-neuronx 2.14 (the native neuron device), NKI 0.7 and the compiler
+    assert all(pin in joined for pin in ('"torch-neuronx==2.14.*"', '"nki==0.7.*"', '"neuronx-cc==2.*"'))
+    conformance = next(s for s in trn["steps"] if "portable_ops.conformance" in s.get("run", ""))
+    assert "--backend nki --device neuron --strict" in conformance["run"]
+    assert conformance["env"]["PORTABLE_OPS_STRICT"] == "1"
+    assert any(r.startswith(".venv/bin/python -m pytest") and "tests/test_nki_*.py" in r for r in trn_runs)
     assert any(r.startswith(".venv/bin/python -m portable_ops.bench nki") for r in trn_runs)
     upload = next(s for s in trn["steps"] if s.get("uses", "").startswith("actions/upload-artifact"))
     assert "${{ matrix.instance }}" in upload["with"]["name"] and "nki.json" in upload["with"]["path"]

@@ -160,7 +160,7 @@ def test_conformance_refuses_a_backend_that_cannot_run_here_and_runs_each_once(c
     nki = dispatch.get_backend("nki")
     monkeypatch.setattr(nki, "runtime_reasons", lambda device: ["nki needs a NeuronCore"])
     assert conformance_cli.main(["--backend", "nki"]) == 2
-    assert ("backend 'nki' is unavailable: no xla or neuron device in this process, and nki needs a NeuronCore"
+    assert ("backend 'nki' is unavailable: no neuron device in this process, and nki needs a NeuronCore"
             in capsys.readouterr().err)
     monkeypatch.undo()
     seen = []

@@ -1,11 +1,14 @@
-"""The NKI kernels and the emulator against AWS's published NKI API.
+"""The NKI kernels and the emulator against AWS's published NKI API, and the custom-op boundary against
+torch-neuronx's.
 
 ``backends/nki/aws_signatures.py`` is a table of the names, parameters and defaults of ``nki``,
 ``nki.language`` and ``nki.isa`` generated from AWS's API-reference stubs (github
-aws-neuron/aws-neuron-sdk, ``nki/api/nki/**/__init__.py``; commit in the table) by
+aws-neuron/aws-neuron-sdk, ``nki/api/nki/**/__init__.py``; commit in the table), and of torch-neuronx's
+``nki_op`` (its source, ``torch_neuronx/nki_hop.py``; repository and commit in the table), by
 ``backends/nki/tools/vendor_signatures.py``. Here every ``nki.`` / ``nl.`` / ``nisa.`` call in the
 kernel sources (walked as an AST) must bind to the published signature, every name they use must
-be published, and the emulator's functions must take the same parameters with the same defaults.
+be published, and the emulator's functions must take the same parameters with the same defaults; every
+``nki_op`` call must bind to torch-neuronx's signature, and the test double of it must take its parameters.
 """
 
 import ast
@@ -18,10 +21,11 @@ from portable_ops.backends.nki import aws_signatures, emulator
 from portable_ops.backends.nki.emulator import core
 from portable_ops.backends.nki.emulator import isa as emulated_isa
 from portable_ops.backends.nki.emulator import language as emulated_language
+from portable_ops.backends.nki.emulator import torch_neuronx as emulated_torch_neuronx
 
 API = aws_signatures.API
 KERNEL_DIR = pathlib.Path(__file__).resolve().parents[1] / "backends" / "nki"
-KERNEL_FILES = ("adam.py", "sgd.py", "grad_norm.py", "attention.py", "norms.py", "linear_cross_entropy.py")
+KERNEL_FILES = ("adam.py", "sgd.py", "grad_norm.py", "attention.py", "norms.py", "linear_cross_entropy.py", "rope.py")
 EMULATED = {"nki": emulator, "nki.language": emulated_language, "nki.isa": emulated_isa}
 
 
@@ -175,3 +179,29 @@ def test_the_table_says_where_it_came_from():
     assert len(aws_signatures.SOURCE_COMMIT) == 40
     assert set(API) == {"nki", "nki.language", "nki.isa"}
     assert "dma_copy" in API["nki.isa"]["functions"] and "ndarray" in API["nki.language"]["functions"]
+    assert aws_signatures.TORCH_NEURONX_SOURCE_REPOSITORY.startswith("https://github.com/")
+    assert len(aws_signatures.TORCH_NEURONX_SOURCE_COMMIT) == 40
+    assert aws_signatures.TORCH_NEURONX_SOURCE_PATHS == {"torch_neuronx": "torch_neuronx/nki_hop.py"}
+
+
+NKI_OP = aws_signatures.TORCH_NEURONX_API["torch_neuronx"]["functions"]["nki_op"]
+
+
+def test_the_nki_op_double_takes_torch_neuronxs_parameters_and_defaults():
+    mine = list(inspect.signature(emulated_torch_neuronx.nki_op).parameters.values())
+    assert [(p.name, p.kind.name) for p in mine] == [(n, k) for n, k, _ in NKI_OP]
+    for p, (_, _, default) in zip(mine, NKI_OP):
+        assert (p.default is inspect.Parameter.empty if default is None else p.default == eval(default)), p.name  # noqa: S307
+
+
+def test_every_nki_op_call_in_the_backend_binds_to_torch_neuronxs_signature():
+    sig = _signature(NKI_OP)
+    trees = {path.name: ast.parse(path.read_text()) for path in sorted(KERNEL_DIR.glob("*.py"))}
+    calls = [(name, node) for name, tree in trees.items() for node in ast.walk(tree)
+             if isinstance(node, ast.Call) and (_dotted(node.func) or [])[-1:] == ["nki_op"]]
+    assert calls, "the backend registers its ops through nki_op"
+    for name, call in calls:
+        try:
+            sig.bind(*range(len(call.args)), **{k.arg: None for k in call.keywords})
+        except TypeError as exc:
+            pytest.fail(f"{name}:{call.lineno}: nki_op{sig} does not bind: {exc}")

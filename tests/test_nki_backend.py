@@ -17,6 +17,7 @@ from portable_ops import dispatch
 from portable_ops.conformance import GRADIENT_FACTOR, tolerance
 from portable_ops.backends import nki as nki_backend
 from portable_ops.backends.nki import compat, emulator, runtime
+from portable_ops.backends.nki.emulator import torch_neuronx as torch_neuronx_double
 from portable_ops.definitions.adam import adam as reference_adam
 from portable_ops.definitions.attention import attention_bwd as reference_bwd
 from portable_ops.definitions.attention import attention_fwd as reference_fwd
@@ -25,6 +26,10 @@ from portable_ops.definitions.grad_norm import grad_norm as reference_grad_norm
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 OPS = nki_backend.BACKEND.ops
+
+
+# A neuron device as dispatch reads it (only .type): naming PrivateUse1 "neuron" can't be undone in a process.
+NEURON = types.SimpleNamespace(type="neuron")
 
 
 def close(out, ref, tol):
@@ -38,9 +43,9 @@ def close(out, ref, tol):
 def test_backend_is_available_and_default_for_trainium_devices():
     assert dispatch.unavailable_reason("nki") is None
     assert nki_backend.BACKEND.device_reasons(torch.device("cpu")) == []
-    assert dispatch.preference(torch.device("xla"))[0] == "nki"
+    assert dispatch.preference(NEURON)[0] == "nki"
     if not compat.USING_SDK:
-        reasons = nki_backend.BACKEND.device_reasons(torch.device("xla"))
+        reasons = nki_backend.BACKEND.device_reasons(NEURON)
         assert reasons and "Neuron SDK" in reasons[0]
 
 
@@ -422,10 +427,11 @@ def test_attention_takes_head_dims_up_to_256_and_declines_larger_with_a_reason()
 @pytest.fixture
 def fake_sdk(monkeypatch):
     """A stand-in Neuron SDK at the import boundary: ``nki`` with jit/simulate; language/isa are
-    the emulator's (so kernels still compute), and every simulate/jit call is recorded."""
+    the emulator's (so kernels still compute), and every simulate/jit call is recorded; with ``torch_neuronx``, a
+    ``torch_neuronx`` whose ``nki_op`` is the project's test double of it."""
     calls = []
 
-    def install(functional=True):
+    def install(functional=True, torch_neuronx=True):
         nki = types.ModuleType("nki")
         if functional:
             nki.jit = emulator.jit
@@ -442,6 +448,8 @@ def fake_sdk(monkeypatch):
             monkeypatch.setitem(sys.modules, "nki.language", types.ModuleType("nki.language"))
             monkeypatch.setitem(sys.modules, "nki.isa", types.ModuleType("nki.isa"))
         monkeypatch.setitem(sys.modules, "nki", nki)
+        monkeypatch.setitem(sys.modules, "torch_neuronx", types.SimpleNamespace(nki_op=torch_neuronx_double.nki_op)
+                            if torch_neuronx else None)  # None in sys.modules: the import raises ImportError
         monkeypatch.delenv("PORTABLE_OPS_NKI_EMULATOR", raising=False)
         importlib.reload(compat)
         return calls
@@ -454,10 +462,10 @@ def fake_sdk(monkeypatch):
 def test_real_sdk_is_used_when_functional_and_cpu_tensors_go_through_nki_simulate(fake_sdk):
     calls = fake_sdk(functional=True)
     assert compat.USING_SDK and compat.HAS_SIMULATOR and compat.MODE == "sdk"
+    assert compat.USING_TORCH_NEURONX and compat.nki_op is sys.modules["torch_neuronx"].nki_op
     assert runtime.where(torch.device("cpu")) == "simulator"
-    assert runtime.where(torch.device("xla")) == "device"
-    assert nki_backend.BACKEND.device_reasons(torch.device("xla")) == []
-    assert nki_backend.BACKEND.device_reasons(types.SimpleNamespace(type="neuron")) == []
+    assert runtime.where(NEURON) == "device"
+    assert nki_backend.BACKEND.device_reasons(NEURON) == []
     grads = [torch.randn(300)]
     out = OPS["grad_norm"].run(grads=grads, norm_type=2.0)
     torch.testing.assert_close(out, grads[0].norm())
@@ -477,10 +485,18 @@ def test_trainium_tensors_call_the_jit_kernel_directly(fake_sdk, monkeypatch):
     assert seen and seen[0][1] == {"scale": 0.5}
 
 
+def test_neuron_tensors_need_torch_neuronxs_nki_op_besides_the_sdk(fake_sdk):
+    fake_sdk(functional=True, torch_neuronx=False)
+    assert compat.USING_SDK and not compat.USING_TORCH_NEURONX and compat.nki_op is torch_neuronx_double.nki_op
+    reasons = nki_backend.BACKEND.device_reasons(NEURON)
+    assert reasons and "torch-neuronx's nki_op" in reasons[0] and "not installed" in reasons[0]
+    assert nki_backend.BACKEND.device_reasons(torch.device("cpu")) == []  # nki.simulate, through the double
+
+
 def test_placeholder_nki_package_falls_back_to_the_emulator(fake_sdk):
     fake_sdk(functional=False)
     assert not compat.USING_SDK and compat.nki is emulator
     assert "placeholder" in compat.SDK_REASON
-    reasons = nki_backend.BACKEND.device_reasons(torch.device("xla"))
+    reasons = nki_backend.BACKEND.device_reasons(NEURON)
     assert reasons and "placeholder" in reasons[0]
     assert runtime.where(torch.device("cpu")) == "emulator"

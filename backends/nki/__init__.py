@@ -2,13 +2,14 @@
 linear cross-entropy's rows as NKI kernels for AWS Trainium2/Trainium3 (NKI 0.7, Neuron SDK 2.33, the ``nki.*``
 namespace).
 
-Where the kernels run (``runtime.py``):
+Each kernel's launch is a PyTorch custom op, ``torch.ops.portable_ops_nki.<name>``, registered through ``nki_op`` as
+AWS documents for torch-neuronx (``runtime.py``). Where the kernels run:
 
-* Trainium tensors (``xla`` under torch-neuronx, native ``neuron``) -> the real ``@nki.jit``
-  kernels on the NeuronCore; needs the Neuron SDK (``compat.USING_SDK``).
+* ``neuron`` tensors (torch-neuronx's native PyTorch backend) -> the real ``@nki.jit`` kernels on the NeuronCore,
+  eagerly or inside ``torch.compile(backend="neuron")``; needs the Neuron SDK and torch-neuronx's ``nki_op``.
 * CPU tensors, forced with ``use_backend("nki")`` -> the same kernel source through AWS's CPU
   simulator ``nki.simulate`` when the SDK is installed, else through the project's emulator
-  (``backends/nki/emulator``, a test double).
+  (``backends/nki/emulator``, a test double, with a test double of ``nki_op``).
 
 Nothing here has been run on Trainium hardware by this project; see docs/backends/nki.md.
 """
@@ -32,16 +33,22 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # NeuronCore engines ha
 
 
 def _runtime_reasons(device: torch.device) -> list[str]:
-    if device.type == "cpu" or compat.USING_SDK:
-        return []  # CPU tensors: nki.simulate with the SDK, else the project's emulator
-    return [f"{device.type} tensors need the Neuron SDK's nki package (NKI 0.7, Neuron SDK 2.33): {compat.SDK_REASON}"]
+    if device.type == "cpu":
+        return []  # nki.simulate with the SDK, else the project's emulator
+    if not compat.USING_SDK:
+        return [f"{device.type} tensors need the Neuron SDK's nki package (NKI 0.7, Neuron SDK 2.33): "
+                f"{compat.SDK_REASON}"]
+    if not compat.USING_TORCH_NEURONX:
+        return [f"{device.type} tensors need torch-neuronx's nki_op (torch-neuronx 2.14, Neuron SDK 2.33): "
+                f"{compat.NKI_OP_REASON}"]
+    return []
 
 
 _ATTENTION = dict(supports=attention_supports, dtypes=DTYPES, max_head_dim=MAX_HEAD_DIM)
 
 BACKEND = Backend(
     name="nki",
-    devices=("xla", "neuron"),  # torch-neuronx's Trainium device, and the native Neuron device
+    devices=("neuron",),  # torch-neuronx's native PyTorch device (PrivateUse1 named "neuron")
     cpu_runner="AWS nki.simulate" if compat.USING_SDK else "the project's NKI emulator (a test double)",
     ops={
         "adam": OpImpl(run=adam, supports=adam_supports, dtypes=DTYPES),
@@ -60,6 +67,7 @@ BACKEND = Backend(
         "rope_inplace": OpImpl(run=rope_inplace, supports=rope_supports, dtypes=DTYPES),
     },
     runtime_reasons=_runtime_reasons,
-    description="NKI kernels for Trainium2/3",
+    description="NKI kernels for Trainium2/3, custom ops through "
+                + ("" if compat.USING_TORCH_NEURONX else "a test double of ") + "torch-neuronx's nki_op",
     declined=("attention_varlen_fwd", "attention_varlen_bwd", "paged_attention", "paged_kv_append"),
 )

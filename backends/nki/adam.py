@@ -43,7 +43,7 @@ import torch
 
 from . import tensor_table
 from .compat import nki, nisa, nl
-from .runtime import launch
+from .runtime import kernel_op, launch, no_outputs
 
 PMAX = 128
 F_TILE = 1024  # fp32 elements per partition per tile: 4 KiB DMA payloads; ~20 live tiles = 80 KiB of SBUF
@@ -167,6 +167,16 @@ def adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, hyper, am
         _step_tiles(views, dtypes(block[0]), hp, len(SHARED) + PAIR * (n + b), pred, shape, flags)
 
 
+@kernel_op("adam", no_outputs, mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"))
+def adam_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+              exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], hyper: torch.Tensor, amsgrad: bool,
+              decay_mode: int, gated: bool, scale_grad: bool) -> None:
+    """The kernel's launch as the op ``portable_ops_nki::adam``: writes params and moments (``max_exp_avg_sqs`` only
+    under ``amsgrad``, empty otherwise, as the op's arguments may not alias one another)."""
+    launch(adam_kernel, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else exp_avg_sqs, hyper,
+           amsgrad=amsgrad, decay_mode=decay_mode, gated=gated, scale_grad=scale_grad)
+
+
 # ----------------------------------------------------------------------------- host side
 def hyperparameters(steps, tail_blocks, *, device, beta1, beta2, lr, weight_decay, eps, maximize,
                     decoupled_weight_decay, grad_scale, found_inf, clip_coef) -> torch.Tensor:
@@ -222,15 +232,15 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     live = [i for i, p in enumerate(params) if p.numel()]
     for start in range(0, len(live), MAX_TENSORS):
         chosen = live[start:start + MAX_TENSORS]
-        lists = [params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else exp_avg_sqs]
-        flat = [[lst[i].reshape(-1) for i in chosen] for lst in lists]  # views (grads may be copied: read only)
+        lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)  # the last empty unless amsgrad
+        flat = [[lst[i].reshape(-1) for i in chosen] if lst else [] for lst in lists]  # views (grads may be copies)
         blocks = tensor_table.tail_blocks([p.numel() for p in flat[0]],
-                                          [tuple(lst[j].dtype for lst in flat) for j in range(len(chosen))])
+                                          [tuple(lst[j].dtype for lst in flat if lst) for j in range(len(chosen))])
         hyper = hyperparameters([state_steps[i] for i in chosen], blocks, device=params[chosen[0]].device,
                                 beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize,
                                 decoupled_weight_decay=decoupled_weight_decay, grad_scale=grad_scale,
                                 found_inf=found_inf, clip_coef=clip_coef)
-        launch(adam_kernel, *flat, hyper, **flags)
+        adam_step(*flat, hyper, **flags)
     if state_steps:
         if found_inf is None:
             torch._foreach_add_(state_steps, 1.0)

@@ -45,7 +45,7 @@ import torch
 from portable_ops.layout import as_layout_of
 
 from .compat import nki, nisa, nl
-from .runtime import launch
+from .runtime import kernel_op, launch
 
 B_Q = 128  # query rows per tile (partition axis)
 B_K = 128  # keys per tile (P^T needs the keys on <= 128 partitions)
@@ -461,12 +461,20 @@ def _sinks_down_partitions(sinks):
     return None if sinks is None else sinks.to(torch.float32).reshape(-1, 1, 1).expand(-1, B_Q, 1).contiguous()
 
 
-def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None, sinks=None):
-    """The kernels take contiguous ``[B, H, S, D]``; ``out`` comes back in the layout
-    portable_ops/layout.py gives q's output (a copy only when q's heads are inner to its sequence)."""
+def _fake_fwd(q, k, v, sinks, scale, causal, window_left, window_right, softcap):
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@kernel_op("attention_fwd", _fake_fwd)
+def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, scale: float,
+                     causal: bool, window_left: int | None, window_right: int | None,
+                     softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel's launch as the op ``portable_ops_nki::attention_fwd``: a contiguous ``out`` and
+    ``lse [B, Hq, Sq]`` float32; differentiable in q, k, v and sinks (``[Hq]``) through the backward op."""
     out, lse = launch(attention_fwd_kernel, q.contiguous(), k.contiguous(), v.contiguous(),
-                      sinks=_sinks_down_partitions(sinks), **_static(causal, scale, window, softcap))
-    return as_layout_of(out, q), lse.reshape(q.shape[:-1])
+                      sinks=_sinks_down_partitions(sinks), scale=scale, causal=causal, window_left=window_left,
+                      window_right=window_right, softcap=softcap)
+    return out, lse.reshape(q.shape[:-1])
 
 
 def _rows(t, q):
@@ -474,11 +482,58 @@ def _rows(t, q):
     return None if t is None else t.to(torch.float32).reshape(*q.shape[:-1], 1).contiguous()
 
 
-def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None, sinks=None, dlse=None):
-    """``(dq, dk, dv)``, and ``dsinks`` after them when there are sinks."""
+def _dsinks_like(q, sinks):
+    """The backward op's last output without its values: ``[Hq]`` in sinks' dtype, empty without sinks."""
+    return q.new_empty(0, dtype=torch.float32) if sinks is None else sinks.new_empty(sinks.shape)
+
+
+def _fake_bwd(q, k, v, out, lse, dout, sinks, dlse, scale, causal, window_left, window_right, softcap):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), _dsinks_like(q, sinks)
+
+
+@kernel_op("attention_bwd", _fake_bwd)
+def attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                     dout: torch.Tensor, sinks: torch.Tensor | None, dlse: torch.Tensor | None, scale: float,
+                     causal: bool, window_left: int | None, window_right: int | None, softcap: float | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward kernel's launch as the op ``portable_ops_nki::attention_bwd``: contiguous ``(dq, dk, dv,
+    dsinks)``, dsinks empty without sinks (an op's outputs are fixed)."""
     dq, dk, dv, *dsink_rows = launch(attention_bwd_kernel, q.contiguous(), k.contiguous(), v.contiguous(),
                                      out.contiguous(), _rows(lse, q), dout.to(q.dtype).contiguous(),
-                                     sinks=_sinks_down_partitions(sinks), dlse=_rows(dlse, q),
-                                     **_static(causal, scale, window, softcap))
+                                     sinks=_sinks_down_partitions(sinks), dlse=_rows(dlse, q), scale=scale,
+                                     causal=causal, window_left=window_left, window_right=window_right,
+                                     softcap=softcap)
+    dsinks = dsink_rows[0].sum((0, 2, 3)).to(sinks.dtype) if sinks is not None else _dsinks_like(q, None)
+    return dq, dk, dv, dsinks
+
+
+def _save(ctx, inputs, output):
+    q, k, v, sinks, *options = inputs
+    ctx.save_for_backward(q, k, v, sinks, *output)
+    ctx.options = options
+    ctx.set_materialize_grads(False)  # no dlse unless lse was used
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, sinks, out, lse = ctx.saved_tensors
+    dout = torch.zeros_like(out) if dout is None else dout
+    dq, dk, dv, dsinks = attention_bwd_op(q, k, v, out, lse, dout, sinks, dlse, *ctx.options)
+    return dq, dk, dv, dsinks if sinks is not None else None, *(None,) * len(ctx.options)
+
+
+attention_fwd_op.op.register_autograd(_backward, setup_context=_save)
+
+
+def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None, sinks=None):
+    """The kernels take contiguous ``[B, H, S, D]``; ``out`` comes back in the layout
+    portable_ops/layout.py gives q's output (a copy only when q's heads are inner to its sequence)."""
+    out, lse = attention_fwd_op(q, k, v, sinks, **_static(causal, scale, window, softcap))
+    return as_layout_of(out, q), lse
+
+
+def attention_bwd(q, k, v, out, lse, dout, *, causal, scale, window=None, softcap=None, sinks=None, dlse=None):
+    """``(dq, dk, dv)``, and ``dsinks`` after them when there are sinks."""
+    dq, dk, dv, dsinks = attention_bwd_op(q, k, v, out, lse, dout, sinks, dlse,
+                                          **_static(causal, scale, window, softcap))
     grads = as_layout_of(dq, q), as_layout_of(dk, k), as_layout_of(dv, v)
-    return grads if sinks is None else (*grads, dsink_rows[0].sum((0, 2, 3)).to(sinks.dtype))
+    return grads if sinks is None else (*grads, dsinks)

@@ -6,7 +6,11 @@
   and ``nki.isa.nc_matmul`` to exist.
 * Otherwise the project's CPU emulator (``backends/nki/emulator``), a test double.
 
-``PORTABLE_OPS_NKI_EMULATOR=1`` forces the emulator even where the SDK is installed.
+``nki_op``, what registers each kernel's launch as a PyTorch custom op (``runtime.KernelOp``), is torch-neuronx's
+(``torch_neuronx.nki_op``, torch-neuronx 2.14 / Neuron SDK 2.33) where torch-neuronx is installed with the SDK, else
+the project's test double of it (``backends/nki/emulator/torch_neuronx.py``).
+
+``PORTABLE_OPS_NKI_EMULATOR=1`` forces the emulator (and the double) even where the SDK is installed.
 Kernels do ``from .compat import nki, nl, nisa`` and nothing else.
 """
 
@@ -54,4 +58,27 @@ else:
 HAS_SIMULATOR = USING_SDK and callable(getattr(nki, "simulate", None))
 MODE = "sdk" if USING_SDK else "emulator"
 
-__all__ = ["nki", "nl", "nisa", "USING_SDK", "SDK_REASON", "HAS_SIMULATOR", "MODE"]
+
+def _load_nki_op():
+    """(torch_neuronx.nki_op, None) where torch-neuronx is installed with the SDK, else (None, reason)."""
+    if not USING_SDK:
+        return None, f"the Neuron SDK is not in use ({SDK_REASON})"
+    try:
+        torch_neuronx = importlib.import_module("torch_neuronx")
+    except ImportError:
+        return None, "torch-neuronx is not installed"
+    if not callable(getattr(torch_neuronx, "nki_op", None)):
+        return None, "the installed torch-neuronx has no nki_op (torch-neuronx 2.14, Neuron SDK 2.33, has it)"
+    return torch_neuronx.nki_op, None
+
+
+_torch_nki_op, NKI_OP_REASON = _load_nki_op()
+USING_TORCH_NEURONX = _torch_nki_op is not None
+
+if USING_TORCH_NEURONX:
+    nki_op = _torch_nki_op
+else:
+    from .emulator.torch_neuronx import nki_op  # noqa: E402
+
+__all__ = ["nki", "nl", "nisa", "nki_op", "USING_SDK", "SDK_REASON", "HAS_SIMULATOR", "MODE", "USING_TORCH_NEURONX",
+           "NKI_OP_REASON"]

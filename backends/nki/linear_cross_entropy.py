@@ -28,7 +28,7 @@ import torch
 from portable_ops import lm_head
 
 from .compat import nisa, nki, nl
-from .runtime import launch
+from .runtime import kernel_op, launch
 
 PMAX = 128
 TILE_V = 4096  # columns per tile: a pass holds five float32 tiles of it, 80 KiB of a partition's 224
@@ -186,12 +186,26 @@ def _as_column(t):
     return t.to(torch.float32).reshape(-1, 1).contiguous()
 
 
+def _fake_rows(logits, picked, target, valid, scale, label_smoothing, softcap, grad):
+    return [logits.new_empty((logits.shape[0], 1), dtype=torch.float32),
+            *([logits.new_empty(logits.shape)] if grad else [])]
+
+
+@kernel_op("linear_cross_entropy_rows", _fake_rows)
+def rows_op(logits: torch.Tensor, picked: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
+            scale: torch.Tensor, label_smoothing: float, softcap: float | None, grad: bool) -> list[torch.Tensor]:
+    """The kernel's launch as the op ``portable_ops_nki::linear_cross_entropy_rows``: ``[loss [C, 1] float32,
+    dlogits?]`` from the ``[C, 1]`` float32 columns (module docstring)."""
+    return list(launch(rows_kernel, logits.contiguous(), picked, target, valid, scale, label_smoothing=label_smoothing,
+                       softcap=softcap, grad=grad))
+
+
 def _rows(logits, target, row_scale, ignore_index, label_smoothing, softcap, grad):
     valid = target != ignore_index
     picked = logits.gather(1, torch.where(valid, target, 0)[:, None])
-    outs = launch(rows_kernel, logits.contiguous(), _as_column(picked), _as_column(torch.where(valid, target, -1)),
-                  _as_column(valid), _as_column(torch.where(valid, row_scale, 0.0)), label_smoothing=label_smoothing,
-                  softcap=softcap, grad=grad)
+    outs = rows_op(logits, _as_column(picked), _as_column(torch.where(valid, target, -1)), _as_column(valid),
+                   _as_column(torch.where(valid, row_scale, 0.0)), float(label_smoothing),
+                   None if softcap is None else float(softcap), grad)
     return outs[0].reshape(-1), outs[1] if grad else None
 
 

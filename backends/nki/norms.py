@@ -21,9 +21,11 @@ deterministic, no atomics.
 
 from __future__ import annotations
 
+import torch
+
 from . import exact_roots
 from .compat import nki, nisa, nl
-from .runtime import launch
+from .runtime import kernel_op, launch
 
 PMAX = 128
 MAX_D = 5120  # a row tile and its temporaries, D float32 each, fit SBUF (224 KiB a partition on Trn2)
@@ -211,9 +213,41 @@ def _contiguous(t):
     return None if t is None else t.contiguous()  # the kernels read rows as [M, D] row-major HBM views
 
 
+def _fake_fwd(x, residual, weight, bias, eps, rms):
+    def column():
+        return x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+    return [x.new_empty(x.shape), *([x.new_empty(x.shape)] if residual is not None else []),
+            *([] if rms else [column()]), column()]
+
+
+@kernel_op("norm_fwd", _fake_fwd)
+def norm_fwd_op(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, eps: float, rms: bool) -> list[torch.Tensor]:
+    """The forward kernel's launch as the op ``portable_ops_nki::norm_fwd``: ``[out, h?, mean?, rstd]`` (h with a
+    residual, mean for LayerNorm; the statistics ``[M, 1]`` float32)."""
+    return list(launch(norm_fwd_kernel, x.contiguous(), residual=_contiguous(residual), weight=_contiguous(weight),
+                       bias=_contiguous(bias), eps=eps, rms=rms))
+
+
+def _fake_bwd(x, rstd, dout, weight, mean, dh, rms, bias_grad):
+    column_sums = [x.new_empty((1, x.shape[1]), dtype=torch.float32) for given in (weight is not None, bias_grad)
+                   if given]
+    return [x.new_empty(x.shape), *column_sums]
+
+
+@kernel_op("norm_bwd", _fake_bwd)
+def norm_bwd_op(x: torch.Tensor, rstd: torch.Tensor, dout: torch.Tensor, weight: torch.Tensor | None,
+                mean: torch.Tensor | None, dh: torch.Tensor | None, rms: bool, bias_grad: bool) -> list[torch.Tensor]:
+    """The backward kernel's launch as the op ``portable_ops_nki::norm_bwd``: ``[dx, dweight?, dbias?]`` (the
+    parameters' gradients ``[1, D]`` float32) from ``rstd`` and ``mean`` ``[M]``."""
+    return list(launch(norm_bwd_kernel, x.contiguous(), rstd.reshape(-1, 1).contiguous(), dout.contiguous(),
+                       weight=_contiguous(weight), mean=None if mean is None else mean.reshape(-1, 1).contiguous(),
+                       dh=_contiguous(dh), rms=rms, bias_grad=bias_grad))
+
+
 def _norm_fwd(x, residual, weight, bias, eps, rms):
-    outs = list(launch(norm_fwd_kernel, x.contiguous(), residual=_contiguous(residual), weight=_contiguous(weight),
-                       bias=_contiguous(bias), eps=float(eps), rms=rms))
+    outs = norm_fwd_op(x, residual, weight, bias, float(eps), rms)
     out = outs.pop(0)
     h = outs.pop(0) if residual is not None else None
     mean = outs.pop(0).reshape(-1) if not rms else None
@@ -221,9 +255,7 @@ def _norm_fwd(x, residual, weight, bias, eps, rms):
 
 
 def _norm_bwd(x, weight, mean, rstd, dout, dh, rms, has_bias):
-    outs = list(launch(norm_bwd_kernel, x.contiguous(), rstd.reshape(-1, 1).contiguous(), dout.contiguous(),
-                       weight=_contiguous(weight), mean=None if mean is None else mean.reshape(-1, 1).contiguous(),
-                       dh=_contiguous(dh), rms=rms, bias_grad=has_bias))
+    outs = norm_bwd_op(x, rstd, dout, weight, mean, dh, rms, has_bias)
     dx = outs.pop(0)
     dweight = outs.pop(0).reshape(-1) if weight is not None else None
     dbias = outs.pop(0).reshape(-1) if has_bias else None

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .compat import nki, nisa, nl
-from .runtime import launch
+from .runtime import kernel_op, launch, no_outputs
 
 PMAX = 128
 MAX_ROTARY = 4096  # a tile's R dims: the tables, the signed sines and a head's three tiles, float32, fit SBUF
@@ -134,9 +134,26 @@ def _in_layout(out, given):
     return out if out.stride() == want.stride() else want.copy_(out)
 
 
-def _rotate(q, k, cos, sin, interleaved, inverse):
-    outs = iter(launch(rope_kernel, _contiguous(cos), _contiguous(sin), q=_contiguous(q), k=_contiguous(k),
+def _fake_rotated(cos, sin, q, k, interleaved, inverse):
+    return [x.new_empty(x.shape) for x in (q, k) if x is not None]
+
+
+@kernel_op("rope", _fake_rotated)
+def rope_op(cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor | None, k: torch.Tensor | None, interleaved: bool,
+            inverse: bool) -> list[torch.Tensor]:
+    """The kernel's launch as the op ``portable_ops_nki::rope``: the rotated q and k (those given), contiguous."""
+    return list(launch(rope_kernel, _contiguous(cos), _contiguous(sin), q=_contiguous(q), k=_contiguous(k),
                        interleaved=interleaved, inverse=inverse))
+
+
+@kernel_op("rope_", no_outputs, mutates_args=("q", "k"))
+def rope_inplace_op(cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor, k: torch.Tensor, interleaved: bool) -> None:
+    """The kernel's in-place launch as the op ``portable_ops_nki::rope_``: rotates contiguous q and k."""
+    launch(rope_kernel, _contiguous(cos), _contiguous(sin), q=q, k=k, interleaved=interleaved, in_place=True)
+
+
+def _rotate(q, k, cos, sin, interleaved, inverse):
+    outs = iter(rope_op(cos, sin, q, k, interleaved, inverse))
     return tuple(None if t is None else _in_layout(next(outs), t) for t in (q, k))
 
 
@@ -151,10 +168,7 @@ def rope_bwd(dq, dk, cos, sin, interleaved):
 def rope_inplace(q, k, cos, sin, interleaved):
     given = (q, k)
     dense = tuple(t.contiguous() for t in given)
-    launch(rope_kernel, _contiguous(cos), _contiguous(sin), q=dense[0], k=dense[1], interleaved=interleaved,
-           in_place=True)
+    rope_inplace_op(cos, sin, *dense, interleaved)  # the op bumps the versions of what it writes
     for t, written in zip(given, dense):
         if written is not t:
-            t.copy_(written)  # bumps t's version
-        else:  # the kernel wrote t itself, through its memory: tell autograd, as torch's in-place ops would
-            torch.autograd.graph.increment_version(t)
+            t.copy_(written)

@@ -26,7 +26,7 @@ import torch
 
 from . import tensor_table
 from .compat import nki, nisa, nl
-from .runtime import launch
+from .runtime import kernel_op, launch, no_outputs
 
 PMAX = 128
 F_TILE = 2048  # elements per partition per tile: 4 KiB DMA payloads for 16-bit tensors; ~10 live fp32 tiles = 80 KiB
@@ -131,6 +131,16 @@ def sgd_kernel(params, grads, momentum_buffers, hyper, momentum=False, first=Fal
         _step_tiles(views, dtypes(block[0]), hp, pred, shape, flags, gated)
 
 
+@kernel_op("sgd", no_outputs, mutates_args=("params", "momentum_buffers"))
+def sgd_step(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
+             hyper: torch.Tensor, momentum: bool, first: bool, dampened: bool, nesterov: bool, weight_decay: bool,
+             gated: bool, scale_grad: bool) -> None:
+    """The kernel's launch as the op ``portable_ops_nki::sgd``: writes params and, under ``momentum``, the buffers
+    (empty otherwise, as the op's arguments may not alias one another)."""
+    launch(sgd_kernel, params, grads, momentum_buffers if momentum else params, hyper, momentum=momentum, first=first,
+           dampened=dampened, nesterov=nesterov, weight_decay=weight_decay, gated=gated, scale_grad=scale_grad)
+
+
 # ----------------------------------------------------------------------------- host side
 def hyperparameters(*, device, lr, momentum, dampening, weight_decay, maximize, grad_scale, found_inf,
                     clip_coef) -> torch.Tensor:
@@ -172,10 +182,9 @@ def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening
     with_momentum = bool(momentum_buffers)
     flags = dict(momentum=with_momentum, dampened=dampening != 0, nesterov=nesterov, weight_decay=weight_decay != 0,
                  gated=found_inf is not None, scale_grad=grad_scale is not None or clip_coef is not None or maximize)
-    buffers = momentum_buffers if with_momentum else params  # not read without momentum
     for first in (False, True) if with_momentum else (False,):
         chosen = [i for i in live if not with_momentum or bool(first_steps[i]) == first]
         for start in range(0, len(chosen), MAX_TENSORS):
             part = chosen[start:start + MAX_TENSORS]
-            flat = [[lst[i].reshape(-1) for i in part] for lst in (params, grads, buffers)]  # views
-            launch(sgd_kernel, *flat, hyper, first=first, **flags)
+            flat = [[lst[i].reshape(-1) for i in part] if lst else [] for lst in (params, grads, momentum_buffers)]
+            sgd_step(*flat, hyper, first=first, **flags)  # flat views: the kernel writes through them

@@ -18,7 +18,7 @@ estimate is that work split over its 8 NeuronCores. Attention is counted for one
 and multiplied by B * H: every head runs the same instructions. The floor is the chip's HBM
 time for the bytes the operation must move, or its Tensor Engine time for the FLOPs it must do.
 
-On a Trainium host (the Neuron SDK and an XLA device present) the same operations are also
+On a Trainium host (torch-neuronx, the Neuron SDK and a ``neuron`` device present) the same operations are also
 timed on the device, so the estimate meets a measurement; the counting then runs in a child
 process under the emulator (``PORTABLE_OPS_NKI_EMULATOR=1``).
 """
@@ -164,30 +164,24 @@ def count() -> list[dict]:
 
 
 def _trainium_device():
-    """The XLA device when torch-neuronx and a functional Neuron SDK are present, else None."""
-    if not compat.USING_SDK:
+    """The ``neuron`` device where torch-neuronx, the Neuron SDK and a NeuronCore are present, else None."""
+    from portable_ops import dispatch
+    if not compat.USING_TORCH_NEURONX or not dispatch.device_present("neuron"):
         return None
-    try:
-        import torch_xla.core.xla_model as xm
-    except ImportError:
-        return None
-    return xm.xla_device()
+    return torch.device("neuron")
 
 
 def measure(device, iters: int = 10) -> list[float]:
-    """Wall ms per call of each workload on the Trainium device (after a warm-up that compiles)."""
-    import torch_xla.core.xla_model as xm
+    """Wall ms per call of each workload on the neuron device (after a warm-up that compiles)."""
     times = []
     for _, _, run, _ in _workloads(device):
         for _ in range(2):
             run()
-        xm.mark_step()
-        xm.wait_device_ops()
+        torch.neuron.synchronize()
         start = time.perf_counter()
         for _ in range(iters):
             run()
-            xm.mark_step()
-        xm.wait_device_ops()
+        torch.neuron.synchronize()
         times.append((time.perf_counter() - start) / iters * 1e3)
     return times
 
