@@ -162,7 +162,7 @@ def _or_empty(t, like):
 def _forward_launch(x, residual, weight, bias, rms):
     """The forward's grid, integer arguments and options (constexprs and warps) for rows ``x [M, D]``: what an
     eager plan fixes and a traced op launches with."""
-    m, d = x.shape
+    m, d = x.shape[0], int(x.shape[1])  # D sizes the block: a symbolic one (while torch.compile traces) specialised
     r = residual if residual is not None else x
     block = triton.next_power_of_2(d)
     options = dict(DTYPE=_TL_DTYPE[x.dtype], HAS_RES=residual is not None, HAS_W=weight is not None,
@@ -187,7 +187,7 @@ def _run_forward(launch, x, residual, weight, bias, eps, rms):
 def _backward_launch(x, weight, dout, dh, rms, has_bias):
     """The backward's programs (each a contiguous run of rows, and a row of partial sums), integer arguments and
     options for rows ``x [M, D]``: what an eager plan fixes and a traced op launches with."""
-    m, d = x.shape
+    m, d = x.shape[0], int(x.shape[1])  # D sizes the block: a symbolic one (while torch.compile traces) specialised
     rows_per_program = triton.cdiv(m, _programs(m, x.device))
     g = dh if dh is not None else dout
     block = triton.next_power_of_2(d)

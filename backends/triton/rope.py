@@ -128,7 +128,7 @@ def _rotate(q, k, cos, sin, interleaved, inverse, q_out, k_out, kernel):
     ``k_out`` (q and k themselves: in place)."""
     x = q if q is not None else k
     b, _, s, d = x.shape
-    r = cos.shape[-1]
+    r = int(cos.shape[-1])  # R sizes the blocks: a symbolic one (while torch.compile traces) specialised
     hq, hk = (t.shape[1] if t is not None else 0 for t in (q, k))
     half = triton.next_power_of_2(r // 2)
     heads = max(1, min(HEADS, BLOCK_ELEMENTS // (BLOCK_S * half)))  # six blocks of float32 stay in registers
