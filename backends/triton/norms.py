@@ -170,18 +170,17 @@ def _forward_launch(x, residual, weight, bias, rms):
     return (m,), (x.stride(0), x.stride(1), r.stride(0), r.stride(1), d), options
 
 
-def _run_forward(launch, x, residual, weight, bias, eps, rms):
-    """Allocate the forward's outputs and call ``launch(tensors, eps)`` (the kernel's tensor arguments) to fill
-    them: ``(out, h, mean, rstd)``, h None without a residual, mean None for RMSNorm."""
+def _forward_outputs(x, residual, weight, bias, rms):
+    """The forward's outputs, allocated: ``(out, h, mean, rstd)`` (h None without a residual, mean None for
+    RMSNorm), and the kernel's tensor arguments over them."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     h = torch.empty_like(out) if residual is not None else None
     rstd = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     mean = None if rms else torch.empty_like(rstd)
     weight, bias = _dense(weight), _dense(bias)
-    launch((x, residual if residual is not None else x, weight if weight is not None else x,
-            bias if bias is not None else x, out, h if h is not None else out, mean if mean is not None else rstd,
-            rstd), eps)
-    return out, h, mean, rstd
+    return (out, h, mean, rstd), (x, residual if residual is not None else x, weight if weight is not None else x,
+                                  bias if bias is not None else x, out, h if h is not None else out,
+                                  mean if mean is not None else rstd, rstd)
 
 
 def _backward_launch(x, weight, dout, dh, rms, has_bias):
@@ -205,26 +204,25 @@ def _column_sum_grid(d):
 COLUMN_SUM_OPTIONS = dict(BLOCK=COLUMN_BLOCK, num_warps=4)
 
 
-def _run_backward(launch_rows, launch_sum, programs, x, weight, mean, rstd, dout, dh, has_bias):
-    """Allocate the backward's outputs and partial sums, call ``launch_rows(tensors)`` (the row kernel's tensor
-    arguments) and ``launch_sum(partials, out)`` per partials tensor: ``(dx, dweight, dbias)``, None where there is
-    no such parameter."""
+def _backward_outputs(programs, x, weight, mean, rstd, dout, dh, has_bias):
+    """dx and the partial sums, allocated: ``(dx, dw_part, db_part)`` (None where there is no such parameter), and
+    the row kernel's tensor arguments over them."""
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-    dw_part, db_part = (torch.empty((programs, x.shape[1]), dtype=torch.float32, device=x.device) if wanted else None
-                        for wanted in (weight is not None, has_bias))
+    dw_part = _partials(programs, x) if weight is not None else None
+    db_part = _partials(programs, x) if has_bias else None
     weight = _dense(weight)
-    launch_rows((x, weight if weight is not None else x, mean if mean is not None else rstd, rstd, dout,
-                 dh if dh is not None else dout, dx, dw_part if dw_part is not None else rstd,
-                 db_part if db_part is not None else rstd))
-    return dx, _summed(launch_sum, dw_part), _summed(launch_sum, db_part)
+    return (dx, dw_part, db_part), (x, weight if weight is not None else x, mean if mean is not None else rstd, rstd,
+                                    dout, dh if dh is not None else dout, dx,
+                                    dw_part if dw_part is not None else rstd, db_part if db_part is not None else rstd)
 
 
-def _summed(launch_sum, partials):
-    if partials is None:
-        return None
-    out = torch.empty(partials.shape[1], dtype=torch.float32, device=partials.device)
-    launch_sum(partials, out)
-    return out
+def _partials(programs, x):
+    return torch.empty((programs, x.shape[1]), dtype=torch.float32, device=x.device)
+
+
+def _column_sums(partials):
+    """The column sums' output for a ``[P, D]`` partials tensor."""
+    return torch.empty(partials.shape[1], dtype=torch.float32, device=partials.device)
 
 
 # ----------------------------------------------------------------------------- eager: plans by layout
@@ -266,11 +264,9 @@ class _Forward:
         self.launch = Launch(_norm_fwd_kernel, grid, 8, **options)
 
     def __call__(self, x, residual, weight, bias, eps):
-        out, h, mean, rstd = _run_forward(self._launch, x, residual, weight, bias, eps, self.rms)
-        return (out, h, rstd) if self.rms else (out, h, mean, rstd)
-
-    def _launch(self, tensors, eps):
+        (out, h, mean, rstd), tensors = _forward_outputs(x, residual, weight, bias, self.rms)
         _launched(self.key, self, self.launch, *tensors, *self.ints, float(eps))
+        return (out, h, rstd) if self.rms else (out, h, mean, rstd)
 
 
 def _forward(x, residual, weight, bias, rms) -> _Forward:
@@ -293,14 +289,16 @@ class _Backward:
         self.column_sums = Launch(_column_sum_kernel, _column_sum_grid(self.columns), 2, **COLUMN_SUM_OPTIONS)
 
     def __call__(self, x, weight, mean, rstd, dout, dh):
-        return _run_backward(self._launch_rows, self._launch_sum, self.programs, x, weight, mean, rstd, dout, dh,
-                             self.bias)
-
-    def _launch_rows(self, tensors):
+        (dx, dw_part, db_part), tensors = _backward_outputs(self.programs, x, weight, mean, rstd, dout, dh, self.bias)
         _launched(self.key, self, self.rows, *tensors, *self.ints)
+        return dx, self._summed(dw_part), self._summed(db_part)
 
-    def _launch_sum(self, partials, out):
+    def _summed(self, partials):
+        if partials is None:
+            return None
+        out = _column_sums(partials)
         _launched(self.key, self, self.column_sums, partials, out, self.programs, self.columns)
+        return out
 
 
 def _backward_layout(x, weight, rms, has_bias) -> tuple:
@@ -362,26 +360,22 @@ def prepare_layer_norm_bwd(x, weight, mean, rstd, has_bias):
 
 def _traced_forward(x, residual, weight, bias, eps, rms):
     grid, ints, options = _forward_launch(x, residual, weight, bias, rms)
-
-    def launch(tensors, eps):
-        wrap_triton(_norm_fwd_kernel)[grid](*tensors, *ints, eps, **options)
-
-    out, h, mean, rstd = _run_forward(launch, x, residual, weight, bias, eps, rms)
+    (out, h, mean, rstd), tensors = _forward_outputs(x, residual, weight, bias, rms)
+    wrap_triton(_norm_fwd_kernel)[grid](*tensors, *ints, eps, **options)
     return out, _or_empty(h, x), mean, rstd
 
 
 def _traced_backward(x, weight, mean, rstd, dout, dh, rms, has_bias):
     programs, ints, options = _backward_launch(x, weight, dout, dh, rms, has_bias)
-    d = x.shape[1]
+    (dx, *partials), tensors = _backward_outputs(programs, x, weight, mean, rstd, dout, dh, has_bias)
+    wrap_triton(_norm_bwd_kernel)[(programs,)](*tensors, *ints, **options)
+    return dx, *(_traced_sums(part, programs) if part is not None else rstd.new_empty(0) for part in partials)
 
-    def launch_rows(tensors):
-        wrap_triton(_norm_bwd_kernel)[(programs,)](*tensors, *ints, **options)
 
-    def launch_sum(partials, out):
-        wrap_triton(_column_sum_kernel)[_column_sum_grid(d)](partials, out, programs, d, **COLUMN_SUM_OPTIONS)
-
-    dx, dweight, dbias = _run_backward(launch_rows, launch_sum, programs, x, weight, mean, rstd, dout, dh, has_bias)
-    return dx, _or_empty(dweight, rstd), _or_empty(dbias, rstd)
+def _traced_sums(partials, programs):
+    out, d = _column_sums(partials), partials.shape[1]
+    wrap_triton(_column_sum_kernel)[_column_sum_grid(d)](partials, out, programs, d, **COLUMN_SUM_OPTIONS)
+    return out
 
 
 @triton_op("portable_ops::triton_rms_norm_fwd", mutates_args=())
