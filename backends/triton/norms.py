@@ -172,15 +172,16 @@ def _forward_launch(x, residual, weight, bias, rms):
 
 def _forward_outputs(x, residual, weight, bias, rms):
     """The forward's outputs, allocated: ``(out, h, mean, rstd)`` (h None without a residual, mean None for
-    RMSNorm), and the kernel's tensor arguments over them."""
+    RMSNorm), and the kernel's tensor arguments over them, x in place of those it doesn't have (never an output:
+    a tensor written and passed twice would keep Inductor from writing it in place)."""
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     h = torch.empty_like(out) if residual is not None else None
     rstd = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     mean = None if rms else torch.empty_like(rstd)
     weight, bias = _dense(weight), _dense(bias)
     return (out, h, mean, rstd), (x, residual if residual is not None else x, weight if weight is not None else x,
-                                  bias if bias is not None else x, out, h if h is not None else out,
-                                  mean if mean is not None else rstd, rstd)
+                                  bias if bias is not None else x, out, h if h is not None else x,
+                                  mean if mean is not None else x, rstd)
 
 
 def _backward_launch(x, weight, dout, dh, rms, has_bias):
@@ -206,7 +207,7 @@ COLUMN_SUM_OPTIONS = dict(BLOCK=COLUMN_BLOCK, num_warps=4)
 
 def _backward_outputs(programs, x, weight, mean, rstd, dout, dh, has_bias):
     """dx and the partial sums, allocated: ``(dx, dw_part, db_part)`` (None where there is no such parameter), and
-    the row kernel's tensor arguments over them."""
+    the row kernel's tensor arguments over them, inputs in place of those it doesn't have."""
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     dw_part = _partials(programs, x) if weight is not None else None
     db_part = _partials(programs, x) if has_bias else None
