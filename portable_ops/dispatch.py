@@ -61,6 +61,10 @@ class OpImpl:
     dtypes: tuple[torch.dtype, ...] | None = None
     max_head_dim: int | None = None
     features: tuple[str, ...] | None = None
+    # Optional, for the forward ops whose public function says so (docs/adding-a-backend.md): the name, in
+    # ``torch.ops.portable_ops``, of the op that torch.compile traces into in place of portable_ops' custom op (a
+    # ``torch.library.triton_op``), for a call dispatch gives this backend while the graph is traced.
+    traced: str | None = None
 
 
 def _names(dtypes) -> str:
@@ -170,6 +174,8 @@ def _impl_problems(op: Op, impl: OpImpl) -> list[str]:
     known = {f.name for f in op.features}
     problems += [f"{f!r} is not one of its features ({', '.join(sorted(known)) or 'none'})"
                  for f in impl.features or () if f not in known]
+    if impl.traced is not None and not hasattr(torch.ops.portable_ops, impl.traced):
+        problems.append(f"traced op {impl.traced!r} is not registered in torch.ops.portable_ops")
     return problems
 
 
@@ -249,7 +255,9 @@ class BackendUnavailableError(RuntimeError):
 _backends: dict[str, Backend] = {}
 _import_errors: dict[str, str] = {}
 class _Forced(threading.local):
-    name: str | None = None  # every thread starts with none forced (a class default: no AttributeError to catch)
+    def __init__(self):
+        # every thread starts with none forced, set in its own dict, where dynamo's guards read it
+        self.name: str | None = None
 
 
 _forced = _Forced()
@@ -310,6 +318,12 @@ def use_backend(name: str) -> Iterator[None]:
 
 def forced_backend() -> str | None:
     return _forced.name or env.choice("PORTABLE_OPS_BACKEND", BACKEND_NAMES)
+
+
+def forced_by_use_backend() -> str | None:
+    """The backend ``use_backend`` forces in this thread (``PORTABLE_OPS_BACKEND`` aside), read where dynamo can guard
+    on it."""
+    return _forced.name
 
 
 def strict() -> bool:
@@ -427,6 +441,24 @@ def select_by_layout(op: str, layout: tuple, make_call: Callable[[], Call], devi
                 _memo.clear()
             _memo[key] = choice
     return choice
+
+
+@torch.compiler.assume_constant_result
+def traced_op(op: str, tensors: tuple, options: tuple, device: torch.device, forced: str | None) -> str | None:
+    """While torch.compile traces a call of ``op``: the ``OpImpl.traced`` op of the backend :func:`choose` picks, by
+    name, which the graph then runs; None where that backend has none or the call falls back (portable_ops' custom
+    op then dispatches when the graph runs, warning or raising as an eager call would).
+
+    Dynamo runs this once per trace and keeps its result as a constant of the graph, so its arguments are constants:
+    the call as the backends' choice reads it, ``tensors`` as ``(name, shape, dtype)`` (dtype None: no tensor), meta
+    stand-ins of that shape, and ``options`` as ``(name, value)``; ``forced``, :func:`forced_by_use_backend`, read by
+    the caller in traced code, where dynamo guards on it (a graph traced before a backend was forced is traced again
+    inside ``use_backend``). ``PORTABLE_OPS_BACKEND`` is read here, when a graph is traced."""
+    call = {name: None if dtype is None else torch.empty(shape, dtype=dtype, device="meta")
+            for name, shape, dtype in tensors}
+    call.update(options)
+    choice = choose(op, call, device, forced)
+    return None if choice.is_fallback else _backends[choice.backend].ops[op].traced
 
 
 def dispatch(op: str, call: Call, device: torch.device | None, prefer: str | None = None) -> OpImpl:

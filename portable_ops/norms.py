@@ -9,8 +9,11 @@ folded), and return the output, the sum ``x + residual`` where there is one, and
   backward op (``create_graph=True`` differentiates the definition instead), memoised as attention's eager
   calls are (``portable_ops/memo.py``): a call whose key was seen runs its backend's prepared run with no
   checks or dispatch, and its backward is dispatched and prepared once per key;
-* torch.compile: the custom ops ``portable_ops::rms_norm_fwd`` / ``_bwd`` and ``layer_norm_fwd`` / ``_bwd``,
-  with fake implementations and ``register_autograd``;
+* torch.compile: dispatch chooses while the graph is traced. A backend with a traced op (``OpImpl.traced``, the
+  triton backend's ``torch.library.triton_op``) puts it in the graph, on x's rows, and Inductor calls its kernels
+  from the code it generates; otherwise the graph holds the custom ops ``portable_ops::rms_norm_fwd`` / ``_bwd``
+  and ``layer_norm_fwd`` / ``_bwd``, with fake implementations, which dispatch when the graph runs. Both with
+  ``register_autograd`` (:func:`register_gradients`);
 * torch.func transforms and forward-mode AD: the definition (``portable_ops.definitions.norms``), plain
   torch ops, which every transform differentiates and batches.
 """
@@ -18,6 +21,7 @@ folded), and return the output, the sum ``x + residual`` where there is one, and
 from __future__ import annotations
 
 import functools
+import operator
 
 import torch
 
@@ -69,6 +73,10 @@ def _forward_call(rms, x, residual, weight, bias, eps):
 
 def _rows(t):
     return None if t is None else t.reshape(-1, t.shape[-1])
+
+
+def _dtype(t):
+    return None if t is None else t.dtype
 
 
 _FWD_OP = {True: "rms_norm_fwd", False: "layer_norm_fwd"}
@@ -237,12 +245,6 @@ def _rms_setup(ctx, inputs, output):
     ctx.has_residual = residual is not None
 
 
-def _rms_backward(ctx, dout, dh, _drstd):
-    saved, weight, rstd = ctx.saved_tensors
-    dx, dweight = _rms_bwd_op(saved, weight, rstd, dout, dh if ctx.has_residual else None)
-    return dx, dx if ctx.has_residual else None, _param_grad(dweight, weight), None
-
-
 def _ln_setup(ctx, inputs, output):
     x, residual, weight, bias, _eps = inputs
     _out, h, mean, rstd = output
@@ -250,15 +252,54 @@ def _ln_setup(ctx, inputs, output):
     ctx.has_residual = residual is not None
 
 
-def _ln_backward(ctx, dout, dh, _dmean, _drstd):
-    saved, weight, bias, mean, rstd = ctx.saved_tensors
-    dx, dweight, dbias = _ln_bwd_op(saved, weight, mean, rstd, dout, dh if ctx.has_residual else None,
-                                    bias is not None)
-    return (dx, dx if ctx.has_residual else None, _param_grad(dweight, weight), _param_grad(dbias, bias), None)
+def register_gradients(rms, forward_op, backward_op):
+    """Register ``backward_op`` as the gradient of ``forward_op``: portable_ops' custom ops, and a backend's traced
+    ops (``OpImpl.traced``), of the custom ops' schemas."""
+    if rms:
+        def backward(ctx, dout, dh, _drstd):
+            saved, weight, rstd = ctx.saved_tensors
+            dx, dweight = backward_op(saved, weight, rstd, dout, dh if ctx.has_residual else None)
+            return dx, dx if ctx.has_residual else None, _param_grad(dweight, weight), None
+    else:
+        def backward(ctx, dout, dh, _dmean, _drstd):
+            saved, weight, bias, mean, rstd = ctx.saved_tensors
+            dx, dweight, dbias = backward_op(saved, weight, mean, rstd, dout, dh if ctx.has_residual else None,
+                                             bias is not None)
+            return (dx, dx if ctx.has_residual else None, _param_grad(dweight, weight), _param_grad(dbias, bias),
+                    None)
+    forward_op.register_autograd(backward, setup_context=_rms_setup if rms else _ln_setup)
 
 
-_rms_fwd_op.register_autograd(_rms_backward, setup_context=_rms_setup)
-_ln_fwd_op.register_autograd(_ln_backward, setup_context=_ln_setup)
+register_gradients(True, _rms_fwd_op, _rms_bwd_op)
+register_gradients(False, _ln_fwd_op, _ln_bwd_op)
+
+
+def _traced_forward(rms, x, residual, weight, bias):
+    """The traced forward op (``OpImpl.traced``, by name) of the backend dispatch chooses for this call while
+    torch.compile traces it, or None: portable_ops' custom op runs, and dispatches when the graph runs. Chosen from
+    the call's device and dtypes and its normalised dim D, a constant of the graph (as the kernels'
+    block is: a symbolic one is specialised, guarded); the rows are the graph's, dynamic, and no backend's choice
+    reads them."""
+    d = operator.index(x.shape[-1])
+    rows, params = (1, d), (d,)
+    tensors = (("x", rows, x.dtype), ("residual", rows, _dtype(residual)), ("weight", params, _dtype(weight)))
+    if not rms:
+        tensors += (("bias", params, _dtype(bias)),)
+    return dispatch.traced_op(_FWD_OP[rms], tensors, (), x.device, dispatch.forced_by_use_backend())
+
+
+def _compiled(rms, x, residual, weight, bias, eps):
+    """A call while torch.compile traces it: the chosen backend's traced op on x's rows where it has one, else the
+    custom op. Returns what the public function does."""
+    name = _traced_forward(rms, x, residual, weight, bias)
+    if name is None:
+        result = _rms_fwd_op(x, residual, weight, eps) if rms else _ln_fwd_op(x, residual, weight, bias, eps)
+        out, h = result[0], result[1]
+    else:
+        result = getattr(torch.ops.portable_ops, name)(**_forward_call(rms, _rows(x), _rows(residual), weight,
+                                                                       bias, eps))
+        out, h = result[0].reshape(x.shape), result[1].reshape(x.shape) if residual is not None else None
+    return (out, h) if residual is not None else out
 
 
 # ----------------------------------------------------------------------------- the public functions
@@ -275,11 +316,7 @@ def _norm(rms, x, residual, weight, bias, eps):
     if x.numel() == 0 or transformed():  # nothing to launch, or torch.func: the definition's torch ops
         return _definition(rms, x, residual, weight, bias, eps)
     if torch.compiler.is_compiling():
-        if rms:
-            out, h, _ = _rms_fwd_op(x, residual, weight, eps)
-        else:
-            out, h, _, _ = _ln_fwd_op(x, residual, weight, bias, eps)
-        return (out, h) if residual is not None else out
+        return _compiled(rms, x, residual, weight, bias, eps)
     needs_grad = _needs_grad(x, residual, weight, bias)
     entry = _memoise(rms, given, (x, residual, weight, bias), eps, needs_grad) if key is not None else None
     if entry is not None:

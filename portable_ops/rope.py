@@ -8,16 +8,20 @@ wrappers run them, as for the norms:
 
 * eager calls: :class:`_EagerRope`, an ``autograd.Function`` whose backward dispatches ``rope_bwd`` (the same
   rotation by the opposite angle; ``create_graph=True`` differentiates the definition's instead);
-* torch.compile: the custom ops ``portable_ops::rope_fwd`` / ``rope_bwd``, each the other's gradient, and
-  ``portable_ops::rope_`` (``mutates_args=("q", "k")``), with fake implementations;
+* torch.compile: as the norms, ``rope`` runs the traced ``rope_fwd`` / ``rope_bwd`` of the backend dispatch
+  chooses while the graph is traced (the triton backend's ``torch.library.triton_op``s), else the custom ops
+  ``portable_ops::rope_fwd`` / ``rope_bwd``; either pair each the other's gradient. ``rope_`` is always the custom
+  op ``portable_ops::rope_`` (``mutates_args=("q", "k")``), which checks what it writes as it runs;
 * torch.func transforms and forward-mode AD: the definition, plain torch ops.
 """
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
-from . import layout, rope_checks
+from . import dispatch, layout, rope_checks
 from .attention import call_layout, run_op, transformed
 from .definitions import rope as definition
 from .dispatch import forced_backend
@@ -129,8 +133,27 @@ def _gradient_through(op):
     return backward
 
 
-_rope_fwd_op.register_autograd(_gradient_through(_rope_bwd_op), setup_context=_setup)
-_rope_bwd_op.register_autograd(_gradient_through(_rope_fwd_op), setup_context=_setup)
+def register_gradients(forward_op, backward_op):
+    """Register each of the two rotation ops as the other's gradient: portable_ops' custom ops, and a backend's
+    traced ops (``OpImpl.traced``), of the custom ops' schemas."""
+    forward_op.register_autograd(_gradient_through(backward_op), setup_context=_setup)
+    backward_op.register_autograd(_gradient_through(forward_op), setup_context=_setup)
+
+
+register_gradients(_rope_fwd_op, _rope_bwd_op)
+
+
+def _traced_forward(q, k, cos, sin, interleaved):
+    """The traced ``rope_fwd`` (``OpImpl.traced``, by name) of the backend dispatch chooses for this call while
+    torch.compile traces it, or None: portable_ops' custom op runs, and dispatches when the graph runs. Chosen from
+    the call's device and dtypes and its rotary dims R, a constant of the graph (as the kernel's block is: a
+    symbolic one is specialised, guarded); batch, heads and positions are the graph's and no backend's choice reads
+    them."""
+    r = operator.index(cos.shape[-1])
+    tensors = (("q", (1, 1, 1, r), q.dtype), ("k", (1, 1, 1, r), k.dtype), ("cos", (1, 1, r), cos.dtype),
+               ("sin", (1, 1, r), sin.dtype))
+    return dispatch.traced_op("rope_fwd", tensors, (("interleaved", interleaved),), q.device,
+                              dispatch.forced_by_use_backend())
 
 
 @torch.library.custom_op("portable_ops::rope_", mutates_args=("q", "k"))
@@ -165,7 +188,9 @@ def rope(q, k, cos, sin, *, interleaved=False):
     if _nothing_to_launch(q, k, cos) or transformed():  # or torch.func: the definition's torch ops
         return definition.rope(q, k, cos, sin, interleaved)
     if torch.compiler.is_compiling():
-        return _rope_fwd_op(q, k, cos, sin, interleaved)
+        name = _traced_forward(q, k, cos, sin, interleaved)
+        op = _rope_fwd_op if name is None else getattr(torch.ops.portable_ops, name)
+        return op(q, k, cos, sin, interleaved)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return _EagerRope.apply(q, k, cos, sin, interleaved)
     return forward(q, k, cos, sin, interleaved)

@@ -8,6 +8,7 @@ suite (tests/test_conformance.py) covers the edge shapes, dtypes and non-finite 
 
 import pytest
 import torch
+import torch._dynamo.testing
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
@@ -172,6 +173,74 @@ def _pre_norm_block(x, h, w_norm, b_norm, w_proj):
     y = y @ w_proj
     z = portable_ops.layer_norm(y, w_norm, b_norm, residual=h)[0]
     return z.square().mean()
+
+
+TRACED = "triton" in BACKENDS  # the backend with traced ops (OpImpl.traced), usable here
+needs_traced = pytest.mark.skipif(not TRACED, reason="the triton backend can't run here")
+
+
+@needs_traced
+def test_traced_ops_pass_opcheck():
+    """The ops torch.compile runs for the triton backend take the backends' rows, any strides."""
+    x, r, w, b = (t.detach() for t in _inputs((2, 3, 12), default_device("triton")))
+    rows, residual = x.transpose(0, 1).reshape(6, 12), r.reshape(6, 12)
+    ops = torch.ops.portable_ops
+    torch.library.opcheck(ops.triton_rms_norm_fwd.default, (rows.t().contiguous().t(), residual, w, 1e-6))
+    torch.library.opcheck(ops.triton_layer_norm_fwd.default, (rows, None, w, b, 1e-5))
+    _, _, rstd = ops.triton_rms_norm_fwd(rows, None, None, 1e-6)
+    torch.library.opcheck(ops.triton_rms_norm_bwd.default, (rows, None, rstd, residual.t().contiguous().t(), None))
+    _, _, mean, rstd = ops.triton_layer_norm_fwd(rows, None, w, b, 1e-5)
+    torch.library.opcheck(ops.triton_layer_norm_bwd.default, (rows, w, mean, rstd, residual, residual, True))
+
+
+@needs_traced
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_triton_runs_its_traced_ops_with_the_eager_kernels_bits(monkeypatch):
+    """Under forced triton the graph holds the traced ops, not the custom ops: running it dispatches nothing, and
+    its loss and gradients are the eager path's to the bit (the same kernels, configured alike). One graph serves
+    every token count (the token dim marked dynamic); x and the residual are transposed views."""
+    device = default_device("triton")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(_pre_norm_block, backend=counter, fullgraph=True)
+    g = torch.Generator().manual_seed(5)
+    params = [(1 + torch.randn(16, generator=g) / 4).to(device).requires_grad_(),
+              (torch.randn(16, generator=g) / 4).to(device).requires_grad_(),
+              (torch.randn(16, 16, generator=g) / 4).to(device).requires_grad_()]
+    dispatched = []
+    for s in (5, 11):
+        x, h = (torch.randn(2, s, 16, generator=g).to(device).transpose(0, 1).requires_grad_() for _ in range(2))
+        with forced_strict("triton"):
+            expected = _pre_norm_block(x, h, *params)
+            expected_grads = torch.autograd.grad(expected, (x, h, *params))
+            torch._dynamo.mark_dynamic(x, 0)
+            torch._dynamo.mark_dynamic(h, 0)
+            with monkeypatch.context() as patch:
+                patch.setattr(norms, "run_op", lambda *args: dispatched.append(args[0]))
+                loss = compiled(x, h, *params)
+                grads = torch.autograd.grad(loss, (x, h, *params))
+        assert torch.equal(loss, expected)
+        assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+    assert not dispatched
+    assert sum(counters["graph_break"].values()) == 0
+    assert counter.frame_count == 1
+    code = counter.graphs[0].code
+    assert "triton_rms_norm_fwd" in code and "triton_layer_norm_fwd" in code and ".rms_norm_fwd" not in code
+
+
+@needs_traced
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_graph_traced_for_triton_is_traced_again_for_a_backend_forced_later():
+    """The choice is the trace's, guarded on the backend use_backend forces: forcing another recompiles, and that
+    graph holds the custom op, which dispatches when it runs."""
+    device = default_device("triton")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda x, w: portable_ops.rms_norm(x, w) * 2, backend=counter, fullgraph=True)
+    x, w = torch.randn(3, 8).to(device), torch.randn(8).to(device)
+    for backend in ("triton", "reference", "triton"):
+        with forced_strict(backend):
+            torch.testing.assert_close(compiled(x, w), F.rms_norm(x, (8,), w) * 2)
+    assert counter.frame_count == 2
+    assert "triton_rms_norm_fwd" in counter.graphs[0].code and "portable_ops.rms_norm_fwd" in counter.graphs[1].code
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

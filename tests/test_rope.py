@@ -8,8 +8,11 @@ sequence lengths; autocast; torch.func and double backward. The conformance suit
 the edge shapes, dtypes and non-finite inputs per backend.
 """
 
+import importlib
+
 import pytest
 import torch
+import torch._dynamo.testing
 from torch._dynamo.utils import counters
 
 import portable_ops
@@ -19,6 +22,7 @@ from portable_ops.conformance.runner import default_device, forced_strict
 from tests.conftest import slow_in_the_interpreter
 
 F64 = torch.float64
+rope_module = importlib.import_module("portable_ops.rope")  # the package's name rope is the function
 # the backends with rope kernels here (one that declines them is checked by tests/test_adding_an_op.py)
 BACKENDS = [b for b in usable_backends() if "rope_fwd" in dispatch.get_backend(b).ops]
 OPS = ("rope_fwd", "rope_bwd", "rope_inplace")
@@ -292,6 +296,54 @@ def test_compiled_fused_projection_without_breaks_or_recompiles_across_lengths(b
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert sum(counters["graph_break"].values()) == 0
     assert counters["stats"]["unique_graphs"] == 1  # one graph served both lengths
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="the triton backend can't run here")
+def test_traced_ops_pass_opcheck():
+    """The ops torch.compile runs for the triton backend, on transposed slices of a fused projection."""
+    device = default_device("triton")
+    q, k, _ = fused_qk(s=5, d=16, device=device)
+    cos, sin = (t.to(device) for t in tables(torch.arange(5), 8))
+    ops = torch.ops.portable_ops
+    torch.library.opcheck(ops.triton_rope_fwd.default, (q, k, cos[None], sin[None], False))
+    torch.library.opcheck(ops.triton_rope_bwd.default, (q, k.contiguous(), cos[None], sin[None], True))
+
+
+def rotated_block(x, w, cos, sin):
+    """q and k sliced from one projection and transposed, rotated, reduced."""
+    b, s, _ = x.shape
+    q, k, _ = (x @ w).view(b, s, 8, 16).split([4, 2, 2], dim=2)
+    q, k = portable_ops.rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return q.square().sum() + (k * k.detach()).sum()
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="the triton backend can't run here")
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_triton_runs_its_traced_ops_with_the_eager_kernels_bits(monkeypatch):
+    """Under forced triton the graph holds the traced ops, not the custom ops: running it dispatches nothing, and
+    the gradients are the eager path's to the bit (the same kernel, configured alike). One graph serves every
+    length (the sequence dim marked dynamic)."""
+    device = default_device("triton")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(rotated_block, backend=counter, fullgraph=True)
+    g = torch.Generator().manual_seed(8)
+    w = (torch.randn(64, 128, generator=g) / 8).to(device).requires_grad_()
+    dispatched = []
+    for s in (9, 13):
+        x = torch.randn(2, s, 64, generator=g).to(device).requires_grad_()
+        cos, sin = (t.to(device) for t in tables(torch.arange(s), 16))
+        with forced_strict("triton"):
+            expected = torch.autograd.grad(rotated_block(x, w, cos, sin), (x, w))
+            for t in (x, cos, sin):
+                torch._dynamo.mark_dynamic(t, t.dim() - 2)
+            with monkeypatch.context() as patch:
+                patch.setattr(rope_module, "run_op", lambda *args: dispatched.append(args[0]))
+                grads = torch.autograd.grad(compiled(x, w, cos, sin), (x, w))
+        assert all(torch.equal(a, b) for a, b in zip(grads, expected))
+    assert not dispatched
+    assert sum(counters["graph_break"].values()) == 0
+    assert counter.frame_count == 1
+    assert "triton_rope_fwd" in counter.graphs[0].code and "portable_ops.rope_fwd" not in counter.graphs[0].code
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

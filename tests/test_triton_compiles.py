@@ -12,6 +12,7 @@ Run as a script it prints the resources of every tile candidate at every tile wi
 docs/backends/triton.md: ``python tests/test_triton_compiles.py --table``.
 """
 
+import contextlib
 import json
 import pathlib
 import subprocess
@@ -279,6 +280,50 @@ def _run(specs: list[dict]) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
+def _traced_launches(backend_dir: str) -> dict:
+    """Per traced op (OpImpl.traced; kernels loaded alone, interpreter off, as on a GPU): the kernels its forward and
+    backward graphs launch once AOTAutograd has decomposed it, as Inductor receives them, and the portable_ops ops
+    left in those graphs (none: each decomposes into its launches). The graphs are traced, not run."""
+    norms, rope = (_kernel_module(name, backend_dir) for name in ("norms", "rope"))
+    import torch
+    from torch._functorch.aot_autograd import aot_function
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from triton.runtime.jit import JITFunction
+
+    def kernel_name(index):
+        kernel = kernel_side_table.get_kernel(index)
+        while not isinstance(kernel, JITFunction):  # an Autotuner holding the launch's warps
+            kernel = kernel.fn
+        return kernel.fn.__name__
+
+    rows, x = torch.randn(6, 16).t().contiguous().t(), torch.randn(6, 16)  # rows of any strides
+    w, cos = torch.randn(16), torch.randn(1, 5, 8)
+    q, k = torch.randn(2, 5, 4, 16).transpose(1, 2), torch.randn(2, 2, 5, 16)
+    calls = {"triton_rms_norm_fwd": (norms.traced_rms_norm_fwd, (rows, x, w, 1e-6)),
+             "triton_layer_norm_fwd": (norms.traced_layer_norm_fwd, (rows, None, w, w, 1e-5)),
+             "triton_rope_fwd": (rope.traced_rope_fwd, (q, k, cos, cos, False))}
+    found = {}
+    for name, (op, args) in calls.items():
+        graphs = []
+
+        def keep(graph, inputs, graphs=graphs):
+            graphs.append(graph)
+            return graph
+
+        differentiable = [a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a is not cos else a
+                          for a in args]
+        traced = aot_function(lambda *a, op=op: op(*a)[0].square().sum(), fw_compiler=keep, bw_compiler=keep,
+                              dynamic=True)
+        with contextlib.suppress(Exception):  # its launches need a GPU: tracing them is the point
+            traced(*differentiable).backward()
+        found[name] = [([kernel_name(n.kwargs["kernel_idx"]) for n in graph.graph.nodes
+                         if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional],
+                        [str(n.target) for n in graph.graph.nodes if "portable_ops" in str(n.target)])
+                       for graph in graphs]
+    print(json.dumps(found), flush=True)
+    return found
+
+
 def _table_specs(backend_dir: str) -> list[dict]:
     """Every candidate of attention_configs.CONFIGS at its tile width, at the widest head dim that uses it."""
     configs = _kernel_module("attention_configs", backend_dir).CONFIGS
@@ -290,6 +335,8 @@ def _table_specs(backend_dir: str) -> list[dict]:
 if __name__ == "__main__":
     if sys.argv[1] == "--specs":
         _compile(json.loads(sys.argv[2]), str(BACKEND_DIR))
+    elif sys.argv[1] == "--traced":
+        _traced_launches(str(BACKEND_DIR))
     else:  # --table
         rows = _compile(_table_specs(str(BACKEND_DIR)), str(BACKEND_DIR))
         print("| kernel | D | BLOCK_M, BLOCK_N, warps, stages | registers | spills | shared KB |")
@@ -464,3 +511,15 @@ else:
         assert not errors, errors
         for r in rows:
             assert r["spills"] == 0 and r["atomics"] == 0 and r["shared"] <= SHARED_LIMIT, r
+
+    def test_traced_ops_decompose_into_their_kernels_launches_for_inductor():
+        """What Inductor gets for the ops torch.compile traces into (interpreter off, as on a GPU; in the
+        interpreter they stay custom ops): each forward and its registered backward decomposed into the kernels'
+        launches, with no portable_ops op left in the graphs."""
+        done = subprocess.run([sys.executable, __file__, "--traced"], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        found = json.loads(done.stdout.splitlines()[-1])
+        forward, backward = ["_norm_fwd_kernel"], ["_norm_bwd_kernel", "_column_sum_kernel"]  # a sum per parameter
+        assert found == {"triton_rms_norm_fwd": [[forward, []], [backward, []]],
+                         "triton_layer_norm_fwd": [[forward, []], [backward + ["_column_sum_kernel"], []]],
+                         "triton_rope_fwd": [[["_rope_kernel"], []], [["_rope_kernel"], []]]}, found

@@ -11,8 +11,10 @@ sum, for the fused residual) and keeps its rows' ``dy * xhat`` and ``dy`` column
 one row of a ``[P, D]`` float32 partials tensor; a second launch per partials tensor sums its rows in a fixed
 order.
 
-Every launch is a plan's (``launch.Launch``), kept per layout: a call costs a key, its allocations and its
-launches, and a prepared run (``OpImpl.prepare``, for the memoised eager calls) not even the key.
+Eagerly every launch is a plan's (``launch.Launch``), kept per layout: a call costs a key, its allocations and its
+launches, and a prepared run (``OpImpl.prepare``, for the memoised eager calls) not even the key. Under
+torch.compile the ops ``portable_ops::triton_rms_norm_fwd`` / ``_bwd`` and ``triton_layer_norm_fwd`` / ``_bwd``
+(``traced.py``) make the same allocations and launches from the same configuration, which Inductor then calls.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
+from portable_ops.norms import register_gradients
+
 from .adam import _TL_DTYPE
 from .interpreter import INTERPRETED, to_dtype
 from .launch import Launch
+from .traced import triton_op, wrap_triton
 
 MAX_D = 8192  # a row is one block of registers: at 16384 the forward spills (sm_90, 16 or 32 warps)
 W_RESIDENT_BLOCK = 4096  # the backward keeps the weight in registers up to this block; wider rows spill with it
@@ -130,10 +135,12 @@ def _warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-def _programs(m: int, device: torch.device) -> int:
+def _programs(m, device: torch.device):
+    """The backward's programs for ``m`` rows (a symbolic ``m`` while torch.compile traces: ``sym_min`` keeps the
+    graph free of a guard on it)."""
     if INTERPRETED or device.type != "cuda":
-        return min(m, INTERPRETER_PROGRAMS)
-    return min(m, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+        return torch.sym_min(m, INTERPRETER_PROGRAMS)
+    return torch.sym_min(m, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _dense(t):
@@ -144,6 +151,82 @@ def _dense(t):
 def _dtype(t):
     return None if t is None else t.dtype
 
+
+def _or_empty(t, like):
+    """What a traced op returns for None (an op's schema returns tensors)."""
+    return t if t is not None else like.new_empty(0)
+
+
+# ----------------------------------------------------------------------------- the launches, eager and traced
+
+def _forward_launch(x, residual, weight, bias, rms):
+    """The forward's grid, integer arguments and options (constexprs and warps) for rows ``x [M, D]``: what an
+    eager plan fixes and a traced op launches with."""
+    m, d = x.shape[0], int(x.shape[1])  # D sizes the block: a symbolic one (while torch.compile traces) specialised
+    r = residual if residual is not None else x
+    block = triton.next_power_of_2(d)
+    options = dict(DTYPE=_TL_DTYPE[x.dtype], HAS_RES=residual is not None, HAS_W=weight is not None,
+                   HAS_B=bias is not None, RMS=rms, BLOCK_D=block, num_warps=_warps(block))
+    return (m,), (x.stride(0), x.stride(1), r.stride(0), r.stride(1), d), options
+
+
+def _forward_outputs(x, residual, weight, bias, rms):
+    """The forward's outputs, allocated: ``(out, h, mean, rstd)`` (h None without a residual, mean None for
+    RMSNorm), and the kernel's tensor arguments over them, x in place of those it doesn't have (never an output:
+    a tensor written and passed twice would keep Inductor from writing it in place)."""
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    h = torch.empty_like(out) if residual is not None else None
+    rstd = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    mean = None if rms else torch.empty_like(rstd)
+    weight, bias = _dense(weight), _dense(bias)
+    return (out, h, mean, rstd), (x, residual if residual is not None else x, weight if weight is not None else x,
+                                  bias if bias is not None else x, out, h if h is not None else x,
+                                  mean if mean is not None else x, rstd)
+
+
+def _backward_launch(x, weight, dout, dh, rms, has_bias):
+    """The backward's programs (each a contiguous run of rows, and a row of partial sums), integer arguments and
+    options for rows ``x [M, D]``: what an eager plan fixes and a traced op launches with."""
+    m, d = x.shape[0], int(x.shape[1])  # D sizes the block: a symbolic one (while torch.compile traces) specialised
+    rows_per_program = triton.cdiv(m, _programs(m, x.device))
+    g = dh if dh is not None else dout
+    block = triton.next_power_of_2(d)
+    options = dict(DTYPE=_TL_DTYPE[x.dtype], HAS_W=weight is not None, HAS_DH=dh is not None, BIAS_GRAD=has_bias,
+                   RMS=rms, BLOCK_D=block, W_RESIDENT=block <= W_RESIDENT_BLOCK, num_warps=_warps(block))
+    ints = (x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), g.stride(0), g.stride(1), m, d,
+            rows_per_program)
+    return triton.cdiv(m, rows_per_program), ints, options
+
+
+def _column_sum_grid(d):
+    return (triton.cdiv(d, COLUMN_BLOCK),)
+
+
+COLUMN_SUM_OPTIONS = dict(BLOCK=COLUMN_BLOCK, num_warps=4)
+
+
+def _backward_outputs(programs, x, weight, mean, rstd, dout, dh, has_bias):
+    """dx and the partial sums, allocated: ``(dx, dw_part, db_part)`` (None where there is no such parameter), and
+    the row kernel's tensor arguments over them, inputs in place of those it doesn't have."""
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dw_part = _partials(programs, x) if weight is not None else None
+    db_part = _partials(programs, x) if has_bias else None
+    weight = _dense(weight)
+    return (dx, dw_part, db_part), (x, weight if weight is not None else x, mean if mean is not None else rstd, rstd,
+                                    dout, dh if dh is not None else dout, dx,
+                                    dw_part if dw_part is not None else rstd, db_part if db_part is not None else rstd)
+
+
+def _partials(programs, x):
+    return torch.empty((programs, x.shape[1]), dtype=torch.float32, device=x.device)
+
+
+def _column_sums(partials):
+    """The column sums' output for a ``[P, D]`` partials tensor."""
+    return torch.empty(partials.shape[1], dtype=torch.float32, device=partials.device)
+
+
+# ----------------------------------------------------------------------------- eager: plans by layout
 
 # Plans by layout: a launch fixes its grid, constexprs and integers (launch.Launch), all of which the key holds
 PLANS_SIZE = 4096
@@ -174,27 +257,16 @@ class _Forward:
     """The forward of one layout (x's shape, strides and dtype; the residual's strides and dtype; the weight's and
     bias's dtypes; the device): its allocations and its one launch, for any eps. Returns the op's tuple."""
 
-    __slots__ = ("key", "rows", "device", "residual", "rms", "ints", "launch")
+    __slots__ = ("key", "rms", "ints", "launch")
 
     def __init__(self, key, x, residual, weight, bias, rms):
-        m, d = x.shape
-        self.key, self.rows, self.device, self.residual, self.rms = key, m, x.device, residual is not None, rms
-        r = residual if residual is not None else x
-        self.ints = (x.stride(0), x.stride(1), r.stride(0), r.stride(1), d)
-        block = triton.next_power_of_2(d)
-        self.launch = Launch(_norm_fwd_kernel, (m,), 8, DTYPE=_TL_DTYPE[x.dtype], HAS_RES=residual is not None,
-                             HAS_W=weight is not None, HAS_B=bias is not None, RMS=rms, BLOCK_D=block,
-                             num_warps=_warps(block))
+        grid, self.ints, options = _forward_launch(x, residual, weight, bias, rms)
+        self.key, self.rms = key, rms
+        self.launch = Launch(_norm_fwd_kernel, grid, 8, **options)
 
     def __call__(self, x, residual, weight, bias, eps):
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        h = torch.empty_like(out) if self.residual else None
-        rstd = torch.empty(self.rows, dtype=torch.float32, device=self.device)
-        mean = None if self.rms else torch.empty_like(rstd)
-        weight, bias = _dense(weight), _dense(bias)
-        _launched(self.key, self, self.launch, x, residual if residual is not None else x,
-                  weight if weight is not None else x, bias if bias is not None else x, out,
-                  h if h is not None else out, mean if mean is not None else rstd, rstd, *self.ints, float(eps))
+        (out, h, mean, rstd), tensors = _forward_outputs(x, residual, weight, bias, self.rms)
+        _launched(self.key, self, self.launch, *tensors, *self.ints, float(eps))
         return (out, h, rstd) if self.rms else (out, h, mean, rstd)
 
 
@@ -209,40 +281,23 @@ class _Backward:
     device; dout's and dh's strides and dtypes): dx and each program's weight and bias partial sums in one
     launch, then a launch summing each partial's rows. Returns ``(dx, dweight, dbias)``."""
 
-    __slots__ = ("key", "columns", "device", "programs", "weight", "bias", "ints", "rows", "column_sums")
+    __slots__ = ("key", "columns", "bias", "programs", "ints", "rows", "column_sums")
 
     def __init__(self, key, x, weight, dout, dh, rms, has_bias):
-        m, d = x.shape
-        self.key, self.columns, self.device, self.weight, self.bias = key, d, x.device, weight is not None, has_bias
-        programs = _programs(m, x.device)
-        rows_per_program = triton.cdiv(m, programs)
-        self.programs = programs = triton.cdiv(m, rows_per_program)
-        g = dh if dh is not None else dout
-        self.ints = (x.stride(0), x.stride(1), dout.stride(0), dout.stride(1), g.stride(0), g.stride(1), m, d,
-                     rows_per_program)
-        block = triton.next_power_of_2(d)
-        self.rows = Launch(_norm_bwd_kernel, (programs,), 9, DTYPE=_TL_DTYPE[x.dtype], HAS_W=weight is not None,
-                           HAS_DH=dh is not None, BIAS_GRAD=has_bias, RMS=rms, BLOCK_D=block,
-                           W_RESIDENT=block <= W_RESIDENT_BLOCK, num_warps=_warps(block))
-        self.column_sums = Launch(_column_sum_kernel, (triton.cdiv(d, COLUMN_BLOCK),), 2, BLOCK=COLUMN_BLOCK,
-                                  num_warps=4)
+        self.key, self.columns, self.bias = key, x.shape[1], has_bias
+        self.programs, self.ints, options = _backward_launch(x, weight, dout, dh, rms, has_bias)
+        self.rows = Launch(_norm_bwd_kernel, (self.programs,), 9, **options)
+        self.column_sums = Launch(_column_sum_kernel, _column_sum_grid(self.columns), 2, **COLUMN_SUM_OPTIONS)
 
     def __call__(self, x, weight, mean, rstd, dout, dh):
-        dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-        dw_part, db_part = self._partials(self.weight), self._partials(self.bias)
-        weight = _dense(weight)
-        _launched(self.key, self, self.rows, x, weight if weight is not None else x,
-                  mean if mean is not None else rstd, rstd, dout, dh if dh is not None else dout, dx,
-                  dw_part if dw_part is not None else rstd, db_part if db_part is not None else rstd, *self.ints)
+        (dx, dw_part, db_part), tensors = _backward_outputs(self.programs, x, weight, mean, rstd, dout, dh, self.bias)
+        _launched(self.key, self, self.rows, *tensors, *self.ints)
         return dx, self._summed(dw_part), self._summed(db_part)
-
-    def _partials(self, wanted):
-        return torch.empty((self.programs, self.columns), dtype=torch.float32, device=self.device) if wanted else None
 
     def _summed(self, partials):
         if partials is None:
             return None
-        out = torch.empty(self.columns, dtype=torch.float32, device=self.device)
+        out = _column_sums(partials)
         _launched(self.key, self, self.column_sums, partials, out, self.programs, self.columns)
         return out
 
@@ -300,3 +355,56 @@ def prepare_layer_norm_bwd(x, weight, mean, rstd, has_bias):
     ``run(x, weight, mean, rstd, dout, dh)``, which finds its plan by dout's and dh's alone."""
     layout = _backward_layout(x, weight, False, has_bias)
     return functools.partial(_backward, layout)
+
+
+# ----------------------------------------------------------------------------- traced: torch.compile's ops
+
+def _traced_forward(x, residual, weight, bias, eps, rms):
+    grid, ints, options = _forward_launch(x, residual, weight, bias, rms)
+    (out, h, mean, rstd), tensors = _forward_outputs(x, residual, weight, bias, rms)
+    wrap_triton(_norm_fwd_kernel)[grid](*tensors, *ints, eps, **options)
+    return out, _or_empty(h, x), mean, rstd
+
+
+def _traced_backward(x, weight, mean, rstd, dout, dh, rms, has_bias):
+    programs, ints, options = _backward_launch(x, weight, dout, dh, rms, has_bias)
+    (dx, *partials), tensors = _backward_outputs(programs, x, weight, mean, rstd, dout, dh, has_bias)
+    wrap_triton(_norm_bwd_kernel)[(programs,)](*tensors, *ints, **options)
+    return dx, *(_traced_sums(part, programs) if part is not None else rstd.new_empty(0) for part in partials)
+
+
+def _traced_sums(partials, programs):
+    out, d = _column_sums(partials), partials.shape[1]
+    wrap_triton(_column_sum_kernel)[_column_sum_grid(d)](partials, out, programs, d, **COLUMN_SUM_OPTIONS)
+    return out
+
+
+@triton_op("portable_ops::triton_rms_norm_fwd", mutates_args=())
+def traced_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, h, _, rstd = _traced_forward(x, residual, weight, None, eps, True)
+    return out, h, rstd
+
+
+@triton_op("portable_ops::triton_rms_norm_bwd", mutates_args=())
+def traced_rms_norm_bwd(x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, dout: torch.Tensor,
+                        dh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _traced_backward(x, weight, None, rstd, dout, dh, True, False)[:2]
+
+
+@triton_op("portable_ops::triton_layer_norm_fwd", mutates_args=())
+def traced_layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                          bias: torch.Tensor | None,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _traced_forward(x, residual, weight, bias, eps, False)
+
+
+@triton_op("portable_ops::triton_layer_norm_bwd", mutates_args=())
+def traced_layer_norm_bwd(x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
+                          dout: torch.Tensor, dh: torch.Tensor | None,
+                          has_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _traced_backward(x, weight, mean, rstd, dout, dh, False, has_bias)
+
+
+register_gradients(True, traced_rms_norm_fwd, traced_rms_norm_bwd)
+register_gradients(False, traced_layer_norm_fwd, traced_layer_norm_bwd)

@@ -14,6 +14,9 @@ input itself (``rope_``).
 The backward (``rope_bwd``) is the same kernel with ``INVERSE``: the transpose ``dx = dout * cos - rotate(dout *
 sin)``, which reads each half's sine at its partner's index and negates it; for rotation tables, the rotation by the
 opposite angle.
+
+Under torch.compile ``portable_ops::triton_rope_fwd`` / ``_bwd`` (``traced.py``) launch the same kernel, configured
+by the same function, from the code Inductor generates.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ import triton.language as tl
 
 from portable_ops import layout
 
+from portable_ops.rope import register_gradients
+
 from .adam import _TL_DTYPE
 from .interpreter import to_dtype
 from .launch import in_compile_env
+from .traced import triton_op, wrap_triton
 
 MAX_ROTARY = 4096  # R: a pair's half (R / 2) is one block of registers per position
 # Positions and heads per program, and warps: the best of a sweep on an H200 (benchmarks/rope_ab.py; 8 x 4 x 4
@@ -117,11 +123,12 @@ def _table_strides(t):
     return (0 if t.shape[0] == 1 else t.stride(0), t.stride(1), t.stride(2))
 
 
-def _rotate(q, k, cos, sin, interleaved, inverse, q_out, k_out):
-    """Launch the kernel over q and k (either may be None) into ``q_out``, ``k_out`` (q and k themselves: in place)."""
+def _rotate(q, k, cos, sin, interleaved, inverse, q_out, k_out, kernel):
+    """Launch ``kernel`` (the rope kernel, or it wrapped for tracing) over q and k (either may be None) into ``q_out``,
+    ``k_out`` (q and k themselves: in place)."""
     x = q if q is not None else k
     b, _, s, d = x.shape
-    r = cos.shape[-1]
+    r = int(cos.shape[-1])  # R sizes the blocks: a symbolic one (while torch.compile traces) specialised
     hq, hk = (t.shape[1] if t is not None else 0 for t in (q, k))
     half = triton.next_power_of_2(r // 2)
     heads = max(1, min(HEADS, BLOCK_ELEMENTS // (BLOCK_S * half)))  # six blocks of float32 stay in registers
@@ -130,7 +137,7 @@ def _rotate(q, k, cos, sin, interleaved, inverse, q_out, k_out):
     q_head_blocks = triton.cdiv(hq, heads)
     head_blocks = q_head_blocks + triton.cdiv(hk, heads)
     in_place = q_out is q and k_out is k
-    in_compile_env(_rope_kernel[(b * s_blocks * head_blocks,)],
+    in_compile_env(kernel[(b * s_blocks * head_blocks,)],
                    q if q is not None else x, k if k is not None else x, q_out if q_out is not None else x,
                    k_out if k_out is not None else x, cos, sin, *_strides(q), *_strides(k), *_strides(q_out),
                    *_strides(k_out), *_table_strides(cos), *_table_strides(sin), hq, hk, s, d, r, s_blocks,
@@ -143,19 +150,39 @@ def _outputs(q, k):
     return tuple(None if t is None else layout.same_layout(t) for t in (q, k))
 
 
-def rope_fwd(q, k, cos, sin, interleaved):
+def _rotated(q, k, cos, sin, interleaved, inverse, kernel):
     q_out, k_out = _outputs(q, k)
-    _rotate(q, k, cos, sin, interleaved, False, q_out, k_out)
+    _rotate(q, k, cos, sin, interleaved, inverse, q_out, k_out, kernel)
     return q_out, k_out
 
 
+def rope_fwd(q, k, cos, sin, interleaved):
+    return _rotated(q, k, cos, sin, interleaved, False, _rope_kernel)
+
+
 def rope_bwd(dq, dk, cos, sin, interleaved):
-    dq_in, dk_in = _outputs(dq, dk)
-    _rotate(dq, dk, cos, sin, interleaved, True, dq_in, dk_in)
-    return dq_in, dk_in
+    return _rotated(dq, dk, cos, sin, interleaved, True, _rope_kernel)
 
 
 def rope_inplace(q, k, cos, sin, interleaved):
-    _rotate(q, k, cos, sin, interleaved, False, q, k)
+    _rotate(q, k, cos, sin, interleaved, False, q, k, _rope_kernel)
     # the kernel writes through raw pointers: tell autograd, as torch's in-place ops would
     torch.autograd.graph.increment_version([q, k])
+
+
+# torch.compile's ops. rope_ has none: its checks of what it writes (elements shared within or between q and k,
+# inference tensors) run when its custom op does, and a graph Inductor compiles runs no Python of ours
+
+@triton_op("portable_ops::triton_rope_fwd", mutates_args=())
+def traced_rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rotated(q, k, cos, sin, interleaved, False, wrap_triton(_rope_kernel))
+
+
+@triton_op("portable_ops::triton_rope_bwd", mutates_args=())
+def traced_rope_bwd(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rotated(dq, dk, cos, sin, interleaved, True, wrap_triton(_rope_kernel))
+
+
+register_gradients(traced_rope_fwd, traced_rope_bwd)
