@@ -88,7 +88,7 @@ class EmulatedKernel:
         args, kwargs = _to_hbm(args), {k: _to_hbm(v) for k, v in kwargs.items()}
         saved = core.memory.tiles, core.memory.scopes, core.launch
         core.launch = core.Launch(self.cores)
-        core.record_launch()
+        core.record_launch(self.cores)
         try:
             results = []
             for index in range(self.cores):
