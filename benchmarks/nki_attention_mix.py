@@ -7,11 +7,11 @@ with the kernel's defaults (``tp_q=True``, ``tp_k=False``, ``tp_out=False``, flo
 sink, window, prefix cache or context parallelism; keys up to 10K, so one section). The counts are the tables below,
 one row per instruction: where the kernel issues it, its engine and cost rule (``cost.FACTOR``; for a DMA its kind),
 its free elements per partition (a DMA's bytes, and bytes per descriptor), and the buffers it reads and writes, which
-the replay resolves per 128-query group ``g``, 512-key tile ``j`` and 128-key subtile ``t``. The replay issues each
-row into the emulator's trace (no arithmetic: count-only tiles) with the kernel's own number of copies of each buffer
-(its modular allocation), one (batch, head) at a time on one NeuronCore, and ``cost.estimate`` prices the trace like
-any kernel's. What the tables leave out: the kernel's program order across groups (its software pipelining; the model
-reorders independent instructions itself) and its LNC=2 sharding (the comparison is per core).
+the replay resolves per 128-query group ``g``, 512-key tile ``j`` and 128-key subtile ``t``. The replay issues the
+rows into the emulator's trace (no arithmetic: count-only tiles) in the kernel's program order (its software
+pipeline across groups), with the kernel's number of copies of each buffer (its modular allocation), one (batch,
+head) on one NeuronCore, and ``cost.estimate`` prices the trace like any kernel's. Left out: the kernel's LNC=2
+sharding (the comparison is per core) and the features this call does not use.
 
 ``python benchmarks/nki_attention_mix.py`` prints the estimate for B 1, H 32, S 4096, D 128, causal, beside the hand
 roofline in issue 36 (2.3-2.6 ms on one NeuronCore, its Tensor and Scalar engines each near 1.8 ms busy).
@@ -77,6 +77,8 @@ PER_K_TILE_ON_DIAGONAL = [  # the causal mask: a PSUM copy, affine_select on GpS
 PER_GROUP_MAX = [  # _update_max_impl, one section
     Step("_update_max_impl", "tensor_reduce", "vector", "stream", 8, ("partial_max",), ("section_max",)),
     Step("_update_max_impl", "tensor_copy", "vector", "stream", 1, ("section_max",), ("running_max",)),
+]
+PER_GROUP_EXP = [
     Step("_exp_impl", "memset", "gpsimd", "stream", 8, (), ("partial_sum",)),
 ]
 PER_K_TILE_EXP = [  # _exp_impl: exp(s - max) to bf16 with its row sum, then P^T by an SBUF-to-SBUF DMA transpose
@@ -140,40 +142,75 @@ def _replay(q, k, v, o):
         _issue(PER_K_TILE_LOAD, {"hbm_k": k[:, j * K_TILE:(j + 1) * K_TILE], "k": k_sb[j]})
     for t in range(s // S_TILE):
         _issue(PER_V_TILE_LOAD, {"hbm_v": v[t * S_TILE:(t + 1) * S_TILE, :], "v": v_sb[t]})
-    for g in range(groups):
-        block, g2 = g // Q_GROUPS_PER_LOAD, g % 2
+
+    def group(g):
+        return {"partial_max": partial_max[g % 2], "section_max": section_max[g % 2],
+                "running_max": running_max[:, g:g + 1], "partial_sum": partial_sum[g % 2],
+                "section_sum": section_sum[g % 2], "reciprocal": reciprocal[:, g:g + 1], "out_sb": out_sb[g % 2],
+                "out_final": out_final[g % 2], "hbm_o": o[g * S_TILE:(g + 1) * S_TILE, :]}
+
+    def key_tiles(g, large=None):  # the 512-key tiles group g sees (causal), in one 2048-key tile or all
+        seen = range((g * S_TILE + S_TILE - 1) // K_TILE + 1)
+        return [j for j in seen if large is None or j * K_TILE // LARGE_TILE == large]
+
+    def load_q(g):  # _load_q_impl
         if g % Q_GROUPS_PER_LOAD == 0:
-            rows = slice(block * S_TILE * Q_GROUPS_PER_LOAD, (block + 1) * S_TILE * Q_GROUPS_PER_LOAD)
-            _issue(PER_Q_LOAD, {"hbm_q": q[rows, :], "q_block": q_sb[block % 2]})
-        last_key = g * S_TILE + S_TILE - 1
-        visible = range(last_key // K_TILE + 1)
-        group = {"partial_max": partial_max[g2], "section_max": section_max[g2], "running_max": running_max[:, g:g + 1],
-                 "partial_sum": partial_sum[g2], "section_sum": section_sum[g2],
-                 "reciprocal": reciprocal[:, g:g + 1], "out_sb": out_sb[g2], "out_final": out_final[g2],
-                 "hbm_o": o[g * S_TILE:(g + 1) * S_TILE, :]}
-        _issue(PER_GROUP_START, group)
-        for j in visible:
+            rows = slice(g * S_TILE, (g + Q_GROUPS_PER_LOAD) * S_TILE)
+            _issue(PER_Q_LOAD, {"hbm_q": q[rows, :], "q_block": q_sb[g // Q_GROUPS_PER_LOAD % 2]})
+
+    def qk(g, large):  # _qk_and_max_large_tile_impl
+        seen = key_tiles(g)
+        for j in key_tiles(g, large):
             first_query, first_key = g % Q_GROUPS_PER_LOAD * S_TILE, j * K_TILE % LARGE_TILE
-            tile = dict(group, q=q_sb[block % 2][:, first_query:first_query + S_TILE], k=k_sb[j],
-                        scores=scores[j % 4], scores_copy=copies[0][j % 2], scores_masked=copies[1][j % 2],
-                        masked=masked[g2][j * K_TILE // LARGE_TILE][:, first_key:first_key + K_TILE],
-                        max_column=partial_max[g2][:, j:j + 1])
-            diagonal = j == visible[-1]
-            _issue(PER_K_TILE + (PER_K_TILE_ON_DIAGONAL if diagonal else PER_K_TILE_OFF_DIAGONAL), tile)
-        _issue(PER_GROUP_MAX, group)
-        for j in visible:
+            tile = dict(group(g), q=q_sb[g // Q_GROUPS_PER_LOAD % 2][:, first_query:first_query + S_TILE],
+                        k=k_sb[j], scores=scores[j % 4], scores_copy=copies[0][j % 2],
+                        scores_masked=copies[1][j % 2],
+                        masked=masked[g % 2][large][:, first_key:first_key + K_TILE],
+                        max_column=partial_max[g % 2][:, j:j + 1])
+            _issue(PER_K_TILE + (PER_K_TILE_ON_DIAGONAL if j == seen[-1] else PER_K_TILE_OFF_DIAGONAL), tile)
+
+    def exp(g):  # _exp_impl
+        _issue(PER_GROUP_EXP, group(g))
+        for j in key_tiles(g):
             large, keys = j * K_TILE // LARGE_TILE, slice(j * K_TILE % LARGE_TILE, j * K_TILE % LARGE_TILE + K_TILE)
-            _issue(PER_K_TILE_EXP, dict(group, masked=masked[g2][large][:, keys], p=p[large][:, keys],
-                                        sum_column=partial_sum[g2][:, j:j + 1],
-                                        p_t=p_t[g2][large][keys.start // K_TILE]))
-        for t in range(last_key // S_TILE + 1):
-            large, first_key = t * S_TILE // LARGE_TILE, t * S_TILE % LARGE_TILE
-            queries = slice(first_key % K_TILE, first_key % K_TILE + S_TILE)  # P^T's columns for this key block
-            _issue(PER_V_SUBTILE, dict(group, p_t_block=p_t[g2][large][first_key // K_TILE][:, queries], v=v_sb[t],
-                                       out_psum=out_psum[large]))
-        for large in range(last_key // LARGE_TILE + 1):
-            _issue(PER_LARGE_TILE if large else PER_FIRST_LARGE_TILE, dict(group, out_psum=out_psum[large]))
-        _issue(PER_GROUP_END, group)
+            _issue(PER_K_TILE_EXP, dict(group(g), masked=masked[g % 2][large][:, keys], p=p[large][:, keys],
+                                        sum_column=partial_sum[g % 2][:, j:j + 1],
+                                        p_t=p_t[g % 2][large][keys.start // K_TILE]))
+
+    def pv(g, large):  # _pv_large_tile_impl
+        subtiles = [t for t in range(g + 1) if t * S_TILE // LARGE_TILE == large]  # 128-key blocks seen
+        for t in subtiles:
+            first_key = t * S_TILE % LARGE_TILE
+            queries = slice(first_key % K_TILE, first_key % K_TILE + S_TILE)  # P^T's block for these keys
+            _issue(PER_V_SUBTILE, dict(group(g), p_t_block=p_t[g % 2][large][first_key // K_TILE][:, queries],
+                                       v=v_sb[t], out_psum=out_psum[large]))
+        if subtiles:
+            _issue(PER_LARGE_TILE if large else PER_FIRST_LARGE_TILE, dict(group(g), out_psum=out_psum[large]))
+
+    # _attention_cte_impl's software pipeline: group g's PV beside group g + 2's QK, g + 1's exponentials between
+    for g in (0, 1):
+        load_q(g)
+        _issue(PER_GROUP_START, group(g))
+        for large in range(large_tiles):
+            qk(g, large)
+        _issue(PER_GROUP_MAX, group(g))
+        if g == 0:
+            exp(g)
+    for g in range(groups - 2):
+        load_q(g + 2)
+        exp(g + 1)
+        _issue(PER_GROUP_START, group(g + 2))
+        for large in range(large_tiles):
+            pv(g, large)
+            qk(g + 2, large)
+        _issue(PER_GROUP_END, group(g))
+        _issue(PER_GROUP_MAX, group(g + 2))
+    for g in (groups - 2, groups - 1):
+        if g == groups - 1:
+            exp(g)
+        for large in range(large_tiles):
+            pv(g, large)
+        _issue(PER_GROUP_END, group(g))
     return o
 
 
