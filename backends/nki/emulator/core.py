@@ -322,10 +322,12 @@ _ACCESSES_KEPT = 32  # regions tracked per allocation; past that they merge into
 def _region(tile: "Tensor"):
     """The buffer ``tile`` views and the region it covers: partitions, and free offsets within a partition."""
     root, data = tile.root, tile.data
-    row = root.data.stride(0) if root.data.dim() > 1 else 1
-    first_partition, first = divmod(data.storage_offset() - root.data.storage_offset(), row)
-    last = first + sum((n - 1) * s for n, s in zip(data.shape[1:], data.stride()[1:]))
-    return root.buffer_id, (first_partition, first_partition + data.shape[0], first, last + 1)
+    first_partition, first = divmod(data.storage_offset() - root.data.storage_offset(), root.data.stride(0))
+    shape, stride = data.shape, data.stride()
+    last = first
+    for axis in range(1, len(shape)):
+        last += (shape[axis] - 1) * stride[axis]
+    return root.buffer_id, (first_partition, first_partition + shape[0], first, last + 1)
 
 
 def _overlap(a: tuple, b: tuple) -> bool:
@@ -464,7 +466,7 @@ class _Memory:
     While instructions are counted, each tile also gets a buffer for the cost model's dependencies: a dead
     tile's buffer is kept until SBUF (or PSUM) needs its space, then the oldest is reused, so a tile declared
     inside a loop gets as many copies as fit, as a compiler multi-buffering it may give (AWS's NKI migration
-    guide, 'Removing block dimensions': "the compiler could choose to allocate 2 physical tiles")."""
+    guide, nki/migration/index.rst: "the compiler could choose to allocate 2 physical tiles")."""
 
     def __init__(self):
         self.reset()

@@ -7,23 +7,24 @@ An estimate from AWS's documented rates and a schedule of the trace, not a measu
   NeuronCore's share of bandwidth times an efficiency that falls with its bytes per descriptor
   (``DMA_EFFICIENCY``); a DMA transpose at a fixed fraction of it (``DMA_TRANSPOSE_EFFICIENCY``).
 * **The schedule.** Instructions are placed in program order, each at the first moment its engine is idle long
-  enough (the compiler's scheduler reorders independent instructions) and the instructions it depends on through
-  on-chip tiles allow: what wrote a region it reads, plus ``RESULT_LATENCY`` cycles before the result is
-  readable; what read or wrote a region it writes. A matmul's stationary operand is loaded
-  (``stationary free size / FAST_LOAD_STATIONARY`` cycles) after it is written, behind the previous matmul if it
-  is ready (background LoadStationary). The DMA queues of a core are one pool of bandwidth; a transfer starts
-  ``DMA_LATENCY_S`` after what it waits on. A launch starts when the previous one has ended.
+  enough (the compiler's scheduler reorders independent instructions: nki/guides/how-to-scheduling-apis.rst) and
+  the instructions it depends on through on-chip tiles allow: what wrote a region it reads, plus
+  ``RESULT_LATENCY`` cycles before the result is readable; what read or wrote a region it writes. A matmul's
+  stationary operand is loaded (``stationary free size / FAST_LOAD_STATIONARY`` cycles) after it is written,
+  behind the previous matmul if it is ready (background LoadStationary). The DMA queues of a core are one pool of
+  bandwidth; a transfer starts ``DMA_LATENCY_S`` after what it waits on. A launch starts when the previous one
+  has ended.
 * **What earns overlap.** Engines overlap where tiles let them: a dead tile's buffer is reused only when SBUF
   (PSUM) needs the space (:class:`core._Memory`), so a tile declared inside a loop gets several copies and its
   iterations overlap (multi-buffering), while a tile declared outside and rewritten every iteration serialises
-  them (AWS's NKI migration guide, 'Removing block dimensions').
+  them (nki/migration/index.rst, 'Removing block dimensions').
 * **Per NeuronCore.** The time is the schedule's length on the launch's cores: a launch on two cores (LNC=2) runs
   them side by side, each with its own engines and DMA queues, each core's DMA at its share of the chip's HBM.
 
 What it leaves out: limits on how far the compiler reorders (it may keep fewer copies than fit), SBUF-port
 contention between engines, dependencies through HBM, the partitions a DMA spans, DGE descriptor generation,
-spills, and launch overhead. Sources are github.com/aws-neuron/aws-neuron-sdk paths (NKI 0.7 / SDK 2.33 docs)
-unless a line says otherwise.
+spills, and launch overhead. Each constant names its source: a path in github.com/aws-neuron/aws-neuron-sdk (NKI
+0.7 / SDK 2.33 docs), ARCH standing for its nki/guides/architecture/.
 """
 
 from __future__ import annotations
@@ -33,34 +34,28 @@ from dataclasses import dataclass, field
 
 from .core import ENGINES, Instruction, Stats
 
-# an engine's minimum instruction initiation interval, cycles (nki/api/nki.api.shared.rst, 'NKI Engine Selection')
-MIN_II = 64
-# cycles from an instruction's engine time ending to its result being readable: AWS saw one dependent one-element
-# instruction every 264 ScalarE cycles (nki/deep-dives/nki_perf_guide.rst, Opt #5), MIN_II of them engine time;
-# an NC-v2 figure, used for v3 and v4 (the arch guide's rule of thumb, +100 cycles, is smaller)
-RESULT_LATENCY = 264 - MIN_II
-# LoadStationary runs up to 4x faster than a MultiplyMoving of the same free size
-# (nki/guides/architecture/trainium_inferentia2_arch.rst, 'Fast LoadStationary')
-FAST_LOAD_STATIONARY = 4
-# engine cycles per free element by rule: one input tile ~N cycles, two ~2N (trainium_inferentia2_arch.rst, Vector
-# Engine 'Cost Model'; Scalar and GpSimd the same per input tile); VectorE's BF16/FP16 performance mode 4x / 2x
-# (trainium2_arch.rst, 'Vector Engine Performance Mode'); nisa.reciprocal on VectorE 8N (nki.api.shared.rst,
-# 'NKI Engine Selection'); the activation accumulator read-out the minimum (trainium_inferentia2_arch.rst,
-# 'ActReadAccumulator'); a matmul N moving columns, 4x for fp32 inputs (trainium_inferentia2_arch.rst, TensorE
-# 'Cost Model'); a transpose a matmul against an identity, 2x for fp32 in transpose mode (trainium2_arch.rst);
-# ScalarE's tensor_scalar / tensor_copy in BF16/FP16 as fast as a one-input stream (2x on NeuronCore-v4: Machine)
-FACTOR = {"stream": 1.0, "stream2": 2.0, "perf2": 0.5, "perf4": 0.25, "reciprocal": 8.0, "accumulator_read": 0.0,
-          "scalar_perf2": 1.0, "matmul": 1.0, "matmul_fp32": 4.0, "transpose": 1.0, "transpose_fp32": 2.0}
-# a DMA's latency from what triggers it to its transfer starting: descriptor setup, synchronisation and
-# semaphore-to-start (nki/deep-dives/nki-dma-bandwidth-guide.rst)
-DMA_LATENCY_S = 1.3e-6
-# (bytes per partition, throughput over peak) for [128, F] transfers, read off AWS's 'DMA Throughput varying Bytes
-# per Partition' figure (nki/get-started/about/nki-dma-overview.rst; its y axis is unlabelled, so relative to the
-# 32 KiB point, taken as peak); measured on one generation, used for Trn2 and Trn3
+MIN_II = 64  # nki/api/nki.api.shared.rst, 'NKI Engine Selection': the minimum initiation interval, cycles
+RESULT_LATENCY = 264 - MIN_II  # nki/deep-dives/nki_perf_guide.rst, Opt #5: dependent one-element ops 264 cycles apart
+FAST_LOAD_STATIONARY = 4  # ARCH trainium_inferentia2_arch.rst, 'Fast LoadStationary': up to 4x a MultiplyMoving
+FACTOR = {  # engine cycles per free element per partition, by cost rule
+    "stream": 1.0,  # one input tile: ARCH trainium_inferentia2_arch.rst, Vector Engine 'Cost Model'
+    "stream2": 2.0,  # two input tiles: the same
+    "perf2": 0.5,  # VectorE BF16/FP16 2x mode: ARCH trainium2_arch.rst, 'Vector Engine Performance Mode'
+    "perf4": 0.25,  # its 4x mode: the same
+    "reciprocal": 8.0,  # nisa.reciprocal on VectorE: nki/api/nki.api.shared.rst, 'NKI Engine Selection'
+    "accumulator_read": 0.0,  # the minimum: ARCH trainium_inferentia2_arch.rst, 'ActReadAccumulator'
+    "scalar_perf2": 1.0,  # ScalarE BF16 tensor_scalar/copy; 2x on Trn3 (Machine.factors): ARCH trainium3_arch.rst
+    "matmul": 1.0,  # N moving columns: ARCH trainium_inferentia2_arch.rst, TensorE 'Cost Model'
+    "matmul_fp32": 4.0,  # the same
+    "transpose": 1.0,  # a matmul against an identity: ARCH trainium2_arch.rst, 'Built-in Transpose Support'
+    "transpose_fp32": 2.0,  # transpose mode's 2x for FP32: the same
+}
+DMA_LATENCY_S = 1.3e-6  # nki/deep-dives/nki-dma-bandwidth-guide.rst: setup and semaphore-to-start per transfer
+# (bytes per partition, throughput over peak): AWS's figure in nki/get-started/about/nki-dma-overview.rst, read
+# relative to its 32 KiB point (the y axis is unlabelled); one generation's, used for Trn2 and Trn3
 DMA_EFFICIENCY = ((32, 0.014), (64, 0.029), (128, 0.053), (256, 0.105), (512, 0.209), (1024, 0.423),
                   (2048, 0.815), (4096, 0.964), (8192, 0.983), (16384, 0.990), (32768, 1.0))
-# DMA transposes: up to 90% of DMA throughput from HBM, 50% SBUF to SBUF (trainium2_arch.rst, 'DMA Transpose');
-# Trn2's figures, used for Trn3 (its guide gives none)
+# ARCH trainium2_arch.rst, 'DMA Transpose' (Trn2's; Trn3's guide gives none)
 DMA_TRANSPOSE_EFFICIENCY = {"transpose_from_hbm": 0.9, "transpose_on_chip": 0.5}
 _GAPS_KEPT = 32  # idle stretches of an engine a later-ready instruction may still fill
 
@@ -74,7 +69,7 @@ class Machine:
     hz: dict  # engine -> clock
     tensor_flops_bf16: float  # per NeuronCore, dense
     factors: dict = field(default_factory=dict)  # rules this NeuronCore prices unlike FACTOR
-    background_transpose: bool = False  # TensorE transposes beside matmuls (trainium3_arch.rst)
+    background_transpose: bool = False  # TensorE transposes beside matmuls: ARCH trainium3_arch.rst
 
     @property
     def core_bytes_per_s(self) -> float:
@@ -82,12 +77,10 @@ class Machine:
         return min(self.dma_bytes_per_s, self.hbm_bytes_per_s / self.cores)
 
 
-# clocks and Tensor Engine rate: trainium2_arch.rst, 'Compute Engine Specifications'; HBM: about-neuron/arch/
-# neuron-hardware/trainium2.rst; DMA 16 engines x 23 B/ns: nki-dma-bandwidth-guide.rst
+# clocks, TFLOP/s: ARCH trainium2_arch.rst; HBM: about-neuron/arch/neuron-hardware/trainium2.rst; DMA: bandwidth guide
 TRN2 = Machine("Trn2", cores=8, hbm_bytes_per_s=2.9e12, dma_bytes_per_s=16 * 23e9,
                hz={"tensor": 2.4e9, "vector": 0.96e9, "scalar": 1.2e9, "gpsimd": 1.2e9}, tensor_flops_bf16=79e12)
-# trainium3_arch.rst ('Compute Engine Specifications', ScalarE 'Performance mode', 'Background Transpose'); HBM
-# about-neuron/arch/neuron-hardware/trainium3.rst (the NKI guide says 4.7 TB/s); DMA 16 x 33 B/ns
+# ARCH trainium3_arch.rst; HBM: about-neuron/arch/neuron-hardware/trainium3.rst (the NKI guide: 4.7); DMA: the same
 TRN3 = Machine("Trn3", cores=8, hbm_bytes_per_s=4.9e12, dma_bytes_per_s=16 * 33e9,
                hz={"tensor": 2.4e9, "vector": 1.2e9, "scalar": 1.2e9, "gpsimd": 1.2e9}, tensor_flops_bf16=79e12,
                factors={"scalar_perf2": 0.5}, background_transpose=True)
