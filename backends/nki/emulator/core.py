@@ -316,7 +316,7 @@ class _Access:
     readers: dict = field(default_factory=dict)
 
 
-_ACCESSES_KEPT = 32  # regions tracked per allocation; past that they merge into one (dependencies only added)
+_ACCESSES_KEPT = 32  # regions tracked per buffer; past that they merge into one (dependencies only added)
 
 
 def _region(tile: "Tensor"):
@@ -344,7 +344,7 @@ def _merged(accesses: list) -> _Access:
     for a in accesses:
         for queue, index in a.readers.items():
             readers[queue] = max(index, readers.get(queue, index))
-    return _Access(region, max((a.writer for a in accesses if a.writer), default=None), readers)
+    return _Access(region, max((a.writer for a in accesses if a.writer is not None), default=None), readers)
 
 
 _stats_stack: list[Stats] = []

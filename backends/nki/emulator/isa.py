@@ -259,8 +259,7 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
         _gpsimd_psum("tensor_copy on gpsimd", dst, src)
     # bit-accurate when the dtypes match, else through float32
     dst.assign(lambda: (src.data if src.dtype == dst.dtype else src.read()).reshape(dst.shape))
-    core.record(eng, _one_input_cost(eng, dst, src), src.free_size, reads=(src,),
-                writes=(dst,))
+    core.record(eng, _one_input_cost(eng, dst, src), src.free_size, reads=(src,), writes=(dst,))
 
 
 def memset(dst, value, engine=engine.unknown, name=None):
