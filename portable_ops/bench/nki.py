@@ -11,12 +11,14 @@ chunk's matmuls are the host's, torch's, and not counted: the floor is the kerne
 write of their gradient).
 
 How: each kernel runs in the project's NKI emulator in count-only mode (``meta`` tensors: every
-instruction is checked and counted, no arithmetic, no memory), through the same host code a
-training step uses; ``backends/nki/emulator/cost.py`` prices the counts per engine from AWS's
-documented rates and takes the busiest engine (or DMA) as the NeuronCore's time. A chip's
-estimate is that work split over its 8 NeuronCores. Attention is counted for one (batch, head)
-and multiplied by B * H: every head runs the same instructions. The floor is the chip's HBM
-time for the bytes the operation must move, or its Tensor Engine time for the FLOPs it must do.
+instruction is checked and traced, no arithmetic, no memory), through the same host code a
+training step uses; ``backends/nki/emulator/cost.py`` prices each instruction from AWS's
+documented rates and schedules the trace (engines in program order, waiting on the tiles they
+read) into the time on the NeuronCores a launch runs on: every time here is per NeuronCore, and
+``cores`` says how many a launch uses (LNC=2 launches use 2, side by side). Attention is counted for
+one (batch, head) and multiplied by B * H: every head runs the same instructions, one after another
+on the core. The floor is the core's DMA time for the bytes the operation must move, or its Tensor
+Engine time for the FLOPs it must do, over the launch's cores.
 
 On a Trainium host (torch-neuronx, the Neuron SDK and a ``neuron`` device present) the same operations are also
 timed on the device, so the estimate meets a measurement; the counting then runs in a child
@@ -40,7 +42,7 @@ from portable_ops.backends.nki.emulator import cost
 from .common import table, write
 from .optimizer import bytes_per_element, gpt2_medium_shapes, sgd_bytes_per_element
 
-COLUMNS = ["kernel", "launches", "instructions t/v/s/g/dma", "HBM GB", "SBUF KiB", "PSUM banks",
+COLUMNS = ["kernel", "launches", "cores", "instructions t/v/s/g/dma", "HBM GB", "SBUF KiB", "PSUM banks",
            "Trn2 ms", "Trn2 floor ms", "Trn2 x floor", "Trn2 bound", "Trn3 ms", "Trn3 floor ms", "Trn3 x floor",
            "Trn3 bound", "measured ms"]
 F32, BF16 = torch.float32, torch.bfloat16
@@ -147,18 +149,17 @@ def count() -> list[dict]:
         with emulator.count_only(), emulator.count_instructions() as stats:
             run()
         n = stats.instructions
-        row = {"kernel": name, "launches": stats.launches,
+        row = {"kernel": name, "launches": stats.launches, "cores": stats.cores,
                "instructions t/v/s/g/dma": "/".join(str(n[e] * scale) for e in cost.ENGINES),
                "HBM GB": stats.hbm_bytes * scale / 1e9, "SBUF KiB": stats.sbuf_peak_bytes / 1024,
                "PSUM banks": stats.psum_peak_banks, "counts": {**stats.as_dict(), "scale": scale}}
         for machine in cost.MACHINES:
             est = cost.estimate(stats, machine)
-            ms = est.chip_seconds * scale * 1e3
-            floor = max(nbytes / machine.hbm_bytes_per_s, flops / (machine.tensor_flops_bf16 * machine.cores)) * 1e3
+            ms = est.core_seconds * scale * 1e3
+            floor = max(nbytes / machine.core_bytes_per_s, flops / machine.tensor_flops_bf16) / est.cores * 1e3
             row.update({f"{machine.name} ms": ms, f"{machine.name} floor ms": floor,
                         f"{machine.name} x floor": ms / floor, f"{machine.name} bound": est.bound,
-                        f"{machine.name} engine ms": {e: s * scale * 1e3 / machine.cores
-                                                      for e, s in est.seconds.items()}})
+                        f"{machine.name} engine ms": {e: s * scale * 1e3 for e, s in est.seconds.items()}})
         rows.append(row)
     return rows
 
@@ -198,7 +199,7 @@ def run(out_dir: str = "docs/perf") -> int:
     if device is not None:
         for row, ms in zip(rows, measure(device)):
             row["measured ms"] = ms
-    info = {"device": "estimate (cost model over emulator counts)"
+    info = {"device": "estimate per NeuronCore (cost model over emulator traces)"
                       f"{'' if device is None else '; measured on ' + str(device)}",
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "nki": compat.MODE}
     path = write("nki", rows, info, out_dir)

@@ -16,12 +16,13 @@ instructions than the compiler takes, ...; docs/backends/nki.md lists them with 
 ``kernel[2](...)`` runs a kernel on the two cores of a logical NeuronCore (:class:`EmulatedKernel`).
 
 While a kernel runs it counts, per engine, the instructions issued, the elements they stream and
-the DMA bytes moved (:func:`count_instructions`), and the peak SBUF/PSUM use; ``cost.py`` turns
-the counts into time estimates. :func:`count_only` runs kernels on ``meta`` tensors (checks and
+the DMA bytes moved (:func:`count_instructions`), and the peak SBUF/PSUM use, and traces each
+instruction with what it depends on through on-chip tiles; ``cost.py`` schedules the trace into time
+estimates. :func:`count_only` runs kernels on ``meta`` tensors (checks and
 counters, no arithmetic) so full-size problems can be counted.
 
-What it does not model: timing (the cost model estimates it from the counts), engine
-concurrency, SBUF fragmentation and alignment, the compiler's own allocation (tiles here live for
+What it does not model: timing and engine concurrency (the cost model estimates them from the
+trace), SBUF fragmentation and alignment, the compiler's own allocation (tiles here live for
 the loop iteration or kernel that declares them), loop-carried dependencies in ``affine_range``
 (not detected), the Scalar Engine's piece-wise polynomial approximations of activation functions
 (it uses exact fp32 torch functions), and what the engines' max/min do with NaN (undocumented;
@@ -88,7 +89,7 @@ class EmulatedKernel:
         args, kwargs = _to_hbm(args), {k: _to_hbm(v) for k, v in kwargs.items()}
         saved = core.memory.tiles, core.memory.scopes, core.launch
         core.launch = core.Launch(self.cores)
-        core.record_launch()
+        core.record_launch(self.cores)
         try:
             results = []
             for index in range(self.cores):

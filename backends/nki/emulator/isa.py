@@ -65,6 +65,15 @@ _SIXTEEN_BIT = {"bfloat16", "float16"}
 _reduce_regs = torch.zeros(128, 1)
 
 
+def _registers(core_index: int) -> Tensor:
+    """The reduce registers of one core of a launch as a tile, so the cost model sees what waits on them."""
+    registers = Tensor(torch.zeros(128, 1), core.float32, sbuf)
+    registers.buffer_id = -1 - core_index
+    return registers
+
+
+_REDUCE_REGS = (_registers(0), _registers(1))
+
 
 # ----------------------------------------------------------------------------- operand checks
 def _op_name(op) -> str:
@@ -147,13 +156,16 @@ def _packed16(*tiles) -> bool:
     return all(t.buffer is sbuf and t.dtype.name in _SIXTEEN_BIT and t.data.stride(-1) == 1 for t in tiles)
 
 
-def _vector_cost(dst, *inputs) -> str:
-    """Cost rule of a one-input (tensor_copy / tensor_scalar) instruction on VectorE."""
-    if _packed16(dst, *inputs):
+def _one_input_cost(engine: str, dst, *inputs) -> str:
+    """Cost rule of a one-input (tensor_copy / tensor_scalar) instruction: VectorE's and ScalarE's BF16/FP16
+    performance modes (trainium2_arch.rst, 'Vector Engine Performance Mode'; trainium3_arch.rst, Scalar Engine
+    'Performance mode', NeuronCore-v4's: the cost model's machines say where it applies)."""
+    sixteen_bit = all(t.dtype.name in _SIXTEEN_BIT for t in (dst, *inputs))
+    if engine == "vector" and _packed16(dst, *inputs):
         return "perf4"
-    if all(t.dtype.name in _SIXTEEN_BIT for t in (dst, *inputs)):
+    if engine == "vector" and sixteen_bit:
         return "perf2"
-    return "stream"
+    return "scalar_perf2" if engine == "scalar" and sixteen_bit else "stream"
 
 
 # ----------------------------------------------------------------------------- data movement
@@ -184,7 +196,45 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
             core.launch.access(t, write)
     dst.assign(lambda: (src.read() if src.dtype != dst.dtype else src.data).reshape(dst.shape))
     hbm_side = src if not src.buffer.on_chip else dst
-    core.record_dma(hbm_side.size * hbm_side.dtype.itemsize, src.buffer.on_chip, dst.buffer.on_chip)
+    descriptor = min(_contiguous_bytes(src), _contiguous_bytes(dst))
+    core.record_dma(hbm_side.size * hbm_side.dtype.itemsize, src, dst, descriptor)
+
+
+def _contiguous_bytes(t: Tensor) -> int:
+    """The longest run of consecutive bytes in ``t``'s access pattern: a DMA descriptor's payload (on chip
+    within one partition, each partition being its own buffer: trainium_inferentia2_arch.rst, 'Data movement
+    between HBM and SBUF using DMAs')."""
+    shape, strides = t.data.shape, t.data.stride()
+    run, first = 1, 1 if t.buffer.on_chip else 0
+    for n, stride in zip(reversed(shape[first:]), reversed(strides[first:])):
+        if n == 1:
+            continue
+        if stride != run:
+            break
+        run *= n
+    return run * t.dtype.itemsize
+
+
+def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown, oob_mode=oob_mode.error, name=None):
+    """``dst = src.T`` on the DMA engines, from HBM or SBUF into SBUF (trainium2_arch.rst, 'DMA Transpose': 2- and
+    4-byte dtypes, bit-accurate). 2-D only here."""
+    for label, t in (("dst", dst), ("src", src)):
+        if not isinstance(t, Tensor):
+            reject("operand-type", f"dma_transpose: {label} must be an NKI tensor")
+    if dst.buffer is not sbuf or src.buffer is psum:
+        reject("dma-transpose-memory", "dma_transpose moves HBM or SBUF data into SBUF (trainium2_arch.rst, "
+               f"'DMA Transpose'); got {src.buffer.name} -> {dst.buffer.name}")
+    if src.ndim != 2 or dst.ndim != 2 or axes not in (None, (1, 0), [1, 0]):
+        reject("api-subset", "the emulator takes 2-D dma_transpose operands only (permutation [1, 0])")
+    if dst.shape != src.shape[::-1]:
+        reject("tile-shape", f"dma_transpose: dst must be src's shape reversed, {src.shape[::-1]}; got {dst.shape}")
+    if src.dtype != dst.dtype or src.dtype.itemsize not in (2, 4):
+        reject("transpose-dtype", f"dma_transpose moves 2- or 4-byte data unchanged; got {src.dtype} -> {dst.dtype}")
+    _dma_options(priority, dge_mode, engine.unknown)
+    if not src.buffer.on_chip:
+        core.launch.access(src, False)
+    dst.assign(lambda: src.data.T)
+    core.record_dma(src.size * src.dtype.itemsize, src, dst, 0, transpose=True)
 
 
 def _dma_options(priority, dge, sequencer):
@@ -209,7 +259,7 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
         _gpsimd_psum("tensor_copy on gpsimd", dst, src)
     # bit-accurate when the dtypes match, else through float32
     dst.assign(lambda: (src.data if src.dtype == dst.dtype else src.read()).reshape(dst.shape))
-    core.record(eng, _vector_cost(dst, src) if eng == "vector" else "stream", src.free_size)
+    core.record(eng, _one_input_cost(eng, dst, src), src.free_size, reads=(src,), writes=(dst,))
 
 
 def memset(dst, value, engine=engine.unknown, name=None):
@@ -223,7 +273,7 @@ def memset(dst, value, engine=engine.unknown, name=None):
     if eng == "gpsimd":
         _gpsimd_psum("memset on gpsimd", dst)
     dst.assign(lambda: torch.full((), float(value)))
-    core.record(eng, "stream", dst.free_size)
+    core.record(eng, "stream", dst.free_size, writes=(dst,))
 
 
 def _memset_value(value, dtype):
@@ -266,7 +316,7 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
         return torch.where(keep, new, dst.data)
 
     dst.assign(value)
-    core.record("vector", "stream2", dst.free_size, inputs=2)
+    core.record("vector", "stream2", dst.free_size, inputs=2, reads=(src, predicate, dst), writes=(dst,))
 
 
 # ----------------------------------------------------------------------------- elementwise
@@ -284,7 +334,8 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     fn = _alu(op, "tensor_tensor")
     dst.assign(lambda: fn(data1.read(), data2.read().reshape(data1.shape)).reshape(dst.shape))
     perf = eng == "vector" and _packed16(data1, data2) and dst.dtype.name in _SIXTEEN_BIT
-    core.record(eng, "stream" if perf else "stream2", data1.free_size, inputs=2)
+    core.record(eng, "stream" if perf else "stream2", data1.free_size, inputs=2, reads=(data1, data2),
+                writes=(dst,))
 
 
 def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
@@ -316,7 +367,8 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
         return torch.as_tensor(x).expand(data.shape).reshape(dst.shape)
 
     dst.assign(value)
-    core.record(eng, _vector_cost(dst, data) if eng == "vector" else "stream", data.free_size)
+    core.record(eng, _one_input_cost(eng, dst, data), data.free_size,
+                reads=(data, operand0, operand1), writes=(dst,))
 
 
 def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, name=None):
@@ -337,7 +389,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
                        "scalar_tensor_tensor").reshape(dst.shape)
 
     dst.assign(value)
-    core.record("vector", "stream2", data.free_size, inputs=2)
+    core.record("vector", "stream2", data.free_size, inputs=2, reads=(data, operand0, operand1), writes=(dst,))
 
 
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
@@ -375,10 +427,12 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
         return out.reshape(dst.shape)
 
     dst.assign(value)
-    core.record("scalar", "stream", data.free_size)
+    registers = (_REDUCE_REGS[core.launch.core],) if cmd is not type(cmd).idle else ()
+    core.record("scalar", "stream", data.free_size, reads=(data, scale, bias) + registers, writes=(dst,) + registers)
     if reduce_res is not None:
         reduce_res.assign(lambda: _reduce_regs[:p].clone().reshape(reduce_res.shape))
-        core.record("scalar", "accumulator_read", 1)  # ActReadAccumulator: a second instruction
+        core.record("scalar", "accumulator_read", 1, reads=(_REDUCE_REGS[core.launch.core],),  # ActReadAccumulator:
+                    writes=(reduce_res,))  # a second instruction
 
 
 # Valid input ranges of the Scalar Engine's activation functions (nki/api/nki.api.shared.rst, 'Supported
@@ -418,7 +472,7 @@ def reciprocal(dst, data, name=None):
     _tile("dst", dst, "reciprocal"), _tile("data", data, "reciprocal")
     _same_layout(dst, data, "reciprocal", "dst and data")
     dst.assign(lambda: (1.0 / data.read()).reshape(dst.shape))
-    core.record("vector", "reciprocal", data.free_size)
+    core.record("vector", "reciprocal", data.free_size, reads=(data,), writes=(dst,))
 
 
 def _affine(dst, pattern, offset, channel_multiplier, instr: str):
@@ -460,7 +514,7 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
         return torch.where(keep, on_true_tile.read().reshape(dst.shape), torch.tensor(float(on_false_value)))
 
     dst.assign(value)
-    core.record("gpsimd", "stream", dst.free_size)
+    core.record("gpsimd", "stream", dst.free_size, reads=(on_true_tile,), writes=(dst,))
 
 
 def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
@@ -474,7 +528,7 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     if low < -2 ** 31 or high >= 2 ** 31:
         reject("iota-range", f"iota: the pattern's values span [{low}, {high}]; they are computed in int32")
     dst.assign(affine)
-    core.record("gpsimd", "stream", dst.free_size)
+    core.record("gpsimd", "stream", dst.free_size, writes=(dst,))
 
 
 # ----------------------------------------------------------------------------- reductions
@@ -494,7 +548,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     if dst.shape[0] != data.shape[0] or dst.free_size != kept:
         reject("tile-shape", f"tensor_reduce: dst {dst.shape} does not hold the reduction of {data.shape} over {axes}")
     dst.assign(lambda: ((-1 if negate else 1) * nl.REDUCE[op](data.read(), axes)).reshape(dst.shape))
-    core.record("vector", "stream", data.free_size)
+    core.record("vector", "stream", data.free_size, reads=(data,), writes=(dst,))
 
 
 def tensor_partition_reduce(dst, op, data, name=None):
@@ -507,7 +561,7 @@ def tensor_partition_reduce(dst, op, data, name=None):
         reject("tile-shape", f"tensor_partition_reduce: dst must be (1, {data.free_size}); got {dst.shape}")
     # the partitions, seen as a free axis
     dst.assign(lambda: nl.REDUCE[op](data.read().reshape(data.shape[0], -1).T, [1]).T.reshape(dst.shape))
-    core.record("gpsimd", "stream", data.free_size)
+    core.record("gpsimd", "stream", data.free_size, reads=(data,), writes=(dst,))
 
 
 # ----------------------------------------------------------------------------- Tensor Engine
@@ -559,7 +613,8 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
                f"behaviour (last written by: {previous or 'nothing'}); start with accumulate=False")
     dst.assign(lambda: stationary.read().T @ moving.read() + (dst.read() if accumulate else 0))
     dst.root.last_writer = "matmul"
-    core.record("tensor", "matmul_fp32" if wide else "matmul", n, flops=2 * k * m * n)
+    core.record("tensor", "matmul_fp32" if wide else "matmul", n, flops=2 * k * m * n, reads=(stationary, moving),
+                writes=(dst,), stationary=stationary)  # accumulating onto dst is PSUM's, not a read
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):
@@ -582,6 +637,7 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
         reject("matmul-memory", "nc_transpose on the Tensor Engine reads SBUF and writes PSUM")
     dst.assign(lambda: data.data.T)
     if eng == "tensor":  # a matmul against an identity: the moving free size is data's partition count
-        core.record("tensor", "transpose_fp32" if data.dtype.itemsize == 4 else "transpose", p)
+        core.record("tensor", "transpose_fp32" if data.dtype.itemsize == 4 else "transpose", p, reads=(data,),
+                    writes=(dst,), stationary=data)
     else:
-        core.record("vector", "stream", f)
+        core.record("vector", "stream", f, reads=(data,), writes=(dst,))

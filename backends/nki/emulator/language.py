@@ -207,7 +207,8 @@ def zeros(shape, dtype, buffer=sbuf, name='') -> Tensor:
     tensor = core.allocate(shape, dtype, buffer)
     tensor.assign(lambda: torch.zeros(()))
     if tensor.buffer.on_chip:
-        core.record("vector" if tensor.buffer is psum else "gpsimd", "stream", tensor.free_size)  # a memset
+        core.record("vector" if tensor.buffer is psum else "gpsimd", "stream", tensor.free_size,  # a memset
+                    writes=(tensor,))
     return tensor
 
 
