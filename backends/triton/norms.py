@@ -14,7 +14,7 @@ order.
 Eagerly every launch is a plan's (``launch.Launch``), kept per layout: a call costs a key, its allocations and its
 launches, and a prepared run (``OpImpl.prepare``, for the memoised eager calls) not even the key. Under
 torch.compile the ops ``portable_ops::triton_rms_norm_fwd`` / ``_bwd`` and ``triton_layer_norm_fwd`` / ``_bwd``
-(``traced.py``) make the same allocations and launches from the same configuration, which Inductor then calls.
+(:func:`traced_ops`) make the same allocations and launches from the same configuration, which Inductor then calls.
 """
 
 from __future__ import annotations
@@ -150,11 +150,6 @@ def _dense(t):
 
 def _dtype(t):
     return None if t is None else t.dtype
-
-
-def _or_empty(t, like):
-    """What a traced op returns for None (an op's schema returns tensors)."""
-    return t if t is not None else like.new_empty(0)
 
 
 # ----------------------------------------------------------------------------- the launches, eager and traced
@@ -363,7 +358,7 @@ def _traced_forward(x, residual, weight, bias, eps, rms):
     grid, ints, options = _forward_launch(x, residual, weight, bias, rms)
     (out, h, mean, rstd), tensors = _forward_outputs(x, residual, weight, bias, rms)
     wrap_triton(_norm_fwd_kernel)[grid](*tensors, *ints, eps, **options)
-    return out, _or_empty(h, x), mean, rstd
+    return out, h if h is not None else x.new_empty(0), mean, rstd  # an op's schema returns tensors, not None
 
 
 def _traced_backward(x, weight, mean, rstd, dout, dh, rms, has_bias):

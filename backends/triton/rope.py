@@ -15,8 +15,8 @@ The backward (``rope_bwd``) is the same kernel with ``INVERSE``: the transpose `
 sin)``, which reads each half's sine at its partner's index and negates it; for rotation tables, the rotation by the
 opposite angle.
 
-Under torch.compile ``portable_ops::triton_rope_fwd`` / ``_bwd`` (``traced.py``) launch the same kernel, configured
-by the same function, from the code Inductor generates.
+Under torch.compile ``portable_ops::triton_rope_fwd`` / ``_bwd`` (:func:`traced_ops`) launch the same kernel,
+configured by the same function, from the code Inductor generates.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 
 from portable_ops import layout
-
 from portable_ops.rope import register_gradients
 
 from .adam import _TL_DTYPE
