@@ -61,10 +61,11 @@ class OpImpl:
     dtypes: tuple[torch.dtype, ...] | None = None
     max_head_dim: int | None = None
     features: tuple[str, ...] | None = None
-    # Optional, for the forward ops whose public function says so (docs/adding-a-backend.md): the name, in
+    # Optional, for the forward ops whose public function says so (docs/adding-a-backend.md): returns the name, in
     # ``torch.ops.portable_ops``, of the op that torch.compile traces into in place of portable_ops' custom op (a
-    # ``torch.library.triton_op``), for a call dispatch gives this backend while the graph is traced.
-    traced: str | None = None
+    # ``torch.library.triton_op``) for a call dispatch gives this backend while the graph is traced, registering it
+    # at its first call.
+    traced: Callable[[], str] | None = None
 
 
 def _names(dtypes) -> str:
@@ -174,8 +175,8 @@ def _impl_problems(op: Op, impl: OpImpl) -> list[str]:
     known = {f.name for f in op.features}
     problems += [f"{f!r} is not one of its features ({', '.join(sorted(known)) or 'none'})"
                  for f in impl.features or () if f not in known]
-    if impl.traced is not None and not hasattr(torch.ops.portable_ops, impl.traced):
-        problems.append(f"traced op {impl.traced!r} is not registered in torch.ops.portable_ops")
+    if impl.traced is not None and not callable(impl.traced):
+        problems.append(f"traced must be a function returning its op's name, got {impl.traced!r}")
     return problems
 
 
@@ -443,7 +444,6 @@ def select_by_layout(op: str, layout: tuple, make_call: Callable[[], Call], devi
     return choice
 
 
-@torch.compiler.assume_constant_result
 def traced_op(op: str, tensors: tuple, options: tuple, device: torch.device, forced: str | None) -> str | None:
     """While torch.compile traces a call of ``op``: the ``OpImpl.traced`` op of the backend :func:`choose` picks, by
     name, which the graph then runs; None where that backend has none or the call falls back (portable_ops' custom
@@ -458,7 +458,13 @@ def traced_op(op: str, tensors: tuple, options: tuple, device: torch.device, for
             for name, shape, dtype in tensors}
     call.update(options)
     choice = choose(op, call, device, forced)
-    return None if choice.is_fallback else _backends[choice.backend].ops[op].traced
+    traced = _backends[choice.backend].ops[op].traced
+    return None if choice.is_fallback or traced is None else traced()
+
+
+# torch.compiler.assume_constant_result's mark, set without it: the decorator imports torch._dynamo, which
+# ``import portable_ops`` does not
+traced_op._dynamo_marked_constant = True
 
 
 def dispatch(op: str, call: Call, device: torch.device | None, prefer: str | None = None) -> OpImpl:

@@ -143,7 +143,7 @@ def test_a_backend_declaring_an_op_outside_the_table_fails_to_register():
     (dict(devices=("toy",), ops={"grad_norm": dispatch.OpImpl(run=print, dtypes=(torch.int8,))}),
      "grad_norm: dtypes"),
     (dict(devices=("toy",), ops={"rope_fwd": dispatch.OpImpl(run=print, traced="toy_rope_fwd")}),
-     "rope_fwd: traced op 'toy_rope_fwd' is not registered in torch.ops.portable_ops"),
+     "rope_fwd: traced must be a function returning its op's name, got 'toy_rope_fwd'"),
 ])
 def test_a_declaration_is_checked_when_it_registers(declaration, problem):
     with pytest.raises(ValueError, match="backend 'toy' is declared wrongly: .*" + problem.replace("(", r"\(")):

@@ -184,6 +184,9 @@ def test_traced_ops_pass_opcheck():
     """The ops torch.compile runs for the triton backend take the backends' rows, any strides."""
     x, r, w, b = (t.detach() for t in _inputs((2, 3, 12), default_device("triton")))
     rows, residual = x.transpose(0, 1).reshape(6, 12), r.reshape(6, 12)
+    declared = dispatch.get_backend("triton").ops
+    assert [declared[op].traced() for op in ("rms_norm_fwd", "layer_norm_fwd")] == ["triton_rms_norm_fwd",
+                                                                                    "triton_layer_norm_fwd"]
     ops = torch.ops.portable_ops
     torch.library.opcheck(ops.triton_rms_norm_fwd.default, (rows.t().contiguous().t(), residual, w, 1e-6))
     torch.library.opcheck(ops.triton_layer_norm_fwd.default, (rows, None, w, b, 1e-5))

@@ -304,6 +304,7 @@ def test_traced_ops_pass_opcheck():
     device = default_device("triton")
     q, k, _ = fused_qk(s=5, d=16, device=device)
     cos, sin = (t.to(device) for t in tables(torch.arange(5), 8))
+    assert dispatch.get_backend("triton").ops["rope_fwd"].traced() == "triton_rope_fwd"
     ops = torch.ops.portable_ops
     torch.library.opcheck(ops.triton_rope_fwd.default, (q, k, cos[None], sin[None], False))
     torch.library.opcheck(ops.triton_rope_bwd.default, (q, k.contiguous(), cos[None], sin[None], True))

@@ -299,9 +299,11 @@ def _traced_launches(backend_dir: str) -> dict:
     rows, x = torch.randn(6, 16).t().contiguous().t(), torch.randn(6, 16)  # rows of any strides
     w, cos = torch.randn(16), torch.randn(1, 5, 8)
     q, k = torch.randn(2, 5, 4, 16).transpose(1, 2), torch.randn(2, 2, 5, 16)
-    calls = {"triton_rms_norm_fwd": (norms.traced_rms_norm_fwd, (rows, x, w, 1e-6)),
-             "triton_layer_norm_fwd": (norms.traced_layer_norm_fwd, (rows, None, w, w, 1e-5)),
-             "triton_rope_fwd": (rope.traced_rope_fwd, (q, k, cos, cos, False))}
+    traced = {**norms.traced_ops(), **rope.traced_ops()}
+    ops = torch.ops.portable_ops
+    calls = {"triton_rms_norm_fwd": (getattr(ops, traced["rms_norm_fwd"]), (rows, x, w, 1e-6)),
+             "triton_layer_norm_fwd": (getattr(ops, traced["layer_norm_fwd"]), (rows, None, w, w, 1e-5)),
+             "triton_rope_fwd": (getattr(ops, traced["rope_fwd"]), (q, k, cos, cos, False))}
     found = {}
     for name, (op, args) in calls.items():
         graphs = []
@@ -312,10 +314,10 @@ def _traced_launches(backend_dir: str) -> dict:
 
         differentiable = [a.clone().requires_grad_() if isinstance(a, torch.Tensor) and a is not cos else a
                           for a in args]
-        traced = aot_function(lambda *a, op=op: op(*a)[0].square().sum(), fw_compiler=keep, bw_compiler=keep,
-                              dynamic=True)
+        compiled = aot_function(lambda *a, op=op: op(*a)[0].square().sum(), fw_compiler=keep, bw_compiler=keep,
+                                dynamic=True)
         with contextlib.suppress(Exception):  # its launches need a GPU: tracing them is the point
-            traced(*differentiable).backward()
+            compiled(*differentiable).backward()
         found[name] = [([kernel_name(n.kwargs["kernel_idx"]) for n in graph.graph.nodes
                          if n.target is torch.ops.higher_order.triton_kernel_wrapper_functional],
                         [str(n.target) for n in graph.graph.nodes if "portable_ops" in str(n.target)])

@@ -40,6 +40,7 @@ else:
     from .grad_norm import grad_norm, grad_norm_supports
     from .launch import hash_triton_in_background
     from .linear_cross_entropy import linear_cross_entropy_bwd, linear_cross_entropy_fwd
+    from . import norms, rope
     from .norms import (layer_norm_bwd, layer_norm_fwd, norm_supports, prepare_layer_norm_bwd, prepare_layer_norm_fwd,
                         prepare_rms_norm_bwd, prepare_rms_norm_fwd, rms_norm_bwd, rms_norm_fwd)
     from .rope import rope_bwd, rope_fwd, rope_inplace, rope_supports
@@ -81,16 +82,17 @@ else:
             "paged_attention": OpImpl(run=paged_attention, supports=paged_attention_supports, **_ATTENTION),
             "paged_kv_append": OpImpl(run=paged_kv_append, supports=paged_kv_append_supports),
             "rms_norm_fwd": OpImpl(run=rms_norm_fwd, supports=norm_supports, prepare=prepare_rms_norm_fwd,
-                                   dtypes=DTYPES, traced="triton_rms_norm_fwd"),
+                                   dtypes=DTYPES, traced=lambda: norms.traced_ops()["rms_norm_fwd"]),
             "rms_norm_bwd": OpImpl(run=rms_norm_bwd, supports=norm_supports, prepare=prepare_rms_norm_bwd,
                                    dtypes=DTYPES),
             "layer_norm_fwd": OpImpl(run=layer_norm_fwd, supports=norm_supports, prepare=prepare_layer_norm_fwd,
-                                     dtypes=DTYPES, traced="triton_layer_norm_fwd"),
+                                     dtypes=DTYPES, traced=lambda: norms.traced_ops()["layer_norm_fwd"]),
             "layer_norm_bwd": OpImpl(run=layer_norm_bwd, supports=norm_supports, prepare=prepare_layer_norm_bwd,
                                      dtypes=DTYPES),
             "linear_cross_entropy_fwd": OpImpl(run=linear_cross_entropy_fwd, dtypes=DTYPES),
             "linear_cross_entropy_bwd": OpImpl(run=linear_cross_entropy_bwd, dtypes=DTYPES),
-            "rope_fwd": OpImpl(run=rope_fwd, supports=rope_supports, dtypes=DTYPES, traced="triton_rope_fwd"),
+            "rope_fwd": OpImpl(run=rope_fwd, supports=rope_supports, dtypes=DTYPES,
+                               traced=lambda: rope.traced_ops()["rope_fwd"]),
             "rope_bwd": OpImpl(run=rope_bwd, supports=rope_supports, dtypes=DTYPES),
             "rope_inplace": OpImpl(run=rope_inplace, supports=rope_supports, dtypes=DTYPES),
         },

@@ -14,7 +14,7 @@ order.
 Eagerly every launch is a plan's (``launch.Launch``), kept per layout: a call costs a key, its allocations and its
 launches, and a prepared run (``OpImpl.prepare``, for the memoised eager calls) not even the key. Under
 torch.compile the ops ``portable_ops::triton_rms_norm_fwd`` / ``_bwd`` and ``triton_layer_norm_fwd`` / ``_bwd``
-(``traced.py``) make the same allocations and launches from the same configuration, which Inductor then calls.
+(:func:`traced_ops`) make the same allocations and launches from the same configuration, which Inductor then calls.
 """
 
 from __future__ import annotations
@@ -150,11 +150,6 @@ def _dense(t):
 
 def _dtype(t):
     return None if t is None else t.dtype
-
-
-def _or_empty(t, like):
-    """What a traced op returns for None (an op's schema returns tensors)."""
-    return t if t is not None else like.new_empty(0)
 
 
 # ----------------------------------------------------------------------------- the launches, eager and traced
@@ -363,7 +358,7 @@ def _traced_forward(x, residual, weight, bias, eps, rms):
     grid, ints, options = _forward_launch(x, residual, weight, bias, rms)
     (out, h, mean, rstd), tensors = _forward_outputs(x, residual, weight, bias, rms)
     wrap_triton(_norm_fwd_kernel)[grid](*tensors, *ints, eps, **options)
-    return out, _or_empty(h, x), mean, rstd
+    return out, h if h is not None else x.new_empty(0), mean, rstd  # an op's schema returns tensors, not None
 
 
 def _traced_backward(x, weight, mean, rstd, dout, dh, rms, has_bias):
@@ -379,32 +374,37 @@ def _traced_sums(partials, programs):
     return out
 
 
-@triton_op("portable_ops::triton_rms_norm_fwd", mutates_args=())
-def traced_rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _rms_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out, h, _, rstd = _traced_forward(x, residual, weight, None, eps, True)
     return out, h, rstd
 
 
-@triton_op("portable_ops::triton_rms_norm_bwd", mutates_args=())
-def traced_rms_norm_bwd(x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, dout: torch.Tensor,
-                        dh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_bwd(x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor, dout: torch.Tensor,
+                  dh: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     return _traced_backward(x, weight, None, rstd, dout, dh, True, False)[:2]
 
 
-@triton_op("portable_ops::triton_layer_norm_fwd", mutates_args=())
-def traced_layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-                          bias: torch.Tensor | None,
-                          eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _layer_norm_fwd(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                    bias: torch.Tensor | None,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _traced_forward(x, residual, weight, bias, eps, False)
 
 
-@triton_op("portable_ops::triton_layer_norm_bwd", mutates_args=())
-def traced_layer_norm_bwd(x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
-                          dout: torch.Tensor, dh: torch.Tensor | None,
-                          has_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _layer_norm_bwd(x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
+                    dout: torch.Tensor, dh: torch.Tensor | None,
+                    has_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _traced_backward(x, weight, mean, rstd, dout, dh, False, has_bias)
 
 
-register_gradients(True, traced_rms_norm_fwd, traced_rms_norm_bwd)
-register_gradients(False, traced_layer_norm_fwd, traced_layer_norm_bwd)
+@functools.cache
+def traced_ops() -> dict[str, str]:
+    """The ops torch.compile traces into (``OpImpl.traced``): ``portable_ops::triton_rms_norm_fwd`` / ``_bwd`` and
+    ``triton_layer_norm_fwd`` / ``_bwd``, each backward its forward's gradient, registered at the first call, when
+    a graph first chooses them (``torch.library.triton_op`` loads Inductor, which eager use need not). Returns the
+    forwards' names in ``torch.ops.portable_ops`` by the op each stands for."""
+    for rms, name, forward, backward in ((True, "rms_norm", _rms_norm_fwd, _rms_norm_bwd),
+                                         (False, "layer_norm", _layer_norm_fwd, _layer_norm_bwd)):
+        register_gradients(rms, triton_op(f"portable_ops::triton_{name}_fwd", mutates_args=())(forward),
+                           triton_op(f"portable_ops::triton_{name}_bwd", mutates_args=())(backward))
+    return {"rms_norm_fwd": "triton_rms_norm_fwd", "layer_norm_fwd": "triton_layer_norm_fwd"}

@@ -15,18 +15,19 @@ The backward (``rope_bwd``) is the same kernel with ``INVERSE``: the transpose `
 sin)``, which reads each half's sine at its partner's index and negates it; for rotation tables, the rotation by the
 opposite angle.
 
-Under torch.compile ``portable_ops::triton_rope_fwd`` / ``_bwd`` (``traced.py``) launch the same kernel, configured
-by the same function, from the code Inductor generates.
+Under torch.compile ``portable_ops::triton_rope_fwd`` / ``_bwd`` (:func:`traced_ops`) launch the same kernel,
+configured by the same function, from the code Inductor generates.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from portable_ops import layout
-
 from portable_ops.rope import register_gradients
 
 from .adam import _TL_DTYPE
@@ -170,19 +171,22 @@ def rope_inplace(q, k, cos, sin, interleaved):
     torch.autograd.graph.increment_version([q, k])
 
 
-# torch.compile's ops. rope_ has none: its checks of what it writes (elements shared within or between q and k,
-# inference tensors) run when its custom op does, and a graph Inductor compiles runs no Python of ours
-
-@triton_op("portable_ops::triton_rope_fwd", mutates_args=())
-def traced_rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _rotated(q, k, cos, sin, interleaved, False, wrap_triton(_rope_kernel))
 
 
-@triton_op("portable_ops::triton_rope_bwd", mutates_args=())
-def traced_rope_bwd(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_bwd(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _rotated(dq, dk, cos, sin, interleaved, True, wrap_triton(_rope_kernel))
 
 
-register_gradients(traced_rope_fwd, traced_rope_bwd)
+@functools.cache
+def traced_ops() -> dict[str, str]:
+    """The ops torch.compile traces into (``OpImpl.traced``): ``portable_ops::triton_rope_fwd`` / ``_bwd``, each the
+    other's gradient, registered at the first call, as the norms' (``norms.traced_ops``). rope_ has none: its checks
+    of what it writes (elements shared within or between q and k, inference tensors) run when its custom op does,
+    and a graph Inductor compiles runs no Python of ours."""
+    register_gradients(triton_op("portable_ops::triton_rope_fwd", mutates_args=())(_rope_fwd),
+                       triton_op("portable_ops::triton_rope_bwd", mutates_args=())(_rope_bwd))
+    return {"rope_fwd": "triton_rope_fwd"}
