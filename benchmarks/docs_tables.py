@@ -104,6 +104,14 @@ def _stacks(runs: dict) -> list[str]:
     return [stack for stack in dict.fromkeys(stack for _, _, stack in runs) if stack != "torch"]
 
 
+def _repeats(rows: dict) -> str:
+    counts = {r.get("repeats", 1) for r in rows["runs"]}
+    if counts == {1}:
+        return "Every stack ran once"
+    return (f"Every stack ran {'/'.join(map(str, sorted(counts)))} times in rotating order; a row is its median "
+            "run, with the median of its ratios to torch's run of the same repeat and their range")
+
+
 def train() -> str:
     results = load("train")
     rows = results["rows"]
@@ -116,8 +124,10 @@ def train() -> str:
             host = " / ".join(v if isinstance(v, str) else f"{v:.1f}"
                               for v in (ours["host ms/step"], torch["host ms/step"]))
         peak = pair(ours["peak GiB"], torch["peak GiB"], 1) if ours.get("peak GiB") is not None else "-"
+        spread = ours.get("vs torch range")
         speed.append([_shape_label(shape), mode, stack, f"{torch['tokens/s']:,.0f}", f"{ours['tokens/s']:,.0f}",
-                      f"**{ratio(ours['vs torch'])}**", pair(ours["ms/step"], torch["ms/step"], 1),
+                      f"**{ratio(ours['vs torch'])}**", f"{ratio(spread[0])} to {ratio(spread[1])}" if spread else "-",
+                      pair(ours["ms/step"], torch["ms/step"], 1),
                       pair(ours["busy ms/step"], torch["busy ms/step"], 1), host, peak])
         kernels.append([_shape_label(shape), mode, stack] + [pair(ours[f], torch[f]) for f in
                                                              ("attention fwd ms", "attention bwd ms", "optimizer ms",
@@ -136,8 +146,10 @@ def train() -> str:
                          for mode in ("eager", "compiled")])
     return "\n\n".join([
         ("Stacks: portable_ops (its attention and fused clip + AdamW, torch's norms, RoPE and loss), all-ops "
-         "(every part portable_ops has: also its RMSNorm, RoPE and linear cross-entropy), each against torch's:"),
-        table(["shape", "mode", "stack", "torch tokens/s", "ours tokens/s", "vs torch", "ms a step (ours / torch)",
+         "(every part portable_ops has: also its RMSNorm, RoPE and linear cross-entropy), each against torch's. "
+         f"{_repeats(rows)}:"),
+        table(["shape", "mode", "stack", "torch tokens/s", "ours tokens/s", "vs torch", "range over repeats",
+               "ms a step (ours / torch)",
                "device-busy ms", "host ms", "peak GiB"], speed),
         "Device time a step by kernel kind, ms (ours / torch's):",
         table(["shape", "mode", "stack", "attention forward", "attention backward", "clip + optimizer", "other"],

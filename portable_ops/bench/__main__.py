@@ -111,6 +111,16 @@ def _shape_names(text: str) -> list[str]:
     return list(dict.fromkeys(picked))
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m portable_ops.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("bench", choices=sorted([*COLUMNS, "nki"]))
@@ -128,9 +138,12 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", type=_shape_names, default=None,
                         help="train: a comma-separated subset of its shapes, by number from 1 or by name "
                              "(default: all of them)")
+    parser.add_argument("--repeats", type=_positive, default=None,
+                        help="train: runs of every stack per shape and mode, in rotating order (default 3; 1 with "
+                             "--tiny)")
     args = parser.parse_args(argv)
     applies = {"--quick": "attention or fallback", "--head-dims": "attention", "--seqs": "attention",
-               "--tiny": "train or hf", "--shapes": "train", "--device": "fallback"}
+               "--tiny": "train or hf", "--shapes": "train", "--device": "fallback", "--repeats": "train"}
     for option, bench in applies.items():
         if getattr(args, option[2:].replace("-", "_")) not in (None, False) and args.bench not in bench.split(" or "):
             parser.error(f"{option} applies to the {bench} benchmark, not {args.bench}")
@@ -182,7 +195,8 @@ def main(argv=None) -> int:
         if args.tiny:
             shapes = {name: train.tiny(cfg) for name, cfg in shapes.items()}
         info = device_info()
-        print(train.report(train.run_train(shapes, second_run=not args.tiny), info, args.out))
+        repeats = args.repeats or (1 if args.tiny else 3)
+        print(train.report(train.run_train(shapes, second_run=not args.tiny, repeats=repeats), info, args.out))
         print(f"{info['device']}, {info['date']}, commit {info['commit']}, torch {info['torch']}, "
               f"triton {info['triton']}")
         return 0

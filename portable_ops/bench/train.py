@@ -291,28 +291,42 @@ def compare_losses(rows: list[dict]) -> list[dict]:
 
 
 def run_train(shapes=SHAPES, device=None, timed_steps=20, profiled_steps=3, host_steps=10, second_run=True,
-              progress=print) -> dict:
+              progress=print, repeats=1) -> dict:
+    """Every stack in every mode on every shape, ``repeats`` times in a rotating order (a lent machine's host
+    speed drifts between runs of the same code): a (shape, mode, stack) row is its median run, with the median
+    of the per-repeat ratios to torch's run of the same repeat and their range."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows, noise, host = [], [], []
     for name, cfg in shapes.items():
         progress(f"{name}: {asdict(cfg)}")
         for mode in MODES:
-            for stack in STACKS:
-                rows.append({**measure(cfg, stack, mode, device, timed_steps, profiled_steps, progress, host_steps),
-                             "shape": name})
+            runs = {stack: [] for stack in STACKS}
+            for repeat in range(repeats):
+                for stack in STACKS[repeat % len(STACKS):] + STACKS[:repeat % len(STACKS)]:
+                    runs[stack].append(measure(cfg, stack, mode, device, timed_steps, profiled_steps, progress,
+                                               host_steps))
+            rows += [{**row, "shape": name} for row in _median_runs(runs)]
         try:  # as many steps as the runs it is compared with
             noise.append({**measure(cfg, *NOISE_RUN, device, timed_steps, profiled_steps, progress), "shape": name})
         except RuntimeError as error:  # no flash kernel for this GPU or shape: torch's eager/compiled spread only
             progress(f"{NOISE_RUN[0]} skipped: {str(error).splitlines()[0]}")
         for stack in STACKS:
             host.append({"shape": name, "stack": stack, **attention_host_us(cfg, stack, device)})
-    for row in rows:
-        base = next(r for r in rows
-                    if r["shape"] == row["shape"] and r["mode"] == row["mode"] and r["stack"] == "torch")
-        row["vs torch"] = row["tokens/s"] / base["tokens/s"]
     warm = warm_second_run(next(iter(shapes)), device) if second_run else []
     return {"runs": rows, "noise runs": noise, "attention host": host, "losses": compare_losses(rows + noise),
             "second run": warm}
+
+
+def _median_runs(runs: dict) -> list[dict]:
+    """Per stack, its median run (by ms a step) with ``vs torch``: the median over repeats of its tokens/s over
+    torch's in the same repeat, and ``vs torch range``: their least and greatest."""
+    rows = []
+    for stack, measured in runs.items():
+        ratios = sorted(m["tokens/s"] / t["tokens/s"] for m, t in zip(measured, runs["torch"]))
+        row = sorted(measured, key=lambda m: m["ms/step"])[len(measured) // 2]
+        rows.append({**row, "vs torch": median(ratios), "vs torch range": [ratios[0], ratios[-1]],
+                     "repeats": len(measured), "ms/step runs": [m["ms/step"] for m in measured]})
+    return rows
 
 
 RUN_COLUMNS = ["shape", "mode", "stack", "tokens/s", "vs torch", "ms/step", "busy ms/step", "warm-up s", "peak GiB"]
