@@ -2,11 +2,14 @@
 (backends/reference/scaled_grads.py): batching changes nothing beyond rounding, the caller's grads stay as
 they were, and float16 grads under a GradScaler keep what a product in float16 would flush to zero."""
 
+import math
+
 import pytest
 import torch
 
 import portable_ops
 from portable_ops.backends.reference import scaled_grads
+from portable_ops.conformance.runner import default_device, forced_strict, usable_backends
 from portable_ops.conformance.tolerances import tolerance
 
 SHAPES = [(37, 5), (3,), (), (0, 4), (129,), (11, 13)]
@@ -98,3 +101,25 @@ def test_params_of_several_dtypes_step_as_torchs_clip_then_step():
     for a, b in zip(ours, theirs):
         tol = tolerance("adam", torch.float32)
         torch.testing.assert_close(a, b, atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.parametrize("backend", usable_backends())
+@pytest.mark.parametrize("name", ["adamw_clip", "sgd_momentum_clip"])
+def test_any_non_zero_found_inf_changes_nothing(name, backend):
+    """A non-zero ``found_inf`` changes nothing, step counts included (docs/api.md), not only GradScaler's 1.0:
+    torch's fused kernels skip on exactly 1.0 and count ``step - found_inf``, so 2.0 stepped with a step count of 0
+    (the next step divides by a bias correction of 0) and NaN stepped with a NaN count."""
+    device = default_device(backend)
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, n, device=device)) for n in (20, 3)]
+    opt = OPTIMIZERS[name](params)
+    for p in params:
+        p.grad = torch.linspace(2, -1, p.numel(), device=device)
+    with forced_strict(backend):
+        opt.step()
+        for found_inf in (2.0, 0.5, -1.0, math.nan):
+            before = [t.clone() for t in (*params, *(s for state in opt.state.values() for s in state.values()))]
+            opt.grad_scale, opt.found_inf = (torch.tensor(v, device=device) for v in (4.0, found_inf))
+            opt.step()
+            after = [*params, *(s for state in opt.state.values() for s in state.values())]
+            assert all(torch.equal(a, b) for a, b in zip(before, after)), f"found_inf={found_inf} wrote"
+

@@ -19,7 +19,7 @@ import torch
 from portable_ops.definitions.adam import adam as definition
 from portable_ops.sgd_checks import check_no_internal_overlap
 
-from .scaled_grads import batches
+from .scaled_grads import batches, kernel_scalars
 
 KERNEL_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 KERNEL_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
@@ -64,8 +64,7 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
                    found_inf=found_inf, clip_coef=clip_coef, **options)
         return
     device = params[0].device
-    lr, found_inf = (t.to(device, torch.float32).reshape(()) if isinstance(t, torch.Tensor) else t
-                     for t in (lr, found_inf))
+    lr, found_inf = kernel_scalars(lr, found_inf, device)
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
     max_exp_avg_sqs = max_exp_avg_sqs if amsgrad else []
     torch._foreach_add_(state_steps, 1)

@@ -1,8 +1,8 @@
-"""The grads torch's fused optimizer kernels step on, one launch per dtype. The kernels unscale the grads they
-are handed in place, and the caller's grads must stay as they were, so a call that scales them (a GradScaler's
-scale, a clip) hands the kernels scaled copies: ``grad * clip_coef / grad_scale`` in the grads' dtype, except
-for float16, where that product would flush tiny grads to zero (what a GradScaler is for): float16 copies
-keep the grads' values and the kernel divides by the scale in float32.
+"""The grads torch's fused optimizer kernels step on, one launch per dtype, and the scalars they read. The
+kernels unscale the grads they are handed in place, and the caller's grads must stay as they were, so a call that
+scales them (a GradScaler's scale, a clip) hands the kernels scaled copies: ``grad * clip_coef / grad_scale`` in
+the grads' dtype, except for float16, where that product would flush tiny grads to zero (what a GradScaler is
+for): float16 copies keep the grads' values and the kernel divides by the scale in float32.
 
 On the CPU such a call goes in batches of at most ``CPU_BATCH`` elements, so that each batch's copies are
 still in cache when the kernel reads them; a whole model's copies at once would be one more pass through
@@ -37,6 +37,17 @@ def batches(grads, grad_scale, clip_coef, columns, per_tensor=()):
                                                                     limit):
             copies = [g.clone() for g in piece_grads] if half else torch._foreach_mul(piece_grads, multiplier)
             yield piece_columns, piece_per_tensor, copies, kernel_scale
+
+
+def kernel_scalars(lr, found_inf, device):
+    """``lr`` (a float, or as a float32 scalar on ``device``) and ``found_inf`` (None, or 1.0 where it is non-zero,
+    else 0.0, a float32 scalar on ``device``) as the kernels take them: they skip a step on exactly 1.0, and the
+    caller's count is ``step - found_inf``, where any non-zero value skips one (docs/api.md)."""
+    if isinstance(lr, torch.Tensor):
+        lr = lr.to(device, torch.float32).reshape(())
+    if found_inf is not None:
+        found_inf = (found_inf.to(device).reshape(()) != 0).to(torch.float32)
+    return lr, found_inf
 
 
 def _multiplier(grad_scale, clip_coef, device):
