@@ -123,3 +123,20 @@ def test_any_non_zero_found_inf_changes_nothing(name, backend):
             after = [*params, *(s for state in opt.state.values() for s in state.values())]
             assert all(torch.equal(a, b) for a, b in zip(before, after)), f"found_inf={found_inf} wrote"
 
+
+
+@pytest.mark.parametrize("name", ["adamw_clip", "sgd_momentum_clip"])
+def test_float64_grads_past_float32s_range_clip_as_torchs(name):
+    """The clip multiplies float64 grads by a float64 coefficient, as torch's clip does: rounded to float32 it was 0
+    for a norm past 2^149 times max_grad_norm (no step at all) and subnormal, a few digits, well before."""
+    g = torch.Generator().manual_seed(2)
+    init, grad = (torch.randn(40, generator=g, dtype=torch.float64) for _ in range(2))
+    ours, theirs = (torch.nn.Parameter(init.clone()) for _ in range(2))
+    ours.grad, theirs.grad = grad * 1e50, grad * 1e50
+    with portable_ops.use_backend("reference"):
+        OPTIMIZERS[name]([ours]).step()
+    torch.nn.utils.clip_grad_norm_([theirs], 0.5)
+    (torch.optim.SGD([theirs], lr=1e-2, momentum=0.9) if name.startswith("sgd")
+     else torch.optim.AdamW([theirs], lr=1e-2)).step()
+    tol = tolerance("sgd" if name.startswith("sgd") else "adam", torch.float32)
+    torch.testing.assert_close(ours - init, theirs - init, atol=tol.atol, rtol=tol.rtol)

@@ -31,7 +31,7 @@ def batches(grads, grad_scale, clip_coef, columns, per_tensor=()):
             yield group_columns, group_per_tensor, group_grads, None
             continue
         half = group_grads[0].dtype == torch.float16
-        kernel_scale = multiplier.reciprocal() if half else None
+        kernel_scale = multiplier.reciprocal().float() if half else None
         limit = CPU_BATCH if device.type == "cpu" else None
         for piece_columns, piece_per_tensor, piece_grads in _pieces(group_grads, group_columns, group_per_tensor,
                                                                     limit):
@@ -51,10 +51,12 @@ def kernel_scalars(lr, found_inf, device):
 
 
 def _multiplier(grad_scale, clip_coef, device):
-    """``clip_coef / grad_scale`` as a float32 scalar on ``device``; None when the call scales nothing."""
+    """``clip_coef / grad_scale`` as a scalar on ``device``, float32 or the clip's float64 (a float64 norm's
+    coefficient may be past float32's range, as torch's clip has it); None when the call scales nothing."""
     if grad_scale is None and clip_coef is None:
         return None
-    clip = torch.ones((), device=device) if clip_coef is None else clip_coef.to(device, torch.float32)
+    clip = (torch.ones((), device=device) if clip_coef is None
+            else clip_coef.to(device, torch.promote_types(clip_coef.dtype, torch.float32)))
     multiplier = clip if grad_scale is None else clip / grad_scale.to(device, torch.float32)
     # reading it costs the CPU nothing (no stream to wait for), and an unclipped, unscaled step needs no copies
     if device.type == "cpu" and bool(multiplier == 1):
