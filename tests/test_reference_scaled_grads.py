@@ -140,3 +140,29 @@ def test_float64_grads_past_float32s_range_clip_as_torchs(name):
      else torch.optim.AdamW([theirs], lr=1e-2)).step()
     tol = tolerance("sgd" if name.startswith("sgd") else "adam", torch.float32)
     torch.testing.assert_close(ours - init, theirs - init, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_a_step_interrupted_between_batches_counts_the_params_it_stepped(monkeypatch):
+    """Python runs between two batches' launches, so a KeyboardInterrupt (Ctrl-C on a long CPU step) lands there:
+    the params of the batches before it are stepped and counted, those after neither, as a checkpoint saved on the
+    interrupt must have them (every count had advanced before the first launch)."""
+    monkeypatch.setattr(scaled_grads, "CPU_BATCH", 8)
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, 6) * (i + 1)) for i in range(3)]  # a batch each
+    opt = OPTIMIZERS["adamw_clip"](params)
+    for p in params:
+        p.grad = torch.linspace(2, -1, 6)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    cut, launched = scaled_grads._cut, []
+
+    def interrupted(*args):
+        if launched:
+            raise KeyboardInterrupt
+        launched.append(args)
+        return cut(*args)
+
+    monkeypatch.setattr(scaled_grads, "_cut", interrupted)
+    with portable_ops.use_backend("reference"), pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert [not torch.equal(p, b) for p, b in zip(params, before)] == [True, False, False]
+    assert [float(opt.state[p]["step"]) for p in params] == [2.0, 1.0, 1.0]
