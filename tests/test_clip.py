@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,6 +26,21 @@ def test_matches_torch(norm_type, max_norm):
     assert isinstance(total_o, torch.Tensor) and total_o.dim() == 0
     torch.testing.assert_close(total_o, total_t)
     for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("max_norm", [torch.tensor([0.1]), torch.tensor(0.1, dtype=torch.float64), np.float32(0.1),
+                                      np.array(0.1)], ids=["tensor_of_shape_1", "float64_0d_tensor", "np_float32",
+                                                           "0d_array"])
+def test_max_norm_is_read_as_torch_reads_it(max_norm):
+    """torch takes ``float(max_norm)``: a one-element tensor clips as the number it holds (a ``[1]`` tensor raised a
+    raw 'scalar tensor expected to be 0 dim' from the multiply)."""
+    ours, theirs = params_with_grads(), params_with_grads()
+    total = portable_ops.clip_grad_norm_(ours, max_norm)
+    torch.nn.utils.clip_grad_norm_(theirs, max_norm)
+    assert total.shape == () and total.dtype == torch.float32
+    for a, b in zip(ours, theirs):
+        assert a.grad.dtype == b.grad.dtype
         torch.testing.assert_close(a.grad, b.grad)
 
 

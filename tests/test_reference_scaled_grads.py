@@ -2,11 +2,14 @@
 (backends/reference/scaled_grads.py): batching changes nothing beyond rounding, the caller's grads stay as
 they were, and float16 grads under a GradScaler keep what a product in float16 would flush to zero."""
 
+import math
+
 import pytest
 import torch
 
 import portable_ops
 from portable_ops.backends.reference import scaled_grads
+from portable_ops.conformance.runner import default_device, forced_strict, usable_backends
 from portable_ops.conformance.tolerances import tolerance
 
 SHAPES = [(37, 5), (3,), (), (0, 4), (129,), (11, 13)]
@@ -98,3 +101,68 @@ def test_params_of_several_dtypes_step_as_torchs_clip_then_step():
     for a, b in zip(ours, theirs):
         tol = tolerance("adam", torch.float32)
         torch.testing.assert_close(a, b, atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.parametrize("backend", usable_backends())
+@pytest.mark.parametrize("name", ["adamw_clip", "sgd_momentum_clip"])
+def test_any_non_zero_found_inf_changes_nothing(name, backend):
+    """A non-zero ``found_inf`` changes nothing, step counts included (docs/api.md), not only GradScaler's 1.0:
+    torch's fused kernels skip on exactly 1.0 and count ``step - found_inf``, so 2.0 stepped with a step count of 0
+    (the next step divides by a bias correction of 0) and NaN stepped with a NaN count."""
+    device = default_device(backend)
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, n, device=device)) for n in (20, 3)]
+    opt = OPTIMIZERS[name](params)
+    for p in params:
+        p.grad = torch.linspace(2, -1, p.numel(), device=device)
+    with forced_strict(backend):
+        opt.step()
+        for found_inf in (2.0, 0.5, -1.0, math.nan):
+            before = [t.clone() for t in (*params, *(s for state in opt.state.values() for s in state.values()))]
+            opt.grad_scale, opt.found_inf = (torch.tensor(v, device=device) for v in (4.0, found_inf))
+            opt.step()
+            after = [*params, *(s for state in opt.state.values() for s in state.values())]
+            assert all(torch.equal(a, b) for a, b in zip(before, after)), f"found_inf={found_inf} wrote"
+
+
+
+@pytest.mark.parametrize("name", ["adamw_clip", "sgd_momentum_clip"])
+def test_float64_grads_past_float32s_range_clip_as_torchs(name):
+    """The clip multiplies float64 grads by a float64 coefficient, as torch's clip does: rounded to float32 it was 0
+    for a norm past 2^149 times max_grad_norm (no step at all) and subnormal, a few digits, well before."""
+    g = torch.Generator().manual_seed(2)
+    init, grad = (torch.randn(40, generator=g, dtype=torch.float64) for _ in range(2))
+    ours, theirs = (torch.nn.Parameter(init.clone()) for _ in range(2))
+    ours.grad, theirs.grad = grad * 1e50, grad * 1e50
+    with portable_ops.use_backend("reference"):
+        OPTIMIZERS[name]([ours]).step()
+    torch.nn.utils.clip_grad_norm_([theirs], 0.5)
+    (torch.optim.SGD([theirs], lr=1e-2, momentum=0.9) if name.startswith("sgd")
+     else torch.optim.AdamW([theirs], lr=1e-2)).step()
+    tol = tolerance("sgd" if name.startswith("sgd") else "adam", torch.float32)
+    torch.testing.assert_close(ours - init, theirs - init, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_a_step_interrupted_between_batches_counts_the_params_it_stepped(monkeypatch):
+    """Python runs between two batches' launches, so a KeyboardInterrupt (Ctrl-C on a long CPU step) lands there:
+    the params of the batches before it are stepped and counted, those after neither, as a checkpoint saved on the
+    interrupt must have them (every count had advanced before the first launch)."""
+    monkeypatch.setattr(scaled_grads, "CPU_BATCH", 8)
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, 6) * (i + 1)) for i in range(3)]  # a batch each
+    opt = OPTIMIZERS["adamw_clip"](params)
+    for p in params:
+        p.grad = torch.linspace(2, -1, 6)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    cut, launched = scaled_grads._cut, []
+
+    def interrupted(*args):
+        if launched:
+            raise KeyboardInterrupt
+        launched.append(args)
+        return cut(*args)
+
+    monkeypatch.setattr(scaled_grads, "_cut", interrupted)
+    with portable_ops.use_backend("reference"), pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert [not torch.equal(p, b) for p, b in zip(params, before)] == [True, False, False]
+    assert [float(opt.state[p]["step"]) for p in params] == [2.0, 1.0, 1.0]

@@ -19,7 +19,7 @@ import torch
 from portable_ops.definitions.adam import adam as definition
 from portable_ops.sgd_checks import check_no_internal_overlap
 
-from .scaled_grads import batches
+from .scaled_grads import batches, kernel_scalars
 
 KERNEL_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 KERNEL_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
@@ -64,20 +64,24 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
                    found_inf=found_inf, clip_coef=clip_coef, **options)
         return
     device = params[0].device
-    lr, found_inf = (t.to(device, torch.float32).reshape(()) if isinstance(t, torch.Tensor) else t
-                     for t in (lr, found_inf))
+    lr, found_inf = kernel_scalars(lr, found_inf, device)
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
     max_exp_avg_sqs = max_exp_avg_sqs if amsgrad else []
-    torch._foreach_add_(state_steps, 1)
+    increment = 1 if found_inf is None else 1 - found_inf  # a skipped step is not counted
+    counted = None
+    # Each batch counts the steps of the tensors it starts (one cut into pieces goes on at the next batch's head) and
+    # bumps the versions of those it writes, which the fused kernel doesn't: a step cut short between batches (an
+    # interrupt) leaves the params it stepped counted, autograd told, and the others as they were.
     for (p, m, v, vmax), (steps,), g, kernel_scale in batches(grads, grad_scale, clip_coef,
                                                               (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs),
                                                               (state_steps,)):
+        starting = steps[1:] if steps[0] is counted else steps
+        if starting:
+            torch._foreach_add_(starting, increment)
+        counted = steps[-1]
         kernel(p, g, m, v, vmax, steps, amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2,
                weight_decay=weight_decay, eps=eps, maximize=maximize, grad_scale=kernel_scale, found_inf=found_inf)
-    if found_inf is not None:  # a skipped step is not counted
-        torch._foreach_sub_(state_steps, [found_inf] * len(state_steps))
-    # the fused kernel writes without bumping version counters; autograd must see a saved param change
-    torch.autograd.graph.increment_version([*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs])
+        torch.autograd.graph.increment_version([*p, *m, *v, *vmax])
 
 
 def _as_0d(t):

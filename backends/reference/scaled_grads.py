@@ -1,8 +1,8 @@
-"""The grads torch's fused optimizer kernels step on, one launch per dtype. The kernels unscale the grads they
-are handed in place, and the caller's grads must stay as they were, so a call that scales them (a GradScaler's
-scale, a clip) hands the kernels scaled copies: ``grad * clip_coef / grad_scale`` in the grads' dtype, except
-for float16, where that product would flush tiny grads to zero (what a GradScaler is for): float16 copies
-keep the grads' values and the kernel divides by the scale in float32.
+"""The grads torch's fused optimizer kernels step on, one launch per dtype, and the scalars they read. The
+kernels unscale the grads they are handed in place, and the caller's grads must stay as they were, so a call that
+scales them (a GradScaler's scale, a clip) hands the kernels scaled copies: ``grad * clip_coef / grad_scale`` in
+the grads' dtype, except for float16, where that product would flush tiny grads to zero (what a GradScaler is
+for): float16 copies keep the grads' values and the kernel divides by the scale in float32.
 
 On the CPU such a call goes in batches of at most ``CPU_BATCH`` elements, so that each batch's copies are
 still in cache when the kernel reads them; a whole model's copies at once would be one more pass through
@@ -31,7 +31,7 @@ def batches(grads, grad_scale, clip_coef, columns, per_tensor=()):
             yield group_columns, group_per_tensor, group_grads, None
             continue
         half = group_grads[0].dtype == torch.float16
-        kernel_scale = multiplier.reciprocal() if half else None
+        kernel_scale = multiplier.reciprocal().float() if half else None
         limit = CPU_BATCH if device.type == "cpu" else None
         for piece_columns, piece_per_tensor, piece_grads in _pieces(group_grads, group_columns, group_per_tensor,
                                                                     limit):
@@ -39,11 +39,24 @@ def batches(grads, grad_scale, clip_coef, columns, per_tensor=()):
             yield piece_columns, piece_per_tensor, copies, kernel_scale
 
 
+def kernel_scalars(lr, found_inf, device):
+    """``lr`` (a float, or as a float32 scalar on ``device``) and ``found_inf`` (None, or 1.0 where it is non-zero,
+    else 0.0, a float32 scalar on ``device``) as the kernels take them: they skip a step on exactly 1.0, and the
+    caller's count is ``step - found_inf``, where any non-zero value skips one (docs/api.md)."""
+    if isinstance(lr, torch.Tensor):
+        lr = lr.to(device, torch.float32).reshape(())
+    if found_inf is not None:
+        found_inf = (found_inf.to(device).reshape(()) != 0).to(torch.float32)
+    return lr, found_inf
+
+
 def _multiplier(grad_scale, clip_coef, device):
-    """``clip_coef / grad_scale`` as a float32 scalar on ``device``; None when the call scales nothing."""
+    """``clip_coef / grad_scale`` as a scalar on ``device``, float32 or the clip's float64 (a float64 norm's
+    coefficient may be past float32's range, as torch's clip has it); None when the call scales nothing."""
     if grad_scale is None and clip_coef is None:
         return None
-    clip = torch.ones((), device=device) if clip_coef is None else clip_coef.to(device, torch.float32)
+    clip = (torch.ones((), device=device) if clip_coef is None
+            else clip_coef.to(device, torch.promote_types(clip_coef.dtype, torch.float32)))
     multiplier = clip if grad_scale is None else clip / grad_scale.to(device, torch.float32)
     # reading it costs the CPU nothing (no stream to wait for), and an unclipped, unscaled step needs no copies
     if device.type == "cpu" and bool(multiplier == 1):

@@ -25,7 +25,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from portable_ops.definitions.sgd import sgd as definition
 from portable_ops.sgd_checks import check_no_internal_overlap
 
-from .scaled_grads import batches
+from .scaled_grads import batches, kernel_scalars
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FUSED_DEVICE_TYPES = tuple(_get_fused_kernels_supported_devices())
@@ -81,8 +81,7 @@ def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening
 
 def _fused(params, grads, momentum_buffers, first_steps, grad_scale, found_inf, clip_coef, options):
     device = params[0].device
-    lr, found_inf = (t.to(device, torch.float32).reshape(()) if isinstance(t, torch.Tensor) else t
-                     for t in (options["lr"], found_inf))
+    lr, found_inf = kernel_scalars(options["lr"], found_inf, device)
     for (_, first), idx in _groups(params, first_steps):
         for (p, bufs), _, g, kernel_scale in batches([grads[i] for i in idx], grad_scale, clip_coef,
                                                      ([params[i] for i in idx],
