@@ -166,3 +166,16 @@ def test_a_step_interrupted_between_batches_counts_the_params_it_stepped(monkeyp
         opt.step()
     assert [not torch.equal(p, b) for p, b in zip(params, before)] == [True, False, False]
     assert [float(opt.state[p]["step"]) for p in params] == [2.0, 1.0, 1.0]
+
+
+def test_a_bfloat16_clip_is_computed_in_float32_where_weight_decay_nearly_cancels_it():
+    """Found by tests/test_properties.py: with L2 weight decay nearly cancelling a clipped bf16 grad, a clip
+    multiplied out in bfloat16 missed the float64 step by 17%; the kernel's float32 division does not."""
+    from portable_ops.conformance.cases import Case
+    from portable_ops.conformance.runner import run_case
+
+    params = {"shapes": [(12,)], "steps": 3, "lr": 0.080078125, "betas": (0.0, 0.0), "eps": 0.00026134489411392835,
+              "weight_decay": 0.09375, "decoupled": False, "amsgrad": False, "maximize": False, "lr_tensor": False,
+              "clip_coef": 0.01}
+    row = run_case(Case("property_adam", "adam", torch.bfloat16, params), "reference")
+    assert row.status == "pass", row.detail

@@ -1,8 +1,10 @@
 """The grads torch's fused optimizer kernels step on, one launch per dtype, and the scalars they read. The
 kernels unscale the grads they are handed in place, and the caller's grads must stay as they were, so a call that
-scales them (a GradScaler's scale, a clip) hands the kernels scaled copies: ``grad * clip_coef / grad_scale`` in
-the grads' dtype, except for float16, where that product would flush tiny grads to zero (what a GradScaler is
-for): float16 copies keep the grads' values and the kernel divides by the scale in float32.
+scales them (a GradScaler's scale, a clip) hands the kernels scaled copies: ``grad * clip_coef / grad_scale`` for
+float32 and float64 grads (one rounding, as the kernel's own division has), and for float16 and bfloat16 copies
+of the grads' values that the kernel divides by the scale in float32: that product rounded to 16 bits would
+flush tiny float16 grads to zero (what a GradScaler is for), and where L2 weight decay nearly cancels a clipped
+grad its rounding error is the whole step (the op computes half-precision steps in float32).
 
 On the CPU such a call goes in batches of at most ``CPU_BATCH`` elements, so that each batch's copies are
 still in cache when the kernel reads them; a whole model's copies at once would be one more pass through
@@ -30,7 +32,7 @@ def batches(grads, grad_scale, clip_coef, columns, per_tensor=()):
         if multiplier is None:
             yield group_columns, group_per_tensor, group_grads, None
             continue
-        half = group_grads[0].dtype == torch.float16
+        half = group_grads[0].dtype in (torch.float16, torch.bfloat16)
         kernel_scale = multiplier.reciprocal().float() if half else None
         limit = CPU_BATCH if device.type == "cpu" else None
         for piece_columns, piece_per_tensor, piece_grads in _pieces(group_grads, group_columns, group_per_tensor,
