@@ -352,10 +352,13 @@ def test_compiled_in_place_writes_back_and_inductor_keeps_it():
     for backend in ("aot_eager", "inductor"):
         torch._dynamo.reset()
         compiled = torch.compile(in_place_step, backend=backend, fullgraph=True)
-        x, w = torch.randn(2, 5, 64), torch.randn(64, 128)
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(2, 5, 64, generator=g), torch.randn(64, 128, generator=g)
         cos, sin = tables(torch.arange(5), 16, interleaved=True)
         with torch.no_grad():
-            torch.testing.assert_close(compiled(x, w, cos, sin), in_place_step(x, w, cos, sin))
+            # a sum of 640 terms of about 8 that cancel: Inductor's order of summation moves it by ~1e-5; a rotation
+            # not written back would move it by several units
+            torch.testing.assert_close(compiled(x, w, cos, sin), in_place_step(x, w, cos, sin), atol=1e-3, rtol=1e-5)
     assert sum(counters["graph_break"].values()) == 0
 
 
