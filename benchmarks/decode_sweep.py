@@ -26,26 +26,17 @@ import portable_ops.backends.triton.attention_configs as configs
 import portable_ops.backends.triton.attention_plans as plans
 from portable_ops.bench.attention import _sdpa_variants
 from portable_ops.bench.common import graphed, median, median_ms
+from portable_ops.cli import positive_int
 
 api = importlib.import_module("portable_ops.attention")
 
 
-def _positive(text):
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def _ints(text):
-    return [_positive(x) for x in text.split(",")]
+    return [positive_int(x) for x in text.split(",")]
 
 
 def _configs(text):
-    configs = [tuple(_positive(x) for x in c.split("x")) for c in text.split(",")]
+    configs = [tuple(positive_int(x) for x in c.split("x")) for c in text.split(",")]
     if any(len(c) != 4 for c in configs):
         raise argparse.ArgumentTypeError(f"expected BLOCK_MxBLOCK_NxWARPSxSTAGES configs, got {text!r}")
     return configs
@@ -79,7 +70,7 @@ def main():
     parser.add_argument("--configs", type=_configs,
                         default=_configs("16x64x4x3,16x64x4x4,16x128x4x3,16x128x8x3,16x32x4x4,16x64x8x4"))
     parser.add_argument("--splits", type=_ints, default=[1, 2, 4, 8, 16, 32, 64])
-    parser.add_argument("--rounds", type=_positive, default=1)
+    parser.add_argument("--rounds", type=positive_int, default=1)
     parser.add_argument("--before", help="an earlier run's --json: its shipped tiles and splits, per cell")
     parser.add_argument("--json")
     args = parser.parse_args()

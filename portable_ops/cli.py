@@ -4,6 +4,7 @@ for ``parser.error`` (exit 2), instead of a traceback, or a failure after minute
 
 from __future__ import annotations
 
+import argparse
 import os
 import pathlib
 
@@ -24,6 +25,17 @@ def device(text: str) -> torch.device:
     except Exception as exc:  # torch raises RuntimeError, AssertionError ... by device type
         raise ValueError(f"--device {text!r}: no such device here ({type(exc).__name__}: {exc})") from None
     return parsed
+
+
+def positive_int(text: str) -> int:
+    """``text`` as a whole number >= 1, for argparse's ``type=``: its ArgumentTypeError otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
 
 
 def writable_file(option: str, path: str) -> pathlib.Path:

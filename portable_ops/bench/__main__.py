@@ -111,16 +111,6 @@ def _shape_names(text: str) -> list[str]:
     return list(dict.fromkeys(picked))
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m portable_ops.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("bench", choices=sorted([*COLUMNS, "nki"]))
@@ -138,7 +128,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", type=_shape_names, default=None,
                         help="train: a comma-separated subset of its shapes, by number from 1 or by name "
                              "(default: all of them)")
-    parser.add_argument("--repeats", type=_positive, default=None,
+    parser.add_argument("--repeats", type=cli.positive_int, default=None,
                         help="train: runs of every stack per shape and mode, in rotating order (default 3; 1 with "
                              "--tiny)")
     args = parser.parse_args(argv)
