@@ -46,14 +46,20 @@ FAMILIES = {
 }
 
 
-def models(family, **overrides):
-    """(eager, ours): one random init, the same weights."""
-    model, config, extra = FAMILIES[family]
+def same_weights(model, config):
+    """(eager, ours): ``model`` of ``config(attn_implementation)``, one random init, the same weights."""
     torch.manual_seed(0)
-    eager = model(config(**BASE, **extra, **overrides, attn_implementation="eager"))
-    ours = model(config(**BASE, **extra, **overrides, attn_implementation=NAME))
+    eager = model(config("eager"))
+    ours = model(config(NAME))
     ours.load_state_dict(eager.state_dict())
     return eager, ours
+
+
+def models(family, **overrides):
+    """(eager, ours) of a family in FAMILIES: one random init, the same weights."""
+    model, config, extra = FAMILIES[family]
+    return same_weights(model, lambda attn_implementation: config(**BASE, **extra, **overrides,
+                                                                  attn_implementation=attn_implementation))
 
 
 def tokens(batch, length, seed=1):
@@ -276,10 +282,7 @@ def test_gpt_oss_sinks_match_eager(calls):
                                          num_experts_per_tok=1, sliding_window=4, initializer_range=0.3,
                                          attn_implementation=attn_implementation)
 
-    torch.manual_seed(0)
-    eager = transformers.GptOssForCausalLM(config("eager"))
-    ours = transformers.GptOssForCausalLM(config(NAME))
-    ours.load_state_dict(eager.state_dict())
+    eager, ours = same_weights(transformers.GptOssForCausalLM, config)
     assert_matches_eager(eager, ours, "reference", input_ids=tokens(2, 9))
     assert set(calls) == {"attention"}
 
@@ -293,10 +296,7 @@ def test_deepseek_v3_latent_attention_head_dims_match_eager(calls):
             topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=64,
             qk_nope_head_dim=128, v_head_dim=128, initializer_range=0.3, attn_implementation=attn_implementation)
 
-    torch.manual_seed(0)
-    eager = transformers.DeepseekV3ForCausalLM(config("eager"))
-    ours = transformers.DeepseekV3ForCausalLM(config(NAME))
-    ours.load_state_dict(eager.state_dict())
+    eager, ours = same_weights(transformers.DeepseekV3ForCausalLM, config)
     assert_matches_eager(eager, ours, "reference", input_ids=tokens(2, 6))
     assert set(calls) == {"attention"}
 
