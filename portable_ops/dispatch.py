@@ -66,6 +66,14 @@ class OpImpl:
     # ``torch.library.triton_op``) for a call dispatch gives this backend while the graph is traced, registering it
     # at its first call.
     traced: Callable[[], str] | None = None
+    # Optional: reasons this backend leaves an eager call (outside torch.compile, no backend forced) to the next
+    # backend in the order, which runs it better there (a kernel of the same device time whose backward torch's
+    # autograd runs without Python). Not a fallback: no warning, and strict mode allows it.
+    defer_eager: Callable[[Call], list[str]] | None = None
+    # Optional, for the forward ops whose public function says so: ``autograd(**call)`` returns, for every call of
+    # this one's layout, a function of its tensors that computes the public function's result with torch's own
+    # differentiable ops (torch's autograd then runs the backward natively), or None where this call can't.
+    autograd: Callable[..., Callable[..., Any] | None] | None = None
 
 
 def _names(dtypes) -> str:
@@ -190,6 +198,7 @@ class Choice:
     preferred: str
     order: tuple[str, ...] = ()  # the backends to try, best first
     tried: dict[str, list[str]] = field(default_factory=dict)  # those tried before ``backend``, and why not
+    deferred: dict[str, list[str]] = field(default_factory=dict)  # those that left the eager call to a later one
     forced: bool = False
     _untried: dict[str, list[str]] | None = field(default=None, repr=False, compare=False)
 
@@ -208,7 +217,7 @@ class Choice:
         when asked: every optimizer step chooses, and only explain and the messages read them)."""
         if self._untried is None:
             self._untried = _untried_reasons(self)
-        return {**self.tried, **self._untried}
+        return {**self.deferred, **self.tried, **self._untried}
 
     def fallback_message(self) -> str:
         return (f"portable_ops.{self.op}: '{self.preferred}' can't take this call ({'; '.join(self.reasons)}); "
@@ -358,6 +367,11 @@ def _reasons(name: str, op: str, call: Call, device: torch.device | None) -> lis
     return reasons or backend.reasons(op, call)
 
 
+def _deferral(name: str, op: str, call: Call) -> list[str]:
+    defer = _backends[name].ops[op].defer_eager
+    return defer(call) if defer is not None else []
+
+
 def _unusable_reasons(name: str, device: torch.device | None) -> list[str]:
     """Why backend ``name`` can't run in this process (not installed, failed to load) or on ``device``'s tensors,
     whatever the op; empty when forcing it could run it."""
@@ -372,8 +386,15 @@ def choose(op: str, call: Call, device: torch.device | None, prefer: str | None 
     order = preference(device, prefer)
     choice = Choice(op=op, backend=FALLBACK, device=device, preferred=order[0], order=tuple(order),
                     forced=order[0] != FALLBACK or forced_backend() is not None)
-    for name in order:
+    may_defer = prefer is None and forced_backend() is None and not torch.compiler.is_compiling()
+    for i, name in enumerate(order):
         reasons = _reasons(name, op, call, device)
+        deferral = _deferral(name, op, call) if may_defer and not reasons and name != FALLBACK else []
+        if deferral:  # the next backend is the preferred one for this call
+            choice.deferred[name] = deferral
+            if choice.preferred == name:
+                choice.preferred = order[i + 1]
+            continue
         if not reasons:
             choice.backend = name
             break

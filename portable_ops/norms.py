@@ -378,8 +378,12 @@ def _memoise(rms, given, cast, eps, needs_grad):
     if backend_op is None:
         return None
     backend, impl = backend_op
-    run = memo.prepared(impl, rows, _FWD_TENSORS[rms])
-    forward_rows = _folded_forward(rms, run, x, residual is not None, statistics=needs_grad)
+    differentiable = _differentiable(rms, impl, x, residual, weight, bias, eps) if needs_grad else None
+    if differentiable is not None:  # torch's autograd runs the backward: no autograd.Function, no Python in it
+        forward_rows, needs_grad = differentiable, False
+    else:
+        run = memo.prepared(impl, rows, _FWD_TENSORS[rms])
+        forward_rows = _folded_forward(rms, run, x, residual is not None, statistics=needs_grad)
     device_type = x.device.type
     if memo.autocasting(device_type):
         def compute(x, residual, weight, bias):  # as run_op does: inputs cast before, the backend run autocast off
@@ -396,6 +400,17 @@ def _memoise(rms, given, cast, eps, needs_grad):
     if any(a is not b for a, b in zip(cast, given)):  # this key's calls are cast, as the checked path casts them
         return backend, impl, lambda *tensors: finish(*_cast(*tensors))
     return backend, impl, finish
+
+
+def _differentiable(rms, impl, x, residual, weight, bias, eps):
+    """``forward(x, residual, weight, bias)`` returning what the public function does, through the backend's
+    ``OpImpl.autograd`` (torch's differentiable ops), where it has one for this call; else None."""
+    if impl.autograd is None:
+        return None
+    if rms:
+        run = impl.autograd(x=x, residual=residual, weight=weight, eps=eps)
+        return None if run is None else lambda x, residual, weight, bias: run(x, residual, weight)
+    return impl.autograd(x=x, residual=residual, weight=weight, bias=bias, eps=eps)
 
 
 def _folded_forward(rms, run, x, has_residual, statistics):

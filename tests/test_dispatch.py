@@ -1,3 +1,4 @@
+import dataclasses
 import types
 import warnings
 
@@ -198,3 +199,22 @@ def test_the_preference_reads_each_backends_declared_devices(fake_backend):
     assert dispatch.preference(torch.device("mps")) == ["nki", "reference"]
     assert dispatch.preference(torch.device("xla")) == ["reference"]
 
+
+
+def test_a_backend_may_leave_eager_calls_to_the_next_without_a_fallback(fake_backend, monkeypatch):
+    """``OpImpl.defer_eager``: the next backend runs the eager call, which is no fallback (strict mode allows it,
+    explain says why); a forced backend and a call torch.compile traces are not deferred."""
+    stand_in = fake_backend("triton", devices=("meta",), ops=("rms_norm_fwd",))
+    stand_in.ops["rms_norm_fwd"] = dataclasses.replace(
+        stand_in.ops["rms_norm_fwd"], defer_eager=lambda call: ["torch's kernel"] if call["residual"] is None else [])
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
+    x, w = torch.empty(4, 8, device="meta"), torch.empty(8, device="meta")
+    call = dict(x=x, residual=None, weight=w, eps=1e-6)
+    choice = dispatch.select("rms_norm_fwd", call, x.device)
+    assert (choice.backend, choice.is_fallback, choice.rejected["triton"]) == ("reference", False, ["torch's kernel"])
+    assert "triton: not used: torch's kernel" in str(choice)
+    assert dispatch.select("rms_norm_fwd", dict(call, residual=x), x.device).backend == "triton"
+    with portable_ops.use_backend("triton"):
+        assert dispatch.select("rms_norm_fwd", call, x.device).backend == "triton"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert dispatch.select("rms_norm_fwd", call, x.device).backend == "triton"

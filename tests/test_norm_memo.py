@@ -169,7 +169,8 @@ def test_a_call_that_failed_leaves_nothing_memoised(fake_backend, grad):
         with pytest.raises(RuntimeError, match="launch failed"):
             portable_ops.rms_norm(x, w)
         assert norms._memo == {}
-        stand_in.ops["rms_norm_fwd"] = reference["rms_norm_fwd"]
+        # its run alone: the backward stays the stand-in's
+        stand_in.ops["rms_norm_fwd"] = dispatch.OpImpl(run=reference["rms_norm_fwd"].run)
         out = portable_ops.rms_norm(x, w)
         assert len(norms._memo) == 1
         if grad:
@@ -299,3 +300,25 @@ def test_the_host_bench_times_every_norm_row_and_leaves_the_kernels_plans_and_me
     assert norms._memo is memo
     if triton_norms is not None:
         assert type(triton_norms._norm_fwd_kernel).__name__ != "_NoLaunch"
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms_norm", "layer_norm"])
+def test_eager_calls_with_gradients_run_torchs_differentiable_norm_where_the_backend_has_one(rms):
+    """reference's ``OpImpl.autograd``: float32 rows (with and without a residual) go through torch's own norm, whose
+    backward torch's autograd runs; bfloat16 on the CPU keeps portable_ops' backward (ATen's sums a bfloat16 weight
+    gradient in bfloat16 there). Both give torch's answer."""
+    fn = portable_ops.rms_norm if rms else portable_ops.layer_norm
+    for dtype, native in ((torch.float32, True), (torch.bfloat16, False)):
+        x, r, w, _ = (t.to(dtype).requires_grad_() for t in _leaves("cpu"))
+        for residual in (None, r):
+            for _ in range(2):  # the first call memoises, the second runs the memoised call
+                result = fn(x, w, residual=residual)
+            out = result if residual is None else result[0]
+            assert ("_EagerNorm" not in type(out.grad_fn).__name__) == native, (dtype, type(out.grad_fn))
+            h = x if residual is None else x + residual
+            want = F.rms_norm(h, (D,), w) if rms else F.layer_norm(h, (D,), w)
+            inputs = (x, w) if residual is None else (x, r, w)
+            tol = tolerance("rms_norm" if rms else "layer_norm", dtype).scaled(GRADIENT_FACTOR)
+            for got, expected in zip(torch.autograd.grad(out, inputs, torch.ones_like(out)),
+                                     torch.autograd.grad(want, inputs, torch.ones_like(want))):
+                torch.testing.assert_close(got, expected, atol=tol.atol, rtol=tol.rtol)

@@ -13,8 +13,8 @@ from .attention import attention_bwd, attention_fwd, prepare_attention_bwd, prep
 from .attention_varlen import attention_varlen_bwd, attention_varlen_fwd
 from .grad_norm import grad_norm
 from .linear_cross_entropy import linear_cross_entropy_bwd, linear_cross_entropy_fwd
-from .norms import (layer_norm_bwd, layer_norm_fwd, prepare_layer_norm_fwd, prepare_rms_norm_fwd, rms_norm_bwd,
-                    rms_norm_fwd)
+from .norms import (differentiable_layer_norm, differentiable_rms_norm, layer_norm_bwd, layer_norm_fwd,
+                    prepare_layer_norm_fwd, prepare_rms_norm_fwd, rms_norm_bwd, rms_norm_fwd)
 from .paged import paged_attention, paged_kv_append
 from .rope import rope_bwd, rope_fwd, rope_inplace
 from .sgd import sgd
@@ -33,9 +33,10 @@ BACKEND = Backend(
         "attention_varlen_bwd": OpImpl(run=attention_varlen_bwd),
         "paged_attention": OpImpl(run=paged_attention),
         "paged_kv_append": OpImpl(run=paged_kv_append),
-        "rms_norm_fwd": OpImpl(run=rms_norm_fwd, prepare=prepare_rms_norm_fwd),
+        "rms_norm_fwd": OpImpl(run=rms_norm_fwd, prepare=prepare_rms_norm_fwd, autograd=differentiable_rms_norm),
         "rms_norm_bwd": OpImpl(run=rms_norm_bwd),
-        "layer_norm_fwd": OpImpl(run=layer_norm_fwd, prepare=prepare_layer_norm_fwd),
+        "layer_norm_fwd": OpImpl(run=layer_norm_fwd, prepare=prepare_layer_norm_fwd,
+                                 autograd=differentiable_layer_norm),
         "layer_norm_bwd": OpImpl(run=layer_norm_bwd),
         "linear_cross_entropy_fwd": OpImpl(run=linear_cross_entropy_fwd),
         "linear_cross_entropy_bwd": OpImpl(run=linear_cross_entropy_bwd),

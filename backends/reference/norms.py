@@ -108,3 +108,43 @@ def layer_norm_bwd(x, weight, mean, rstd, dout, dh, has_bias):
     dx, dweight, dbias = _aten.native_layer_norm_backward(dout, x, [x.shape[-1]], mean[:, None], rstd[:, None],
                                                           weight, stand_in, [True, weight is not None, has_bias])
     return (dx if dh is None else dx.add_(dh)), dweight, dbias
+
+
+def _differentiable(x, weight, bias) -> bool:
+    """Whether torch's own norms compute this op for these tensors, backward included: one dtype (torch's
+    composite RMSNorm returns a float32 weight's promotion), on CUDA, or float32/float64 elsewhere (on the CPU
+    ATen sums a half-precision LayerNorm weight gradient in that precision)."""
+    one_dtype = all(t is None or t.dtype == x.dtype for t in (weight, bias))
+    return one_dtype and (x.is_cuda or x.dtype in (torch.float32, torch.float64))
+
+
+def differentiable_rms_norm(x, residual, weight, eps):
+    """``OpImpl.autograd`` of rms_norm_fwd: ``run(x, residual, weight)``, ``torch.rms_norm`` (after the sum with a
+    residual), or None where :func:`_differentiable` says no."""
+    if not _differentiable(x, weight, None):
+        return None
+    normalized = [x.shape[-1]]
+    if residual is None:
+        return lambda x, residual, weight: torch.rms_norm(x, normalized, weight, eps)
+
+    def run(x, residual, weight):
+        h = x + residual
+        return torch.rms_norm(h, normalized, weight, eps), h
+
+    return run
+
+
+def differentiable_layer_norm(x, residual, weight, bias, eps):
+    """``OpImpl.autograd`` of layer_norm_fwd: ``run(x, residual, weight, bias)``, ``torch.layer_norm`` (after the sum
+    with a residual), or None where :func:`_differentiable` says no."""
+    if not _differentiable(x, weight, bias):
+        return None
+    normalized = [x.shape[-1]]
+    if residual is None:
+        return lambda x, residual, weight, bias: torch.layer_norm(x, normalized, weight, bias, eps)
+
+    def run(x, residual, weight, bias):
+        h = x + residual
+        return torch.layer_norm(h, normalized, weight, bias, eps), h
+
+    return run

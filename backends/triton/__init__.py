@@ -41,8 +41,8 @@ else:
     from .launch import hash_triton_in_background
     from .linear_cross_entropy import linear_cross_entropy_bwd, linear_cross_entropy_fwd
     from . import norms, rope
-    from .norms import (layer_norm_bwd, layer_norm_fwd, norm_supports, prepare_layer_norm_bwd, prepare_layer_norm_fwd,
-                        prepare_rms_norm_bwd, prepare_rms_norm_fwd, rms_norm_bwd, rms_norm_fwd)
+    from .norms import (eager_to_aten, layer_norm_bwd, layer_norm_fwd, norm_supports, prepare_layer_norm_bwd,
+                        prepare_layer_norm_fwd, prepare_rms_norm_bwd, prepare_rms_norm_fwd, rms_norm_bwd, rms_norm_fwd)
     from .rope import rope_bwd, rope_fwd, rope_inplace, rope_supports
     from .sgd import sgd, sgd_supports
 
@@ -82,11 +82,13 @@ else:
             "paged_attention": OpImpl(run=paged_attention, supports=paged_attention_supports, **_ATTENTION),
             "paged_kv_append": OpImpl(run=paged_kv_append, supports=paged_kv_append_supports),
             "rms_norm_fwd": OpImpl(run=rms_norm_fwd, supports=norm_supports, prepare=prepare_rms_norm_fwd,
-                                   dtypes=DTYPES, traced=lambda: norms.traced_ops()["rms_norm_fwd"]),
+                                   dtypes=DTYPES, traced=lambda: norms.traced_ops()["rms_norm_fwd"],
+                                   defer_eager=eager_to_aten),
             "rms_norm_bwd": OpImpl(run=rms_norm_bwd, supports=norm_supports, prepare=prepare_rms_norm_bwd,
                                    dtypes=DTYPES),
             "layer_norm_fwd": OpImpl(run=layer_norm_fwd, supports=norm_supports, prepare=prepare_layer_norm_fwd,
-                                     dtypes=DTYPES, traced=lambda: norms.traced_ops()["layer_norm_fwd"]),
+                                     dtypes=DTYPES, traced=lambda: norms.traced_ops()["layer_norm_fwd"],
+                                     defer_eager=eager_to_aten),
             "layer_norm_bwd": OpImpl(run=layer_norm_bwd, supports=norm_supports, prepare=prepare_layer_norm_bwd,
                                      dtypes=DTYPES),
             "linear_cross_entropy_fwd": OpImpl(run=linear_cross_entropy_fwd, dtypes=DTYPES),

@@ -131,6 +131,18 @@ def norm_supports(call) -> list[str]:
     return []
 
 
+def eager_to_aten(call) -> list[str]:
+    """``OpImpl.defer_eager``: an eager call with no residual whose tensors share one dtype runs ATen's fused norm
+    (on 'reference'), whose kernels take this backend's device time and whose backward torch's autograd runs
+    without Python; this backend's kernels keep the residual's fused add and the calls torch.compile traces."""
+    x = call["x"]
+    if call["residual"] is not None or any(t is not None and t.dtype != x.dtype
+                                           for t in (call["weight"], call.get("bias"))):
+        return []
+    return ["an eager call with no residual and one dtype runs ATen's fused norm on 'reference' (the same kernel "
+            "time, and a backward without Python); this backend runs it under torch.compile"]
+
+
 def _warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
