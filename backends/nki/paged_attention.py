@@ -1,0 +1,347 @@
+"""Decode attention over a paged KV cache (``paged_attention``) as an NKI kernel: GQA, a left window (the right side
+is moot: queries are a sequence's last tokens), softcap, sinks, lse, and v's own head dim (DeepSeek's absorbed MLA).
+
+Keys. The caches ``[num_pages, page_size, Hkv, D]`` are seen as rows ``[slots, Hkv, D]``: token ``j`` of sequence
+``b`` is slot ``block_table[b, j // page_size] * page_size + j % page_size`` (vLLM's slot mapping), one row of every
+KV head's ``D`` values. The host maps the table to slots, 128 keys per tile, giving every key that no query of the
+sequence sees (past its length, before its window: the table's unused and released entries among them) a slot past
+the pool. The kernel gathers a tile's rows with one indirect DMA per cache, a row per partition
+(``.ap(vector_offset=...)``, every KV head of a group in one descriptor); rows past the pool are skipped
+(``oob_mode.skip``), so each page is read once, and only where some query sees it. A skipped K row's scores are
+masked; a V tile is zeroed before its gather, so a skipped row adds nothing to ``P V``.
+
+Rows. A sequence's query rows for a group of KV heads, ordered (KV head, query token, query head of its group), share
+the partitions (at most 128), and one score tile serves every head of the group: each head's matmul contracts its
+keys with a copy of ``Q^T`` whose other heads' columns are zero, all accumulating into one PSUM tile, so the softmax
+runs once per tile for every head. ``P V`` likewise gives every row each head's values, and each row keeps its own
+head's. A key of one KV head that is not finite therefore reaches the other heads' rows at that position (0 * inf).
+
+Softmax by sections of keys: the section's scores go to SBUF (scaled, capped, then masked by each row's position:
+key ``j`` is seen by the row at position ``p`` iff ``p - left <= j <= p``), then its row max, the exps and their sums
+once, and ``P V`` accumulates in PSUM over its tiles: the accumulator is rescaled once per section, not per tile.
+Rows end as in ``attention.py`` (sinks join the denominator last; rows that see no key give 0 and -inf, or their
+sink). Semantics: ``portable_ops/definitions/paged.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .compat import nki, nisa, nl
+from .runtime import kernel_op, launch
+
+PMAX = 128  # partitions: keys per tile, query rows per group, a transpose's largest side
+SCORE_COLUMNS = 512  # fp32 scores per PSUM bank
+PSUM_BANK_BYTES = 2048  # per partition (nl.tile_size.psum_bank_fmax_bytes)
+VALUE_BANKS = 4  # PSUM banks for a group's P V accumulators; the rest hold scores and transposes
+SECTION_KEYS = 4096  # keys whose scores are in SBUF at once (16 KiB fp32 per partition)
+NEG = -1.0e30  # a masked score: finite, so exp(NEG - NEG) is 1, never NaN
+MAX_HEAD_DIM = 576  # DeepSeek's absorbed MLA (576 / 512): its v's 512 fp32 is one PSUM bank
+
+
+def groups(hkv: int, rows_per_head: int, dv: int) -> list[tuple[int, int]]:
+    """``(first KV head, heads)`` of each group sharing the partitions: at most 128 query rows, and a value row of
+    at most ``VALUE_BANKS`` PSUM banks."""
+    per_group = max(1, min(PMAX // rows_per_head, VALUE_BANKS * SCORE_COLUMNS // dv))
+    return [(h0, min(per_group, hkv - h0)) for h0 in range(0, hkv, per_group)]
+
+
+def _chunks(n):
+    """``(index, start, size)`` of the pieces of at most 128 that a dimension of ``n`` splits into."""
+    return [(c, c0, min(PMAX, n - c0)) for c, c0 in enumerate(range(0, n, PMAX))]
+
+
+def _transpose_batches(count, rows, itemsize):
+    """``(first, count)`` batches of ``count`` transposes of ``rows`` columns that one PSUM bank holds."""
+    per_bank = PSUM_BANK_BYTES // (rows * itemsize)
+    return [(i, min(per_bank, count - i)) for i in range(0, count, per_bank)]
+
+
+def _query_columns(q_sb, R, D, HG, rows_per_head, dt):
+    """Per KV head of the group, ``Q^T`` in contraction chunks ``[min(D, 128), chunks, R]`` with only that head's
+    rows' columns: the stationary operands whose score matmuls accumulate into one tile."""
+    chunks = _chunks(D)
+    qT = nl.ndarray((min(D, PMAX), len(chunks), R), dtype=dt, buffer=nl.sbuf)
+    for c, c0, size in chunks:
+        qT_ps = nl.ndarray((size, R), dtype=dt, buffer=nl.psum)
+        nisa.nc_transpose(qT_ps, q_sb[:, c0:c0 + size])
+        nisa.tensor_copy(qT[0:size, c, :], qT_ps)
+    padded = []
+    for h in range(HG):
+        mine = nl.ndarray((min(D, PMAX), len(chunks), R), dtype=dt, buffer=nl.sbuf)
+        nisa.memset(mine, 0.0)
+        cols = slice(h * rows_per_head, (h + 1) * rows_per_head)
+        nisa.tensor_copy(mine[:, :, cols], qT[:, :, cols])
+        padded.append(mine)
+    return padded
+
+
+def _gather(rows, slot, h0, heads, width, dt):
+    """``[128, heads * width]``: the tile's cache rows (partition ``p``: slot ``slot[p]``), KV heads ``h0 ..`` of
+    them; rows whose slot is past the pool are left as they were."""
+    tile = nl.ndarray((PMAX, heads * width), dtype=dt, buffer=nl.sbuf)
+    _gather_into(tile, rows, slot, h0, heads, width)
+    return tile
+
+
+def _gather_into(tile, rows, slot, h0, heads, width):
+    row = rows.shape[1] * width
+    nisa.dma_copy(tile, rows.ap([[row, PMAX], [1, heads * width]], offset=h0 * width, vector_offset=slot,
+                                indirect_dim=0), oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
+
+
+def _scores_of_tile(s_ps, qT, k_sb, HG, D, dt):
+    """``s_ps [R, 128] += Q_h K_h^T`` over the group's heads ``h`` (``k_sb [128, HG * D]``)."""
+    chunks = _chunks(D)
+    pieces = [(h, c, c0, size) for h in range(HG) for c, c0, size in chunks]
+    kT = nl.ndarray((min(D, PMAX), len(pieces), PMAX), dtype=dt, buffer=nl.sbuf)
+    for first, count in _transpose_batches(len(pieces), PMAX, dt.itemsize):
+        kT_ps = nl.ndarray((min(D, PMAX), count, PMAX), dtype=dt, buffer=nl.psum)
+        for j in range(count):
+            h, _, c0, size = pieces[first + j]
+            nisa.nc_transpose(kT_ps[0:size, j, :], k_sb[:, h * D + c0:h * D + c0 + size])
+        nisa.tensor_copy(kT[:, first:first + count, :], kT_ps)
+    for j, (h, c, _, size) in enumerate(pieces):
+        nisa.nc_matmul(s_ps, qT[h][0:size, c, :], kT[0:size, j, :], accumulate=j > 0)
+
+
+def _mask(scores, key_index, k0, width, position, left):
+    """Scores of keys ``k0 + c`` a row at ``position`` does not see -> NEG: past it, or before its window."""
+    hidden = nl.ndarray(scores.shape, dtype=nl.uint8, buffer=nl.sbuf)
+    R = scores.shape[0]
+    nisa.tensor_scalar(hidden, key_index[0:R, 0:width], op0=nl.add, operand0=float(k0), op1=nl.greater,
+                       operand1=position)
+    nisa.tensor_copy_predicated(dst=scores, src=NEG, predicate=hidden)
+    if left is not None:
+        nisa.tensor_scalar(hidden, key_index[0:R, 0:width], op0=nl.add, operand0=float(k0 + left), op1=nl.less,
+                           operand1=position)
+        nisa.tensor_copy_predicated(dst=scores, src=NEG, predicate=hidden)
+
+
+def _section_scores(qT, k_rows, slots_sb, t0, tiles, R, HG, h0, D, scale, softcap, dt):
+    """``[R, tiles * 128]`` fp32: the section's scaled (and capped) scores, 512 keys per PSUM tile."""
+    scores = nl.ndarray((R, tiles * PMAX), dtype=nl.float32, buffer=nl.sbuf)
+    per_bank = SCORE_COLUMNS // PMAX
+    for first in nl.static_range(0, tiles, per_bank):
+        count = min(per_bank, tiles - first)
+        s_ps = nl.ndarray((R, count * PMAX), dtype=nl.float32, buffer=nl.psum)
+        for i in nl.static_range(count):
+            k_sb = _gather(k_rows, slots_sb[:, t0 + first + i:t0 + first + i + 1], h0, HG, D, dt)
+            _scores_of_tile(s_ps[:, i * PMAX:(i + 1) * PMAX], qT, k_sb, HG, D, dt)
+        out = scores[:, first * PMAX:(first + count) * PMAX]
+        if softcap is None:
+            nisa.activation(out, op=nl.copy, data=s_ps, scale=scale)
+        else:  # the Scalar Engine's tanh saturates: huge scores cap at +-softcap
+            nisa.activation(out, op=nl.tanh, data=s_ps, scale=scale / softcap)
+            nisa.tensor_scalar(out, out, op0=nl.multiply, operand0=softcap)
+    return scores
+
+
+def _section_values(p, v_rows, slots_sb, t0, tiles, R, HG, h0, Dv, dt):
+    """``P V`` of the section into PSUM tiles of at most 512 fp32 columns (every head's values for every row)."""
+    pv = [nl.ndarray((R, size), dtype=nl.float32, buffer=nl.psum) for _, _, size in _value_chunks(HG * Dv)]
+    for first, count in _transpose_batches(tiles, R, dt.itemsize):
+        pT_ps = nl.ndarray((PMAX, count, R), dtype=dt, buffer=nl.psum)
+        for j in nl.static_range(count):
+            nisa.nc_transpose(pT_ps[:, j, :], p[:, (first + j) * PMAX:(first + j + 1) * PMAX])
+        pT = nl.ndarray((PMAX, count, R), dtype=dt, buffer=nl.sbuf)
+        nisa.tensor_copy(pT, pT_ps)
+        for j in nl.static_range(count):
+            v_sb = nl.ndarray((PMAX, HG * Dv), dtype=dt, buffer=nl.sbuf)
+            nisa.memset(v_sb, 0.0)  # a skipped row stays 0: P is 0 there, and 0 * stale data may be NaN
+            _gather_into(v_sb, v_rows, slots_sb[:, t0 + first + j:t0 + first + j + 1], h0, HG, Dv)
+            for (_, c0, size), acc in zip(_value_chunks(HG * Dv), pv):
+                nisa.nc_matmul(acc, pT[:, j, :], v_sb[:, c0:c0 + size], accumulate=first + j > 0)
+    return pv
+
+
+def _value_chunks(width):
+    return [(c, c0, min(SCORE_COLUMNS, width - c0)) for c, c0 in enumerate(range(0, width, SCORE_COLUMNS))]
+
+
+def _column(src, R):
+    """``[R, 1]`` float32 from HBM."""
+    col = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(col, src)
+    return col
+
+
+def _finish(acc, m, l_sum, position, sink, R, width, dt):
+    """``(out [R, width] in dt, lse [R, 1])`` from the running max, sum and accumulator (``attention.py``'s end)."""
+    decay = None
+    if sink is not None:
+        m_all = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(m_all, m, sink, op=nl.maximum)
+        neg_m = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(neg_m, m_all, op0=nl.multiply, operand0=-1.0)
+        decay = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(decay, op=nl.exp, data=m, bias=neg_m)
+        sink_term = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(sink_term, op=nl.exp, data=sink, bias=neg_m)
+        nisa.scalar_tensor_tensor(l_sum, data=l_sum, op0=nl.multiply, operand0=decay, op1=nl.add,
+                                  operand1=sink_term)
+        nisa.tensor_copy(m, m_all)
+    # A real row's sum is >= 1 (its max term is exp(0)); one with a key scoring +inf is NaN: 1 keeps reciprocal
+    # and log in their domains, and the NaN is added back to its lse below
+    l_safe = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(l_safe, l_sum, op0=nl.maximum, operand0=1.0)
+    real = nl.ndarray((R, 1), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(real, l_sum, op0=nl.less_equal, operand0=float(2 ** 60))  # NaN: false
+    nisa.tensor_copy_predicated(dst=l_safe, src=1.0, predicate=real, reverse_pred=True)
+    inv_l = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(inv_l, l_safe)
+    # a row before its sequence's first key (more queries than tokens) sees none: its sum counted masked keys
+    no_key = nl.ndarray((R, 1), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(no_key, position, op0=nl.less, operand0=0.0)
+    if decay is not None:  # the sink's decay is 0 for such a row
+        nisa.tensor_tensor(inv_l, inv_l, decay, op=nl.multiply)
+    else:
+        nisa.tensor_copy_predicated(dst=inv_l, src=0.0, predicate=no_key)
+    out = nl.ndarray((R, width), dtype=dt, buffer=nl.sbuf)
+    nisa.tensor_scalar(out, acc, op0=nl.multiply, operand0=inv_l)
+    lse = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(lse, op=nl.log, data=l_safe)
+    nisa.scalar_tensor_tensor(lse, data=l_sum, op0=nl.multiply, operand0=0.0, op1=nl.add, operand1=lse)
+    nisa.tensor_tensor(lse, lse, m, op=nl.add)
+    if decay is None:
+        nisa.tensor_copy_predicated(dst=lse, src=float("-inf"), predicate=no_key)
+    return out, lse
+
+
+@nki.jit
+def paged_attention_kernel(q, k_rows, v_rows, slots, positions, sinks=None, scale=1.0, window_left=None,
+                           softcap=None):
+    """``q [B, Hkv * Sq * G, D]``: each sequence's query rows ordered (KV head, token, query head of its group);
+    ``k_rows [slots, Hkv, D]``, ``v_rows [slots, Hkv, Dv]``: the caches' token rows; ``slots [B, 128, tiles]``
+    int32: key ``t * 128 + p``'s slot, past the pool where no row sees it; ``positions [B, Hkv * Sq * G, 1]`` and
+    ``sinks`` (None or ``[Hkv * Sq * G, 1]``) float32 per row. -> ``out [B, Hkv * Sq * G, Dv]``, ``lse [B, Hkv * Sq
+    * G, 1]`` float32. ``scale``, ``window_left`` (None: unbounded) and ``softcap`` are trace-time constants."""
+    B, rows_all, D = q.shape
+    Hkv, Dv = k_rows.shape[1], v_rows.shape[2]
+    rows_per_head = rows_all // Hkv
+    n_tiles = slots.shape[2]
+    dt = q.dtype
+    out = nl.ndarray((B, rows_all, Dv), dtype=dt, buffer=nl.shared_hbm)
+    lse = nl.ndarray((B, rows_all, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    section_tiles = SECTION_KEYS // PMAX
+    key_index = nl.ndarray((PMAX, min(n_tiles, section_tiles) * PMAX), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.iota(key_index, pattern=[[1, key_index.shape[1]]], offset=0)
+    for b in nl.affine_range(B):
+        slots_sb = nl.ndarray((PMAX, n_tiles), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(slots_sb, slots[b])
+        for h0, HG in groups(Hkv, rows_per_head, Dv):
+            R, r0 = HG * rows_per_head, h0 * rows_per_head
+            q_sb = nl.ndarray((R, D), dtype=dt, buffer=nl.sbuf)
+            nisa.dma_copy(q_sb, q[b, r0:r0 + R, :])
+            qT = _query_columns(q_sb, R, D, HG, rows_per_head, dt)
+            position = _column(positions[b, r0:r0 + R, :], R)
+            m = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.memset(m, NEG)
+            l_sum = nl.zeros((R, 1), dtype=nl.float32, buffer=nl.sbuf)
+            acc = nl.zeros((R, HG * Dv), dtype=nl.float32, buffer=nl.sbuf)
+            for t0 in nl.static_range(0, n_tiles, section_tiles):
+                tiles = min(section_tiles, n_tiles - t0)
+                scores = _section_scores(qT, k_rows, slots_sb, t0, tiles, R, HG, h0, D, scale, softcap, dt)
+                _mask(scores, key_index, t0 * PMAX, tiles * PMAX, position, window_left)
+                # m_new = max(m, rowmax); alpha = exp(m - m_new); p = exp(s - m_new), its sums on the way
+                m_new = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_reduce(m_new, op=nl.maximum, data=scores, axis=1, keepdims=True)
+                nisa.tensor_tensor(m_new, m_new, m, op=nl.maximum)
+                neg_m = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.tensor_scalar(neg_m, m_new, op0=nl.multiply, operand0=-1.0)
+                alpha = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.activation(alpha, op=nl.exp, data=m, bias=neg_m)
+                p = nl.ndarray((R, tiles * PMAX), dtype=dt, buffer=nl.sbuf)
+                row_sum = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
+                nisa.activation(p, op=nl.exp, data=scores, bias=neg_m, reduce_op=nl.add, reduce_res=row_sum,
+                                reduce_cmd=nisa.reduce_cmd.reset_reduce)
+                nisa.scalar_tensor_tensor(l_sum, data=l_sum, op0=nl.multiply, operand0=alpha, op1=nl.add,
+                                          operand1=row_sum)
+                pv = _section_values(p, v_rows, slots_sb, t0, tiles, R, HG, h0, Dv, dt)
+                for (_, c0, size), part in zip(_value_chunks(HG * Dv), pv):
+                    nisa.scalar_tensor_tensor(acc[:, c0:c0 + size], data=acc[:, c0:c0 + size], op0=nl.multiply,
+                                              operand0=alpha, op1=nl.add, operand1=part)
+                nisa.tensor_copy(m, m_new)
+            sink = None if sinks is None else _column(sinks[r0:r0 + R, :], R)
+            o, lse_t = _finish(acc, m, l_sum, position, sink, R, HG * Dv, dt)
+            for h in nl.static_range(HG):  # each row keeps its own KV head's values
+                rows = slice(h * rows_per_head, (h + 1) * rows_per_head)
+                nisa.dma_copy(out[b, r0 + rows.start:r0 + rows.stop, :], o[rows, h * Dv:(h + 1) * Dv])
+            nisa.dma_copy(lse[b, r0:r0 + R, :], lse_t)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------- host side
+def cache_rows(cache):
+    """A contiguous ``[num_pages, page_size, Hkv, D]`` cache as its token rows ``[slots, Hkv, D]`` (a view)."""
+    return cache.view(-1, *cache.shape[2:])
+
+
+def _key_slots(block_table, cache_seqlens, sq, page_size, num_slots, window_left, n_tiles):
+    """``[B, 128, tiles]`` int32: key ``t * 128 + p``'s slot, or ``num_slots`` (past the pool: not read) where no
+    query of its sequence sees it, which covers every entry of the table the checks let hold anything."""
+    keys = torch.arange(n_tiles * PMAX, device=block_table.device)
+    columns = (keys // page_size).clamp(max=block_table.shape[1] - 1).expand(block_table.shape[0], -1)
+    slots = block_table.long().gather(1, columns) * page_size + keys % page_size
+    lengths = cache_seqlens.long()[:, None]
+    first = 0 if window_left is None else (lengths - sq - window_left).clamp(min=0)
+    seen = (keys >= first) & (keys < lengths)
+    slots = torch.where(seen, slots, num_slots).to(torch.int32)
+    return slots.view(-1, n_tiles, PMAX).transpose(1, 2).contiguous()
+
+
+def _as_rows(t, hkv):
+    """``[B, Sq, Hq, d]`` -> ``[B, Hkv * Sq * G, d]``, rows ordered (KV head, token, query head of its group)."""
+    b, sq, hq, d = t.shape
+    return t.reshape(b, sq, hkv, hq // hkv, d).transpose(1, 2).reshape(b, -1, d).contiguous()
+
+
+def _fake(q, k_rows, v_rows, slots, positions, sinks, scale, window_left, softcap):
+    return (q.new_empty((*q.shape[:-1], v_rows.shape[-1])), q.new_empty((*q.shape[:-1], 1), dtype=torch.float32))
+
+
+@kernel_op("paged_attention", _fake)
+def paged_attention_op(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, slots: torch.Tensor,
+                       positions: torch.Tensor, sinks: torch.Tensor | None, scale: float, window_left: int | None,
+                       softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's launch as the op ``portable_ops_nki::paged_attention`` (its arguments as the kernel's)."""
+    return launch(paged_attention_kernel, q, k_rows, v_rows, slots, positions, sinks=sinks, scale=scale,
+                  window_left=window_left, softcap=softcap)
+
+
+def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, window=None, softcap=None, sinks=None):
+    """``q [B, Sq, Hq, D]`` over ``[pages, page_size, Hkv, D]`` (v: ``Dv``) caches -> (out ``[B, Sq, Hq, Dv]``
+    contiguous, lse ``[B, Hq, Sq]``)."""
+    b, sq, hq, _ = q.shape
+    page_size, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
+    group = hq // hkv
+    left = None if window is None or window[0] is None else int(window[0])
+    n_tiles = -(-block_table.shape[1] * page_size // PMAX)
+    slots = _key_slots(block_table, cache_seqlens, sq, page_size, k_cache.shape[0] * page_size, left, n_tiles)
+    # each query row's position in its sequence: its token's, the same for every head
+    positions = (cache_seqlens.long()[:, None] - sq + torch.arange(sq, device=q.device)).to(torch.float32)
+    positions = positions[:, None, :, None, None].expand(b, hkv, sq, group, 1).reshape(b, -1, 1).contiguous()
+    sink_rows = None if sinks is None else \
+        sinks.to(torch.float32).view(hkv, 1, group).expand(hkv, sq, group).reshape(-1, 1).contiguous()
+    out, lse = paged_attention_op(_as_rows(q, hkv), cache_rows(k_cache), cache_rows(v_cache), slots, positions,
+                                  sink_rows, float(scale), left, float(softcap) if softcap else None)
+    out = out.view(b, hkv, sq, group, dv).transpose(1, 2).reshape(b, sq, hq, dv)
+    return out, lse.view(b, hkv, sq, group).permute(0, 1, 3, 2).reshape(b, hq, sq)
+
+
+def paged_attention_supports(call) -> list[str]:
+    """What the kernel's layout needs beyond the declared dtypes and head dims."""
+    q, k_cache, v_cache = call["q"], call["k_cache"], call["v_cache"]
+    reasons = []
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        reasons.append("the NKI kernel gathers token rows of contiguous caches; a strided k_cache or v_cache would "
+                       "need a copy of the whole pool per call")
+    rows = q.shape[1] * (q.shape[2] // max(k_cache.shape[2], 1))
+    if rows > PMAX:
+        reasons.append(f"{q.shape[1]} new tokens x {q.shape[2] // k_cache.shape[2]} query heads per KV head = {rows} "
+                       f"query rows per KV head; the NKI kernel holds them on its {PMAX} partitions")
+    if k_cache.shape[0] * k_cache.shape[1] >= 2 ** 31:
+        reasons.append("a pool of 2^31 or more token slots: the NKI kernel's gather indices are int32")
+    if call["block_table"].shape[1] * k_cache.shape[1] > 2 ** 24:
+        reasons.append("block_table holds over 2^24 positions: the NKI kernel compares positions in float32")
+    return reasons
