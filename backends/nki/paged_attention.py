@@ -31,18 +31,17 @@ from .compat import nki, nisa, nl
 from .runtime import kernel_op, launch
 
 PMAX = 128  # partitions: keys per tile, query rows per group, a transpose's largest side
-SCORE_COLUMNS = 512  # fp32 scores per PSUM bank
+SCORE_COLUMNS = 512  # fp32 per PSUM bank: scores, or (P V)^T
 PSUM_BANK_BYTES = 2048  # per partition (nl.tile_size.psum_bank_fmax_bytes)
-VALUE_BANKS = 4  # PSUM banks for a group's P V accumulators; the rest hold scores and transposes
 SECTION_KEYS = 4096  # keys whose scores are in SBUF at once (16 KiB fp32 per partition)
 NEG = -1.0e30  # a masked score: finite, so exp(NEG - NEG) is 1, never NaN
 MAX_HEAD_DIM = 576  # DeepSeek's absorbed MLA (576 / 512): its v's 512 fp32 is one PSUM bank
 
 
 def groups(hkv: int, rows_per_head: int, dv: int) -> list[tuple[int, int]]:
-    """``(first KV head, heads)`` of each group sharing the partitions: at most 128 query rows, and a value row of
-    at most ``VALUE_BANKS`` PSUM banks."""
-    per_group = max(1, min(PMAX // rows_per_head, VALUE_BANKS * SCORE_COLUMNS // dv))
+    """``(first KV head, heads)`` of each group sharing the partitions: at most 128 query rows, whose ``(P V)^T``
+    (v's head dim in chunks of 128 on the partitions, the rows on the free axis) fits one PSUM bank."""
+    per_group = max(1, min(PMAX // rows_per_head, SCORE_COLUMNS // (len(_chunks(dv)) * rows_per_head)))
     return [(h0, min(per_group, hkv - h0)) for h0 in range(0, hkv, per_group)]
 
 
@@ -137,9 +136,11 @@ def _section_scores(qT, k_rows, slots_sb, t0, tiles, R, HG, h0, D, scale, softca
     return scores
 
 
-def _section_values(p, v_rows, slots_sb, t0, tiles, R, HG, h0, Dv, dt):
-    """``P V`` of the section into PSUM tiles of at most 512 fp32 columns (every head's values for every row)."""
-    pv = [nl.ndarray((R, size), dtype=nl.float32, buffer=nl.psum) for _, _, size in _value_chunks(HG * Dv)]
+def _section_values(p, v_rows, slots_sb, t0, tiles, R, HG, h0, Dv, rows_per_head, dt):
+    """``(P V)^T`` of the section, ``[min(Dv, 128), Dv chunks, R]`` in PSUM: each head's matmul takes its V as the
+    stationary operand and its rows' ``P^T`` columns as the moving one, into those rows' columns."""
+    chunks = _chunks(Dv)
+    pvT = nl.ndarray((min(Dv, PMAX), len(chunks), R), dtype=nl.float32, buffer=nl.psum)
     for first, count in _transpose_batches(tiles, R, dt.itemsize):
         pT_ps = nl.ndarray((PMAX, count, R), dtype=dt, buffer=nl.psum)
         for j in nl.static_range(count):
@@ -150,13 +151,24 @@ def _section_values(p, v_rows, slots_sb, t0, tiles, R, HG, h0, Dv, dt):
             v_sb = nl.ndarray((PMAX, HG * Dv), dtype=dt, buffer=nl.sbuf)
             nisa.memset(v_sb, 0.0)  # a skipped row stays 0: P is 0 there, and 0 * stale data may be NaN
             _gather_into(v_sb, v_rows, slots_sb[:, t0 + first + j:t0 + first + j + 1], h0, HG, Dv)
-            for (_, c0, size), acc in zip(_value_chunks(HG * Dv), pv):
-                nisa.nc_matmul(acc, pT[:, j, :], v_sb[:, c0:c0 + size], accumulate=first + j > 0)
-    return pv
+            for h in range(HG):
+                cols = slice(h * rows_per_head, (h + 1) * rows_per_head)
+                for c, c0, size in chunks:
+                    nisa.nc_matmul(pvT[0:size, c, cols], v_sb[:, h * Dv + c0:h * Dv + c0 + size], pT[:, j, cols],
+                                   accumulate=first + j > 0)
+    return pvT
 
 
-def _value_chunks(width):
-    return [(c, c0, min(SCORE_COLUMNS, width - c0)) for c, c0 in enumerate(range(0, width, SCORE_COLUMNS))]
+def _rescaled(acc, pvT, alpha, R, Dv):
+    """``acc = acc * alpha + (pvT)^T``, ``acc [R, Dv]`` fp32: the section's ``P V`` back to rows, a chunk of v's head
+    dim at a time."""
+    pvT_sb = nl.ndarray(pvT.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(pvT_sb, pvT)
+    for c, c0, size in _chunks(Dv):
+        pv = nl.ndarray((R, size), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(pv, pvT_sb[0:size, c, :])
+        nisa.scalar_tensor_tensor(acc[:, c0:c0 + size], data=acc[:, c0:c0 + size], op0=nl.multiply, operand0=alpha,
+                                  op1=nl.add, operand1=pv)
 
 
 def _column(src, R):
@@ -238,7 +250,7 @@ def paged_attention_kernel(q, k_rows, v_rows, slots, positions, sinks=None, scal
             m = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.memset(m, NEG)
             l_sum = nl.zeros((R, 1), dtype=nl.float32, buffer=nl.sbuf)
-            acc = nl.zeros((R, HG * Dv), dtype=nl.float32, buffer=nl.sbuf)
+            acc = nl.zeros((R, Dv), dtype=nl.float32, buffer=nl.sbuf)
             for t0 in nl.static_range(0, n_tiles, section_tiles):
                 tiles = min(section_tiles, n_tiles - t0)
                 scores = _section_scores(qT, k_rows, slots_sb, t0, tiles, R, HG, h0, D, scale, softcap, dt)
@@ -257,16 +269,12 @@ def paged_attention_kernel(q, k_rows, v_rows, slots, positions, sinks=None, scal
                                 reduce_cmd=nisa.reduce_cmd.reset_reduce)
                 nisa.scalar_tensor_tensor(l_sum, data=l_sum, op0=nl.multiply, operand0=alpha, op1=nl.add,
                                           operand1=row_sum)
-                pv = _section_values(p, v_rows, slots_sb, t0, tiles, R, HG, h0, Dv, dt)
-                for (_, c0, size), part in zip(_value_chunks(HG * Dv), pv):
-                    nisa.scalar_tensor_tensor(acc[:, c0:c0 + size], data=acc[:, c0:c0 + size], op0=nl.multiply,
-                                              operand0=alpha, op1=nl.add, operand1=part)
+                pvT = _section_values(p, v_rows, slots_sb, t0, tiles, R, HG, h0, Dv, rows_per_head, dt)
+                _rescaled(acc, pvT, alpha, R, Dv)
                 nisa.tensor_copy(m, m_new)
             sink = None if sinks is None else _column(sinks[r0:r0 + R, :], R)
-            o, lse_t = _finish(acc, m, l_sum, position, sink, R, HG * Dv, dt)
-            for h in nl.static_range(HG):  # each row keeps its own KV head's values
-                rows = slice(h * rows_per_head, (h + 1) * rows_per_head)
-                nisa.dma_copy(out[b, r0 + rows.start:r0 + rows.stop, :], o[rows, h * Dv:(h + 1) * Dv])
+            o, lse_t = _finish(acc, m, l_sum, position, sink, R, Dv, dt)
+            nisa.dma_copy(out[b, r0:r0 + R, :], o)
             nisa.dma_copy(lse[b, r0:r0 + R, :], lse_t)
     return out, lse
 
@@ -340,6 +348,9 @@ def paged_attention_supports(call) -> list[str]:
     if rows > PMAX:
         reasons.append(f"{q.shape[1]} new tokens x {q.shape[2] // k_cache.shape[2]} query heads per KV head = {rows} "
                        f"query rows per KV head; the NKI kernel holds them on its {PMAX} partitions")
+    elif rows * len(_chunks(v_cache.shape[-1])) > SCORE_COLUMNS:
+        reasons.append(f"{rows} query rows per KV head with v's head dim {v_cache.shape[-1]}: the NKI kernel's (P V)^T "
+                       f"of one KV head, the head dim in chunks of {PMAX}, must fit one PSUM bank")
     if k_cache.shape[0] * k_cache.shape[1] >= 2 ** 31:
         reasons.append("a pool of 2^31 or more token slots: the NKI kernel's gather indices are int32")
     if call["block_table"].shape[1] * k_cache.shape[1] > 2 ** 24:
