@@ -75,10 +75,12 @@ def test_rows_that_see_no_key_give_zero_and_minus_infinity_or_their_sink(sinks):
     assert torch.equal(lse[0, :, 0], no_key)
 
 
-def test_keys_no_query_sees_are_never_read():
+@pytest.mark.parametrize("page", [1, 2, 4])
+def test_keys_no_query_sees_never_reach_the_output(page):
     """Every slot but those the queries see holds NaN: past each length, before the window, the spare pages and
-    the table's unused entries (-1). A read of any would reach the output (NaN * 0 is NaN)."""
-    lens, page = [37, 9], 4
+    the table's unused entries (-1). A V row read would reach the output (NaN * 0 is NaN); a K row read with its
+    page's others (up to 4 a partition) is masked."""
+    lens = [37, 9]
     k_cache, v_cache, table, seqlens = paged_cache(lens, page, dtype=torch.float32)
     seen = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
     for b, n in enumerate(lens):
@@ -91,8 +93,8 @@ def test_keys_no_query_sees_are_never_read():
 
 
 def test_several_sections_of_keys_and_groups_of_kv_heads(monkeypatch):
-    """Sections of 256 keys (the accumulator rescaled between them) and 40 query heads per KV head with 2 new
-    tokens: 80 query rows, one KV head per group of the 128 partitions."""
+    """Sections of one block of 512 keys (the accumulator rescaled between them) and 40 query heads per KV head with
+    2 new tokens: 80 query rows, one KV head per group of the 128 partitions."""
     monkeypatch.setattr(nki_paged, "SECTION_KEYS", 256)
     k_cache, v_cache, table, seqlens = paged_cache([600, 3], 16, dtype=torch.float32)
     q = torch.randn(2, 2, 80, 8)

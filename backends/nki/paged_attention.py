@@ -75,37 +75,35 @@ def _query_columns(q_sb, R, D, HG, rows_per_head, dt):
     return padded
 
 
-def _gather(rows, slot, h0, heads, width, dt):
-    """``[128, heads * width]``: the tile's cache rows (partition ``p``: slot ``slot[p]``), KV heads ``h0 ..`` of
-    them; rows whose slot is past the pool are left as they were."""
-    tile = nl.ndarray((PMAX, heads * width), dtype=dt, buffer=nl.sbuf)
-    _gather_into(tile, rows, slot, h0, heads, width)
-    return tile
-
-
-def _gather_into(tile, rows, slot, h0, heads, width):
+def _gather_into(tile, rows, slot, h0, heads, width, run=1):
+    """``tile [128, run * heads * width]`` = ``run`` consecutive cache rows from slot ``slot[p]`` on partition ``p``,
+    KV heads ``h0 ..`` of them; a partition whose slot is past the pool is left as it was."""
     row = rows.shape[1] * width
-    nisa.dma_copy(tile, rows.ap([[row, PMAX], [1, heads * width]], offset=h0 * width, vector_offset=slot,
+    nisa.dma_copy(tile, rows.ap([[row, PMAX], [row, run], [1, heads * width]], offset=h0 * width, vector_offset=slot,
                                 indirect_dim=0), oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
 
 
-def _scores_of_tile(s_ps, qT, k_sb, HG, D, dt):
-    """``s_ps [R, 128] += Q_h K_h^T`` over the group's heads ``h`` (``k_sb [128, HG * D]``)."""
+def _scores_of_block(s_ps, qT, k_sb, run, HG, D, dt):
+    """``s_ps [R, run * 128]``, column ``u * 128 + p`` = key ``run * p + u`` of the block: ``Q_h K_h^T`` summed over
+    the group's heads ``h`` (``k_sb [128, run * HG * D]``, ``run`` keys a partition)."""
     chunks = _chunks(D)
-    pieces = [(h, c, c0, size) for h in range(HG) for c, c0, size in chunks]
+    pieces = [(u, h, c, u * HG * D + h * D + c0, size) for u in range(run) for h in range(HG)
+              for c, c0, size in chunks]
     kT = nl.ndarray((min(D, PMAX), len(pieces), PMAX), dtype=dt, buffer=nl.sbuf)
     for first, count in _transpose_batches(len(pieces), PMAX, dt.itemsize):
         kT_ps = nl.ndarray((min(D, PMAX), count, PMAX), dtype=dt, buffer=nl.psum)
         for j in range(count):
-            h, _, c0, size = pieces[first + j]
-            nisa.nc_transpose(kT_ps[0:size, j, :], k_sb[:, h * D + c0:h * D + c0 + size])
+            *_, c0, size = pieces[first + j]
+            nisa.nc_transpose(kT_ps[0:size, j, :], k_sb[:, c0:c0 + size])
         nisa.tensor_copy(kT[:, first:first + count, :], kT_ps)
-    for j, (h, c, _, size) in enumerate(pieces):
-        nisa.nc_matmul(s_ps, qT[h][0:size, c, :], kT[0:size, j, :], accumulate=j > 0)
+    for j, (u, h, c, _, size) in enumerate(pieces):
+        nisa.nc_matmul(s_ps[:, u * PMAX:(u + 1) * PMAX], qT[h][0:size, c, :], kT[0:size, j, :],
+                       accumulate=j % (HG * len(chunks)) > 0)
 
 
 def _mask(scores, key_index, k0, width, position, left):
-    """Scores of keys ``k0 + c`` a row at ``position`` does not see -> NEG: past it, or before its window."""
+    """Scores of keys ``k0 + key_index[c]`` a row at ``position`` does not see -> NEG: past it, or before its
+    window."""
     hidden = nl.ndarray(scores.shape, dtype=nl.uint8, buffer=nl.sbuf)
     R = scores.shape[0]
     nisa.tensor_scalar(hidden, key_index[0:R, 0:width], op0=nl.add, operand0=float(k0), op1=nl.greater,
@@ -117,17 +115,20 @@ def _mask(scores, key_index, k0, width, position, left):
         nisa.tensor_copy_predicated(dst=scores, src=NEG, predicate=hidden)
 
 
-def _section_scores(qT, k_rows, slots_sb, t0, tiles, R, HG, h0, D, scale, softcap, dt):
-    """``[R, tiles * 128]`` fp32: the section's scaled (and capped) scores, 512 keys per PSUM tile."""
-    scores = nl.ndarray((R, tiles * PMAX), dtype=nl.float32, buffer=nl.sbuf)
-    per_bank = SCORE_COLUMNS // PMAX
-    for first in nl.static_range(0, tiles, per_bank):
-        count = min(per_bank, tiles - first)
-        s_ps = nl.ndarray((R, count * PMAX), dtype=nl.float32, buffer=nl.psum)
+def _section_scores(qT, k_rows, k_slots, b0, blocks, run, R, HG, h0, D, scale, softcap, dt):
+    """``[R, blocks * run * 128]`` fp32: the section's scaled (and capped) scores, 512 per PSUM tile, in the
+    blocks' column order (:func:`_scores_of_block`)."""
+    width = run * PMAX
+    scores = nl.ndarray((R, blocks * width), dtype=nl.float32, buffer=nl.sbuf)
+    per_bank = SCORE_COLUMNS // width
+    for first in nl.static_range(0, blocks, per_bank):
+        count = min(per_bank, blocks - first)
+        s_ps = nl.ndarray((R, count * width), dtype=nl.float32, buffer=nl.psum)
         for i in nl.static_range(count):
-            k_sb = _gather(k_rows, slots_sb[:, t0 + first + i:t0 + first + i + 1], h0, HG, D, dt)
-            _scores_of_tile(s_ps[:, i * PMAX:(i + 1) * PMAX], qT, k_sb, HG, D, dt)
-        out = scores[:, first * PMAX:(first + count) * PMAX]
+            k_sb = nl.ndarray((PMAX, run * HG * D), dtype=dt, buffer=nl.sbuf)
+            _gather_into(k_sb, k_rows, k_slots[:, b0 + first + i:b0 + first + i + 1], h0, HG, D, run)
+            _scores_of_block(s_ps[:, i * width:(i + 1) * width], qT, k_sb, run, HG, D, dt)
+        out = scores[:, first * width:(first + count) * width]
         if softcap is None:
             nisa.activation(out, op=nl.copy, data=s_ps, scale=scale)
         else:  # the Scalar Engine's tanh saturates: huge scores cap at +-softcap
@@ -138,7 +139,8 @@ def _section_scores(qT, k_rows, slots_sb, t0, tiles, R, HG, h0, D, scale, softca
 
 def _section_values(p, v_rows, slots_sb, t0, tiles, R, HG, h0, Dv, rows_per_head, dt):
     """``(P V)^T`` of the section, ``[min(Dv, 128), Dv chunks, R]`` in PSUM: each head's matmul takes its V as the
-    stationary operand and its rows' ``P^T`` columns as the moving one, into those rows' columns."""
+    stationary operand and its rows' ``P^T`` columns as the moving one, into those rows' columns. V tile ``t``
+    holds the keys of P's columns ``t * 128 ..``, a key a partition."""
     chunks = _chunks(Dv)
     pvT = nl.ndarray((min(Dv, PMAX), len(chunks), R), dtype=nl.float32, buffer=nl.psum)
     for first, count in _transpose_batches(tiles, R, dt.itemsize):
@@ -221,26 +223,34 @@ def _finish(acc, m, l_sum, position, sink, R, width, dt):
 
 
 @nki.jit
-def paged_attention_kernel(q, k_rows, v_rows, slots, positions, sinks=None, scale=1.0, window_left=None,
+def paged_attention_kernel(q, k_rows, v_rows, k_slots, v_slots, positions, sinks=None, scale=1.0, window_left=None,
                            softcap=None):
     """``q [B, Hkv * Sq * G, D]``: each sequence's query rows ordered (KV head, token, query head of its group);
-    ``k_rows [slots, Hkv, D]``, ``v_rows [slots, Hkv, Dv]``: the caches' token rows; ``slots [B, 128, tiles]``
-    int32: key ``t * 128 + p``'s slot, past the pool where no row sees it; ``positions [B, Hkv * Sq * G, 1]`` and
-    ``sinks`` (None or ``[Hkv * Sq * G, 1]``) float32 per row. -> ``out [B, Hkv * Sq * G, Dv]``, ``lse [B, Hkv * Sq
-    * G, 1]`` float32. ``scale``, ``window_left`` (None: unbounded) and ``softcap`` are trace-time constants."""
+    ``k_rows [slots, Hkv, D]``, ``v_rows [slots, Hkv, Dv]``: the caches' token rows; keys in blocks of ``run *
+    128``, key ``run * p + u`` of block ``n`` at partition ``p``: ``k_slots [B, 128, blocks]`` int32, the slot of
+    its first key (the run's keys are consecutive slots of a page), ``v_slots [B, 128, blocks * run]`` int32, column
+    ``n * run + u``: its key ``u``'s slot; past the pool where no row sees a key (a run: none of its keys).
+    ``positions [B, Hkv * Sq * G, 1]`` and ``sinks`` (None or ``[Hkv * Sq * G, 1]``) float32 per row. -> ``out [B,
+    Hkv * Sq * G, Dv]``, ``lse [B, Hkv * Sq * G, 1]`` float32. ``scale``, ``window_left`` (None: unbounded) and
+    ``softcap`` are trace-time constants."""
     B, rows_all, D = q.shape
     Hkv, Dv = k_rows.shape[1], v_rows.shape[2]
     rows_per_head = rows_all // Hkv
-    n_tiles = slots.shape[2]
+    n_tiles = v_slots.shape[2]
+    run = n_tiles // k_slots.shape[2]
     dt = q.dtype
     out = nl.ndarray((B, rows_all, Dv), dtype=dt, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, rows_all, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-    section_tiles = SECTION_KEYS // PMAX
-    key_index = nl.ndarray((PMAX, min(n_tiles, section_tiles) * PMAX), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.iota(key_index, pattern=[[1, key_index.shape[1]]], offset=0)
+    section_tiles = max(1, SECTION_KEYS // (run * PMAX)) * run
+    # each score column's key within its section: column (block n, u, p) holds key n * run * 128 + run * p + u
+    blocks = min(n_tiles, section_tiles) // run
+    key_index = nl.ndarray((PMAX, blocks * run * PMAX), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.iota(key_index, pattern=[[run * PMAX, blocks], [1, run], [run, PMAX]], offset=0)
     for b in nl.affine_range(B):
-        slots_sb = nl.ndarray((PMAX, n_tiles), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(slots_sb, slots[b])
+        k_slots_sb = nl.ndarray((PMAX, n_tiles // run), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(k_slots_sb, k_slots[b])
+        v_slots_sb = nl.ndarray((PMAX, n_tiles), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(v_slots_sb, v_slots[b])
         for h0, HG in groups(Hkv, rows_per_head, Dv):
             R, r0 = HG * rows_per_head, h0 * rows_per_head
             q_sb = nl.ndarray((R, D), dtype=dt, buffer=nl.sbuf)
@@ -253,7 +263,8 @@ def paged_attention_kernel(q, k_rows, v_rows, slots, positions, sinks=None, scal
             acc = nl.zeros((R, Dv), dtype=nl.float32, buffer=nl.sbuf)
             for t0 in nl.static_range(0, n_tiles, section_tiles):
                 tiles = min(section_tiles, n_tiles - t0)
-                scores = _section_scores(qT, k_rows, slots_sb, t0, tiles, R, HG, h0, D, scale, softcap, dt)
+                scores = _section_scores(qT, k_rows, k_slots_sb, t0 // run, tiles // run, run, R, HG, h0, D, scale,
+                                         softcap, dt)
                 _mask(scores, key_index, t0 * PMAX, tiles * PMAX, position, window_left)
                 # m_new = max(m, rowmax); alpha = exp(m - m_new); p = exp(s - m_new), its sums on the way
                 m_new = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
@@ -269,7 +280,7 @@ def paged_attention_kernel(q, k_rows, v_rows, slots, positions, sinks=None, scal
                                 reduce_cmd=nisa.reduce_cmd.reset_reduce)
                 nisa.scalar_tensor_tensor(l_sum, data=l_sum, op0=nl.multiply, operand0=alpha, op1=nl.add,
                                           operand1=row_sum)
-                pvT = _section_values(p, v_rows, slots_sb, t0, tiles, R, HG, h0, Dv, rows_per_head, dt)
+                pvT = _section_values(p, v_rows, v_slots_sb, t0, tiles, R, HG, h0, Dv, rows_per_head, dt)
                 _rescaled(acc, pvT, alpha, R, Dv)
                 nisa.tensor_copy(m, m_new)
             sink = None if sinks is None else _column(sinks[r0:r0 + R, :], R)
@@ -285,17 +296,27 @@ def cache_rows(cache):
     return cache.view(-1, *cache.shape[2:])
 
 
-def _key_slots(block_table, cache_seqlens, sq, page_size, num_slots, window_left, n_tiles):
-    """``[B, 128, tiles]`` int32: key ``t * 128 + p``'s slot, or ``num_slots`` (past the pool: not read) where no
-    query of its sequence sees it, which covers every entry of the table the checks let hold anything."""
-    keys = torch.arange(n_tiles * PMAX, device=block_table.device)
-    columns = (keys // page_size).clamp(max=block_table.shape[1] - 1).expand(block_table.shape[0], -1)
+def run_of(page_size: int) -> int:
+    """Keys a partition of a K gather: consecutive slots of one page, up to 4 (a block of ``run * 128`` keys, one PSUM
+    bank of scores)."""
+    return next(n for n in (4, 2, 1) if page_size % n == 0)
+
+
+def _key_slots(block_table, cache_seqlens, sq, page_size, num_slots, window_left, n_blocks, run):
+    """``(k_slots [B, 128, blocks], v_slots [B, 128, blocks * run])`` int32 as the kernel takes them: ``num_slots``
+    (past the pool: not read) where no query of the sequence sees the key, or no key of the run, which covers every
+    entry of the table that the checks let hold anything."""
+    b = block_table.shape[0]
+    keys = torch.arange(n_blocks * PMAX * run, device=block_table.device)
+    columns = (keys // page_size).clamp(max=block_table.shape[1] - 1).expand(b, -1)
     slots = block_table.long().gather(1, columns) * page_size + keys % page_size
     lengths = cache_seqlens.long()[:, None]
     first = 0 if window_left is None else (lengths - sq - window_left).clamp(min=0)
-    seen = (keys >= first) & (keys < lengths)
-    slots = torch.where(seen, slots, num_slots).to(torch.int32)
-    return slots.view(-1, n_tiles, PMAX).transpose(1, 2).contiguous()
+    seen = ((keys >= first) & (keys < lengths)).view(b, n_blocks, PMAX, run)
+    slots = slots.view(b, n_blocks, PMAX, run)
+    k_slots = torch.where(seen.any(-1), slots[..., 0], num_slots).to(torch.int32).transpose(1, 2).contiguous()
+    v_slots = torch.where(seen, slots, num_slots).to(torch.int32).permute(0, 2, 1, 3).reshape(b, PMAX, -1)
+    return k_slots, v_slots.contiguous()
 
 
 def _as_rows(t, hkv):
@@ -304,16 +325,16 @@ def _as_rows(t, hkv):
     return t.reshape(b, sq, hkv, hq // hkv, d).transpose(1, 2).reshape(b, -1, d).contiguous()
 
 
-def _fake(q, k_rows, v_rows, slots, positions, sinks, scale, window_left, softcap):
+def _fake(q, k_rows, v_rows, k_slots, v_slots, positions, sinks, scale, window_left, softcap):
     return (q.new_empty((*q.shape[:-1], v_rows.shape[-1])), q.new_empty((*q.shape[:-1], 1), dtype=torch.float32))
 
 
 @kernel_op("paged_attention", _fake)
-def paged_attention_op(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, slots: torch.Tensor,
-                       positions: torch.Tensor, sinks: torch.Tensor | None, scale: float, window_left: int | None,
-                       softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_attention_op(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, k_slots: torch.Tensor,
+                       v_slots: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor | None, scale: float,
+                       window_left: int | None, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's launch as the op ``portable_ops_nki::paged_attention`` (its arguments as the kernel's)."""
-    return launch(paged_attention_kernel, q, k_rows, v_rows, slots, positions, sinks=sinks, scale=scale,
+    return launch(paged_attention_kernel, q, k_rows, v_rows, k_slots, v_slots, positions, sinks=sinks, scale=scale,
                   window_left=window_left, softcap=softcap)
 
 
@@ -324,14 +345,15 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, w
     page_size, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
     group = hq // hkv
     left = None if window is None or window[0] is None else int(window[0])
-    n_tiles = -(-block_table.shape[1] * page_size // PMAX)
-    slots = _key_slots(block_table, cache_seqlens, sq, page_size, k_cache.shape[0] * page_size, left, n_tiles)
+    run = run_of(page_size)
+    n_blocks = -(-block_table.shape[1] * page_size // (run * PMAX))
+    slots = _key_slots(block_table, cache_seqlens, sq, page_size, k_cache.shape[0] * page_size, left, n_blocks, run)
     # each query row's position in its sequence: its token's, the same for every head
     positions = (cache_seqlens.long()[:, None] - sq + torch.arange(sq, device=q.device)).to(torch.float32)
     positions = positions[:, None, :, None, None].expand(b, hkv, sq, group, 1).reshape(b, -1, 1).contiguous()
     sink_rows = None if sinks is None else \
         sinks.to(torch.float32).view(hkv, 1, group).expand(hkv, sq, group).reshape(-1, 1).contiguous()
-    out, lse = paged_attention_op(_as_rows(q, hkv), cache_rows(k_cache), cache_rows(v_cache), slots, positions,
+    out, lse = paged_attention_op(_as_rows(q, hkv), cache_rows(k_cache), cache_rows(v_cache), *slots, positions,
                                   sink_rows, float(scale), left, float(softcap) if softcap else None)
     out = out.view(b, hkv, sq, group, dv).transpose(1, 2).reshape(b, sq, hq, dv)
     return out, lse.view(b, hkv, sq, group).permute(0, 1, 3, 2).reshape(b, hq, sq)
