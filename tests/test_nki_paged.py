@@ -1,6 +1,7 @@
 """The nki backend's paged KV cache kernels in the emulator, beyond the conformance cases (which run every option
-on them): the emulator's indirect DMA they gather and scatter with, rows that see no key, keys that must never be
-read, several sections of keys and several groups of KV heads in one call, and the calls they decline."""
+on them): rows that see no key, keys that must never be read, several sections of keys and several groups of KV
+heads in one call, and the calls they decline. The indirect DMA they gather and scatter with:
+tests/test_nki_rules.py."""
 
 import importlib
 
@@ -10,49 +11,10 @@ from attention_definitions import paged_cache
 
 import portable_ops
 from portable_ops.backends.nki import compat
-from portable_ops.backends.nki.compat import nki, nisa, nl
-from portable_ops.backends.nki.emulator import EmulatorError
 from portable_ops.conformance.runner import forced_strict
 
 nki_paged = importlib.import_module("portable_ops.backends.nki.paged_attention")  # the package's name is the op's
 pytestmark = pytest.mark.skipif(compat.USING_SDK, reason="the emulator's rules and a CPU run of the kernels")
-
-
-@nki.jit
-def _gather_then_scatter(data, index, out, oob=nisa.oob_mode.skip, dge=nisa.dge_mode.swdge, index_in_hbm=False):
-    """Rows ``index[p]`` of ``data`` to ``out`` (rows past it: zeros), then those rows of ``data`` doubled."""
-    P, F = index.shape[0], data.shape[1]
-    rows = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
-    nisa.dma_copy(rows, index)
-    rows = index if index_in_hbm else rows
-    tile = nl.ndarray((P, F), dtype=data.dtype, buffer=nl.sbuf)
-    nisa.memset(tile, 0.0)
-    nisa.dma_copy(tile, data.ap([[F, P], [1, F]], vector_offset=rows, indirect_dim=0), oob_mode=oob, dge_mode=dge)
-    nisa.dma_copy(out, tile)
-    nisa.tensor_scalar(tile, tile, op0=nl.multiply, operand0=2.0)
-    nisa.dma_copy(data.ap([[F, P], [1, F]], vector_offset=rows, indirect_dim=0), tile, oob_mode=oob, dge_mode=dge)
-    return out
-
-
-def test_an_indirect_dma_gathers_and_scatters_the_indexed_rows_and_skips_those_past_the_axis():
-    data, index = torch.randn(6, 5), torch.tensor([[4], [1], [6], [0]], dtype=torch.int32)
-    before, out = data.clone(), torch.full((4, 5), 7.0)
-    _gather_then_scatter(data, index, out)
-    torch.testing.assert_close(out, torch.stack([before[4], before[1], torch.zeros(5), before[0]]), atol=0, rtol=0)
-    want = before.clone()
-    want[[4, 1, 0]] *= 2
-    torch.testing.assert_close(data, want, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("bad, rule", [(dict(oob=nisa.oob_mode.error), "dma-oob"),
-                                       (dict(dge=nisa.dge_mode.hwdge), "indirect-dge"),
-                                       (dict(index_in_hbm=True), "indirect-index")])
-def test_an_indirect_dma_refuses_what_the_hardware_would(bad, rule):
-    data, index = torch.randn(6, 5), torch.tensor([[4], [6]], dtype=torch.int32)
-    before = data.clone()
-    with pytest.raises(EmulatorError, match=rf"\[{rule}\]"):
-        _gather_then_scatter(data, index, torch.zeros(2, 5), **bad)
-    assert torch.equal(data, before)
 
 
 def _nki_and_reference(*args, **options):

@@ -1,6 +1,6 @@
-"""The NKI backend: Adam/AdamW/AMSGrad, SGD, two-phase global norm, flash attention, RMSNorm/LayerNorm, RoPE and
-linear cross-entropy's rows as NKI kernels for AWS Trainium2/Trainium3 (NKI 0.7, Neuron SDK 2.33, the ``nki.*``
-namespace).
+"""The NKI backend: Adam/AdamW/AMSGrad, SGD, two-phase global norm, flash attention, RMSNorm/LayerNorm, RoPE,
+linear cross-entropy's rows and paged-KV-cache decode and append as NKI kernels for AWS Trainium2/Trainium3 (NKI 0.7,
+Neuron SDK 2.33, the ``nki.*`` namespace).
 
 Each kernel's launch is a PyTorch custom op, ``torch.ops.portable_ops_nki.<name>``, registered through ``nki_op`` as
 AWS documents for torch-neuronx (``runtime.py``). Where the kernels run:
