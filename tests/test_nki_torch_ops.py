@@ -103,10 +103,9 @@ def _cache_rows(seed):
 
 def _paged_attention_args():
     table, lengths = torch.tensor([[2, 0], [1, 2]], dtype=torch.int32), torch.tensor([6, 3], dtype=torch.int32)
-    slots = paged_attention._key_slots(table, lengths, 1, 4, 12, None, 1, 4)
-    positions = (lengths - 1).to(torch.float32)[:, None, None].expand(2, 4, 1).contiguous()  # 2 x 2 query heads
+    tables = paged_attention.kernel_tables(table, lengths, 1, 2, 2, 4, 12, 4)  # 2 x 2 query heads, a window of 4
     q = paged_attention._as_rows(_randn(2, 1, 4, 8, seed=3), 2)
-    return [q, _cache_rows(1), _cache_rows(2), *slots, positions, _randn(4, 1, seed=4), 0.35, 4, 30.0]
+    return [q, _cache_rows(1), _cache_rows(2), *tables, _randn(4, 1, seed=4), 0.35, 30.0, True]
 
 
 ARGS = {"adam": _adam_args, "sgd": _sgd_args, "grad_norm": lambda: [[_randn(130, seed=1), _randn(5, seed=2)], False],

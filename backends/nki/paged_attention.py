@@ -50,9 +50,10 @@ def _chunks(n):
     return [(c, c0, min(PMAX, n - c0)) for c, c0 in enumerate(range(0, n, PMAX))]
 
 
-def _transpose_batches(count, rows, itemsize):
-    """``(first, count)`` batches of ``count`` transposes of ``rows`` columns that one PSUM bank holds."""
-    per_bank = PSUM_BANK_BYTES // (rows * itemsize)
+def _transpose_batches(count, rows, itemsize, multiple=1):
+    """``(first, count)`` batches of ``count`` transposes of ``rows`` columns that one PSUM bank holds, each batch a
+    multiple of ``multiple``."""
+    per_bank = PSUM_BANK_BYTES // (rows * itemsize) // multiple * multiple
     return [(i, min(per_bank, count - i)) for i in range(0, count, per_bank)]
 
 
@@ -76,50 +77,60 @@ def _query_columns(q_sb, R, D, HG, rows_per_head, dt):
 
 
 def _gather_into(tile, rows, slot, h0, heads, width, run=1):
-    """``tile [128, run * heads * width]`` = ``run`` consecutive cache rows from slot ``slot[p]`` on partition ``p``,
+    """``tile [P, run * heads * width]`` = ``run`` consecutive cache rows from slot ``slot[p]`` on partition ``p``,
     KV heads ``h0 ..`` of them; a partition whose slot is past the pool is left as it was."""
     row = rows.shape[1] * width
-    nisa.dma_copy(tile, rows.ap([[row, PMAX], [row, run], [1, heads * width]], offset=h0 * width, vector_offset=slot,
-                                indirect_dim=0), oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
+    pattern = [[row, tile.shape[0]], [row, run], [1, heads * width]]
+    nisa.dma_copy(tile, rows.ap(pattern, offset=h0 * width, vector_offset=slot, indirect_dim=0),
+                  oob_mode=nisa.oob_mode.skip, dge_mode=nisa.dge_mode.swdge)
 
 
 def _scores_of_block(s_ps, qT, k_sb, run, HG, D, dt):
-    """``s_ps [R, run * 128]``, column ``u * 128 + p`` = key ``run * p + u`` of the block: ``Q_h K_h^T`` summed over
-    the group's heads ``h`` (``k_sb [128, run * HG * D]``, ``run`` keys a partition)."""
-    chunks = _chunks(D)
+    """``s_ps [R, run * P]``, column ``u * P + p`` = key ``run * p + u`` of the block: ``Q_h K_h^T`` summed over
+    the group's heads ``h`` (``k_sb [P, run * HG * D]``, ``run`` keys a partition)."""
+    chunks, keys = _chunks(D), k_sb.shape[0]
     pieces = [(u, h, c, u * HG * D + h * D + c0, size) for u in range(run) for h in range(HG)
               for c, c0, size in chunks]
-    kT = nl.ndarray((min(D, PMAX), len(pieces), PMAX), dtype=dt, buffer=nl.sbuf)
-    for first, count in _transpose_batches(len(pieces), PMAX, dt.itemsize):
-        kT_ps = nl.ndarray((min(D, PMAX), count, PMAX), dtype=dt, buffer=nl.psum)
+    kT = nl.ndarray((min(D, PMAX), len(pieces), keys), dtype=dt, buffer=nl.sbuf)
+    for batch, (first, count) in enumerate(_transpose_batches(len(pieces), keys, dt.itemsize)):
+        kT_ps = nl.ndarray((min(D, PMAX), count, keys), dtype=dt, buffer=nl.psum)
         for j in range(count):
             *_, c0, size = pieces[first + j]
             nisa.nc_transpose(kT_ps[0:size, j, :], k_sb[:, c0:c0 + size])
-        nisa.tensor_copy(kT[:, first:first + count, :], kT_ps)
+        # the evacuations alternate between the Vector and Scalar Engines, which the softmax leaves room on
+        nisa.tensor_copy(kT[:, first:first + count, :], kT_ps,
+                         engine=nisa.engine.scalar if batch % 2 else nisa.engine.vector)
     for j, (u, h, c, _, size) in enumerate(pieces):
-        nisa.nc_matmul(s_ps[:, u * PMAX:(u + 1) * PMAX], qT[h][0:size, c, :], kT[0:size, j, :],
+        nisa.nc_matmul(s_ps[:, u * keys:(u + 1) * keys], qT[h][0:size, c, :], kT[0:size, j, :],
                        accumulate=j % (HG * len(chunks)) > 0)
 
 
-def _mask(scores, key_index, k0, width, position, left):
-    """Scores of keys ``k0 + key_index[c]`` a row at ``position`` does not see -> NEG: past it, or before its
-    window."""
-    hidden = nl.ndarray(scores.shape, dtype=nl.uint8, buffer=nl.sbuf)
-    R = scores.shape[0]
-    nisa.tensor_scalar(hidden, key_index[0:R, 0:width], op0=nl.add, operand0=float(k0), op1=nl.greater,
-                       operand1=position)
-    nisa.tensor_copy_predicated(dst=scores, src=NEG, predicate=hidden)
-    if left is not None:
-        nisa.tensor_scalar(hidden, key_index[0:R, 0:width], op0=nl.add, operand0=float(k0 + left), op1=nl.less,
-                           operand1=position)
+def _mask(scores, key_index, k0, bounds, windowed):
+    """Scores of keys ``k0 + key_index[c]`` outside each row's ``[bounds[:, 0], bounds[:, 1]]`` -> NEG (the first
+    bound is 0, and not compared, without a window)."""
+    R, width = scores.shape
+    hidden = nl.ndarray((R, width), dtype=nl.uint8, buffer=nl.sbuf)
+    sides = ((bounds[:, 1:2], nl.greater), (bounds[:, 0:1], nl.less))
+    for side, past in sides[:2 if windowed else 1]:
+        nisa.tensor_scalar(hidden, key_index[0:R, 0:width], op0=nl.add, operand0=float(k0), op1=past, operand1=side,
+                           engine=nisa.engine.gpsimd)  # beside the Vector Engine's predicated copy
         nisa.tensor_copy_predicated(dst=scores, src=NEG, predicate=hidden)
 
 
-def _section_scores(qT, k_rows, k_slots, b0, blocks, run, R, HG, h0, D, scale, softcap, dt):
-    """``[R, blocks * run * 128]`` fp32: the section's scaled (and capped) scores, 512 per PSUM tile, in the
+def _evacuate(out, s_ps, scale, softcap):
+    """Scores from PSUM into ``out``, scaled (and capped)."""
+    if softcap is None:
+        nisa.activation(out, op=nl.copy, data=s_ps, scale=scale)
+    else:  # the Scalar Engine's tanh saturates: huge scores cap at +-softcap
+        nisa.activation(out, op=nl.tanh, data=s_ps, scale=scale / softcap)
+        nisa.tensor_scalar(out, out, op0=nl.multiply, operand0=softcap)
+
+
+def _section_scores(scores, qT, k_rows, k_slots, b0, run, HG, h0, D, scale, softcap, dt):
+    """``scores [R, blocks * run * 128]``: the section's scaled (and capped) scores, 512 per PSUM tile, in the
     blocks' column order (:func:`_scores_of_block`)."""
-    width = run * PMAX
-    scores = nl.ndarray((R, blocks * width), dtype=nl.float32, buffer=nl.sbuf)
+    R, width = scores.shape[0], run * PMAX
+    blocks = scores.shape[1] // width
     per_bank = SCORE_COLUMNS // width
     for first in nl.static_range(0, blocks, per_bank):
         count = min(per_bank, blocks - first)
@@ -128,37 +139,66 @@ def _section_scores(qT, k_rows, k_slots, b0, blocks, run, R, HG, h0, D, scale, s
             k_sb = nl.ndarray((PMAX, run * HG * D), dtype=dt, buffer=nl.sbuf)
             _gather_into(k_sb, k_rows, k_slots[:, b0 + first + i:b0 + first + i + 1], h0, HG, D, run)
             _scores_of_block(s_ps[:, i * width:(i + 1) * width], qT, k_sb, run, HG, D, dt)
-        out = scores[:, first * width:(first + count) * width]
-        if softcap is None:
-            nisa.activation(out, op=nl.copy, data=s_ps, scale=scale)
-        else:  # the Scalar Engine's tanh saturates: huge scores cap at +-softcap
-            nisa.activation(out, op=nl.tanh, data=s_ps, scale=scale / softcap)
-            nisa.tensor_scalar(out, out, op0=nl.multiply, operand0=softcap)
-    return scores
+        _evacuate(scores[:, first * width:(first + count) * width], s_ps, scale, softcap)
 
 
-def _section_values(p, v_rows, slots_sb, t0, tiles, R, HG, h0, Dv, rows_per_head, dt):
-    """``(P V)^T`` of the section, ``[min(Dv, 128), Dv chunks, R]`` in PSUM: each head's matmul takes its V as the
-    stationary operand and its rows' ``P^T`` columns as the moving one, into those rows' columns. V tile ``t``
-    holds the keys of P's columns ``t * 128 ..``, a key a partition."""
-    chunks = _chunks(Dv)
-    pvT = nl.ndarray((min(Dv, PMAX), len(chunks), R), dtype=nl.float32, buffer=nl.psum)
-    for first, count in _transpose_batches(tiles, R, dt.itemsize):
+def _tail_scores(scores, qT, k_rows, tail_slots, hidden, HG, h0, D, scale, softcap, dt):
+    """``scores [R, T]``: the keys of runs partly seen, a key a partition (``tail_slots [T, 1]``), masked where
+    ``hidden``."""
+    R, T = scores.shape
+    k_sb = nl.ndarray((T, HG * D), dtype=dt, buffer=nl.sbuf)
+    _gather_into(k_sb, k_rows, tail_slots, h0, HG, D)
+    s_ps = nl.ndarray((R, T), dtype=nl.float32, buffer=nl.psum)
+    _scores_of_block(s_ps, qT, k_sb, 1, HG, D, dt)
+    _evacuate(scores, s_ps, scale, softcap)
+    nisa.tensor_copy_predicated(dst=scores, src=NEG, predicate=hidden)
+
+
+def _values_into(pvT, v_sb, pT, HG, Dv, rows_per_head, accumulate):
+    """``pvT[:, :, rows of head h] (+)= V_h^T P^T`` for the group's heads (``v_sb [keys, HG * Dv]``, ``pT [keys,
+    R]``)."""
+    for h in range(HG):
+        cols = slice(h * rows_per_head, (h + 1) * rows_per_head)
+        for c, c0, size in _chunks(Dv):
+            nisa.nc_matmul(pvT[0:size, c, cols], v_sb[:, h * Dv + c0:h * Dv + c0 + size], pT[:, cols],
+                           accumulate=accumulate)
+
+
+def _section_values(p, v_rows, v_slots, b0, run, R, HG, h0, Dv, rows_per_head, dt):
+    """``(P V)^T`` of the section's blocks, ``[min(Dv, 128), Dv chunks, R]`` in PSUM: each head's matmul takes its V
+    as the stationary operand and its rows' ``P^T`` columns as the moving one, into those rows' columns. A block's V
+    arrives as its K did, ``run`` keys a partition (runs wholly seen; the others are zeros here)."""
+    pvT = nl.ndarray((min(Dv, PMAX), len(_chunks(Dv)), R), dtype=nl.float32, buffer=nl.psum)
+    tiles = p.shape[1] // PMAX
+    for first, count in _transpose_batches(tiles, R, dt.itemsize, run):
         pT_ps = nl.ndarray((PMAX, count, R), dtype=dt, buffer=nl.psum)
         for j in nl.static_range(count):
             nisa.nc_transpose(pT_ps[:, j, :], p[:, (first + j) * PMAX:(first + j + 1) * PMAX])
         pT = nl.ndarray((PMAX, count, R), dtype=dt, buffer=nl.sbuf)
         nisa.tensor_copy(pT, pT_ps)
-        for j in nl.static_range(count):
-            v_sb = nl.ndarray((PMAX, HG * Dv), dtype=dt, buffer=nl.sbuf)
-            nisa.memset(v_sb, 0.0)  # a skipped row stays 0: P is 0 there, and 0 * stale data may be NaN
-            _gather_into(v_sb, v_rows, slots_sb[:, t0 + first + j:t0 + first + j + 1], h0, HG, Dv)
-            for h in range(HG):
-                cols = slice(h * rows_per_head, (h + 1) * rows_per_head)
-                for c, c0, size in chunks:
-                    nisa.nc_matmul(pvT[0:size, c, cols], v_sb[:, h * Dv + c0:h * Dv + c0 + size], pT[:, j, cols],
-                                   accumulate=first + j > 0)
+        for i in nl.static_range(count // run):
+            n = b0 + first // run + i
+            v_sb = nl.ndarray((PMAX, run * HG * Dv), dtype=dt, buffer=nl.sbuf)
+            nisa.memset(v_sb, 0.0)  # a skipped run stays 0: P is 0 there, and 0 * stale data may be NaN
+            _gather_into(v_sb, v_rows, v_slots[:, n:n + 1], h0, HG, Dv, run)
+            for u in range(run):
+                j = i * run + u
+                _values_into(pvT, v_sb[:, u * HG * Dv:(u + 1) * HG * Dv], pT[:, j, :], HG, Dv, rows_per_head,
+                             first + j > 0)
     return pvT
+
+
+def _tail_values(pvT, p, v_rows, tail_slots, R, HG, h0, Dv, rows_per_head, dt):
+    """``pvT += `` the tail keys' ``(P V)^T`` (``p [R, T]``, :func:`_tail_scores`)."""
+    T = p.shape[1]
+    pT_ps = nl.ndarray((T, R), dtype=dt, buffer=nl.psum)
+    nisa.nc_transpose(pT_ps, p)
+    pT = nl.ndarray((T, R), dtype=dt, buffer=nl.sbuf)
+    nisa.tensor_copy(pT, pT_ps)
+    v_sb = nl.ndarray((T, HG * Dv), dtype=dt, buffer=nl.sbuf)
+    nisa.memset(v_sb, 0.0)
+    _gather_into(v_sb, v_rows, tail_slots, h0, HG, Dv)
+    _values_into(pvT, v_sb, pT, HG, Dv, rows_per_head, True)
 
 
 def _rescaled(acc, pvT, alpha, R, Dv):
@@ -223,49 +263,61 @@ def _finish(acc, m, l_sum, position, sink, R, width, dt):
 
 
 @nki.jit
-def paged_attention_kernel(q, k_rows, v_rows, k_slots, v_slots, positions, sinks=None, scale=1.0, window_left=None,
-                           softcap=None):
+def paged_attention_kernel(q, k_rows, v_rows, k_slots, v_slots, bounds, tail_slots=None, tail_hidden=None, sinks=None,
+                           scale=1.0, softcap=None, windowed=False):
     """``q [B, Hkv * Sq * G, D]``: each sequence's query rows ordered (KV head, token, query head of its group);
-    ``k_rows [slots, Hkv, D]``, ``v_rows [slots, Hkv, Dv]``: the caches' token rows; keys in blocks of ``run *
-    128``, key ``run * p + u`` of block ``n`` at partition ``p``: ``k_slots [B, 128, blocks]`` int32, the slot of
-    its first key (the run's keys are consecutive slots of a page), ``v_slots [B, 128, blocks * run]`` int32, column
-    ``n * run + u``: its key ``u``'s slot; past the pool where no row sees a key (a run: none of its keys).
-    ``positions [B, Hkv * Sq * G, 1]`` and ``sinks`` (None or ``[Hkv * Sq * G, 1]``) float32 per row. -> ``out [B,
-    Hkv * Sq * G, Dv]``, ``lse [B, Hkv * Sq * G, 1]`` float32. ``scale``, ``window_left`` (None: unbounded) and
-    ``softcap`` are trace-time constants."""
+    ``k_rows [slots, Hkv, D]``, ``v_rows [slots, Hkv, Dv]``: the caches' token rows. Keys in blocks of ``run * 128``,
+    key ``run * p + u`` of block ``n`` at partition ``p``, a run being consecutive slots of a page: ``k_slots`` and
+    ``v_slots [B, 128, blocks]`` int32, a run's first slot, past the pool where no row sees any of its keys (K) or
+    not every one (V). ``bounds [B, Hkv * Sq * G, 3]`` float32, per row: the first and last key it sees in runs wholly
+    seen, and its position. The keys of runs partly seen, ``T`` of them (None without runs): ``tail_slots [B, T,
+    1]`` int32 and ``tail_hidden [B, Hkv * Sq * G, T]`` uint8, 1 where the row does not see it. ``sinks``: None or
+    ``[Hkv * Sq * G, 1]`` float32 per row. -> ``out [B, Hkv * Sq * G, Dv]``, ``lse [B, Hkv * Sq * G, 1]`` float32.
+    ``scale``, ``softcap`` and ``windowed`` (a window bounds the rows' first keys) are trace-time constants."""
     B, rows_all, D = q.shape
     Hkv, Dv = k_rows.shape[1], v_rows.shape[2]
     rows_per_head = rows_all // Hkv
-    n_tiles = v_slots.shape[2]
-    run = n_tiles // k_slots.shape[2]
+    n_blocks = k_slots.shape[2]
+    run = 1 if tail_slots is None else tail_slots.shape[1] // 2 + 1
+    T = 0 if tail_slots is None else tail_slots.shape[1]
     dt = q.dtype
     out = nl.ndarray((B, rows_all, Dv), dtype=dt, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, rows_all, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-    section_tiles = max(1, SECTION_KEYS // (run * PMAX)) * run
+    section_blocks = max(1, SECTION_KEYS // (run * PMAX))
     # each score column's key within its section: column (block n, u, p) holds key n * run * 128 + run * p + u
-    blocks = min(n_tiles, section_tiles) // run
+    blocks = min(n_blocks, section_blocks)
     key_index = nl.ndarray((PMAX, blocks * run * PMAX), dtype=nl.float32, buffer=nl.sbuf)
     nisa.iota(key_index, pattern=[[run * PMAX, blocks], [1, run], [run, PMAX]], offset=0)
     for b in nl.affine_range(B):
-        k_slots_sb = nl.ndarray((PMAX, n_tiles // run), dtype=nl.int32, buffer=nl.sbuf)
+        k_slots_sb = nl.ndarray((PMAX, n_blocks), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(k_slots_sb, k_slots[b])
-        v_slots_sb = nl.ndarray((PMAX, n_tiles), dtype=nl.int32, buffer=nl.sbuf)
+        v_slots_sb = nl.ndarray((PMAX, n_blocks), dtype=nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(v_slots_sb, v_slots[b])
+        if T:
+            tail_sb = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.sbuf)
+            nisa.dma_copy(tail_sb, tail_slots[b])
         for h0, HG in groups(Hkv, rows_per_head, Dv):
             R, r0 = HG * rows_per_head, h0 * rows_per_head
             q_sb = nl.ndarray((R, D), dtype=dt, buffer=nl.sbuf)
             nisa.dma_copy(q_sb, q[b, r0:r0 + R, :])
             qT = _query_columns(q_sb, R, D, HG, rows_per_head, dt)
-            position = _column(positions[b, r0:r0 + R, :], R)
+            bounds_sb = nl.ndarray((R, 3), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(bounds_sb, bounds[b, r0:r0 + R, :])
             m = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.memset(m, NEG)
             l_sum = nl.zeros((R, 1), dtype=nl.float32, buffer=nl.sbuf)
             acc = nl.zeros((R, Dv), dtype=nl.float32, buffer=nl.sbuf)
-            for t0 in nl.static_range(0, n_tiles, section_tiles):
-                tiles = min(section_tiles, n_tiles - t0)
-                scores = _section_scores(qT, k_rows, k_slots_sb, t0 // run, tiles // run, run, R, HG, h0, D, scale,
-                                         softcap, dt)
-                _mask(scores, key_index, t0 * PMAX, tiles * PMAX, position, window_left)
+            for n0 in nl.static_range(0, n_blocks, section_blocks):
+                width = min(section_blocks, n_blocks - n0) * run * PMAX
+                tail = T if n0 + section_blocks >= n_blocks else 0  # the last section takes the tail's keys
+                scores = nl.ndarray((R, width + tail), dtype=nl.float32, buffer=nl.sbuf)
+                _section_scores(scores[:, 0:width], qT, k_rows, k_slots_sb, n0, run, HG, h0, D, scale, softcap, dt)
+                _mask(scores[:, 0:width], key_index, n0 * run * PMAX, bounds_sb, windowed)
+                if tail:
+                    hidden = nl.ndarray((R, T), dtype=nl.uint8, buffer=nl.sbuf)
+                    nisa.dma_copy(hidden, tail_hidden[b, r0:r0 + R, :])
+                    _tail_scores(scores[:, width:width + T], qT, k_rows, tail_sb, hidden, HG, h0, D, scale, softcap,
+                                 dt)
                 # m_new = max(m, rowmax); alpha = exp(m - m_new); p = exp(s - m_new), its sums on the way
                 m_new = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.tensor_reduce(m_new, op=nl.maximum, data=scores, axis=1, keepdims=True)
@@ -274,17 +326,19 @@ def paged_attention_kernel(q, k_rows, v_rows, k_slots, v_slots, positions, sinks
                 nisa.tensor_scalar(neg_m, m_new, op0=nl.multiply, operand0=-1.0)
                 alpha = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.activation(alpha, op=nl.exp, data=m, bias=neg_m)
-                p = nl.ndarray((R, tiles * PMAX), dtype=dt, buffer=nl.sbuf)
+                p = nl.ndarray((R, width + tail), dtype=dt, buffer=nl.sbuf)
                 row_sum = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
                 nisa.activation(p, op=nl.exp, data=scores, bias=neg_m, reduce_op=nl.add, reduce_res=row_sum,
                                 reduce_cmd=nisa.reduce_cmd.reset_reduce)
                 nisa.scalar_tensor_tensor(l_sum, data=l_sum, op0=nl.multiply, operand0=alpha, op1=nl.add,
                                           operand1=row_sum)
-                pvT = _section_values(p, v_rows, v_slots_sb, t0, tiles, R, HG, h0, Dv, rows_per_head, dt)
+                pvT = _section_values(p[:, 0:width], v_rows, v_slots_sb, n0, run, R, HG, h0, Dv, rows_per_head, dt)
+                if tail:
+                    _tail_values(pvT, p[:, width:width + T], v_rows, tail_sb, R, HG, h0, Dv, rows_per_head, dt)
                 _rescaled(acc, pvT, alpha, R, Dv)
                 nisa.tensor_copy(m, m_new)
             sink = None if sinks is None else _column(sinks[r0:r0 + R, :], R)
-            o, lse_t = _finish(acc, m, l_sum, position, sink, R, Dv, dt)
+            o, lse_t = _finish(acc, m, l_sum, bounds_sb[:, 2:3], sink, R, Dv, dt)
             nisa.dma_copy(out[b, r0:r0 + R, :], o)
             nisa.dma_copy(lse[b, r0:r0 + R, :], lse_t)
     return out, lse
@@ -297,26 +351,59 @@ def cache_rows(cache):
 
 
 def run_of(page_size: int) -> int:
-    """Keys a partition of a K gather: consecutive slots of one page, up to 4 (a block of ``run * 128`` keys, one PSUM
+    """Keys a partition of a gather: consecutive slots of one page, up to 4 (a block of ``run * 128`` keys, one PSUM
     bank of scores)."""
     return next(n for n in (4, 2, 1) if page_size % n == 0)
 
 
-def _key_slots(block_table, cache_seqlens, sq, page_size, num_slots, window_left, n_blocks, run):
-    """``(k_slots [B, 128, blocks], v_slots [B, 128, blocks * run])`` int32 as the kernel takes them: ``num_slots``
-    (past the pool: not read) where no query of the sequence sees the key, or no key of the run, which covers every
-    entry of the table that the checks let hold anything."""
-    b = block_table.shape[0]
-    keys = torch.arange(n_blocks * PMAX * run, device=block_table.device)
-    columns = (keys // page_size).clamp(max=block_table.shape[1] - 1).expand(b, -1)
-    slots = block_table.long().gather(1, columns) * page_size + keys % page_size
+def kernel_tables(block_table, cache_seqlens, sq, hkv, group, page_size, num_slots, left):
+    """The kernel's ``k_slots, v_slots, bounds, tail_slots, tail_hidden`` (:func:`paged_attention_kernel`). A slot of
+    ``num_slots`` is past the pool: never read. Every key no query of a sequence sees (past its length, before its
+    window) gets it, which covers every table entry the checks let hold anything. A run partly seen (at most one at
+    each end of a sequence's seen keys) is read whole for K, its keys outside masked, and key by key for V (a slot
+    past a sequence's length may hold anything, and 0 * NaN is NaN)."""
+    run = run_of(page_size)
+    b, device = block_table.shape[0], block_table.device
+    n_blocks = -(-block_table.shape[1] * page_size // (run * PMAX))
+
+    def slots_of(keys):
+        columns = (keys // page_size).clamp(0, block_table.shape[1] - 1).expand(b, -1)
+        return block_table.long().gather(1, columns) * page_size + keys % page_size
+
+    keys = torch.arange(n_blocks * PMAX * run, device=device)
     lengths = cache_seqlens.long()[:, None]
-    first = 0 if window_left is None else (lengths - sq - window_left).clamp(min=0)
+    first = torch.zeros_like(lengths) if left is None else (lengths - sq - left).clamp(min=0)
     seen = ((keys >= first) & (keys < lengths)).view(b, n_blocks, PMAX, run)
-    slots = slots.view(b, n_blocks, PMAX, run)
-    k_slots = torch.where(seen.any(-1), slots[..., 0], num_slots).to(torch.int32).transpose(1, 2).contiguous()
-    v_slots = torch.where(seen, slots, num_slots).to(torch.int32).permute(0, 2, 1, 3).reshape(b, PMAX, -1)
-    return k_slots, v_slots.contiguous()
+    starts = slots_of(keys[None, ::run]).view(b, n_blocks, PMAX)
+
+    def table(read):
+        return torch.where(read, starts, num_slots).to(torch.int32).transpose(1, 2).contiguous()
+
+    # runs wholly seen: [whole_first, whole_end); the partly seen runs' keys: [first, ..) and [.., lengths)
+    whole_first, whole_end = (first + run - 1) // run * run, lengths // run * run
+    positions = lengths - sq + torch.arange(sq, device=device)  # [B, Sq]
+    lo = whole_first if left is None else torch.maximum(positions - left, whole_first)
+    rows = torch.stack([lo.expand_as(positions), torch.minimum(positions, whole_end - 1), positions], -1)
+    tail_slots = tail_hidden = None
+    if run > 1:
+        head_end = torch.minimum(whole_first, lengths)
+        tail_start = torch.maximum(whole_end, head_end)
+        steps = torch.arange(run - 1, device=device)
+        tail = torch.cat([first + steps, tail_start + steps], 1)  # [B, T]
+        real = torch.cat([first + steps < head_end, tail_start + steps < lengths], 1)
+        tail_slots = torch.where(real, slots_of(tail), num_slots).to(torch.int32)[..., None].contiguous()
+        sees = real[:, None] & (tail[:, None] <= positions[..., None])  # [B, Sq, T]
+        if left is not None:
+            sees &= tail[:, None] >= positions[..., None] - left
+        tail_hidden = _per_row((~sees).to(torch.uint8), hkv, group)
+    bounds = _per_row(rows.to(torch.float32), hkv, group)
+    return table(seen.any(-1)), table(seen.all(-1)), bounds, tail_slots, tail_hidden
+
+
+def _per_row(t, hkv, group):
+    """``[B, Sq, n]`` per token -> ``[B, Hkv * Sq * G, n]`` per query row (:func:`_as_rows`' order)."""
+    b, sq, n = t.shape
+    return t[:, None, :, None, :].expand(b, hkv, sq, group, n).reshape(b, -1, n).contiguous()
 
 
 def _as_rows(t, hkv):
@@ -325,17 +412,18 @@ def _as_rows(t, hkv):
     return t.reshape(b, sq, hkv, hq // hkv, d).transpose(1, 2).reshape(b, -1, d).contiguous()
 
 
-def _fake(q, k_rows, v_rows, k_slots, v_slots, positions, sinks, scale, window_left, softcap):
+def _fake(q, k_rows, v_rows, k_slots, v_slots, bounds, tail_slots, tail_hidden, sinks, scale, softcap, windowed):
     return (q.new_empty((*q.shape[:-1], v_rows.shape[-1])), q.new_empty((*q.shape[:-1], 1), dtype=torch.float32))
 
 
 @kernel_op("paged_attention", _fake)
 def paged_attention_op(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, k_slots: torch.Tensor,
-                       v_slots: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor | None, scale: float,
-                       window_left: int | None, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+                       v_slots: torch.Tensor, bounds: torch.Tensor, tail_slots: torch.Tensor | None,
+                       tail_hidden: torch.Tensor | None, sinks: torch.Tensor | None, scale: float,
+                       softcap: float | None, windowed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's launch as the op ``portable_ops_nki::paged_attention`` (its arguments as the kernel's)."""
-    return launch(paged_attention_kernel, q, k_rows, v_rows, k_slots, v_slots, positions, sinks=sinks, scale=scale,
-                  window_left=window_left, softcap=softcap)
+    return launch(paged_attention_kernel, q, k_rows, v_rows, k_slots, v_slots, bounds, tail_slots=tail_slots,
+                  tail_hidden=tail_hidden, sinks=sinks, scale=scale, softcap=softcap, windowed=windowed)
 
 
 def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, window=None, softcap=None, sinks=None):
@@ -345,16 +433,11 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, w
     page_size, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
     group = hq // hkv
     left = None if window is None or window[0] is None else int(window[0])
-    run = run_of(page_size)
-    n_blocks = -(-block_table.shape[1] * page_size // (run * PMAX))
-    slots = _key_slots(block_table, cache_seqlens, sq, page_size, k_cache.shape[0] * page_size, left, n_blocks, run)
-    # each query row's position in its sequence: its token's, the same for every head
-    positions = (cache_seqlens.long()[:, None] - sq + torch.arange(sq, device=q.device)).to(torch.float32)
-    positions = positions[:, None, :, None, None].expand(b, hkv, sq, group, 1).reshape(b, -1, 1).contiguous()
+    tables = kernel_tables(block_table, cache_seqlens, sq, hkv, group, page_size, k_cache.shape[0] * page_size, left)
     sink_rows = None if sinks is None else \
         sinks.to(torch.float32).view(hkv, 1, group).expand(hkv, sq, group).reshape(-1, 1).contiguous()
-    out, lse = paged_attention_op(_as_rows(q, hkv), cache_rows(k_cache), cache_rows(v_cache), *slots, positions,
-                                  sink_rows, float(scale), left, float(softcap) if softcap else None)
+    out, lse = paged_attention_op(_as_rows(q, hkv), cache_rows(k_cache), cache_rows(v_cache), *tables, sink_rows,
+                                  float(scale), float(softcap) if softcap else None, left is not None)
     out = out.view(b, hkv, sq, group, dv).transpose(1, 2).reshape(b, sq, hq, dv)
     return out, lse.view(b, hkv, sq, group).permute(0, 1, 3, 2).reshape(b, hq, sq)
 
