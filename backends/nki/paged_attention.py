@@ -3,24 +3,27 @@ is moot: queries are a sequence's last tokens), softcap, sinks, lse, and v's own
 
 Keys. The caches ``[num_pages, page_size, Hkv, D]`` are seen as rows ``[slots, Hkv, D]``: token ``j`` of sequence
 ``b`` is slot ``block_table[b, j // page_size] * page_size + j % page_size`` (vLLM's slot mapping), one row of every
-KV head's ``D`` values. The host maps the table to slots, 128 keys per tile, giving every key that no query of the
-sequence sees (past its length, before its window: the table's unused and released entries among them) a slot past
-the pool. The kernel gathers a tile's rows with one indirect DMA per cache, a row per partition
-(``.ap(vector_offset=...)``, every KV head of a group in one descriptor); rows past the pool are skipped
-(``oob_mode.skip``), so each page is read once, and only where some query sees it. A skipped K row's scores are
-masked; a V tile is zeroed before its gather, so a skipped row adds nothing to ``P V``.
+KV head's ``D`` values. Keys go in blocks of ``run * 128``, ``run`` consecutive slots of a page (up to 4) on each
+partition, and each block's K and V arrive in one indirect DMA per cache (``.ap(vector_offset=...)``, a run of
+rows of every KV head of a group per partition). The host maps the block table to the runs' first slots, giving a
+run that no query of the sequence sees a slot past the pool, which the DMA skips (``oob_mode.skip``): a page is
+read once, and only where some query sees it. A K run with a seen key is read whole (its other keys are masked),
+a V run only when every key is seen, as a slot past a sequence's length may hold anything and ``0 * NaN`` is NaN;
+the keys of the runs a sequence's ends cut (at most ``run - 1`` at each end) come key by key as a tail of the
+last section. V tiles are zeroed before their gathers, so a skipped run adds nothing to ``P V``.
 
 Rows. A sequence's query rows for a group of KV heads, ordered (KV head, query token, query head of its group), share
 the partitions (at most 128), and one score tile serves every head of the group: each head's matmul contracts its
 keys with a copy of ``Q^T`` whose other heads' columns are zero, all accumulating into one PSUM tile, so the softmax
-runs once per tile for every head. ``P V`` likewise gives every row each head's values, and each row keeps its own
-head's. A key of one KV head that is not finite therefore reaches the other heads' rows at that position (0 * inf).
+runs once per tile for every head. A key of one KV head that is not finite therefore reaches the other heads' rows
+at that position (0 * inf). ``P V`` is computed transposed: each head's V is the stationary operand and its rows'
+``P^T`` columns the moving one, into those rows' columns of ``(P V)^T``.
 
-Softmax by sections of keys: the section's scores go to SBUF (scaled, capped, then masked by each row's position:
-key ``j`` is seen by the row at position ``p`` iff ``p - left <= j <= p``), then its row max, the exps and their sums
-once, and ``P V`` accumulates in PSUM over its tiles: the accumulator is rescaled once per section, not per tile.
-Rows end as in ``attention.py`` (sinks join the denominator last; rows that see no key give 0 and -inf, or their
-sink). Semantics: ``portable_ops/definitions/paged.py``.
+Softmax by sections of keys: the section's scores go to SBUF (scaled, capped, then masked by each row's bounds,
+from the host: the row at position ``p`` sees key ``j`` iff ``p - left <= j <= p``), then its row max, the exps and
+their sums once, and ``P V`` accumulates in PSUM over its blocks: the accumulator is rescaled once per section, not
+per tile. Rows end as in ``attention.py`` (sinks join the denominator last; rows that see no key give 0 and -inf,
+or their sink). Semantics: ``portable_ops/definitions/paged.py``.
 """
 
 from __future__ import annotations
