@@ -35,6 +35,8 @@ def test_rows_that_see_no_key_give_zero_and_minus_infinity_or_their_sink(sinks):
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.equal(out[1, 0], torch.zeros_like(out[1, 0]))
     no_key = torch.full((4,), float("-inf")) if sinks is None else sinks
     assert torch.equal(lse[0, :, 0], no_key)
+    out, lse = _nki_and_reference(q, k_cache, v_cache, table[:, :0], torch.zeros(2, dtype=torch.int32), sinks=sinks)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse[1, :, 2], no_key)  # a table of no pages
 
 
 @pytest.mark.parametrize("page", [1, 2, 4])

@@ -367,6 +367,8 @@ def kernel_tables(block_table, cache_seqlens, sq, hkv, group, page_size, num_slo
     past a sequence's length may hold anything, and 0 * NaN is NaN)."""
     run = run_of(page_size)
     b, device = block_table.shape[0], block_table.device
+    if block_table.shape[1] == 0:  # no pages (every length 0): one entry, never read, keeps the tables' shapes
+        block_table = block_table.new_zeros((block_table.shape[0], 1))
     n_blocks = -(-block_table.shape[1] * page_size // (run * PMAX))
 
     def slots_of(keys):
