@@ -99,7 +99,7 @@ def test_dma_priority_is_neuroncore_v4s_and_engine_picks_the_hardware_dge_sequen
 def _gather_then_scatter(data, index, out, oob=nisa.oob_mode.skip, dge=nisa.dge_mode.swdge, index_in_hbm=False,
                          pattern=None):
     """Rows ``index[p]`` of ``data`` to ``out`` (rows past it: zeros), then those rows of ``data`` doubled."""
-    P, F = index.shape[0], data.shape[1]
+    P, F = index.shape[0], out.shape[1]
     pattern = pattern or [[F, P], [1, F]]
     rows = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
     nisa.dma_copy(rows, index)
@@ -126,13 +126,16 @@ def test_an_indirect_dma_gathers_and_scatters_the_indexed_rows_and_skips_those_p
 @pytest.mark.parametrize("bad, rule", [(dict(oob=nisa.oob_mode.error), "dma-oob"),
                                        (dict(dge=nisa.dge_mode.hwdge), "indirect-dge"),
                                        (dict(index_in_hbm=True), "indirect-index"),
+                                       (dict(pattern=[[5, 2], [5, 2], [1, 5]], oob=nisa.oob_mode.error), "dma-oob"),
                                        (dict(pattern=[[5, 2], [1]]), "access-pattern"),
                                        (dict(pattern=[[1, 2], [1, 5]]), "api-subset")],
-                         ids=["out of bounds", "hardware DGE", "index in HBM", "malformed", "partition step"])
+                         ids=["out of bounds", "hardware DGE", "index in HBM", "a run past the end", "malformed",
+                              "partition step"])
 def test_an_indirect_dma_refuses_what_the_hardware_would(bad, rule):
-    data, index = torch.randn(6, 5), torch.tensor([[4], [6]], dtype=torch.int32)
+    data, index = torch.randn(6, 5), torch.tensor([[4], [5 if "pattern" in bad else 6]], dtype=torch.int32)
     before = data.clone()
-    rejects(rule, _gather_then_scatter, data, index, torch.zeros(2, 5), **bad)
+    width = 10 if rule == "dma-oob" and "pattern" in bad else 5  # two rows a partition
+    rejects(rule, _gather_then_scatter, data, index, torch.zeros(2, width), **bad)
     assert torch.equal(data, before)
 
 

@@ -74,13 +74,18 @@ class IndirectView(core.Tensor):
         return data.as_strided((data.untyped_storage().nbytes() // data.element_size(),), (1,), 0)
 
     def in_bounds(self, oob) -> torch.Tensor:
-        """``[P]`` bool: the partitions whose row exists; an index past the rows is refused unless ``oob`` is skip."""
+        """``[P]`` bool: the partitions whose row exists and whose pattern stays inside the indexed tensor; any other is
+        refused unless ``oob`` is skip."""
         rows = self.index.data.reshape(-1).to(torch.int64)
-        inside = (rows >= 0) & (rows < self.rows)
+        data = self.base.data
+        end = data.storage_offset() + sum((n - 1) * step for n, step in zip(data.shape, data.stride())) + 1
+        last = self.start + rows * self.row_stride + sum((n - 1) * step for n, step in zip(self.data.shape[1:],
+                                                                                           self.data.stride()[1:]))
+        inside = (rows >= 0) & (rows < self.rows) & (last < end)
         if oob.name == "error" and not bool(inside.all()):
             p = int((~inside).nonzero()[0])
-            core.reject("dma-oob", f"dma_copy: partition {p}'s index {int(rows[p])} is outside the {self.rows} rows "
-                        "of the indirect axis (oob_mode.error; oob_mode.skip leaves such rows unmoved)")
+            core.reject("dma-oob", f"dma_copy: partition {p}'s index {int(rows[p])} addresses past the indexed "
+                        f"tensor {self.base.shape} (oob_mode.error; oob_mode.skip leaves such rows unmoved)")
         return inside
 
     def gather(self) -> torch.Tensor:
