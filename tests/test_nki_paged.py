@@ -62,7 +62,7 @@ def test_several_sections_of_keys_and_groups_of_kv_heads(monkeypatch):
     monkeypatch.setattr(nki_paged, "SECTION_KEYS", 256)
     k_cache, v_cache, table, seqlens = paged_cache([600, 3], 16, dtype=torch.float32)
     q = torch.randn(2, 2, 80, 8)
-    assert len(nki_paged.groups(2, 80, 8)) == 2
+    assert len(nki_paged.groups(2, 80, 8, 8, 4)) == 2
     _nki_and_reference(q, k_cache, v_cache, table, seqlens, softcap=20.0, sinks=torch.randn(80))
 
 
@@ -76,3 +76,8 @@ def test_calls_the_kernel_cannot_take_are_declined_with_the_reason():
         choice = portable_ops.explain("paged_attention", wide, k_cache, v_cache, table, seqlens)
         assert choice.rejected["nki"] == ["3 new tokens x 43 query heads per KV head = 129 query rows per KV head; "
                                           "the NKI kernel holds them on its 128 partitions"]
+        many = torch.zeros(k_cache.shape[0], 4, 40, 512)  # a token's row: 40 KV heads x 512 float32, 80 KiB
+        new = torch.zeros(2, 1, 40, 512)
+        choice = portable_ops.explain("paged_kv_append", many, many, table, seqlens - 1, new, new)
+        assert choice.rejected["nki"] == ["a token's row of every KV head is 81920 bytes; the NKI kernel moves it "
+                                          "through one partition of SBUF, at most 65536"]

@@ -70,7 +70,8 @@ BACKEND = Backend(
         "rope_inplace": OpImpl(run=rope_inplace, supports=rope_supports, dtypes=DTYPES),
         "paged_attention": OpImpl(run=paged_attention, supports=paged_attention_supports, dtypes=DTYPES,
                                   max_head_dim=PAGED_MAX_HEAD_DIM),
-        "paged_kv_append": OpImpl(run=paged_kv_append, supports=paged_kv_append_supports, dtypes=DTYPES),
+        "paged_kv_append": OpImpl(run=paged_kv_append, supports=paged_kv_append_supports, dtypes=DTYPES,
+                                  max_head_dim=PAGED_MAX_HEAD_DIM),
     },
     runtime_reasons=_runtime_reasons,
     description="NKI kernels for Trainium2/3, custom ops through "

@@ -37,14 +37,18 @@ PMAX = 128  # partitions: keys per tile, query rows per group, a transpose's lar
 SCORE_COLUMNS = 512  # fp32 per PSUM bank: scores, or (P V)^T
 PSUM_BANK_BYTES = 2048  # per partition (nl.tile_size.psum_bank_fmax_bytes)
 SECTION_KEYS = 4096  # keys whose scores are in SBUF at once (16 KiB fp32 per partition)
+MAX_RUN = 4  # consecutive slots of a page a partition of a gather holds: a block of 512 keys, a PSUM bank of scores
+GATHER_BYTES = 32 * 1024  # of a partition, for one block's K or V tile
 NEG = -1.0e30  # a masked score: finite, so exp(NEG - NEG) is 1, never NaN
 MAX_HEAD_DIM = 576  # DeepSeek's absorbed MLA (576 / 512): its v's 512 fp32 is one PSUM bank
 
 
-def groups(hkv: int, rows_per_head: int, dv: int) -> list[tuple[int, int]]:
+def groups(hkv: int, rows_per_head: int, d: int, dv: int, itemsize: int) -> list[tuple[int, int]]:
     """``(first KV head, heads)`` of each group sharing the partitions: at most 128 query rows, whose ``(P V)^T``
-    (v's head dim in chunks of 128 on the partitions, the rows on the free axis) fits one PSUM bank."""
-    per_group = max(1, min(PMAX // rows_per_head, SCORE_COLUMNS // (len(_chunks(dv)) * rows_per_head)))
+    (v's head dim in chunks of 128 on the partitions, the rows on the free axis) fits one PSUM bank, and whose
+    gathered K or V block takes at most ``GATHER_BYTES`` of a partition."""
+    per_group = max(1, min(PMAX // rows_per_head, SCORE_COLUMNS // (len(_chunks(dv)) * rows_per_head),
+                           GATHER_BYTES // (MAX_RUN * max(d, dv) * itemsize)))
     return [(h0, min(per_group, hkv - h0)) for h0 in range(0, hkv, per_group)]
 
 
@@ -299,7 +303,7 @@ def paged_attention_kernel(q, k_rows, v_rows, k_slots, v_slots, bounds, tail_slo
         if T:
             tail_sb = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.sbuf)
             nisa.dma_copy(tail_sb, tail_slots[b])
-        for h0, HG in groups(Hkv, rows_per_head, Dv):
+        for h0, HG in groups(Hkv, rows_per_head, D, Dv, dt.itemsize):
             R, r0 = HG * rows_per_head, h0 * rows_per_head
             q_sb = nl.ndarray((R, D), dtype=dt, buffer=nl.sbuf)
             nisa.dma_copy(q_sb, q[b, r0:r0 + R, :])
@@ -356,7 +360,7 @@ def cache_rows(cache):
 def run_of(page_size: int) -> int:
     """Keys a partition of a gather: consecutive slots of one page, up to 4 (a block of ``run * 128`` keys, one PSUM
     bank of scores)."""
-    return next(n for n in (4, 2, 1) if page_size % n == 0)
+    return next(n for n in (MAX_RUN, 2, 1) if page_size % n == 0)
 
 
 def kernel_tables(block_table, cache_seqlens, sq, hkv, group, page_size, num_slots, left):

@@ -13,6 +13,8 @@ from .compat import nki, nisa, nl
 from .paged_attention import PMAX, cache_rows
 from .runtime import kernel_op, launch, no_outputs
 
+ROW_BYTES = 64 * 1024  # of a partition: a token's row of every KV head, k's or v's
+
 
 @nki.jit
 def paged_kv_append_kernel(k_rows, v_rows, slots, k_new, v_new):
@@ -62,4 +64,8 @@ def paged_kv_append_supports(call) -> list[str]:
                        "has no such rows")
     if k_cache.shape[0] * k_cache.shape[1] >= 2 ** 31:
         reasons.append("a pool of 2^31 or more token slots: the NKI kernel's scatter indices are int32")
+    row = k_cache.shape[2] * max(k_cache.shape[3], v_cache.shape[3]) * k_cache.element_size()
+    if row > ROW_BYTES:
+        reasons.append(f"a token's row of every KV head is {row} bytes; the NKI kernel moves it through one partition "
+                       f"of SBUF, at most {ROW_BYTES}")
     return reasons
