@@ -18,6 +18,9 @@ NOT_REFERENCE = [b for b in BACKENDS if b != "reference"]
 # kernel backends without packed sequences and paged caches (their Backend.declined says so), and with
 DECLINING = [b for b in NOT_REFERENCE if "attention_varlen_fwd" in dispatch.get_backend(b).declined]
 TAKING = [b for b in NOT_REFERENCE if b not in DECLINING]
+# kernel backends without paged caches (whether or not they have packed sequences), and with
+PAGED_DECLINING = [b for b in NOT_REFERENCE if "paged_attention" in dispatch.get_backend(b).declined]
+PAGED_TAKING = [b for b in NOT_REFERENCE if b not in PAGED_DECLINING]
 
 
 def definition_mask(sq, skv, causal, window):

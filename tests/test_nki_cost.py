@@ -361,3 +361,15 @@ def test_bench_nki_prices_the_cross_entropy_rows_and_says_what_bounds_them(bench
         assert row["launches"] == 1 and row["Trn2 bound"] != "dma", (name, row)
     assert rows["Llama 3"]["Trn2 bound"] == "gpsimd"
     assert rows["Gemma 2"]["Trn2 bound"] == "scalar"
+
+
+def test_bench_nki_prices_paged_decode_and_says_what_bounds_it(bench_rows):
+    """docs/backends/nki.md: the caches read once in gathers, DMA-bound; 32/8 heads of 128 within 1.3x the floor,
+    the absorbed MLA's one KV head further, its V gathered a token (1 KiB) a partition."""
+    rows = {r["kernel"].split(" bf16")[0].removeprefix("paged decode "): r for r in bench_rows
+            if r["kernel"].startswith("paged decode")}
+    assert set(rows) == {"GQA", "absorbed MLA"}
+    for name, row in rows.items():
+        assert row["launches"] == 1 and row["Trn2 bound"] == "dma", (name, row)
+    assert rows["GQA"]["Trn2 x floor"] <= 1.3
+    assert rows["absorbed MLA"]["Trn2 x floor"] > 1.5

@@ -95,6 +95,50 @@ def test_dma_priority_is_neuroncore_v4s_and_engine_picks_the_hardware_dge_sequen
     rejects("dma-engine", _dma(nl.float32, nisa.dge_mode.hwdge, engine=nisa.engine.vector), x)
 
 
+@jit
+def _gather_then_scatter(data, index, out, oob=nisa.oob_mode.skip, dge=nisa.dge_mode.swdge, index_in_hbm=False,
+                         pattern=None):
+    """Rows ``index[p]`` of ``data`` to ``out`` (rows past it: zeros), then those rows of ``data`` doubled."""
+    P, F = index.shape[0], out.shape[1]
+    pattern = pattern or [[F, P], [1, F]]
+    rows = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf)
+    nisa.dma_copy(rows, index)
+    rows = index if index_in_hbm else rows
+    tile = nl.ndarray((P, F), dtype=data.dtype, buffer=nl.sbuf)
+    nisa.memset(tile, 0.0)
+    nisa.dma_copy(tile, data.ap(pattern, vector_offset=rows, indirect_dim=0), oob_mode=oob, dge_mode=dge)
+    nisa.dma_copy(out, tile)
+    nisa.tensor_scalar(tile, tile, op0=nl.multiply, operand0=2.0)
+    nisa.dma_copy(data.ap(pattern, vector_offset=rows, indirect_dim=0), tile, oob_mode=oob, dge_mode=dge)
+    return out
+
+
+def test_an_indirect_dma_gathers_and_scatters_the_indexed_rows_and_skips_those_past_the_axis():
+    data, index = torch.randn(6, 5), torch.tensor([[4], [1], [6], [0]], dtype=torch.int32)
+    before, out = data.clone(), torch.full((4, 5), 7.0)
+    _gather_then_scatter(data, index, out)
+    torch.testing.assert_close(out, torch.stack([before[4], before[1], torch.zeros(5), before[0]]), atol=0, rtol=0)
+    want = before.clone()
+    want[[4, 1, 0]] *= 2
+    torch.testing.assert_close(data, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("bad, rule", [(dict(oob=nisa.oob_mode.error), "dma-oob"),
+                                       (dict(dge=nisa.dge_mode.hwdge), "indirect-dge"),
+                                       (dict(index_in_hbm=True), "indirect-index"),
+                                       (dict(pattern=[[5, 2], [5, 2], [1, 5]], oob=nisa.oob_mode.error), "dma-oob"),
+                                       (dict(pattern=[[5, 2], [1]]), "access-pattern"),
+                                       (dict(pattern=[[1, 2], [1, 5]]), "api-subset")],
+                         ids=["out of bounds", "hardware DGE", "index in HBM", "a run past the end", "malformed",
+                              "partition step"])
+def test_an_indirect_dma_refuses_what_the_hardware_would(bad, rule):
+    data, index = torch.randn(6, 5), torch.tensor([[4], [5 if "pattern" in bad else 6]], dtype=torch.int32)
+    before = data.clone()
+    width = 10 if rule == "dma-oob" and "pattern" in bad else 5  # two rows a partition
+    rejects(rule, _gather_then_scatter, data, index, torch.zeros(2, width), **bad)
+    assert torch.equal(data, before)
+
+
 # ----------------------------------------------------------------------------- SBUF partitions
 def _engine_on(index):
     @jit

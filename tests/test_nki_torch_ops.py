@@ -22,18 +22,21 @@ from portable_ops.backends.nki import runtime, tensor_table
 from portable_ops.backends.nki.emulator import torch_neuronx as double
 
 # the op modules (the package's own names adam, sgd, grad_norm are the backend's functions)
-adam, sgd, grad_norm, attention, norms, linear_cross_entropy, rope = (
+adam, sgd, grad_norm, attention, norms, linear_cross_entropy, rope, paged_attention, paged_kv_append = (
     importlib.import_module(f"portable_ops.backends.nki.{name}")
-    for name in ("adam", "sgd", "grad_norm", "attention", "norms", "linear_cross_entropy", "rope"))
+    for name in ("adam", "sgd", "grad_norm", "attention", "norms", "linear_cross_entropy", "rope", "paged_attention",
+                 "paged_kv_append"))
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parents[1] / "backends" / "nki"
 OPS = {"adam": adam.adam_step, "sgd": sgd.sgd_step, "grad_norm": grad_norm.norm_op,
        "attention_fwd": attention.attention_fwd_op, "attention_bwd": attention.attention_bwd_op,
        "norm_fwd": norms.norm_fwd_op, "norm_bwd": norms.norm_bwd_op,
-       "linear_cross_entropy_rows": linear_cross_entropy.rows_op, "rope": rope.rope_op, "rope_": rope.rope_inplace_op}
-# What each kernel writes of what it is given: the optimizers update params and state in place, rope_ q and k.
+       "linear_cross_entropy_rows": linear_cross_entropy.rows_op, "rope": rope.rope_op, "rope_": rope.rope_inplace_op,
+       "paged_attention": paged_attention.paged_attention_op, "paged_kv_append": paged_kv_append.paged_kv_append_op}
+# What each kernel writes of what it is given: the optimizers update params and state in place, rope_ q and k, the
+# append the caches' token rows.
 WRITES = {"adam": {"params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"}, "sgd": {"params", "momentum_buffers"},
-          "rope_": {"q", "k"}}
+          "rope_": {"q", "k"}, "paged_kv_append": {"k_rows", "v_rows"}}
 
 
 def _randn(*shape, seed):
@@ -93,13 +96,27 @@ def _rope_args(in_place=False):
     return [angles.cos(), angles.sin(), q, k, False] + ([] if in_place else [False])
 
 
+def _cache_rows(seed):
+    """A pool of 3 pages of 4 tokens, 2 KV heads of 8, as its token rows."""
+    return paged_attention.cache_rows(_randn(3, 4, 2, 8, seed=seed))
+
+
+def _paged_attention_args():
+    table, lengths = torch.tensor([[2, 0], [1, 2]], dtype=torch.int32), torch.tensor([6, 3], dtype=torch.int32)
+    tables = paged_attention.kernel_tables(table, lengths, 1, 2, 2, 4, 12, 4)  # 2 x 2 query heads, a window of 4
+    q = paged_attention._as_rows(_randn(2, 1, 4, 8, seed=3), 2)
+    return [q, _cache_rows(1), _cache_rows(2), *tables, _randn(4, 1, seed=4), 0.35, 30.0, True]
+
+
 ARGS = {"adam": _adam_args, "sgd": _sgd_args, "grad_norm": lambda: [[_randn(130, seed=1), _randn(5, seed=2)], False],
         "attention_fwd": lambda: [*_attention_inputs(requires_grad=True), *ATTENTION_OPTIONS],
         "attention_bwd": _attention_bwd_args,
         "norm_fwd": lambda: [_randn(6, 16, seed=1), _randn(6, 16, seed=2), _randn(16, seed=3), _randn(16, seed=4),
                              1e-5, False],
         "norm_bwd": _norm_bwd_args, "linear_cross_entropy_rows": _rows_args, "rope": _rope_args,
-        "rope_": lambda: _rope_args(in_place=True)}
+        "rope_": lambda: _rope_args(in_place=True), "paged_attention": _paged_attention_args,
+        "paged_kv_append": lambda: [_cache_rows(1), _cache_rows(2), torch.tensor([[5], [9]], dtype=torch.int32),
+                                    _randn(2, 2, 8, seed=3), _randn(2, 2, 8, seed=4)]}
 
 
 def _written(op):

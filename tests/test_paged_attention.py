@@ -5,7 +5,8 @@ bit-identical. torch.compile and opcheck: tests/test_compile.py."""
 
 import pytest
 import torch
-from attention_definitions import DECLINING, F64, TAKING, definition, gathered, packed, paged_cache
+from attention_definitions import (F64, PAGED_DECLINING, PAGED_TAKING, TAKING, definition, gathered, packed,
+                                   paged_cache)
 from conftest import assert_bit_identical, snapshot
 
 import portable_ops
@@ -196,27 +197,36 @@ def test_a_decode_loop_reads_the_tables_once_per_step(reads):
 
 
 @pytest.mark.parametrize("backend", TAKING)
-def test_kernel_backends_take_varlen_and_paged_ops(backend, monkeypatch):
-    """explain and strict mode see packed and paged calls run on the backend, with the definition's values."""
+def test_kernel_backends_take_packed_sequences(backend, monkeypatch):
+    """explain and strict mode see packed calls run on the backend, with the definition's values."""
+    monkeypatch.setattr(dispatch, "_warned", set())
+    q, k, v, cu_q, cu_k = (t.to(default_device(backend)) for t in packed((3, 4), (3, 4), dtype=torch.float32))
+    with portable_ops.use_backend(backend):
+        assert portable_ops.explain("attention_varlen", q, k, v, cu_q, cu_k, 4, 4).backend == backend
+    with forced_strict(backend):
+        out = portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 4, 4, causal=True)
+    with portable_ops.use_backend("reference"):
+        torch.testing.assert_close(out, portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 4, 4, causal=True))
+
+
+@pytest.mark.parametrize("backend", PAGED_TAKING)
+def test_kernel_backends_take_paged_ops(backend, monkeypatch):
+    """explain and strict mode see paged calls run on the backend, with the definition's values."""
     monkeypatch.setattr(dispatch, "_warned", set())
     device = default_device(backend)
-    q, k, v, cu_q, cu_k = (t.to(device) for t in packed((3, 4), (3, 4), dtype=torch.float32))
     k_cache, v_cache, table, seqlens = (t.to(device) for t in paged_cache([6, 9], 4, dtype=torch.float32))
     pq, new = torch.randn(2, 1, 4, 8, device=device), torch.randn(2, 1, 2, 8, device=device)
     with portable_ops.use_backend(backend):
-        for op, args in (("attention_varlen", (q, k, v, cu_q, cu_k, 4, 4)),
-                         ("paged_attention", (pq, k_cache, v_cache, table, seqlens)),
+        for op, args in (("paged_attention", (pq, k_cache, v_cache, table, seqlens)),
                          ("paged_kv_append", (k_cache, v_cache, table, seqlens - 1, new, new))):
             assert portable_ops.explain(op, *args).backend == backend, op
     with forced_strict(backend):
-        out = portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 4, 4, causal=True)
         paged_out = portable_ops.paged_attention(pq, k_cache, v_cache, table, seqlens)
     with portable_ops.use_backend("reference"):
-        torch.testing.assert_close(out, portable_ops.attention_varlen(q, k, v, cu_q, cu_k, 4, 4, causal=True))
         torch.testing.assert_close(paged_out, portable_ops.paged_attention(pq, k_cache, v_cache, table, seqlens))
 
 
-@pytest.mark.parametrize("backend", DECLINING)
+@pytest.mark.parametrize("backend", PAGED_DECLINING)
 def test_other_backends_decline_paged_ops_with_the_reason(backend):
     k_cache, v_cache, table, seqlens = paged_cache([6, 9], 4, dtype=torch.float32)
     q, new = torch.randn(2, 1, 4, 8), torch.randn(2, 1, 2, 8)

@@ -1,6 +1,6 @@
-"""The NKI backend: Adam/AdamW/AMSGrad, SGD, two-phase global norm, flash attention, RMSNorm/LayerNorm, RoPE and
-linear cross-entropy's rows as NKI kernels for AWS Trainium2/Trainium3 (NKI 0.7, Neuron SDK 2.33, the ``nki.*``
-namespace).
+"""The NKI backend: Adam/AdamW/AMSGrad, SGD, two-phase global norm, flash attention, RMSNorm/LayerNorm, RoPE,
+linear cross-entropy's rows and paged-KV-cache decode and append as NKI kernels for AWS Trainium2/Trainium3 (NKI 0.7,
+Neuron SDK 2.33, the ``nki.*`` namespace).
 
 Each kernel's launch is a PyTorch custom op, ``torch.ops.portable_ops_nki.<name>``, registered through ``nki_op`` as
 AWS documents for torch-neuronx (``runtime.py``). Where the kernels run:
@@ -26,6 +26,9 @@ from .attention import MAX_HEAD_DIM, attention_bwd, attention_fwd, attention_sup
 from .grad_norm import grad_norm
 from .linear_cross_entropy import linear_cross_entropy_bwd, linear_cross_entropy_fwd, rows_supports
 from .norms import layer_norm_bwd, layer_norm_fwd, norm_supports, rms_norm_bwd, rms_norm_fwd
+from .paged_attention import MAX_HEAD_DIM as PAGED_MAX_HEAD_DIM
+from .paged_attention import paged_attention, paged_attention_supports
+from .paged_kv_append import paged_kv_append, paged_kv_append_supports
 from .rope import rope_bwd, rope_fwd, rope_inplace, rope_supports
 from .sgd import sgd, sgd_supports
 
@@ -65,9 +68,13 @@ BACKEND = Backend(
         "rope_fwd": OpImpl(run=rope_fwd, supports=rope_supports, dtypes=DTYPES),
         "rope_bwd": OpImpl(run=rope_bwd, supports=rope_supports, dtypes=DTYPES),
         "rope_inplace": OpImpl(run=rope_inplace, supports=rope_supports, dtypes=DTYPES),
+        "paged_attention": OpImpl(run=paged_attention, supports=paged_attention_supports, dtypes=DTYPES,
+                                  max_head_dim=PAGED_MAX_HEAD_DIM),
+        "paged_kv_append": OpImpl(run=paged_kv_append, supports=paged_kv_append_supports, dtypes=DTYPES,
+                                  max_head_dim=PAGED_MAX_HEAD_DIM),
     },
     runtime_reasons=_runtime_reasons,
     description="NKI kernels for Trainium2/3, custom ops through "
                 + ("" if compat.USING_TORCH_NEURONX else "a test double of ") + "torch-neuronx's nki_op",
-    declined=("attention_varlen_fwd", "attention_varlen_bwd", "paged_attention", "paged_kv_append"),
+    declined=("attention_varlen_fwd", "attention_varlen_bwd"),
 )

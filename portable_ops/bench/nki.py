@@ -8,7 +8,9 @@ add) and LayerNorm forward and backward over 4096 rows of 4096, bf16, RoPE forwa
 same kernel) of q and k at B=1, 32/8 heads, S=4096, D=128, bf16 with float32 tables, and linear cross-entropy's rows
 kernel on one chunk of tokens with their gradients, bf16, at Llama 3's vocab and at Gemma 2's with its softcap (the
 chunk's matmuls are the host's, torch's, and not counted: the floor is the kernel's, one read of the logits and one
-write of their gradient).
+write of their gradient), and a decode step of paged attention, bf16, B=32 sequences of 4096 keys in pages of 16:
+32/8 heads of D=128, and DeepSeek's absorbed MLA (128 query heads over one KV head, k 576 and v 512 wide; the API
+takes v's cache apart, so the floor reads both).
 
 How: each kernel runs in the project's NKI emulator in count-only mode (``meta`` tensors: every
 instruction is checked and traced, no arithmetic, no memory), through the same host code a
@@ -55,6 +57,8 @@ ATTENTION = dict(B=1, H=16, S=4096, D=128)
 NORM = dict(M=4096, D=4096)  # rows x hidden size: a 4096-token batch of a 4096-wide model, bf16
 # (model, vocab, hidden size, final-logit softcap)
 CROSS_ENTROPY = [("Llama 3", 128256, 4096, None), ("Gemma 2", 256000, 2304, 30.0)]
+# (label, B, Hq, Hkv, keys per sequence, page size, D, Dv): one decode token per sequence, bf16
+PAGED = [("GQA", 32, 32, 8, 4096, 16, 128, 128), ("absorbed MLA", 32, 128, 1, 4096, 16, 576, 512)]
 ROPE = dict(B=1, Hq=32, Hk=8, S=4096, D=128)  # a Llama-3-8B layer's q and k at 4096 tokens, bf16; float32 tables
 ADAMW = dict(beta1=0.9, beta2=0.999, lr=1e-4, weight_decay=0.01, eps=1e-8, maximize=False,
              decoupled_weight_decay=True)
@@ -138,6 +142,16 @@ def _workloads(device):
     rows.append((f"RoPE fwd bf16 B={b} H={hq}/{hk} S={s} D={d}, float32 tables", 1,
                  lambda: _ops()["rope_fwd"].run(q=q, k=k, cos=cos, sin=sin, interleaved=False),
                  (2 * 2 * (q.numel() + k.numel()) + 2 * 4 * cos.numel(), 0)))  # q, k read and written; the tables
+    for label, b, hq, hkv, keys, page, d, dv in PAGED:
+        pages = keys // page
+        call = dict(q=torch.zeros(b, 1, hq, d, dtype=BF16, device=device),
+                    k_cache=torch.zeros(b * pages, page, hkv, d, dtype=BF16, device=device),
+                    v_cache=torch.zeros(b * pages, page, hkv, dv, dtype=BF16, device=device),
+                    block_table=torch.arange(b * pages, dtype=torch.int32, device=device).view(b, pages),
+                    cache_seqlens=torch.full((b,), keys, dtype=torch.int32, device=device), scale=d ** -0.5)
+        moved = 2 * b * (keys * hkv * (d + dv) + hq * (d + dv))  # the caches read once, q read, out written
+        rows.append((f"paged decode {label} bf16 B={b} H={hq}/{hkv} keys={keys} page={page} D={d}/{dv}", 1,
+                     lambda call=call: _ops()["paged_attention"].run(**call), (moved, 2 * b * hq * keys * (d + dv))))
     return rows
 
 

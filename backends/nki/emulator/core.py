@@ -379,8 +379,10 @@ def record(engine: str, cost: str, size: int, inputs: int = 1, flops: int = 0, r
         stats.append(engine, cost, size, detail, _on_chip(reads), _on_chip(writes), stationary)
 
 
-def record_dma(nbytes: int, src: "Tensor", dst: "Tensor", descriptor_bytes: int, transpose: bool = False):
-    """A DMA of ``nbytes`` from ``src`` to ``dst`` in descriptors of ``descriptor_bytes`` contiguous bytes."""
+def record_dma(nbytes: int, src: "Tensor", dst: "Tensor", descriptor_bytes: int, transpose: bool = False,
+               index: "Tensor | None" = None):
+    """A DMA of ``nbytes`` from ``src`` to ``dst`` in descriptors of ``descriptor_bytes`` contiguous bytes (a gather
+    or scatter also reads its ``index`` tile)."""
     direction = "in" if dst.buffer.on_chip and not src.buffer.on_chip else \
         "out" if src.buffer.on_chip and not dst.buffer.on_chip else "other"
     rule = "copy" if not transpose else "transpose_on_chip" if src.buffer.on_chip else "transpose_from_hbm"
@@ -390,7 +392,7 @@ def record_dma(nbytes: int, src: "Tensor", dst: "Tensor", descriptor_bytes: int,
         stats.elements["dma"] += int(nbytes)
         stats.work[("dma", direction, int(nbytes))] += 1
         setattr(stats, f"dma_bytes_{direction}", getattr(stats, f"dma_bytes_{direction}") + int(nbytes))
-        stats.append("dma", rule, nbytes, descriptor_bytes, _on_chip([src]), _on_chip([dst]))
+        stats.append("dma", rule, nbytes, descriptor_bytes, _on_chip([src, index]), _on_chip([dst]))
 
 
 def record_launch(cores: int = 1):
@@ -611,6 +613,14 @@ class Tensor:
         if not self.data.is_contiguous():
             reject("view", f"reshape needs a contiguous view; {self.shape} is strided")
         return Tensor(self.data.view(shape), self.dtype, self.buffer, self.root)
+
+    def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
+        """NkiTensor.ap, an explicit ``[[step, num], ...]`` access pattern; emulated for one use, an HBM tensor's
+        rows gathered or scattered by a DMA through a per-partition index tile (``emulator/indirect.py``)."""
+        from .indirect import IndirectView
+        if vector_offset is None or scalar_offset is not None or dtype is not None:
+            reject("api-subset", "NkiTensor.ap is emulated with vector_offset= only (no scalar_offset, no dtype)")
+        return IndirectView(self, pattern, 0 if offset is None else offset, vector_offset, indirect_dim)
 
     def __repr__(self) -> str:
         return f"Tensor({self.shape}, {self.dtype}, {self.buffer})"

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from . import core
+from . import core, indirect
 from . import language as nl
 from .core import Tensor, psum, reject, sbuf
 
@@ -191,13 +191,18 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
                f"descriptor mode (NKI ISA API Common Fields, 'Type Casting'), and dge_mode={dge_mode.name} is not "
                "one the emulator is told converts (emulator.dma_casting): move the dtype as it is and convert "
                "on an engine")
-    for t, write in ((src, False), (dst, True)):
-        if not t.buffer.on_chip:
-            core.launch.access(t, write)
-    dst.assign(lambda: (src.read() if src.dtype != dst.dtype else src.data).reshape(dst.shape))
+    view = next((t for t in (dst, src) if isinstance(t, indirect.IndirectView)), None)
+    if view is not None:
+        indirect.copy(dst, src, oob_mode, dge_mode)
+    else:
+        for t, write in ((src, False), (dst, True)):
+            if not t.buffer.on_chip:
+                core.launch.access(t, write)
+        dst.assign(lambda: (src.read() if src.dtype != dst.dtype else src.data).reshape(dst.shape))
     hbm_side = src if not src.buffer.on_chip else dst
     descriptor = min(_contiguous_bytes(src), _contiguous_bytes(dst))
-    core.record_dma(hbm_side.size * hbm_side.dtype.itemsize, src, dst, descriptor)
+    core.record_dma(hbm_side.size * hbm_side.dtype.itemsize, src, dst, descriptor,
+                    index=None if view is None else view.index)
 
 
 def _contiguous_bytes(t: Tensor) -> int:
@@ -205,7 +210,7 @@ def _contiguous_bytes(t: Tensor) -> int:
     within one partition, each partition being its own buffer: trainium_inferentia2_arch.rst, 'Data movement
     between HBM and SBUF using DMAs')."""
     shape, strides = t.data.shape, t.data.stride()
-    run, first = 1, 1 if t.buffer.on_chip else 0
+    run, first = 1, 1 if t.buffer.on_chip or isinstance(t, indirect.IndirectView) else 0  # a gather: row by row
     for n, stride in zip(reversed(shape[first:]), reversed(strides[first:])):
         if n == 1:
             continue
