@@ -72,8 +72,8 @@ def _statistics(src, rows, d, eps, rms):
         nisa.activation(dst=squares, op=nl.copy, data=src, reduce_op=nl.add, reduce_res=total,
                         reduce_cmd=nisa.reduce_cmd.reset_reduce)
         mean, neg_mean = _column(rows), _column(rows)
-        nisa.tensor_scalar(dst=mean, data=total, op0=nl.multiply, operand0=1.0 / d)
-        nisa.tensor_scalar(dst=neg_mean, data=total, op0=nl.multiply, operand0=-1.0 / d)
+        nisa.tensor_scalar(dst=mean, data=total, op0=nl.multiply, operand0=1.0 / d, engine=nisa.engine.scalar)
+        nisa.tensor_scalar(dst=neg_mean, data=total, op0=nl.multiply, operand0=-1.0 / d, engine=nisa.engine.scalar)
     sum_sq = _column(rows)
     nisa.activation(dst=squares, op=nl.square, data=src, bias=neg_mean, reduce_op=nl.add, reduce_res=sum_sq,
                     reduce_cmd=nisa.reduce_cmd.reset_reduce)
@@ -93,12 +93,11 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
     h_out = nl.ndarray((m, d), dtype=x.dtype, buffer=nl.shared_hbm) if residual is not None else None
     mean_out = None if rms else nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     rstd_out = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-    most = min(PMAX, m)
-    w = _broadcast(weight, most, d) if weight is not None else None
-    b = _broadcast(bias, most, d) if bias is not None else None
     weight_engine, bias_engine = ((nisa.engine.vector, nisa.engine.gpsimd) if residual is not None
                                   else (nisa.engine.gpsimd, nisa.engine.vector))
-    for r0 in range(0, m, PMAX):
+
+    def prepare(r0):
+        """The tile's rows as normalised (the residual sum, stored) and their statistics."""
         rows = min(PMAX, m - r0)
         src = _load(x, r0, rows, d)
         if residual is not None:
@@ -107,16 +106,17 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
                                engine=nisa.engine.gpsimd)  # rounds once to x's dtype
             nisa.dma_copy(dst=h_out[r0:r0 + rows, 0:d], src=h)
             src = h  # the sum as returned is what is normalised
-        mean, rstd = _statistics(src, rows, d, eps, rms)
+        return (r0, rows, src, *_statistics(src, rows, d, eps, rms))
 
-        def normalise(dst, _):
+    def normalise(r0, rows, src, mean, rstd):
+        def centred(dst, _):
             if rms:
                 nisa.tensor_scalar(dst=dst, data=src, op0=nl.multiply, operand0=rstd, engine=nisa.engine.scalar)
             else:
                 nisa.tensor_scalar(dst=dst, data=src, op0=nl.subtract, operand0=mean, op1=nl.multiply,
                                    operand1=rstd, engine=nisa.engine.scalar)
 
-        steps = [normalise]
+        steps = [centred]
         if w is not None:
             steps.append(lambda dst, y: nisa.tensor_tensor(dst=dst, data1=y, data2=w[0:rows, 0:d], op=nl.multiply,
                                                             engine=weight_engine))
@@ -128,6 +128,17 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
         nisa.dma_copy(dst=rstd_out[r0:r0 + rows, 0:1], src=rstd)
         if mean is not None:
             nisa.dma_copy(dst=mean_out[r0:r0 + rows, 0:1], src=mean)
+
+    ready = prepare(0)
+    most = min(PMAX, m)  # the parameters are loaded after the first tile, which waits for none of them
+    w = _broadcast(weight, most, d) if weight is not None else None
+    b = _broadcast(bias, most, d) if bias is not None else None
+    for r0 in range(0, m, PMAX):
+        # the next tile's statistics come first in program order, so its short chain of dependent column ops is not
+        # queued behind this tile's element-wise passes on the same engines
+        following = prepare(r0 + PMAX) if r0 + PMAX < m else None
+        normalise(*ready)
+        ready = following
     return tuple(o for o in (out, h_out, mean_out, rstd_out) if o is not None)
 
 
