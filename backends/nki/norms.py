@@ -14,9 +14,12 @@ back, exactly, and gives torch's answers where no scaling can: +inf gives 0, 0 g
 
 Backward: per row tile, ``dx = rstd * (w*dy - xhat * mean(w*dy*xhat) - mean(w*dy))`` (the last term LayerNorm's
 alone), plus the gradient that reached the residual sum; the weight and bias gradients are the column sums of
-``dy * xhat`` and ``dy`` over the rows, added tile after tile into float32 ``[128, D]`` accumulators and
-reduced across the partitions once at the end (``tensor_partition_reduce``, GpSimd): a fixed order,
-deterministic, no atomics.
+``dy * xhat`` and ``dy`` over the rows, added tile after tile on the Tensor Engine into one float32 PSUM bank
+(``_ColumnSums``): a fixed order, deterministic, no atomics.
+
+Both kernels are staggered (``_staggered``): a tile's statistics or row sums are issued before the previous tile's
+last element-wise passes, so a short chain of dependent column instructions never waits behind a whole tile's pass
+on an engine both use.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from .compat import nki, nisa, nl
 from .runtime import kernel_op, launch
 
 PMAX = 128
+PSUM_FREE = 512  # float32 per partition in a PSUM bank
 MAX_D = 5120  # a row tile and its temporaries, D float32 each, fit SBUF (224 KiB a partition on Trn2)
 
 
@@ -59,6 +63,19 @@ def _chain(steps, scratch, dtype):
             dst = nl.ndarray(scratch.shape, dtype=dtype, buffer=nl.sbuf)
         step(dst, scratch)
     return dst
+
+
+def _staggered(m, prepare):
+    """``prepare(r0)`` of each row tile of ``m`` rows, yielded in order once the next tile's has been issued: what a
+    tile does after its ``prepare`` comes after the next tile's in program order, so neither waits behind the other
+    on an engine they share (the engines take their instructions in order)."""
+    ready = prepare(0) if m else None
+    for r0 in range(PMAX, m, PMAX):
+        following = prepare(r0)
+        yield ready
+        ready = following
+    if m:
+        yield ready
 
 
 def _statistics(src, rows, d, eps, rms):
@@ -129,35 +146,66 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
         if mean is not None:
             nisa.dma_copy(dst=mean_out[r0:r0 + rows, 0:1], src=mean)
 
-    ready = prepare(0)
-    most = min(PMAX, m)  # the parameters are loaded after the first tile, which waits for none of them
-    w = _broadcast(weight, most, d) if weight is not None else None
-    b = _broadcast(bias, most, d) if bias is not None else None
-    for r0 in range(0, m, PMAX):
-        # the next tile's statistics come first in program order, so its short chain of dependent column ops is not
-        # queued behind this tile's element-wise passes on the same engines
-        following = prepare(r0 + PMAX) if r0 + PMAX < m else None
+    w = b = None
+    for i, ready in enumerate(_staggered(m, prepare)):
+        if i == 0:  # the parameters are loaded after the first tiles, which wait for none of them
+            w = _broadcast(weight, min(PMAX, m), d) if weight is not None else None
+            b = _broadcast(bias, min(PMAX, m), d) if bias is not None else None
         normalise(*ready)
-        ready = following
     return tuple(o for o in (out, h_out, mean_out, rstd_out) if o is not None)
+
+
+class _ColumnSums:
+    """Column sums of ``[rows, D]`` row tiles, added tile after tile on the Tensor Engine into one PSUM bank
+    ``[J, 512]`` float32 (J chunks of 512 columns): chunk j of a tile is the moving side of a matmul whose stationary
+    ``[rows, J]`` is zeros but for ones in column j, which adds the chunk's sums to row j (and zeros to the others).
+    A fixed order, no atomics. ``dtype`` is the tiles' (a matmul's two sides share a width)."""
+
+    def __init__(self, d, rows, dtype):
+        self.d, self.chunks = d, -(-d // PSUM_FREE)
+        # every selector is a window of this one: ones in the middle column
+        self.ones = nl.ndarray((rows, 2 * self.chunks - 1), dtype=dtype, buffer=nl.sbuf)
+        nisa.memset(dst=self.ones, value=0.0)
+        nisa.memset(dst=self.ones[:, self.chunks - 1:self.chunks], value=1.0)
+        self.sums = nl.ndarray((self.chunks, PSUM_FREE), dtype=nl.float32, buffer=nl.psum)
+        self.started = False
+
+    def _chunks(self):
+        return enumerate((c0, min(PSUM_FREE, self.d - c0)) for c0 in range(0, self.d, PSUM_FREE))
+
+    def add(self, tile, rows):
+        for j, (c0, width) in self._chunks():
+            window = self.ones[0:rows, self.chunks - 1 - j:2 * self.chunks - 1 - j]
+            nisa.nc_matmul(dst=self.sums[0:self.chunks, 0:width], stationary=window,
+                           moving=tile[0:rows, c0:c0 + width], accumulate=self.started or j > 0)
+        self.started = True
+
+    def store(self, out):
+        """Write the sums to ``out`` ``[1, D]`` float32 in HBM."""
+        total = nl.ndarray((self.chunks, PSUM_FREE), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=total, src=self.sums)
+        for j, (c0, width) in self._chunks():
+            nisa.dma_copy(dst=out[0:1, c0:c0 + width], src=total[j:j + 1, 0:width])
 
 
 @nki.jit
 def norm_bwd_kernel(x, rstd, dout, weight=None, mean=None, dh=None, rms=True, bias_grad=False):
     """``(dx, [dweight], [dbias])`` of contiguous rows ``x [M, D]`` (what was normalised) from the saved
-    ``[M, 1]`` statistics; dweight with a weight, dbias with ``bias_grad``, ``[1, D]`` float32. Engines: xhat,
-    ``sum(w*dy)`` and the last scaling on the Scalar Engine; ``w*dy``, ``dy*xhat`` and the bias's accumulation on
-    GpSimd; ``sum(xhat*w*dy)`` and dx's combination on the Vector Engine."""
+    ``[M, 1]`` statistics; dweight with a weight, dbias with ``bias_grad``, ``[1, D]`` float32. Engines: xhat, the
+    row sums and the last scaling on the Scalar Engine; ``w*dy``, ``dy*xhat`` and dh's add on GpSimd;
+    ``xhat*w*dy`` and dx's combination on the Vector Engine; the weight and bias gradients' column sums on the
+    Tensor Engine."""
     m, d = x.shape
     dx_out = nl.ndarray((m, d), dtype=x.dtype, buffer=nl.shared_hbm)
     dw_out = nl.ndarray((1, d), dtype=nl.float32, buffer=nl.shared_hbm) if weight is not None else None
     db_out = nl.ndarray((1, d), dtype=nl.float32, buffer=nl.shared_hbm) if bias_grad else None
-    w = _broadcast(weight, min(PMAX, m), d) if weight is not None else None
-    # per-partition column sums, added tile after tile; reduced across the partitions once, at the end
     most = min(PMAX, m)
-    acc_w = nl.zeros((most, d), dtype=nl.float32, buffer=nl.sbuf) if weight is not None else None
-    acc_b = nl.zeros((most, d), dtype=nl.float32, buffer=nl.sbuf) if bias_grad else None
-    for r0 in range(0, m, PMAX):
+    w = _broadcast(weight, most, d) if weight is not None else None
+    dw_sums = _ColumnSums(d, most, nl.float32) if weight is not None else None
+    db_sums = _ColumnSums(d, most, dout.dtype) if bias_grad else None
+
+    def prepare(r0):
+        """The tile's xhat, w*dy and -mean(xhat * w * dy)."""
         rows = min(PMAX, m - r0)
         xt, dy = _load(x, r0, rows, d), _load(dout, r0, rows, d)
         rs = _column(rows)
@@ -174,22 +222,21 @@ def norm_bwd_kernel(x, rstd, dout, weight=None, mean=None, dh=None, rms=True, bi
         if w is not None:
             wdy = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
             nisa.tensor_tensor(dst=wdy, data1=dy, data2=w[0:rows, 0:d], op=nl.multiply, engine=nisa.engine.gpsimd)
-        prod, c = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf), _column(rows)
+        prod = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
+        wdy_mean = None if rms else _row_sum(wdy, rows, -1.0 / d, scratch=prod)  # -mean(w * dy)
         nisa.tensor_tensor(dst=prod, data1=xhat, data2=wdy, op=nl.multiply)
-        nisa.tensor_reduce(dst=c, op=nl.add, data=prod, axis=1, keepdims=True, negate=True)
-        nisa.tensor_scalar(dst=c, data=c, op0=nl.multiply, operand0=1.0 / d)
-        dx = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
+        return r0, rows, dy, rs, xhat, wdy, _row_sum(prod, rows, -1.0 / d, scratch=prod), wdy_mean
+
+    def finish(r0, rows, dy, rs, xhat, wdy, c, wdy_mean):
+        """dx stored, and the tile's column sums added (tiles rewritten in place once they are not read again)."""
+        dx = wdy if w is not None else nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)  # not dy itself
         nisa.scalar_tensor_tensor(dst=dx, data=xhat, op0=nl.multiply, operand0=c, op1=nl.add, operand1=wdy)
-        if not rms:  # minus mean(w * dy), then times rstd; the sum from the Scalar Engine's add-reduction
-            nisa.activation(dst=prod, op=nl.copy, data=wdy, reduce_op=nl.add, reduce_res=c,
-                            reduce_cmd=nisa.reduce_cmd.reset_reduce)
-            nisa.tensor_scalar(dst=c, data=c, op0=nl.multiply, operand0=-1.0 / d)
 
         def times_rstd(dst, dx):
             if rms:
                 nisa.tensor_scalar(dst=dst, data=dx, op0=nl.multiply, operand0=rs, engine=nisa.engine.scalar)
             else:
-                nisa.tensor_scalar(dst=dst, data=dx, op0=nl.add, operand0=c, op1=nl.multiply, operand1=rs,
+                nisa.tensor_scalar(dst=dst, data=dx, op0=nl.add, operand0=wdy_mean, op1=nl.multiply, operand1=rs,
                                    engine=nisa.engine.scalar)
 
         steps = [times_rstd]
@@ -197,18 +244,28 @@ def norm_bwd_kernel(x, rstd, dout, weight=None, mean=None, dh=None, rms=True, bi
             steps.append(lambda dst, g: nisa.tensor_tensor(dst=dst, data1=g, data2=_load(dh, r0, rows, d), op=nl.add,
                                                             engine=nisa.engine.gpsimd))
         nisa.dma_copy(dst=dx_out[r0:r0 + rows, 0:d], src=_chain(steps, dx, x.dtype))
-        if acc_w is not None:
-            nisa.tensor_tensor(dst=prod, data1=dy, data2=xhat, op=nl.multiply, engine=nisa.engine.gpsimd)
-            nisa.tensor_tensor(dst=acc_w[0:rows, 0:d], data1=acc_w[0:rows, 0:d], data2=prod, op=nl.add)
-        if acc_b is not None:
-            nisa.tensor_tensor(dst=acc_b[0:rows, 0:d], data1=acc_b[0:rows, 0:d], data2=dy, op=nl.add,
-                               engine=nisa.engine.gpsimd)
-    for acc, grad_out in ((acc_w, dw_out), (acc_b, db_out)):
-        if acc is not None:
-            total = nl.ndarray((1, d), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.tensor_partition_reduce(dst=total, op=nl.add, data=acc)
-            nisa.dma_copy(dst=grad_out, src=total)
+        if dw_sums is not None:
+            g = xhat
+            nisa.tensor_tensor(dst=g, data1=dy, data2=xhat, op=nl.multiply, engine=nisa.engine.gpsimd)
+            dw_sums.add(g, rows)
+        if db_sums is not None:
+            db_sums.add(dy, rows)
+
+    for ready in _staggered(m, prepare):
+        finish(*ready)
+    for sums, grad_out in ((dw_sums, dw_out), (db_sums, db_out)):
+        if sums is not None:
+            sums.store(grad_out)
     return tuple(o for o in (dx_out, dw_out, db_out) if o is not None)
+
+
+def _row_sum(tile, rows, scale, scratch):
+    """``scale * sum(tile)`` per row, a new ``[rows, 1]`` float32 column: the Scalar Engine's add-reduction, its
+    element-wise result written to ``scratch`` (which may be ``tile``)."""
+    total = _column(rows)
+    nisa.activation(dst=scratch, op=nl.copy, data=tile, scale=scale, reduce_op=nl.add, reduce_res=total,
+                    reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    return total
 
 
 # ----------------------------------------------------------------------------- host side
