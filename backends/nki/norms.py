@@ -17,12 +17,14 @@ alone), plus the gradient that reached the residual sum; the weight and bias gra
 ``dy * xhat`` and ``dy`` over the rows, added tile after tile on the Tensor Engine into one float32 PSUM bank
 (``_ColumnSums``): a fixed order, deterministic, no atomics.
 
-Both kernels are staggered (``_staggered``): a tile's statistics or row sums are issued before the previous tile's
-last element-wise passes, so a short chain of dependent column instructions never waits behind a whole tile's pass
-on an engine both use.
+Both kernels are software-pipelined (``_pipelined``): a tile's statistics or row sums are issued before the
+previous tile's last element-wise passes, so a short chain of dependent column instructions does not wait behind a
+whole tile's pass on an engine both use.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -65,38 +67,40 @@ def _chain(steps, scratch, dtype):
     return dst
 
 
-def _staggered(m, prepare):
-    """``prepare(r0)`` of each row tile of ``m`` rows, yielded in order once the next tile's has been issued: what a
-    tile does after its ``prepare`` comes after the next tile's in program order, so neither waits behind the other
-    on an engine they share (the engines take their instructions in order)."""
-    ready = prepare(0) if m else None
-    for r0 in range(PMAX, m, PMAX):
-        following = prepare(r0)
-        yield ready
-        ready = following
-    if m:
-        yield ready
+def _pipelined(m, *stages):
+    """Every row tile of ``m`` rows through ``stages`` (the first takes the tile's first row, each later one what the
+    one before returned), issued as a software pipeline: step i runs stage k on tile i - k, the newest tile first.
+    A stage's instructions then come a step after those they wait for, and a tile's short chain of dependent column
+    instructions is not queued behind another tile's element-wise pass on an engine both use (each engine takes its
+    instructions in program order)."""
+    starts = range(0, m, PMAX)
+    carried = {}
+    for step in range(len(starts) + len(stages) - 1):
+        for k, stage in enumerate(stages):
+            t = step - k
+            if 0 <= t < len(starts):
+                carried[t] = stage(*carried.pop(t)) if k else stage(starts[t])
 
 
-def _statistics(src, rows, d, eps, rms):
-    """``(mean, rstd)`` ``[rows, 1]`` float32 columns of a row tile (mean None for RMSNorm), both sums the Scalar
-    Engine's activations with their add-reduction (the Vector Engine and GpSimd keep the weight and bias): the
-    row's sum, then the sum of squares of ``src - mean`` (the square's bias the negated mean)."""
-    mean = neg_mean = None
-    squares = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)  # the activations' element-wise output
-    if not rms:
-        total = _column(rows)
-        nisa.activation(dst=squares, op=nl.copy, data=src, reduce_op=nl.add, reduce_res=total,
-                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
-        mean, neg_mean = _column(rows), _column(rows)
-        nisa.tensor_scalar(dst=mean, data=total, op0=nl.multiply, operand0=1.0 / d, engine=nisa.engine.scalar)
-        nisa.tensor_scalar(dst=neg_mean, data=total, op0=nl.multiply, operand0=-1.0 / d, engine=nisa.engine.scalar)
+def _mean(src, rows, d):
+    """``(mean, -mean)`` ``[rows, 1]`` float32 columns of a row tile: its sum the Scalar Engine's add-reduction."""
+    total = _row_sum(src, rows, 1.0, scratch=nl.ndarray(src.shape, dtype=src.dtype, buffer=nl.sbuf))
+    mean, neg_mean = _column(rows), _column(rows)
+    nisa.tensor_scalar(dst=mean, data=total, op0=nl.multiply, operand0=1.0 / d, engine=nisa.engine.scalar)
+    nisa.tensor_scalar(dst=neg_mean, data=total, op0=nl.multiply, operand0=-1.0 / d, engine=nisa.engine.scalar)
+    return mean, neg_mean
+
+
+def _rstd(src, rows, d, eps, neg_mean):
+    """``rsqrt(mean((src - mean)^2) + eps)``, a ``[rows, 1]`` float32 column (``neg_mean`` None: the mean is 0):
+    the sum of squares the Scalar Engine's ``square`` activation, biased by ``-mean``, with its add-reduction."""
     sum_sq = _column(rows)
+    squares = nl.ndarray(src.shape, dtype=src.dtype, buffer=nl.sbuf)  # the element-wise result, unused
     nisa.activation(dst=squares, op=nl.square, data=src, bias=neg_mean, reduce_op=nl.add, reduce_res=sum_sq,
                     reduce_cmd=nisa.reduce_cmd.reset_reduce)
     var = _column(rows)
     nisa.tensor_scalar(dst=var, data=sum_sq, op0=nl.multiply, operand0=1.0 / d, op1=nl.add, operand1=eps)
-    return mean, exact_roots.rsqrt(var, rows)
+    return exact_roots.rsqrt(var, rows)
 
 
 @nki.jit
@@ -113,8 +117,15 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
     weight_engine, bias_engine = ((nisa.engine.vector, nisa.engine.gpsimd) if residual is not None
                                   else (nisa.engine.gpsimd, nisa.engine.vector))
 
-    def prepare(r0):
-        """The tile's rows as normalised (the residual sum, stored) and their statistics."""
+    @functools.cache
+    def parameters():
+        """The weight and bias on every partition in use, loaded when first needed: after the first tiles'
+        loads, which wait for neither."""
+        most = min(PMAX, m)
+        return tuple(None if v is None else _broadcast(v, most, d) for v in (weight, bias))
+
+    def load(r0):
+        """The tile's rows as normalised (the residual sum, stored), and their mean for LayerNorm."""
         rows = min(PMAX, m - r0)
         src = _load(x, r0, rows, d)
         if residual is not None:
@@ -123,9 +134,14 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
                                engine=nisa.engine.gpsimd)  # rounds once to x's dtype
             nisa.dma_copy(dst=h_out[r0:r0 + rows, 0:d], src=h)
             src = h  # the sum as returned is what is normalised
-        return (r0, rows, src, *_statistics(src, rows, d, eps, rms))
+        return (r0, rows, src, *((None, None) if rms else _mean(src, rows, d)))
+
+    def spread(r0, rows, src, mean, neg_mean):
+        return r0, rows, src, mean, _rstd(src, rows, d, eps, neg_mean)
 
     def normalise(r0, rows, src, mean, rstd):
+        w, b = parameters()
+
         def centred(dst, _):
             if rms:
                 nisa.tensor_scalar(dst=dst, data=src, op0=nl.multiply, operand0=rstd, engine=nisa.engine.scalar)
@@ -146,12 +162,7 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
         if mean is not None:
             nisa.dma_copy(dst=mean_out[r0:r0 + rows, 0:1], src=mean)
 
-    w = b = None
-    for i, ready in enumerate(_staggered(m, prepare)):
-        if i == 0:  # the parameters are loaded after the first tiles, which wait for none of them
-            w = _broadcast(weight, min(PMAX, m), d) if weight is not None else None
-            b = _broadcast(bias, min(PMAX, m), d) if bias is not None else None
-        normalise(*ready)
+    _pipelined(m, load, spread, normalise)
     return tuple(o for o in (out, h_out, mean_out, rstd_out) if o is not None)
 
 
@@ -251,8 +262,7 @@ def norm_bwd_kernel(x, rstd, dout, weight=None, mean=None, dh=None, rms=True, bi
         if db_sums is not None:
             db_sums.add(dy, rows)
 
-    for ready in _staggered(m, prepare):
-        finish(*ready)
+    _pipelined(m, prepare, finish)
     for sums, grad_out in ((dw_sums, dw_out), (db_sums, db_out)):
         if sums is not None:
             sums.store(grad_out)
