@@ -5,18 +5,19 @@ HBM and returns each token's loss and, with gradients, ``d loss / d logits`` tim
 Layout: tokens on the partitions, up to 128 per tile; the vocab along the free axis in tiles of ``TILE_V`` columns
 (any V: Gemma's 256k is 63 tiles), loaded as stored (a DMA converts only in some descriptor modes; the engines
 read any dtype and compute in float32). A softcap is the Scalar Engine's ``tanh`` of the tile as it is loaded,
-``y = tanh(x / softcap)``; the capped logits are ``softcap * y``, a scale the
-exponentials take for free as the activation's pre-scale. The first pass keeps per row the running max (Vector
-Engine reduce), the running sum of exponentials (the Scalar Engine's ``exp`` with its add-reduction, the old sum
-rescaled by ``exp(old max - new max)``), the target's logit (a one-hot of the class index, ``iota`` compared with the
-row's target on GpSimd, times the tile, summed) and, for label smoothing, the row's sum; then
-``loss = lse - (1 - eps) * z[target] - eps * mean(z)``. The second pass reads the tiles again and writes
-``(softmax - (1 - eps) * onehot - eps / V) * (1 - y^2) * scale``, rounded once to the logits' dtype by the engine
-that computes it last.
+``y = tanh(x / softcap)``; the capped logits are ``softcap * y``, a scale the exponentials take for free as the
+activation's pre-scale. The first pass keeps per row the running max (Vector Engine reduce; none under a softcap
+up to ``BOUNDED_CAP``, whose logits are bounded), the running sum of exponentials (the Scalar Engine's ``exp`` with
+its add-reduction, the old sum rescaled by ``exp(old max - new max)``) and, for label smoothing, the row's sum; then
+``loss = lse - (1 - eps) * z[target] - eps * mean(z)``, ``z[target]`` from the target's logit the host gathers.
+The second pass reads the tiles again and writes ``(softmax - eps / V) * (1 - y^2) * scale`` (``exp`` on the Scalar
+Engine, the shift and scale on GpSimd, the softcap's slope on GpSimd and the Vector Engine), rounded once to the
+logits' dtype by the engine that computes it last: every column's gradient but the target's. The target's,
+``(softmax - (1 - eps) - eps / V) * (1 - y^2) * scale``, is a ``[C, 1]`` float32 column computed from the gathered
+logit, which the host writes into its column (one element a token, rounded once): no one-hot pass over the tiles.
 
-The host hands the targets as float32 columns (-1 for an ignored token: no column matches it) with a 0/1 ``valid``
-column and the per-token ``scale`` (0 for an ignored token), so an ignored token's loss and gradients are zeros.
-Class indices compare exactly in float32 below 2^24, the largest vocab taken (``MAX_CLASSES``).
+The host hands a 0/1 ``valid`` column and the per-token ``scale`` (0 for an ignored token), so an ignored token's
+loss and gradients are zeros.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from .runtime import kernel_op, launch
 
 PMAX = 128
 TILE_V = 4096  # columns per tile: a pass holds five float32 tiles of it, 80 KiB of a partition's 224
-MAX_CLASSES = 1 << 24
 NEG = -1.0e30  # the running max before the first tile: finite, so exp(NEG - max) is 0 with no inf - inf
 BOUNDED_CAP = 40.0  # a softcap up to this: exp(z - softcap) >= e^-80, inside float32's normal range
 
@@ -59,18 +59,6 @@ def _tile(logits, r0, rows, v0, width, softcap):
     y = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(dst=y, op=nl.tanh, data=raw, scale=1.0 / softcap)
     return y
-
-
-def _scaled_one_hot(columns, target, rows, v0, width, value):
-    """``value`` where column ``v0 + i`` is the row's target, else 0.0: a float32 ``[rows, width]`` tile (GpSimd)."""
-    local = target
-    if v0:
-        local = _column(rows)
-        nisa.tensor_scalar(dst=local, data=target, op0=nl.subtract, operand0=float(v0), engine=nisa.engine.gpsimd)
-    hot = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=hot, data=columns[0:rows, 0:width], op0=nl.equal, operand0=local, op1=nl.multiply,
-                       operand1=value, engine=nisa.engine.gpsimd)
-    return hot
 
 
 def _statistics(logits, r0, rows, softcap, smoothing):
@@ -115,8 +103,9 @@ def _statistics(logits, r0, rows, softcap, smoothing):
     return lse, total
 
 
-def _gradients(logits, dlogits, columns, target, lse, scale, r0, rows, softcap, smoothing):
-    """Writes the row tile's ``(softmax - (1 - eps) * onehot - eps / V) * slope * scale`` to ``dlogits``."""
+def _gradients(logits, dlogits, lse, scale, r0, rows, softcap, smoothing):
+    """Writes the row tile's ``(softmax - eps / V) * slope * scale`` to ``dlogits``: every column's gradient but the
+    target's, whose ``- (1 - eps) * slope * scale`` the host adds (``_target_gradient``)."""
     v = logits.shape[1]
     neg_lse = _column(rows)
     nisa.tensor_scalar(dst=neg_lse, data=lse, op0=nl.multiply, operand0=-1.0, engine=nisa.engine.gpsimd)
@@ -129,31 +118,49 @@ def _gradients(logits, dlogits, columns, target, lse, scale, r0, rows, softcap, 
         y = _tile(logits, r0, rows, v0, width, softcap)
         grad = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=grad, op=nl.exp, data=y, bias=neg_lse, scale=1.0 if softcap is None else softcap)
-        nisa.tensor_tensor(dst=grad, data1=grad, data2=_scaled_one_hot(columns, target, rows, v0, width,
-                                                                       smoothing - 1.0),
-                           op=nl.add, engine=nisa.engine.gpsimd)
         # the last instruction writes the logits' dtype: rounded once, by the engine (a DMA may not convert)
         out = grad if dlogits.dtype == nl.float32 else nl.ndarray((rows, width), dtype=dlogits.dtype, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=grad if softcap is not None else out, data=grad, op0=nl.subtract,
-                           operand0=smoothing / v, op1=nl.multiply, operand1=scale)
+                           operand0=smoothing / v, op1=nl.multiply, operand1=scale, engine=nisa.engine.gpsimd)
         if softcap is not None:
-            nisa.activation(dst=y, op=nl.square, data=y)
+            nisa.tensor_tensor(dst=y, data1=y, data2=y, op=nl.multiply, engine=nisa.engine.gpsimd)
             nisa.scalar_tensor_tensor(dst=out, data=y, op0=nl.subtract, operand0=1.0, op1=nl.multiply, operand1=grad)
         nisa.dma_copy(dst=dlogits[r0:r0 + rows, v0:v0 + width], src=out)
 
 
+def _target_gradient(z, lse, scale, rows, softcap, smoothing, v):
+    """The gradient at each row's target column, a ``[rows, 1]`` float32 column: ``(p - (1 - eps) - eps / V) *
+    slope * scale``, ``p`` the target's probability from ``z`` (its logit, capped and over softcap with one)."""
+    zscale = 1.0 if softcap is None else softcap
+    p = _column(rows)
+    nisa.activation(dst=p, op=nl.exp, data=z, bias=_negated(lse, rows), scale=zscale)
+    grad = _column(rows)
+    nisa.tensor_scalar(dst=grad, data=p, op0=nl.subtract, operand0=1.0 - smoothing + smoothing / v, op1=nl.multiply,
+                       operand1=scale)
+    if softcap is not None:  # times 1 - z^2
+        slope = _column(rows)
+        nisa.tensor_tensor(dst=slope, data1=z, data2=z, op=nl.multiply)
+        nisa.tensor_scalar(dst=slope, data=slope, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
+        nisa.tensor_tensor(dst=grad, data1=grad, data2=slope, op=nl.multiply)
+    return grad
+
+
+def _negated(column, rows):
+    negated = _column(rows)
+    nisa.tensor_scalar(dst=negated, data=column, op0=nl.multiply, operand0=-1.0, engine=nisa.engine.gpsimd)
+    return negated
+
+
 @nki.jit
-def rows_kernel(logits, picked, target, valid, scale, label_smoothing=0.0, softcap=None, grad=True):
-    """``(loss, [dlogits])`` of a chunk's contiguous logits ``[C, V]``: ``loss [C, 1]`` float32, ``dlogits`` like
-    the logits (with ``grad``). ``picked`` (each token's target logit, as the logits hold it), ``target``, ``valid``,
-    ``scale``: ``[C, 1]`` float32 columns (module docstring)."""
+def rows_kernel(logits, picked, valid, scale, label_smoothing=0.0, softcap=None, grad=True):
+    """``(loss, [dlogits, target_grad])`` of a chunk's contiguous logits ``[C, V]``: ``loss [C, 1]`` float32; with
+    ``grad``, ``dlogits`` like the logits, right but at each token's target column, whose gradient is
+    ``target_grad [C, 1]`` float32 (the host writes it there). ``picked`` (each token's target logit, as the logits
+    hold it), ``valid``, ``scale``: ``[C, 1]`` float32 columns (module docstring)."""
     c, v = logits.shape
     loss_out = nl.ndarray((c, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     dlogits = nl.ndarray((c, v), dtype=logits.dtype, buffer=nl.shared_hbm) if grad else None
-    columns = None
-    if grad:
-        columns = nl.ndarray((min(PMAX, c), min(TILE_V, v)), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.iota(dst=columns, pattern=[[1, min(TILE_V, v)]], offset=0)
+    target_out = nl.ndarray((c, 1), dtype=nl.float32, buffer=nl.shared_hbm) if grad else None
     for r0 in range(0, c, PMAX):
         rows = min(PMAX, c - r0)
         lse, total = _statistics(logits, r0, rows, softcap, label_smoothing > 0)
@@ -168,45 +175,42 @@ def rows_kernel(logits, picked, target, valid, scale, label_smoothing=0.0, softc
         nisa.tensor_tensor(dst=loss, data1=loss, data2=_loaded_column(valid, r0, rows), op=nl.multiply)
         nisa.dma_copy(dst=loss_out[r0:r0 + rows, 0:1], src=loss)
         if grad:
-            _gradients(logits, dlogits, columns, _loaded_column(target, r0, rows), lse,
-                       _loaded_column(scale, r0, rows), r0, rows, softcap, label_smoothing)
-    return (loss_out, dlogits) if grad else (loss_out,)
+            row_scale = _loaded_column(scale, r0, rows)
+            nisa.dma_copy(dst=target_out[r0:r0 + rows, 0:1],
+                          src=_target_gradient(z, lse, row_scale, rows, softcap, label_smoothing, v))
+            _gradients(logits, dlogits, lse, row_scale, r0, rows, softcap, label_smoothing)
+    return (loss_out, dlogits, target_out) if grad else (loss_out,)
 
 
 # ----------------------------------------------------------------------------- host side
-def rows_supports(call) -> list[str]:
-    """Dtypes are declared (``BACKEND``); class indices must be exact in float32."""
-    v = call["weight"].shape[0]
-    if v > MAX_CLASSES:
-        return [f"a vocab of {v} classes, over 2^24: the NKI kernel compares class indices in float32"]
-    return []
-
-
 def _as_column(t):
     return t.to(torch.float32).reshape(-1, 1).contiguous()
 
 
-def _fake_rows(logits, picked, target, valid, scale, label_smoothing, softcap, grad):
-    return [logits.new_empty((logits.shape[0], 1), dtype=torch.float32),
-            *([logits.new_empty(logits.shape)] if grad else [])]
+def _fake_rows(logits, picked, valid, scale, label_smoothing, softcap, grad):
+    column = logits.new_empty((logits.shape[0], 1), dtype=torch.float32)
+    return [column, *([logits.new_empty(logits.shape), torch.empty_like(column)] if grad else [])]
 
 
 @kernel_op("linear_cross_entropy_rows", _fake_rows)
-def rows_op(logits: torch.Tensor, picked: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
-            scale: torch.Tensor, label_smoothing: float, softcap: float | None, grad: bool) -> list[torch.Tensor]:
+def rows_op(logits: torch.Tensor, picked: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor,
+            label_smoothing: float, softcap: float | None, grad: bool) -> list[torch.Tensor]:
     """The kernel's launch as the op ``portable_ops_nki::linear_cross_entropy_rows``: ``[loss [C, 1] float32,
-    dlogits?]`` from the ``[C, 1]`` float32 columns (module docstring)."""
-    return list(launch(rows_kernel, logits.contiguous(), picked, target, valid, scale, label_smoothing=label_smoothing,
+    dlogits?, target_grad [C, 1] float32?]`` from the ``[C, 1]`` float32 columns (module docstring)."""
+    return list(launch(rows_kernel, logits.contiguous(), picked, valid, scale, label_smoothing=label_smoothing,
                        softcap=softcap, grad=grad))
 
 
 def _rows(logits, target, row_scale, ignore_index, label_smoothing, softcap, grad):
     valid = target != ignore_index
-    picked = logits.gather(1, torch.where(valid, target, 0)[:, None])
-    outs = rows_op(logits, _as_column(picked), _as_column(torch.where(valid, target, -1)), _as_column(valid),
+    index = torch.where(valid, target, 0)[:, None]  # an ignored token's row is zeros, its "target" column too
+    outs = rows_op(logits, _as_column(logits.gather(1, index)), _as_column(valid),
                    _as_column(torch.where(valid, row_scale, 0.0)), float(label_smoothing),
                    None if softcap is None else float(softcap), grad)
-    return outs[0].reshape(-1), outs[1] if grad else None
+    if not grad:
+        return outs[0].reshape(-1), None
+    dlogits = outs[1].scatter_(1, index, outs[2].to(outs[1].dtype))  # rounded once, from float32
+    return outs[0].reshape(-1), dlogits
 
 
 linear_cross_entropy_fwd = partial(lm_head.forward, _rows)
