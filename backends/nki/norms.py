@@ -34,6 +34,8 @@ from .runtime import kernel_op, launch
 
 PMAX = 128
 PSUM_FREE = 512  # float32 per partition in a PSUM bank
+TRANSPOSES_PER_BANK = 4  # 128-column bfloat16 transposes a PSUM bank holds side by side
+SPLIT = 3  # bfloat16 parts that sum to a float32 exactly (8 significant bits each)
 MAX_D = 5120  # a row tile and its temporaries, D float32 each, fit SBUF (224 KiB a partition on Trn2)
 
 
@@ -103,6 +105,176 @@ def _rstd(src, rows, d, eps, neg_mean):
     return exact_roots.rsqrt(var, rows)
 
 
+class _Columns:
+    """Per-row float32 statistics ``[M, 1]`` in HBM, moved a group of row tiles at a time: up to 128 full tiles'
+    ``[128, 1]`` columns side by side in SBUF, transposed on the Tensor Engine to ``[tiles, 128]`` and moved in
+    512-byte descriptors, where a column alone moves 4 bytes a partition (the DMA's least efficient size). A last
+    tile of fewer than 128 rows moves alone."""
+
+    def __init__(self, hbm, m):
+        self.hbm, self.m, self.full = hbm, m, m // PMAX
+        self.group, self.t0 = None, 0
+
+    def _span(self, t):
+        """The group starting at full tile ``t``: its HBM rows as ``[tiles, 128]`` and its tile count."""
+        tiles = min(PMAX, self.full - t)
+        return self.hbm[t * PMAX:(t + tiles) * PMAX, 0:1].reshape((tiles, PMAX)), tiles
+
+    def read(self, r0, rows):
+        """The tile's ``[rows, 1]`` column (loading its group first when the tile starts one)."""
+        t = r0 // PMAX
+        if rows < PMAX:
+            column = _column(rows)
+            nisa.dma_copy(dst=column, src=self.hbm[r0:r0 + rows, 0:1])
+            return column
+        if self.group is None or t >= self.t0 + self.group.shape[1]:
+            span, tiles = self._span(t)
+            by_tile = nl.ndarray((tiles, PMAX), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.dma_copy(dst=by_tile, src=span)
+            turned = nl.ndarray((PMAX, tiles), dtype=nl.float32, buffer=nl.psum)
+            nisa.nc_transpose(dst=turned, data=by_tile)
+            self.group, self.t0 = nl.ndarray((PMAX, tiles), dtype=nl.float32, buffer=nl.sbuf), t
+            nisa.tensor_copy(dst=self.group, src=turned, engine=nisa.engine.scalar)
+        return self.group[0:PMAX, t - self.t0:t - self.t0 + 1]
+
+    def write(self, r0, rows, column):
+        """Store the tile's column (with its group's, once the group's last tile has come)."""
+        t = r0 // PMAX
+        if rows < PMAX:
+            nisa.dma_copy(dst=self.hbm[r0:r0 + rows, 0:1], src=column)
+            return
+        if self.group is None:
+            self.t0 = t
+            self.group = nl.ndarray((PMAX, self._span(t)[1]), dtype=nl.float32, buffer=nl.sbuf)
+        j = t - self.t0
+        nisa.tensor_copy(dst=self.group[0:PMAX, j:j + 1], src=column, engine=nisa.engine.gpsimd)
+        if j + 1 == self.group.shape[1]:
+            span, tiles = self._span(self.t0)
+            turned = nl.ndarray((tiles, PMAX), dtype=nl.float32, buffer=nl.psum)
+            nisa.nc_transpose(dst=turned, data=self.group)
+            by_tile = nl.ndarray((tiles, PMAX), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=by_tile, src=turned, engine=nisa.engine.scalar)
+            nisa.dma_copy(dst=span, src=by_tile)
+            self.group = None
+
+
+class _AffineOnTensorEngine:
+    """``rstd * (x - mean) * w + b`` of bfloat16 row tiles with the products on the Tensor Engine, exact: a tile's
+    128-column blocks are transposed there (back to SBUF by the Vector Engine), and each block of
+    ``x^T`` is the stationary side of a matmul against ``diag(w)`` (bfloat16 products are exact, their sums float32),
+    which puts ``x * w`` in PSUM in the tile's own layout. One more matmul per 512 columns adds
+    ``b / rstd - mean * w``: its stationary rows are ``1 / rstd`` and ``-mean`` per row, each the sum of three
+    bfloat16 parts (exact to float32's 24 bits), its moving rows ``b`` and ``w`` three times each. The Vector Engine
+    takes PSUM out with the one multiplication by ``rstd``, rounding once to bfloat16. The weight and bias must be
+    bfloat16 too (``None``: 1 and 0)."""
+
+    def __init__(self, weight, bias, d, rms):
+        self.d, self.blocks = d, -(-d // PMAX)
+        identity = nl.ndarray((PMAX, PMAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+        ones = nl.ndarray((PMAX, PMAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=ones, value=1.0)
+        nisa.affine_select(dst=identity, pattern=[[-1, PMAX]], channel_multiplier=1, on_true_tile=ones,
+                           on_false_value=0.0)  # p - i == 0
+        self.diag = nl.ndarray((PMAX, self.blocks * PMAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+        w_cols = self._columns(weight) if weight is not None else None
+        for blk, (d0, width) in enumerate(self._blocks()):
+            diag = self.diag[0:width, blk * PMAX:blk * PMAX + width]
+            if w_cols is None:
+                nisa.tensor_copy(dst=diag, src=identity[0:width, 0:width])
+            else:
+                nisa.tensor_scalar(dst=diag, data=identity[0:width, 0:width], op0=nl.multiply,
+                                   operand0=w_cols[0:width, blk:blk + 1])
+        # the correction's moving rows: b three times (with a bias), w (or 1) three times (LayerNorm)
+        self.biased, self.centred = bias is not None, not rms
+        parts = ([bias] * SPLIT if self.biased else []) + ([weight] * SPLIT if self.centred else [])
+        self.terms = len(parts)
+        self.moving = nl.ndarray((max(1, self.terms), d), dtype=nl.bfloat16, buffer=nl.sbuf)
+        if None in parts:  # no weight: its rows are ones (a DMA writes any partition, an engine aligned ones only)
+            nisa.memset(dst=self.moving, value=1.0)
+        for k, part in enumerate(parts):
+            if part is not None:
+                nisa.dma_copy(dst=self.moving[k:k + 1, 0:d], src=part.reshape((1, d)))
+
+    def _blocks(self):
+        return [(d0, min(PMAX, self.d - d0)) for d0 in range(0, self.d, PMAX)]
+
+    def _columns(self, vector):
+        """A ``[D]`` HBM vector as float32 columns ``[128, blocks]``: block j's 128 values down column j (loaded a
+        block to a partition, transposed on the Tensor Engine)."""
+        full = self.d // PMAX
+        by_block = nl.ndarray((self.blocks, PMAX), dtype=vector.dtype, buffer=nl.sbuf)
+        if full:
+            nisa.dma_copy(dst=by_block[0:full, 0:PMAX], src=vector[0:full * PMAX].reshape((full, PMAX)))
+        if full < self.blocks:
+            left = self.d - full * PMAX
+            nisa.dma_copy(dst=by_block[full:full + 1, 0:left], src=vector[full * PMAX:self.d].reshape((1, left)))
+        turned = nl.ndarray((PMAX, self.blocks), dtype=vector.dtype, buffer=nl.psum)
+        nisa.nc_transpose(dst=turned, data=by_block)
+        columns = nl.ndarray((PMAX, self.blocks), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=columns, src=turned)
+        return columns
+
+    def normalise(self, src, rows, mean, rstd):
+        """The tile's output, bfloat16 ``[rows, D]`` in SBUF."""
+        xt = nl.ndarray((PMAX, self.blocks * PMAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+        for g0 in range(0, self.blocks, TRANSPOSES_PER_BANK):
+            group = self._blocks()[g0:g0 + TRANSPOSES_PER_BANK]
+            turned = nl.ndarray((PMAX, len(group) * PMAX), dtype=nl.bfloat16, buffer=nl.psum)
+            for j, (d0, width) in enumerate(group):
+                nisa.nc_transpose(dst=turned[0:width, j * PMAX:j * PMAX + rows], data=src[0:rows, d0:d0 + width])
+            nisa.tensor_copy(dst=xt[0:PMAX, g0 * PMAX:(g0 + len(group)) * PMAX], src=turned)
+        stationary = self._correction(rows, mean, rstd) if self.terms else None
+        out = nl.ndarray((rows, self.d), dtype=nl.bfloat16, buffer=nl.sbuf)
+        per_bank = PSUM_FREE // PMAX
+        for c0 in range(0, self.d, PSUM_FREE):
+            width = min(PSUM_FREE, self.d - c0)
+            acc = nl.ndarray((rows, PSUM_FREE), dtype=nl.float32, buffer=nl.psum)
+            for j, (d0, bw) in enumerate(self._blocks()[c0 // PMAX:c0 // PMAX + per_bank]):
+                blk = d0 // PMAX
+                nisa.nc_matmul(dst=acc[0:rows, j * PMAX:j * PMAX + bw],
+                               stationary=xt[0:bw, blk * PMAX:blk * PMAX + rows],
+                               moving=self.diag[0:bw, blk * PMAX:blk * PMAX + bw], accumulate=False)
+            if stationary is not None:
+                nisa.nc_matmul(dst=acc[0:rows, 0:width], stationary=stationary,
+                               moving=self.moving[0:self.terms, c0:c0 + width], accumulate=True)
+            nisa.tensor_scalar(dst=out[0:rows, c0:c0 + width], data=acc[0:rows, 0:width], op0=nl.multiply,
+                               operand0=rstd)
+        return out
+
+    def _correction(self, rows, mean, rstd):
+        """The stationary ``[terms, rows]`` of ``b / rstd - mean * w``: three bfloat16 parts of each row's
+        ``1 / rstd`` (with a bias) and of its ``-mean`` (LayerNorm)."""
+        values = []
+        if self.biased:
+            spread = _column(rows)
+            nisa.reciprocal(dst=spread, data=rstd)
+            values.append(spread)
+        if self.centred:
+            neg_mean = _column(rows)
+            nisa.tensor_scalar(dst=neg_mean, data=mean, op0=nl.multiply, operand0=-1.0)
+            values.append(neg_mean)
+        parts = nl.ndarray((rows, self.terms), dtype=nl.bfloat16, buffer=nl.sbuf)
+        for k, value in enumerate(values):
+            _split(value, parts[0:rows, k * SPLIT:(k + 1) * SPLIT], rows)
+        turned = nl.ndarray((self.terms, rows), dtype=nl.bfloat16, buffer=nl.psum)
+        nisa.nc_transpose(dst=turned, data=parts)
+        stationary = nl.ndarray((self.terms, rows), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=stationary, src=turned)
+        return stationary
+
+
+def _split(value, parts, rows):
+    """A float32 column as the sum of ``SPLIT`` bfloat16 columns ``parts`` (each the rounded remainder of those
+    before: exact, bfloat16 keeping float32's exponents)."""
+    left = value
+    for k in range(SPLIT):
+        nisa.tensor_copy(dst=parts[0:rows, k:k + 1], src=left)
+        if k + 1 < SPLIT:
+            rest = _column(rows)
+            nisa.tensor_tensor(dst=rest, data1=left, data2=parts[0:rows, k:k + 1], op=nl.subtract)
+            left = rest
+
+
 @nki.jit
 def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True):
     """``(out, [h], [mean], rstd)`` of contiguous rows ``x [M, D]``: h with a residual, mean for LayerNorm;
@@ -114,13 +286,20 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
     h_out = nl.ndarray((m, d), dtype=x.dtype, buffer=nl.shared_hbm) if residual is not None else None
     mean_out = None if rms else nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     rstd_out = nl.ndarray((m, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    rstd_columns, mean_columns = _Columns(rstd_out, m), None if rms else _Columns(mean_out, m)
     weight_engine, bias_engine = ((nisa.engine.vector, nisa.engine.gpsimd) if residual is not None
                                   else (nisa.engine.gpsimd, nisa.engine.vector))
 
+    # LayerNorm only: a row's non-finite value makes its every output NaN there, as the zeros of diag(w) times it
+    # do here (RMSNorm's rstd of 0 leaves the row's finite values' outputs 0)
+    on_tensor_engine = not rms and all(v is None or v.dtype == nl.bfloat16 for v in (x, weight, bias))
+
     @functools.cache
     def parameters():
-        """The weight and bias on every partition in use, loaded when first needed: after the first tiles'
+        """The weight and bias as the normalisation takes them, loaded when first needed: after the first tiles'
         loads, which wait for neither."""
+        if on_tensor_engine:
+            return _AffineOnTensorEngine(weight, bias, d, rms)
         most = min(PMAX, m)
         return tuple(None if v is None else _broadcast(v, most, d) for v in (weight, bias))
 
@@ -140,6 +319,12 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
         return r0, rows, src, mean, _rstd(src, rows, d, eps, neg_mean)
 
     def normalise(r0, rows, src, mean, rstd):
+        rstd_columns.write(r0, rows, rstd)
+        if mean is not None:
+            mean_columns.write(r0, rows, mean)
+        if on_tensor_engine:
+            nisa.dma_copy(dst=out[r0:r0 + rows, 0:d], src=parameters().normalise(src, rows, mean, rstd))
+            return
         w, b = parameters()
 
         def centred(dst, _):
@@ -158,9 +343,6 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
                                                             engine=bias_engine))
         y = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=out[r0:r0 + rows, 0:d], src=_chain(steps, y, x.dtype))
-        nisa.dma_copy(dst=rstd_out[r0:r0 + rows, 0:1], src=rstd)
-        if mean is not None:
-            nisa.dma_copy(dst=mean_out[r0:r0 + rows, 0:1], src=mean)
 
     _pipelined(m, load, spread, normalise)
     return tuple(o for o in (out, h_out, mean_out, rstd_out) if o is not None)
@@ -213,20 +395,19 @@ def norm_bwd_kernel(x, rstd, dout, weight=None, mean=None, dh=None, rms=True, bi
     most = min(PMAX, m)
     w = _broadcast(weight, most, d) if weight is not None else None
     dw_sums = _ColumnSums(d, most, nl.float32) if weight is not None else None
+    rstd_columns, mean_columns = _Columns(rstd, m), None if mean is None else _Columns(mean, m)
     db_sums = _ColumnSums(d, most, dout.dtype) if bias_grad else None
 
     def prepare(r0):
         """The tile's xhat, w*dy and -mean(xhat * w * dy)."""
         rows = min(PMAX, m - r0)
         xt, dy = _load(x, r0, rows, d), _load(dout, r0, rows, d)
-        rs = _column(rows)
-        nisa.dma_copy(dst=rs, src=rstd[r0:r0 + rows, 0:1])
+        rs = rstd_columns.read(r0, rows)
         xhat = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
         if rms:
             nisa.tensor_scalar(dst=xhat, data=xt, op0=nl.multiply, operand0=rs, engine=nisa.engine.scalar)
         else:
-            mu = _column(rows)
-            nisa.dma_copy(dst=mu, src=mean[r0:r0 + rows, 0:1])
+            mu = mean_columns.read(r0, rows)
             nisa.tensor_scalar(dst=xhat, data=xt, op0=nl.subtract, operand0=mu, op1=nl.multiply, operand1=rs,
                                engine=nisa.engine.scalar)
         wdy = dy
