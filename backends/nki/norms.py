@@ -34,7 +34,7 @@ from .runtime import kernel_op, launch
 
 PMAX = 128
 PSUM_FREE = 512  # float32 per partition in a PSUM bank
-TRANSPOSES_PER_BANK = 4  # 128-column bfloat16 transposes a PSUM bank holds side by side
+TRANSPOSES_PER_BANK = 8  # 128-column bfloat16 transposes a PSUM bank (2 KiB a partition) holds side by side
 SPLIT = 3  # bfloat16 parts that sum to a float32 exactly (8 significant bits each)
 MAX_D = 5120  # a row tile and its temporaries, D float32 each, fit SBUF (224 KiB a partition on Trn2)
 
@@ -93,16 +93,22 @@ def _mean(src, rows, d):
     return mean, neg_mean
 
 
-def _rstd(src, rows, d, eps, neg_mean):
-    """``rsqrt(mean((src - mean)^2) + eps)``, a ``[rows, 1]`` float32 column (``neg_mean`` None: the mean is 0):
-    the sum of squares the Scalar Engine's ``square`` activation, biased by ``-mean``, with its add-reduction."""
+def _sum_of_squares(src, rows, neg_mean):
+    """``sum((src - mean)^2)`` per row, a ``[rows, 1]`` float32 column (``neg_mean`` None: the mean is 0): the Scalar
+    Engine's ``square`` activation, biased by ``-mean``, with its add-reduction."""
     sum_sq = _column(rows)
     squares = nl.ndarray(src.shape, dtype=src.dtype, buffer=nl.sbuf)  # the element-wise result, unused
     nisa.activation(dst=squares, op=nl.square, data=src, bias=neg_mean, reduce_op=nl.add, reduce_res=sum_sq,
                     reduce_cmd=nisa.reduce_cmd.reset_reduce)
+    return sum_sq
+
+
+def _rstd(sum_sq, rows, d, eps):
+    """``rsqrt(sum_sq / d + eps)``, its column arithmetic on GpSimd."""
     var = _column(rows)
-    nisa.tensor_scalar(dst=var, data=sum_sq, op0=nl.multiply, operand0=1.0 / d, op1=nl.add, operand1=eps)
-    return exact_roots.rsqrt(var, rows)
+    nisa.tensor_scalar(dst=var, data=sum_sq, op0=nl.multiply, operand0=1.0 / d, op1=nl.add, operand1=eps,
+                       engine=nisa.engine.gpsimd)
+    return exact_roots.rsqrt(var, rows, engine=nisa.engine.gpsimd)
 
 
 class _Columns:
@@ -214,8 +220,8 @@ class _AffineOnTensorEngine:
         nisa.tensor_copy(dst=columns, src=turned)
         return columns
 
-    def normalise(self, src, rows, mean, rstd):
-        """The tile's output, bfloat16 ``[rows, D]`` in SBUF."""
+    def transposed(self, src, rows):
+        """The tile's ``x^T``: its 128-column blocks side by side, ``[128, blocks * 128]`` in SBUF."""
         xt = nl.ndarray((PMAX, self.blocks * PMAX), dtype=nl.bfloat16, buffer=nl.sbuf)
         for g0 in range(0, self.blocks, TRANSPOSES_PER_BANK):
             group = self._blocks()[g0:g0 + TRANSPOSES_PER_BANK]
@@ -223,6 +229,10 @@ class _AffineOnTensorEngine:
             for j, (d0, width) in enumerate(group):
                 nisa.nc_transpose(dst=turned[0:width, j * PMAX:j * PMAX + rows], data=src[0:rows, d0:d0 + width])
             nisa.tensor_copy(dst=xt[0:PMAX, g0 * PMAX:(g0 + len(group)) * PMAX], src=turned)
+        return xt
+
+    def normalise(self, xt, rows, mean, rstd):
+        """The output of the tile whose ``x^T`` is ``xt``: bfloat16 ``[rows, D]`` in SBUF."""
         stationary = self._correction(rows, mean, rstd) if self.terms else None
         out = nl.ndarray((rows, self.d), dtype=nl.bfloat16, buffer=nl.sbuf)
         per_bank = PSUM_FREE // PMAX
@@ -251,7 +261,7 @@ class _AffineOnTensorEngine:
             values.append(spread)
         if self.centred:
             neg_mean = _column(rows)
-            nisa.tensor_scalar(dst=neg_mean, data=mean, op0=nl.multiply, operand0=-1.0)
+            nisa.tensor_scalar(dst=neg_mean, data=mean, op0=nl.multiply, operand0=-1.0, engine=nisa.engine.gpsimd)
             values.append(neg_mean)
         parts = nl.ndarray((rows, self.terms), dtype=nl.bfloat16, buffer=nl.sbuf)
         for k, value in enumerate(values):
@@ -268,10 +278,11 @@ def _split(value, parts, rows):
     before: exact, bfloat16 keeping float32's exponents)."""
     left = value
     for k in range(SPLIT):
-        nisa.tensor_copy(dst=parts[0:rows, k:k + 1], src=left)
+        nisa.tensor_copy(dst=parts[0:rows, k:k + 1], src=left, engine=nisa.engine.gpsimd)
         if k + 1 < SPLIT:
             rest = _column(rows)
-            nisa.tensor_tensor(dst=rest, data1=left, data2=parts[0:rows, k:k + 1], op=nl.subtract)
+            nisa.tensor_tensor(dst=rest, data1=left, data2=parts[0:rows, k:k + 1], op=nl.subtract,
+                               engine=nisa.engine.gpsimd)
             left = rest
 
 
@@ -316,9 +327,16 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
         return (r0, rows, src, *((None, None) if rms else _mean(src, rows, d)))
 
     def spread(r0, rows, src, mean, neg_mean):
-        return r0, rows, src, mean, _rstd(src, rows, d, eps, neg_mean)
+        return r0, rows, src, mean, _sum_of_squares(src, rows, neg_mean)
+
+    def root(r0, rows, src, mean, sum_sq):
+        return r0, rows, src, mean, _rstd(sum_sq, rows, d, eps)
+
+    def transpose(r0, rows, src, mean, rstd):
+        return r0, rows, parameters().transposed(src, rows), mean, rstd
 
     def normalise(r0, rows, src, mean, rstd):
+        """The tile's output and statistics stored (``src`` its ``x^T`` on the Tensor Engine's way)."""
         rstd_columns.write(r0, rows, rstd)
         if mean is not None:
             mean_columns.write(r0, rows, mean)
@@ -344,7 +362,7 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
         y = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=out[r0:r0 + rows, 0:d], src=_chain(steps, y, x.dtype))
 
-    _pipelined(m, load, spread, normalise)
+    _pipelined(m, load, spread, root, *([transpose] if on_tensor_engine else []), normalise)
     return tuple(o for o in (out, h_out, mean_out, rstd_out) if o is not None)
 
 
