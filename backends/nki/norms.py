@@ -25,6 +25,7 @@ whole tile's pass on an engine both use.
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 
@@ -35,6 +36,7 @@ from .runtime import kernel_op, launch
 PMAX = 128
 PSUM_FREE = 512  # float32 per partition in a PSUM bank
 TRANSPOSES_PER_BANK = 8  # 128-column bfloat16 transposes a PSUM bank (2 KiB a partition) holds side by side
+EVACUATING = (nisa.engine.vector, nisa.engine.scalar)  # PSUM's readers besides the Tensor Engine, in turn
 SPLIT = 3  # bfloat16 parts that sum to a float32 exactly (8 significant bits each)
 MAX_D = 5120  # a row tile and its temporaries, D float32 each, fit SBUF (224 KiB a partition on Trn2)
 
@@ -70,18 +72,18 @@ def _chain(steps, scratch, dtype):
 
 
 def _pipelined(m, *stages):
-    """Every row tile of ``m`` rows through ``stages`` (the first takes the tile's first row, each later one what the
-    one before returned), issued as a software pipeline: step i runs stage k on tile i - k, the newest tile first.
-    A stage's instructions then come a step after those they wait for, and a tile's short chain of dependent column
-    instructions is not queued behind another tile's element-wise pass on an engine both use (each engine takes its
-    instructions in program order)."""
+    """Every row tile of ``m`` rows through ``stages`` (the first takes the tile's first row and returns its state,
+    each later one takes that state and returns it), issued as a software pipeline: step i runs stage k on tile
+    i - k, the newest tile first. A stage's instructions then come a step after those they wait for, and a tile's
+    short chain of dependent column instructions is not queued behind another tile's element-wise pass on an engine
+    both use (each engine takes its instructions in program order)."""
     starts = range(0, m, PMAX)
     carried = {}
     for step in range(len(starts) + len(stages) - 1):
         for k, stage in enumerate(stages):
             t = step - k
             if 0 <= t < len(starts):
-                carried[t] = stage(*carried.pop(t)) if k else stage(starts[t])
+                carried[t] = stage(carried.pop(t)) if k else stage(starts[t])
 
 
 def _mean(src, rows, d):
@@ -177,9 +179,9 @@ class _AffineOnTensorEngine:
     def __init__(self, weight, bias, d, rms):
         self.d, self.blocks = d, -(-d // PMAX)
         identity = nl.ndarray((PMAX, PMAX), dtype=nl.bfloat16, buffer=nl.sbuf)
-        ones = nl.ndarray((PMAX, PMAX), dtype=nl.bfloat16, buffer=nl.sbuf)
-        nisa.memset(dst=ones, value=1.0)
-        nisa.affine_select(dst=identity, pattern=[[-1, PMAX]], channel_multiplier=1, on_true_tile=ones,
+        self.ones = nl.ndarray((PMAX, PMAX), dtype=nl.bfloat16, buffer=nl.sbuf)
+        nisa.memset(dst=self.ones, value=1.0)
+        nisa.affine_select(dst=identity, pattern=[[-1, PMAX]], channel_multiplier=1, on_true_tile=self.ones,
                            on_false_value=0.0)  # p - i == 0
         self.diag = nl.ndarray((PMAX, self.blocks * PMAX), dtype=nl.bfloat16, buffer=nl.sbuf)
         w_cols = self._columns(weight) if weight is not None else None
@@ -231,8 +233,22 @@ class _AffineOnTensorEngine:
             nisa.tensor_copy(dst=xt[0:PMAX, g0 * PMAX:(g0 + len(group)) * PMAX], src=turned)
         return xt
 
+    def mean(self, xt, rows):
+        """``(mean, -mean)`` ``[rows, 1]`` float32 columns of the tile whose ``x^T`` is ``xt``: its row sums are
+        matmuls of the blocks against a column of ones, exact products added in float32."""
+        sums = nl.ndarray((rows, 1), dtype=nl.float32, buffer=nl.psum)
+        for blk, (d0, width) in enumerate(self._blocks()):
+            nisa.nc_matmul(dst=sums, stationary=xt[0:width, blk * PMAX:blk * PMAX + rows],
+                           moving=self.ones[0:width, 0:1], accumulate=blk > 0)
+        mean, neg_mean = _column(rows), _column(rows)
+        nisa.tensor_scalar(dst=mean, data=sums, op0=nl.multiply, operand0=1.0 / self.d)
+        nisa.tensor_scalar(dst=neg_mean, data=sums, op0=nl.multiply, operand0=-1.0 / self.d,
+                           engine=nisa.engine.scalar)
+        return mean, neg_mean
+
     def normalise(self, xt, rows, mean, rstd):
-        """The output of the tile whose ``x^T`` is ``xt``: bfloat16 ``[rows, D]`` in SBUF."""
+        """The output of the tile whose ``x^T`` is ``xt``: bfloat16 ``[rows, D]`` in SBUF, taken out of PSUM by the
+        Vector and Scalar Engines in turn."""
         stationary = self._correction(rows, mean, rstd) if self.terms else None
         out = nl.ndarray((rows, self.d), dtype=nl.bfloat16, buffer=nl.sbuf)
         per_bank = PSUM_FREE // PMAX
@@ -248,7 +264,7 @@ class _AffineOnTensorEngine:
                 nisa.nc_matmul(dst=acc[0:rows, 0:width], stationary=stationary,
                                moving=self.moving[0:self.terms, c0:c0 + width], accumulate=True)
             nisa.tensor_scalar(dst=out[0:rows, c0:c0 + width], data=acc[0:rows, 0:width], op0=nl.multiply,
-                               operand0=rstd)
+                               operand0=rstd, engine=EVACUATING[c0 // PSUM_FREE % len(EVACUATING)])
         return out
 
     def _correction(self, rows, mean, rstd):
@@ -315,33 +331,41 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
         return tuple(None if v is None else _broadcast(v, most, d) for v in (weight, bias))
 
     def load(r0):
-        """The tile's rows as normalised (the residual sum, stored), and their mean for LayerNorm."""
-        rows = min(PMAX, m - r0)
-        src = _load(x, r0, rows, d)
+        """The tile's rows as normalised (the residual sum, stored); LayerNorm's mean on the engines' way."""
+        tile = types.SimpleNamespace(r0=r0, rows=min(PMAX, m - r0), mean=None, neg_mean=None)
+        tile.src = _load(x, r0, tile.rows, d)
         if residual is not None:
-            h = nl.ndarray((rows, d), dtype=x.dtype, buffer=nl.sbuf)
-            nisa.tensor_tensor(dst=h, data1=src, data2=_load(residual, r0, rows, d), op=nl.add,
+            h = nl.ndarray((tile.rows, d), dtype=x.dtype, buffer=nl.sbuf)
+            nisa.tensor_tensor(dst=h, data1=tile.src, data2=_load(residual, r0, tile.rows, d), op=nl.add,
                                engine=nisa.engine.gpsimd)  # rounds once to x's dtype
-            nisa.dma_copy(dst=h_out[r0:r0 + rows, 0:d], src=h)
-            src = h  # the sum as returned is what is normalised
-        return (r0, rows, src, *((None, None) if rms else _mean(src, rows, d)))
+            nisa.dma_copy(dst=h_out[r0:r0 + tile.rows, 0:d], src=h)
+            tile.src = h  # the sum as returned is what is normalised
+        if not rms and not on_tensor_engine:
+            tile.mean, tile.neg_mean = _mean(tile.src, tile.rows, d)
+        return tile
 
-    def spread(r0, rows, src, mean, neg_mean):
-        return r0, rows, src, mean, _sum_of_squares(src, rows, neg_mean)
+    def transpose(tile):
+        """The Tensor Engine's way: the tile's x^T, and its mean from it."""
+        tile.xt = parameters().transposed(tile.src, tile.rows)
+        tile.mean, tile.neg_mean = parameters().mean(tile.xt, tile.rows)
+        return tile
 
-    def root(r0, rows, src, mean, sum_sq):
-        return r0, rows, src, mean, _rstd(sum_sq, rows, d, eps)
+    def spread(tile):
+        tile.sum_sq = _sum_of_squares(tile.src, tile.rows, tile.neg_mean)
+        return tile
 
-    def transpose(r0, rows, src, mean, rstd):
-        return r0, rows, parameters().transposed(src, rows), mean, rstd
+    def root(tile):
+        tile.rstd = _rstd(tile.sum_sq, tile.rows, d, eps)
+        return tile
 
-    def normalise(r0, rows, src, mean, rstd):
-        """The tile's output and statistics stored (``src`` its ``x^T`` on the Tensor Engine's way)."""
+    def normalise(tile):
+        """The tile's output and statistics stored."""
+        r0, rows, src, mean, rstd = tile.r0, tile.rows, tile.src, tile.mean, tile.rstd
         rstd_columns.write(r0, rows, rstd)
         if mean is not None:
             mean_columns.write(r0, rows, mean)
         if on_tensor_engine:
-            nisa.dma_copy(dst=out[r0:r0 + rows, 0:d], src=parameters().normalise(src, rows, mean, rstd))
+            nisa.dma_copy(dst=out[r0:r0 + rows, 0:d], src=parameters().normalise(tile.xt, rows, mean, rstd))
             return
         w, b = parameters()
 
@@ -362,7 +386,7 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
         y = nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)
         nisa.dma_copy(dst=out[r0:r0 + rows, 0:d], src=_chain(steps, y, x.dtype))
 
-    _pipelined(m, load, spread, root, *([transpose] if on_tensor_engine else []), normalise)
+    _pipelined(m, load, *([transpose] if on_tensor_engine else []), spread, root, normalise)
     return tuple(o for o in (out, h_out, mean_out, rstd_out) if o is not None)
 
 
@@ -437,8 +461,9 @@ def norm_bwd_kernel(x, rstd, dout, weight=None, mean=None, dh=None, rms=True, bi
         nisa.tensor_tensor(dst=prod, data1=xhat, data2=wdy, op=nl.multiply)
         return r0, rows, dy, rs, xhat, wdy, _row_sum(prod, rows, -1.0 / d, scratch=prod), wdy_mean
 
-    def finish(r0, rows, dy, rs, xhat, wdy, c, wdy_mean):
+    def finish(state):
         """dx stored, and the tile's column sums added (tiles rewritten in place once they are not read again)."""
+        r0, rows, dy, rs, xhat, wdy, c, wdy_mean = state
         dx = wdy if w is not None else nl.ndarray((rows, d), dtype=nl.float32, buffer=nl.sbuf)  # not dy itself
         nisa.scalar_tensor_tensor(dst=dx, data=xhat, op0=nl.multiply, operand0=c, op1=nl.add, operand1=wdy)
 
