@@ -10,7 +10,8 @@ activation's pre-scale. The first pass keeps per row the running max (Vector Eng
 up to ``BOUNDED_CAP``, whose logits are bounded), the running sum of exponentials (the Scalar Engine's ``exp`` with
 its add-reduction, the old sum rescaled by ``exp(old max - new max)``) and, for label smoothing, the row's sum; then
 ``loss = lse - (1 - eps) * z[target] - eps * mean(z)``, ``z[target]`` from the target's logit the host gathers.
-The second pass reads the tiles again and writes ``(softmax - eps / V) * (1 - y^2) * scale`` (``exp`` on the Scalar
+The second pass takes the first tiles from SBUF, where the first pass kept them (``KEPT_BYTES`` a partition), reads
+the others again, and writes ``(softmax - eps / V) * (1 - y^2) * scale`` (``exp`` on the Scalar
 Engine, the shift and scale on GpSimd, the softcap's slope on GpSimd and the Vector Engine), rounded once to the
 logits' dtype by the engine that computes it last: every column's gradient but the target's. The target's,
 ``(softmax - (1 - eps) - eps / V) * (1 - y^2) * scale``, is a ``[C, 1]`` float32 column computed from the gathered
@@ -33,6 +34,7 @@ from .runtime import kernel_op, launch
 
 PMAX = 128
 TILE_V = 4096  # columns per tile: a pass holds five float32 tiles of it, 80 KiB of a partition's 224
+KEPT_BYTES = 128 * 1024  # of a partition's SBUF, the logits the first pass keeps for the second (not re-read)
 NEG = -1.0e30  # the running max before the first tile: finite, so exp(NEG - max) is 0 with no inf - inf
 BOUNDED_CAP = 40.0  # a softcap up to this: exp(z - softcap) >= e^-80, inside float32's normal range
 
@@ -50,10 +52,16 @@ def _loaded_column(src, r0, rows):
     return column
 
 
-def _tile(logits, r0, rows, v0, width, softcap):
-    """A ``[rows, width]`` tile of the logits as stored; with a softcap ``tanh(x / softcap)`` in float32."""
-    raw = nl.ndarray((rows, width), dtype=logits.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=raw, src=logits[r0:r0 + rows, v0:v0 + width])  # as stored: the engines read any dtype
+def _tile(logits, r0, rows, v0, width, softcap, kept=None):
+    """A ``[rows, width]`` tile of the logits as stored; with a softcap ``tanh(x / softcap)`` in float32. ``kept``
+    (the row tile's logits the first pass keeps in SBUF for the second, by first column): the tile is taken from
+    it if there, else loaded and put in it while it holds fewer than ``KEPT_BYTES`` a partition."""
+    raw = None if kept is None else kept.pop(v0, None)
+    if raw is None:
+        raw = nl.ndarray((rows, width), dtype=logits.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=raw, src=logits[r0:r0 + rows, v0:v0 + width])  # as stored: the engines read any dtype
+        if kept is not None and (v0 + width) * logits.dtype.itemsize <= KEPT_BYTES:
+            kept[v0] = raw
     if softcap is None:
         return raw
     y = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
@@ -61,7 +69,7 @@ def _tile(logits, r0, rows, v0, width, softcap):
     return y
 
 
-def _statistics(logits, r0, rows, softcap, smoothing):
+def _statistics(logits, r0, rows, softcap, smoothing, kept):
     """``(lse, total)`` ``[rows, 1]`` columns of a row tile: the capped logits' logsumexp, and the row's sum of ``y``
     (the capped logits over ``softcap``; None unless ``smoothing``)."""
     v = logits.shape[1]
@@ -75,7 +83,7 @@ def _statistics(logits, r0, rows, softcap, smoothing):
     total = _column(rows, 0.0) if smoothing else None
     for v0 in range(0, v, TILE_V):
         width = min(TILE_V, v - v0)
-        y = _tile(logits, r0, rows, v0, width, softcap)
+        y = _tile(logits, r0, rows, v0, width, softcap, kept)
         part = _column(rows)
         if not bounded:  # the running max, and the sum so far rescaled to it
             new_top, rescale = _column(rows), _column(rows)
@@ -103,7 +111,7 @@ def _statistics(logits, r0, rows, softcap, smoothing):
     return lse, total
 
 
-def _gradients(logits, dlogits, lse, scale, r0, rows, softcap, smoothing):
+def _gradients(logits, dlogits, lse, scale, r0, rows, softcap, smoothing, kept):
     """Writes the row tile's ``(softmax - eps / V) * slope * scale`` to ``dlogits``: every column's gradient but the
     target's, whose ``- (1 - eps) * slope * scale`` the host adds (``_target_gradient``)."""
     v = logits.shape[1]
@@ -115,7 +123,7 @@ def _gradients(logits, dlogits, lse, scale, r0, rows, softcap, smoothing):
         scale = flipped
     for v0 in range(0, v, TILE_V):
         width = min(TILE_V, v - v0)
-        y = _tile(logits, r0, rows, v0, width, softcap)
+        y = _tile(logits, r0, rows, v0, width, softcap, kept)
         grad = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=grad, op=nl.exp, data=y, bias=neg_lse, scale=1.0 if softcap is None else softcap)
         # the last instruction writes the logits' dtype: rounded once, by the engine (a DMA may not convert)
@@ -163,7 +171,8 @@ def rows_kernel(logits, picked, valid, scale, label_smoothing=0.0, softcap=None,
     target_out = nl.ndarray((c, 1), dtype=nl.float32, buffer=nl.shared_hbm) if grad else None
     for r0 in range(0, c, PMAX):
         rows = min(PMAX, c - r0)
-        lse, total = _statistics(logits, r0, rows, softcap, label_smoothing > 0)
+        kept = {} if grad else None  # the first vocab tiles, loaded once for both passes
+        lse, total = _statistics(logits, r0, rows, softcap, label_smoothing > 0, kept)
         z = _tile(picked, r0, rows, 0, 1, softcap)  # the target's capped logit, over softcap
         loss = _column(rows)  # lse - (1 - eps) * z[target] - eps * mean(z), zero where ignored
         zscale = 1.0 if softcap is None else softcap
@@ -178,7 +187,7 @@ def rows_kernel(logits, picked, valid, scale, label_smoothing=0.0, softcap=None,
             row_scale = _loaded_column(scale, r0, rows)
             nisa.dma_copy(dst=target_out[r0:r0 + rows, 0:1],
                           src=_target_gradient(z, lse, row_scale, rows, softcap, label_smoothing, v))
-            _gradients(logits, dlogits, lse, row_scale, r0, rows, softcap, label_smoothing)
+            _gradients(logits, dlogits, lse, row_scale, r0, rows, softcap, label_smoothing, kept)
     return (loss_out, dlogits, target_out) if grad else (loss_out,)
 
 
