@@ -1,12 +1,16 @@
 """RMSNorm and LayerNorm, forward and backward, as NKI kernels (the residual add fused into the forward).
 
 Layout: rows on the partitions, up to 128 per tile, the normalised dim ``D`` along the free axis whole
-(``D <= MAX_D``, so a row's statistics are free-axis reductions: ``tensor_reduce`` on the Vector Engine, the
-sum of squares as the Scalar Engine's ``square`` activation with its add-reduction). Tiles load in their
-tensors' dtypes (DMAs do not convert), the engines read them and compute in float32, and each output is
-rounded once to its dtype by the engine instruction that computes it last. The residual sum is rounded to x's
-dtype on chip before it is normalised and stored, so the norm sees what is returned. The weight and bias are
-loaded once per launch onto every partition in use.
+(``D <= MAX_D``), so a row's statistics are free-axis reductions: the sum of squares about the mean is the Scalar
+Engine's ``square`` activation with its add-reduction, and so is the sum, but on the Tensor Engine's way (below).
+Tiles load in their tensors' dtypes (DMAs do not convert), the engines read them and compute in float32, and each
+output is rounded once to its dtype by the engine instruction that computes it last. The residual sum is rounded
+to x's dtype on chip before it is normalised and stored, so the norm sees what is returned.
+
+Forward, two ways: bfloat16 LayerNorm puts the affine on the Tensor Engine, exactly (``_AffineOnTensorEngine``);
+RMSNorm and other dtypes normalise on the Scalar Engine and apply the weight and bias on GpSimd and the Vector
+Engine, the parameters loaded once per launch onto every partition in use. The statistics ``[M, 1]`` move 128 row
+tiles at a time (``_Columns``).
 
 ``rstd = rsqrt(var + eps)`` on the Scalar Engine, whose ``rsqrt`` is valid on [2^-87, 2^97] only (the emulator
 rejects other inputs): ``exact_roots.rsqrt`` scales each row's value into that range by a power of two and
@@ -120,7 +124,7 @@ class _Columns:
     tile of fewer than 128 rows moves alone."""
 
     def __init__(self, hbm, m):
-        self.hbm, self.m, self.full = hbm, m, m // PMAX
+        self.hbm, self.full = hbm, m // PMAX
         self.group, self.t0 = None, 0
 
     def _span(self, t):
@@ -167,16 +171,16 @@ class _Columns:
 
 
 class _AffineOnTensorEngine:
-    """``rstd * (x - mean) * w + b`` of bfloat16 row tiles with the products on the Tensor Engine, exact: a tile's
-    128-column blocks are transposed there (back to SBUF by the Vector Engine), and each block of
-    ``x^T`` is the stationary side of a matmul against ``diag(w)`` (bfloat16 products are exact, their sums float32),
-    which puts ``x * w`` in PSUM in the tile's own layout. One more matmul per 512 columns adds
-    ``b / rstd - mean * w``: its stationary rows are ``1 / rstd`` and ``-mean`` per row, each the sum of three
-    bfloat16 parts (exact to float32's 24 bits), its moving rows ``b`` and ``w`` three times each. The Vector Engine
-    takes PSUM out with the one multiplication by ``rstd``, rounding once to bfloat16. The weight and bias must be
-    bfloat16 too (``None``: 1 and 0)."""
+    """LayerNorm's ``rstd * (x - mean) * w + b`` of bfloat16 row tiles with the products on the Tensor Engine,
+    exact: a tile's 128-column blocks are transposed there (back to SBUF by the Vector Engine); matmuls of the
+    ``x^T`` blocks against a column of ones give the row sums, and each block against ``diag(w)`` puts ``x * w`` in
+    PSUM in the tile's own layout (bfloat16 products are exact, their sums float32). One more matmul per 512 columns
+    adds ``b / rstd - mean * w``: its stationary rows are three bfloat16 parts of each row's ``1 / rstd`` (with a
+    bias) and of its ``-mean`` (parts whose sum is the float32 value), its moving rows ``b`` and ``w`` three times
+    each. The Vector and Scalar Engines take each PSUM bank out in turn with the one multiplication by ``rstd``,
+    rounding once to bfloat16. The weight and bias must be bfloat16 too (``None``: 1 and 0)."""
 
-    def __init__(self, weight, bias, d, rms):
+    def __init__(self, weight, bias, d):
         self.d, self.blocks = d, -(-d // PMAX)
         identity = nl.ndarray((PMAX, PMAX), dtype=nl.bfloat16, buffer=nl.sbuf)
         self.ones = nl.ndarray((PMAX, PMAX), dtype=nl.bfloat16, buffer=nl.sbuf)
@@ -192,11 +196,11 @@ class _AffineOnTensorEngine:
             else:
                 nisa.tensor_scalar(dst=diag, data=identity[0:width, 0:width], op0=nl.multiply,
                                    operand0=w_cols[0:width, blk:blk + 1])
-        # the correction's moving rows: b three times (with a bias), w (or 1) three times (LayerNorm)
-        self.biased, self.centred = bias is not None, not rms
-        parts = ([bias] * SPLIT if self.biased else []) + ([weight] * SPLIT if self.centred else [])
+        # the correction's moving rows: b three times (with a bias), then w (or 1) three times
+        self.biased = bias is not None
+        parts = ([bias] * SPLIT if self.biased else []) + [weight] * SPLIT
         self.terms = len(parts)
-        self.moving = nl.ndarray((max(1, self.terms), d), dtype=nl.bfloat16, buffer=nl.sbuf)
+        self.moving = nl.ndarray((self.terms, d), dtype=nl.bfloat16, buffer=nl.sbuf)
         if None in parts:  # no weight: its rows are ones (a DMA writes any partition, an engine aligned ones only)
             nisa.memset(dst=self.moving, value=1.0)
         for k, part in enumerate(parts):
@@ -246,10 +250,9 @@ class _AffineOnTensorEngine:
                            engine=nisa.engine.scalar)
         return mean, neg_mean
 
-    def normalise(self, xt, rows, mean, rstd):
-        """The output of the tile whose ``x^T`` is ``xt``: bfloat16 ``[rows, D]`` in SBUF, taken out of PSUM by the
-        Vector and Scalar Engines in turn."""
-        stationary = self._correction(rows, mean, rstd) if self.terms else None
+    def normalise(self, xt, rows, neg_mean, rstd):
+        """The output of the tile whose ``x^T`` is ``xt``: bfloat16 ``[rows, D]`` in SBUF."""
+        stationary = self._correction(rows, neg_mean, rstd)
         out = nl.ndarray((rows, self.d), dtype=nl.bfloat16, buffer=nl.sbuf)
         per_bank = PSUM_FREE // PMAX
         for c0 in range(0, self.d, PSUM_FREE):
@@ -260,25 +263,20 @@ class _AffineOnTensorEngine:
                 nisa.nc_matmul(dst=acc[0:rows, j * PMAX:j * PMAX + bw],
                                stationary=xt[0:bw, blk * PMAX:blk * PMAX + rows],
                                moving=self.diag[0:bw, blk * PMAX:blk * PMAX + bw], accumulate=False)
-            if stationary is not None:
-                nisa.nc_matmul(dst=acc[0:rows, 0:width], stationary=stationary,
-                               moving=self.moving[0:self.terms, c0:c0 + width], accumulate=True)
+            nisa.nc_matmul(dst=acc[0:rows, 0:width], stationary=stationary,
+                           moving=self.moving[0:self.terms, c0:c0 + width], accumulate=True)
             nisa.tensor_scalar(dst=out[0:rows, c0:c0 + width], data=acc[0:rows, 0:width], op0=nl.multiply,
                                operand0=rstd, engine=EVACUATING[c0 // PSUM_FREE % len(EVACUATING)])
         return out
 
-    def _correction(self, rows, mean, rstd):
+    def _correction(self, rows, neg_mean, rstd):
         """The stationary ``[terms, rows]`` of ``b / rstd - mean * w``: three bfloat16 parts of each row's
-        ``1 / rstd`` (with a bias) and of its ``-mean`` (LayerNorm)."""
-        values = []
+        ``1 / rstd`` (with a bias) and of its ``-mean``."""
+        values = [neg_mean]
         if self.biased:
             spread = _column(rows)
             nisa.reciprocal(dst=spread, data=rstd)
-            values.append(spread)
-        if self.centred:
-            neg_mean = _column(rows)
-            nisa.tensor_scalar(dst=neg_mean, data=mean, op0=nl.multiply, operand0=-1.0, engine=nisa.engine.gpsimd)
-            values.append(neg_mean)
+            values.insert(0, spread)
         parts = nl.ndarray((rows, self.terms), dtype=nl.bfloat16, buffer=nl.sbuf)
         for k, value in enumerate(values):
             _split(value, parts[0:rows, k * SPLIT:(k + 1) * SPLIT], rows)
@@ -326,7 +324,7 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
         """The weight and bias as the normalisation takes them, loaded when first needed: after the first tiles'
         loads, which wait for neither."""
         if on_tensor_engine:
-            return _AffineOnTensorEngine(weight, bias, d, rms)
+            return _AffineOnTensorEngine(weight, bias, d)
         most = min(PMAX, m)
         return tuple(None if v is None else _broadcast(v, most, d) for v in (weight, bias))
 
@@ -365,7 +363,7 @@ def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True
         if mean is not None:
             mean_columns.write(r0, rows, mean)
         if on_tensor_engine:
-            nisa.dma_copy(dst=out[r0:r0 + rows, 0:d], src=parameters().normalise(tile.xt, rows, mean, rstd))
+            nisa.dma_copy(dst=out[r0:r0 + rows, 0:d], src=parameters().normalise(tile.xt, rows, tile.neg_mean, rstd))
             return
         w, b = parameters()
 
