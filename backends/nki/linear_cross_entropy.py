@@ -12,7 +12,8 @@ its add-reduction, the old sum rescaled by ``exp(old max - new max)``) and, for 
 ``loss = lse - (1 - eps) * z[target] - eps * mean(z)``, ``z[target]`` from the target's logit the host gathers.
 The second pass takes the first tiles from SBUF, where the first pass kept them (``KEPT_BYTES`` a partition), reads
 the others again, and writes ``(softmax - eps / V) * (1 - y^2) * scale`` (``exp`` on the Scalar
-Engine, the shift and scale on GpSimd, the softcap's slope on GpSimd and the Vector Engine), rounded once to the
+Engine, the shift and scale on GpSimd, the softcap's square split between the Scalar Engine and GpSimd and its
+product on the Vector Engine), rounded once to the
 logits' dtype by the engine that computes it last: every column's gradient but the target's. The target's,
 ``(softmax - (1 - eps) - eps / V) * (1 - y^2) * scale``, is a ``[C, 1]`` float32 column computed from the gathered
 logit, which the host writes into its column (one element a token, rounded once): no one-hot pass over the tiles.
@@ -34,6 +35,8 @@ from .runtime import kernel_op, launch
 
 PMAX = 128
 TILE_V = 4096  # columns per tile: a pass holds five float32 tiles of it, 80 KiB of a partition's 224
+SQUARED_ON_SCALAR = 0.375  # the Scalar Engine's share of the softcap's y^2, GpSimd squaring the rest: both done
+# within the Vector Engine's product of the same tile
 KEPT_BYTES = 128 * 1024  # of a partition's SBUF, the logits the first pass keeps for the second (not re-read)
 NEG = -1.0e30  # the running max before the first tile: finite, so exp(NEG - max) is 0 with no inf - inf
 BOUNDED_CAP = 40.0  # a softcap up to this: exp(z - softcap) >= e^-80, inside float32's normal range
@@ -130,8 +133,13 @@ def _gradients(logits, dlogits, lse, scale, r0, rows, softcap, smoothing, kept):
         out = grad if dlogits.dtype == nl.float32 else nl.ndarray((rows, width), dtype=dlogits.dtype, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=grad if softcap is not None else out, data=grad, op0=nl.subtract,
                            operand0=smoothing / v, op1=nl.multiply, operand1=scale, engine=nisa.engine.gpsimd)
-        if softcap is not None:
-            nisa.tensor_tensor(dst=y, data1=y, data2=y, op=nl.multiply, engine=nisa.engine.gpsimd)
+        if softcap is not None:  # y^2: the Scalar Engine squares the first SQUARED_ON_SCALAR of the columns
+            cut = int(width * SQUARED_ON_SCALAR)
+            if cut:
+                nisa.activation(dst=y[0:rows, 0:cut], op=nl.square, data=y[0:rows, 0:cut])
+            if cut < width:
+                nisa.tensor_tensor(dst=y[0:rows, cut:width], data1=y[0:rows, cut:width], data2=y[0:rows, cut:width],
+                                   op=nl.multiply, engine=nisa.engine.gpsimd)
             nisa.scalar_tensor_tensor(dst=out, data=y, op0=nl.subtract, operand0=1.0, op1=nl.multiply, operand1=grad)
         nisa.dma_copy(dst=dlogits[r0:r0 + rows, v0:v0 + width], src=out)
 
