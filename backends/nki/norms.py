@@ -303,9 +303,10 @@ def _split(value, parts, rows):
 @nki.jit
 def norm_fwd_kernel(x, residual=None, weight=None, bias=None, eps=1e-5, rms=True):
     """``(out, [h], [mean], rstd)`` of contiguous rows ``x [M, D]``: h with a residual, mean for LayerNorm;
-    statistics ``[M, 1]`` float32. The element-wise work is spread over the engines: the residual add on GpSimd,
-    the statistics and the normalisation on the Scalar Engine, the weight on whichever of GpSimd and the Vector
-    Engine the residual left free, the bias on the other."""
+    statistics ``[M, 1]`` float32. The residual add on GpSimd, the sums on the Scalar Engine; then bfloat16
+    LayerNorm takes the Tensor Engine's way (``_AffineOnTensorEngine``, the mean from it too), the others the
+    engines': the normalisation on the Scalar Engine, the weight on whichever of GpSimd and the Vector Engine the
+    residual left free, the bias on the other."""
     m, d = x.shape
     out = nl.ndarray((m, d), dtype=x.dtype, buffer=nl.shared_hbm)
     h_out = nl.ndarray((m, d), dtype=x.dtype, buffer=nl.shared_hbm) if residual is not None else None
