@@ -1,12 +1,13 @@
 """The LM head and its loss in chunks of tokens: how every backend runs ``linear_cross_entropy`` without a
 ``[tokens, vocab]`` tensor.
 
-Per chunk of ``C`` tokens, ``C = max(1, logits_per_chunk() // V)`` so that a chunk's logits hold at most that many
-elements: torch's matmul makes the chunk's logits ``[C, V]`` (``addmm`` with the bias) in the inputs' dtype; the
-backend's ``rows`` step turns them into each token's loss and, when gradients are wanted, ``d loss / d logits``
-times the token's ``row_scale``; torch's matmuls then take the chunk's ``d_hidden = dlogits @ weight`` and add
-``dlogits.T @ hidden`` to ``d_weight`` (and the column sums to ``d_bias``), whose sums are float32 (float64 for
-float64) and rounded once to the parameters' dtypes at the end.
+Per chunk of ``C`` tokens, ``C = max(1, logits_per_chunk() // V)`` (rounded down to a multiple of 128 where it is
+at least 128: ``chunk_tokens``) so that a chunk's logits hold at most that many elements: torch's matmul makes the
+chunk's logits ``[C, V]`` (``addmm`` with the bias) in the inputs' dtype; the backend's ``rows`` step turns them
+into each token's loss and, when gradients are wanted, ``d loss / d logits`` times the token's ``row_scale``;
+torch's matmuls then take the chunk's ``d_hidden = dlogits @ weight`` and add ``dlogits.T @ hidden`` to
+``d_weight`` (and the column sums to ``d_bias``), whose sums are float32 (float64 for float64) and rounded once to
+the parameters' dtypes at the end.
 
 A ``rows`` step is ``rows(logits, target, row_scale, ignore_index, label_smoothing, softcap, grad)`` ->
 ``(loss [C], dlogits)``: ``logits [C, V]`` contiguous, ``target [C]`` int64, ``row_scale`` a 0-d or ``[C]`` tensor
@@ -24,6 +25,7 @@ import torch
 from .definitions.linear_cross_entropy import loss_dtype, reduced
 
 LOGITS_PER_CHUNK = 1 << 25  # elements of one chunk's logits: 64 MiB in bfloat16
+ROW_TILE = 128  # the NKI rows kernel's tokens a tile (partitions): a ragged last tile costs a whole one
 _budget = [LOGITS_PER_CHUNK]
 
 
@@ -43,7 +45,10 @@ def chunk_budget(elements: int):
 
 
 def chunk_tokens(vocab: int) -> int:
-    return max(1, logits_per_chunk() // vocab)
+    """Tokens a chunk takes: as many as the budget holds, rounded down to whole ``ROW_TILE`` rows where it holds
+    that many."""
+    fits = max(1, logits_per_chunk() // vocab)
+    return fits - fits % ROW_TILE if fits >= ROW_TILE else fits
 
 
 def _add_product(acc, a, b):

@@ -86,7 +86,7 @@ def _norm_bwd_args():
 def _rows_args():
     logits, target = _randn(5, 11, seed=1), torch.tensor([3, -1, 0, 10, 7])  # -1: an ignored token
     valid = target >= 0
-    columns = [logits.gather(1, target.clamp_min(0)[:, None]), target, valid, torch.where(valid, 0.2, 0.0)]
+    columns = [logits.gather(1, target.clamp_min(0)[:, None]), valid, torch.where(valid, 0.2, 0.0)]
     return [logits, *(c.to(torch.float32).reshape(-1, 1) for c in columns), 0.1, 30.0, True]
 
 

@@ -24,7 +24,7 @@ from . import compat
 from .adam import adam, adam_supports
 from .attention import MAX_HEAD_DIM, attention_bwd, attention_fwd, attention_supports
 from .grad_norm import grad_norm
-from .linear_cross_entropy import linear_cross_entropy_bwd, linear_cross_entropy_fwd, rows_supports
+from .linear_cross_entropy import linear_cross_entropy_bwd, linear_cross_entropy_fwd
 from .norms import layer_norm_bwd, layer_norm_fwd, norm_supports, rms_norm_bwd, rms_norm_fwd
 from .paged_attention import MAX_HEAD_DIM as PAGED_MAX_HEAD_DIM
 from .paged_attention import paged_attention, paged_attention_supports
@@ -63,8 +63,8 @@ BACKEND = Backend(
         "rms_norm_bwd": OpImpl(run=rms_norm_bwd, supports=norm_supports, dtypes=DTYPES),
         "layer_norm_fwd": OpImpl(run=layer_norm_fwd, supports=norm_supports, dtypes=DTYPES),
         "layer_norm_bwd": OpImpl(run=layer_norm_bwd, supports=norm_supports, dtypes=DTYPES),
-        "linear_cross_entropy_fwd": OpImpl(run=linear_cross_entropy_fwd, supports=rows_supports, dtypes=DTYPES),
-        "linear_cross_entropy_bwd": OpImpl(run=linear_cross_entropy_bwd, supports=rows_supports, dtypes=DTYPES),
+        "linear_cross_entropy_fwd": OpImpl(run=linear_cross_entropy_fwd, dtypes=DTYPES),
+        "linear_cross_entropy_bwd": OpImpl(run=linear_cross_entropy_bwd, dtypes=DTYPES),
         "rope_fwd": OpImpl(run=rope_fwd, supports=rope_supports, dtypes=DTYPES),
         "rope_bwd": OpImpl(run=rope_bwd, supports=rope_supports, dtypes=DTYPES),
         "rope_inplace": OpImpl(run=rope_inplace, supports=rope_supports, dtypes=DTYPES),

@@ -18,24 +18,26 @@ from .compat import nisa, nl
 SCALE = 2.0 ** 120  # brings any positive float32 outside a root's range inside it
 
 
-def sqrt(v, rows):
-    """``sqrt(v)`` of a ``[rows, 1]`` float32 column of values ``>= 0``, ``+inf`` or NaN, as a new column."""
-    return _root(v, rows, nl.sqrt, (2.0 ** -116, 2.0 ** 118), 2.0 ** 60, (0.0, math.inf))
+def sqrt(v, rows, engine=nisa.engine.vector):
+    """``sqrt(v)`` of a ``[rows, 1]`` float32 column of values ``>= 0``, ``+inf`` or NaN, as a new column; the
+    column arithmetic on ``engine`` (the Vector Engine or GpSimd; the predicated copies are the Vector Engine's)."""
+    return _root(v, rows, nl.sqrt, (2.0 ** -116, 2.0 ** 118), 2.0 ** 60, (0.0, math.inf), engine)
 
 
-def rsqrt(v, rows):
-    """``rsqrt(v)`` of a ``[rows, 1]`` float32 column of values ``>= 0``, ``+inf`` or NaN, as a new column."""
-    return _root(v, rows, nl.rsqrt, (2.0 ** -87, 2.0 ** 97), 2.0 ** -60, (math.inf, 0.0))
+def rsqrt(v, rows, engine=nisa.engine.vector):
+    """``rsqrt(v)`` of a ``[rows, 1]`` float32 column of values ``>= 0``, ``+inf`` or NaN, as a new column; the
+    column arithmetic on ``engine``, as for :func:`sqrt`."""
+    return _root(v, rows, nl.rsqrt, (2.0 ** -87, 2.0 ** 97), 2.0 ** -60, (math.inf, 0.0), engine)
 
 
 def _column(rows, dtype=nl.float32):
     return nl.ndarray((rows, 1), dtype=dtype, buffer=nl.sbuf)
 
 
-def _flag(v, rows, op, value):
+def _flag(v, rows, op, value, engine):
     """A uint8 ``[rows, 1]`` predicate: 1 where ``v <op> value``."""
     pred = _column(rows, nl.uint8)
-    nisa.tensor_scalar(dst=pred, data=v, op0=op, operand0=value)
+    nisa.tensor_scalar(dst=pred, data=v, op0=op, operand0=value, engine=engine)
     return pred
 
 
@@ -49,24 +51,25 @@ def _select(rows, default, choices):
     return column
 
 
-def _root(v, rows, op, domain, root_of_scale, special):
+def _root(v, rows, op, domain, root_of_scale, special, engine):
     """``op(v)`` with ``op``'s input ``domain``; ``root_of_scale`` is ``op(SCALE)``, ``special`` what ``op``
     gives at 0 and at +inf."""
     low, high = domain
-    big, small = _flag(v, rows, nl.greater, high), _flag(v, rows, nl.less, low)
+    big, small = _flag(v, rows, nl.greater, high, engine), _flag(v, rows, nl.less, low, engine)
     scale_in = _select(rows, 1.0, ((big, 1 / SCALE), (small, SCALE)))
     scale_out = _select(rows, 1.0, ((big, root_of_scale), (small, 1 / root_of_scale)))
     scaled = _column(rows)
-    nisa.tensor_tensor(dst=scaled, data1=v, data2=scale_in, op=nl.multiply)
+    nisa.tensor_tensor(dst=scaled, data1=v, data2=scale_in, op=nl.multiply, engine=engine)
     nan = _column(rows, nl.uint8)
-    nisa.tensor_tensor(dst=nan, data1=v, data2=v, op=nl.not_equal)
+    nisa.tensor_tensor(dst=nan, data1=v, data2=v, op=nl.not_equal, engine=engine)
     nisa.tensor_copy_predicated(dst=scaled, src=1.0, predicate=nan)  # what max/min do with NaN is undocumented
-    nisa.tensor_scalar(dst=scaled, data=scaled, op0=nl.maximum, operand0=low, op1=nl.minimum, operand1=high)
+    nisa.tensor_scalar(dst=scaled, data=scaled, op0=nl.maximum, operand0=low, op1=nl.minimum, operand1=high,
+                       engine=engine)
     r = _column(rows)
     nisa.activation(dst=r, op=op, data=scaled)
-    nisa.tensor_tensor(dst=r, data1=r, data2=scale_out, op=nl.multiply)
+    nisa.tensor_tensor(dst=r, data1=r, data2=scale_out, op=nl.multiply, engine=engine)
     at_zero, at_inf = special
-    nisa.tensor_copy_predicated(dst=r, src=at_inf, predicate=_flag(v, rows, nl.equal, math.inf))
-    nisa.tensor_copy_predicated(dst=r, src=at_zero, predicate=_flag(v, rows, nl.equal, 0.0))
+    nisa.tensor_copy_predicated(dst=r, src=at_inf, predicate=_flag(v, rows, nl.equal, math.inf, engine))
+    nisa.tensor_copy_predicated(dst=r, src=at_zero, predicate=_flag(v, rows, nl.equal, 0.0, engine))
     nisa.tensor_copy_predicated(dst=r, src=math.nan, predicate=nan)
     return r

@@ -5,18 +5,21 @@ HBM and returns each token's loss and, with gradients, ``d loss / d logits`` tim
 Layout: tokens on the partitions, up to 128 per tile; the vocab along the free axis in tiles of ``TILE_V`` columns
 (any V: Gemma's 256k is 63 tiles), loaded as stored (a DMA converts only in some descriptor modes; the engines
 read any dtype and compute in float32). A softcap is the Scalar Engine's ``tanh`` of the tile as it is loaded,
-``y = tanh(x / softcap)``; the capped logits are ``softcap * y``, a scale the
-exponentials take for free as the activation's pre-scale. The first pass keeps per row the running max (Vector
-Engine reduce), the running sum of exponentials (the Scalar Engine's ``exp`` with its add-reduction, the old sum
-rescaled by ``exp(old max - new max)``), the target's logit (a one-hot of the class index, ``iota`` compared with the
-row's target on GpSimd, times the tile, summed) and, for label smoothing, the row's sum; then
-``loss = lse - (1 - eps) * z[target] - eps * mean(z)``. The second pass reads the tiles again and writes
-``(softmax - (1 - eps) * onehot - eps / V) * (1 - y^2) * scale``, rounded once to the logits' dtype by the engine
-that computes it last.
+``y = tanh(x / softcap)``; the capped logits are ``softcap * y``, a scale the exponentials take for free as the
+activation's pre-scale. The first pass keeps per row the running max (Vector Engine reduce; none under a softcap
+up to ``BOUNDED_CAP``, whose logits are bounded), the running sum of exponentials (the Scalar Engine's ``exp`` with
+its add-reduction, the old sum rescaled by ``exp(old max - new max)``) and, for label smoothing, the row's sum; then
+``loss = lse - (1 - eps) * z[target] - eps * mean(z)``, ``z[target]`` from the target's logit the host gathers.
+The second pass takes the first tiles from SBUF, where the first pass kept them (``KEPT_BYTES`` a partition), reads
+the others again, and writes ``(softmax - eps / V) * (1 - y^2) * scale`` (``exp`` on the Scalar
+Engine, the shift and scale on GpSimd, the softcap's square split between the Scalar Engine and GpSimd and its
+product on the Vector Engine), rounded once to the
+logits' dtype by the engine that computes it last: every column's gradient but the target's. The target's,
+``(softmax - (1 - eps) - eps / V) * (1 - y^2) * scale``, is a ``[C, 1]`` float32 column computed from the gathered
+logit, which the host writes into its column (one element a token, rounded once): no one-hot pass over the tiles.
 
-The host hands the targets as float32 columns (-1 for an ignored token: no column matches it) with a 0/1 ``valid``
-column and the per-token ``scale`` (0 for an ignored token), so an ignored token's loss and gradients are zeros.
-Class indices compare exactly in float32 below 2^24, the largest vocab taken (``MAX_CLASSES``).
+The host hands a 0/1 ``valid`` column and the per-token ``scale`` (0 for an ignored token), so an ignored token's
+loss and gradients are zeros.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from .runtime import kernel_op, launch
 
 PMAX = 128
 TILE_V = 4096  # columns per tile: a pass holds five float32 tiles of it, 80 KiB of a partition's 224
-MAX_CLASSES = 1 << 24
+SQUARED_ON_SCALAR = 0.375  # the Scalar Engine's share of the softcap's y^2, GpSimd squaring the rest: both done
+# within the Vector Engine's product of the same tile
+KEPT_BYTES = 128 * 1024  # of a partition's SBUF, the logits the first pass keeps for the second (not re-read)
 NEG = -1.0e30  # the running max before the first tile: finite, so exp(NEG - max) is 0 with no inf - inf
 BOUNDED_CAP = 40.0  # a softcap up to this: exp(z - softcap) >= e^-80, inside float32's normal range
 
@@ -50,10 +55,16 @@ def _loaded_column(src, r0, rows):
     return column
 
 
-def _tile(logits, r0, rows, v0, width, softcap):
-    """A ``[rows, width]`` tile of the logits as stored; with a softcap ``tanh(x / softcap)`` in float32."""
-    raw = nl.ndarray((rows, width), dtype=logits.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(dst=raw, src=logits[r0:r0 + rows, v0:v0 + width])  # as stored: the engines read any dtype
+def _tile(logits, r0, rows, v0, width, softcap, kept=None):
+    """A ``[rows, width]`` tile of the logits as stored; with a softcap ``tanh(x / softcap)`` in float32. ``kept``
+    (the row tile's logits the first pass keeps in SBUF for the second, by first column): the tile is taken from
+    it if there, else loaded and put in it while it holds fewer than ``KEPT_BYTES`` a partition."""
+    raw = None if kept is None else kept.pop(v0, None)
+    if raw is None:
+        raw = nl.ndarray((rows, width), dtype=logits.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=raw, src=logits[r0:r0 + rows, v0:v0 + width])  # as stored: the engines read any dtype
+        if kept is not None and (v0 + width) * logits.dtype.itemsize <= KEPT_BYTES:
+            kept[v0] = raw
     if softcap is None:
         return raw
     y = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
@@ -61,19 +72,7 @@ def _tile(logits, r0, rows, v0, width, softcap):
     return y
 
 
-def _scaled_one_hot(columns, target, rows, v0, width, value):
-    """``value`` where column ``v0 + i`` is the row's target, else 0.0: a float32 ``[rows, width]`` tile (GpSimd)."""
-    local = target
-    if v0:
-        local = _column(rows)
-        nisa.tensor_scalar(dst=local, data=target, op0=nl.subtract, operand0=float(v0), engine=nisa.engine.gpsimd)
-    hot = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(dst=hot, data=columns[0:rows, 0:width], op0=nl.equal, operand0=local, op1=nl.multiply,
-                       operand1=value, engine=nisa.engine.gpsimd)
-    return hot
-
-
-def _statistics(logits, r0, rows, softcap, smoothing):
+def _statistics(logits, r0, rows, softcap, smoothing, kept):
     """``(lse, total)`` ``[rows, 1]`` columns of a row tile: the capped logits' logsumexp, and the row's sum of ``y``
     (the capped logits over ``softcap``; None unless ``smoothing``)."""
     v = logits.shape[1]
@@ -87,7 +86,7 @@ def _statistics(logits, r0, rows, softcap, smoothing):
     total = _column(rows, 0.0) if smoothing else None
     for v0 in range(0, v, TILE_V):
         width = min(TILE_V, v - v0)
-        y = _tile(logits, r0, rows, v0, width, softcap)
+        y = _tile(logits, r0, rows, v0, width, softcap, kept)
         part = _column(rows)
         if not bounded:  # the running max, and the sum so far rescaled to it
             new_top, rescale = _column(rows), _column(rows)
@@ -115,8 +114,9 @@ def _statistics(logits, r0, rows, softcap, smoothing):
     return lse, total
 
 
-def _gradients(logits, dlogits, columns, target, lse, scale, r0, rows, softcap, smoothing):
-    """Writes the row tile's ``(softmax - (1 - eps) * onehot - eps / V) * slope * scale`` to ``dlogits``."""
+def _gradients(logits, dlogits, lse, scale, r0, rows, softcap, smoothing, kept):
+    """Writes the row tile's ``(softmax - eps / V) * slope * scale`` to ``dlogits``: every column's gradient but the
+    target's, whose ``- (1 - eps) * slope * scale`` the host adds (``_target_gradient``)."""
     v = logits.shape[1]
     neg_lse = _column(rows)
     nisa.tensor_scalar(dst=neg_lse, data=lse, op0=nl.multiply, operand0=-1.0, engine=nisa.engine.gpsimd)
@@ -126,37 +126,61 @@ def _gradients(logits, dlogits, columns, target, lse, scale, r0, rows, softcap, 
         scale = flipped
     for v0 in range(0, v, TILE_V):
         width = min(TILE_V, v - v0)
-        y = _tile(logits, r0, rows, v0, width, softcap)
+        y = _tile(logits, r0, rows, v0, width, softcap, kept)
         grad = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(dst=grad, op=nl.exp, data=y, bias=neg_lse, scale=1.0 if softcap is None else softcap)
-        nisa.tensor_tensor(dst=grad, data1=grad, data2=_scaled_one_hot(columns, target, rows, v0, width,
-                                                                       smoothing - 1.0),
-                           op=nl.add, engine=nisa.engine.gpsimd)
         # the last instruction writes the logits' dtype: rounded once, by the engine (a DMA may not convert)
         out = grad if dlogits.dtype == nl.float32 else nl.ndarray((rows, width), dtype=dlogits.dtype, buffer=nl.sbuf)
         nisa.tensor_scalar(dst=grad if softcap is not None else out, data=grad, op0=nl.subtract,
-                           operand0=smoothing / v, op1=nl.multiply, operand1=scale)
-        if softcap is not None:
-            nisa.activation(dst=y, op=nl.square, data=y)
+                           operand0=smoothing / v, op1=nl.multiply, operand1=scale, engine=nisa.engine.gpsimd)
+        if softcap is not None:  # y^2: the Scalar Engine squares the first SQUARED_ON_SCALAR of the columns
+            cut = int(width * SQUARED_ON_SCALAR)
+            if cut:
+                nisa.activation(dst=y[0:rows, 0:cut], op=nl.square, data=y[0:rows, 0:cut])
+            if cut < width:
+                nisa.tensor_tensor(dst=y[0:rows, cut:width], data1=y[0:rows, cut:width], data2=y[0:rows, cut:width],
+                                   op=nl.multiply, engine=nisa.engine.gpsimd)
             nisa.scalar_tensor_tensor(dst=out, data=y, op0=nl.subtract, operand0=1.0, op1=nl.multiply, operand1=grad)
         nisa.dma_copy(dst=dlogits[r0:r0 + rows, v0:v0 + width], src=out)
 
 
+def _target_gradient(z, lse, scale, rows, softcap, smoothing, v):
+    """The gradient at each row's target column, a ``[rows, 1]`` float32 column: ``(p - (1 - eps) - eps / V) *
+    slope * scale``, ``p`` the target's probability from ``z`` (its logit, capped and over softcap with one)."""
+    zscale = 1.0 if softcap is None else softcap
+    p = _column(rows)
+    nisa.activation(dst=p, op=nl.exp, data=z, bias=_negated(lse, rows), scale=zscale)
+    grad = _column(rows)
+    nisa.tensor_scalar(dst=grad, data=p, op0=nl.subtract, operand0=1.0 - smoothing + smoothing / v, op1=nl.multiply,
+                       operand1=scale)
+    if softcap is not None:  # times 1 - z^2
+        slope = _column(rows)
+        nisa.tensor_tensor(dst=slope, data1=z, data2=z, op=nl.multiply)
+        nisa.tensor_scalar(dst=slope, data=slope, op0=nl.multiply, operand0=-1.0, op1=nl.add, operand1=1.0)
+        nisa.tensor_tensor(dst=grad, data1=grad, data2=slope, op=nl.multiply)
+    return grad
+
+
+def _negated(column, rows):
+    negated = _column(rows)
+    nisa.tensor_scalar(dst=negated, data=column, op0=nl.multiply, operand0=-1.0, engine=nisa.engine.gpsimd)
+    return negated
+
+
 @nki.jit
-def rows_kernel(logits, picked, target, valid, scale, label_smoothing=0.0, softcap=None, grad=True):
-    """``(loss, [dlogits])`` of a chunk's contiguous logits ``[C, V]``: ``loss [C, 1]`` float32, ``dlogits`` like
-    the logits (with ``grad``). ``picked`` (each token's target logit, as the logits hold it), ``target``, ``valid``,
-    ``scale``: ``[C, 1]`` float32 columns (module docstring)."""
+def rows_kernel(logits, picked, valid, scale, label_smoothing=0.0, softcap=None, grad=True):
+    """``(loss, [dlogits, target_grad])`` of a chunk's contiguous logits ``[C, V]``: ``loss [C, 1]`` float32; with
+    ``grad``, ``dlogits`` like the logits, right but at each token's target column, whose gradient is
+    ``target_grad [C, 1]`` float32 (the host writes it there). ``picked`` (each token's target logit, as the logits
+    hold it), ``valid``, ``scale``: ``[C, 1]`` float32 columns (module docstring)."""
     c, v = logits.shape
     loss_out = nl.ndarray((c, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     dlogits = nl.ndarray((c, v), dtype=logits.dtype, buffer=nl.shared_hbm) if grad else None
-    columns = None
-    if grad:
-        columns = nl.ndarray((min(PMAX, c), min(TILE_V, v)), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.iota(dst=columns, pattern=[[1, min(TILE_V, v)]], offset=0)
+    target_out = nl.ndarray((c, 1), dtype=nl.float32, buffer=nl.shared_hbm) if grad else None
     for r0 in range(0, c, PMAX):
         rows = min(PMAX, c - r0)
-        lse, total = _statistics(logits, r0, rows, softcap, label_smoothing > 0)
+        kept = {} if grad else None  # the first vocab tiles, loaded once for both passes
+        lse, total = _statistics(logits, r0, rows, softcap, label_smoothing > 0, kept)
         z = _tile(picked, r0, rows, 0, 1, softcap)  # the target's capped logit, over softcap
         loss = _column(rows)  # lse - (1 - eps) * z[target] - eps * mean(z), zero where ignored
         zscale = 1.0 if softcap is None else softcap
@@ -168,45 +192,42 @@ def rows_kernel(logits, picked, target, valid, scale, label_smoothing=0.0, softc
         nisa.tensor_tensor(dst=loss, data1=loss, data2=_loaded_column(valid, r0, rows), op=nl.multiply)
         nisa.dma_copy(dst=loss_out[r0:r0 + rows, 0:1], src=loss)
         if grad:
-            _gradients(logits, dlogits, columns, _loaded_column(target, r0, rows), lse,
-                       _loaded_column(scale, r0, rows), r0, rows, softcap, label_smoothing)
-    return (loss_out, dlogits) if grad else (loss_out,)
+            row_scale = _loaded_column(scale, r0, rows)
+            nisa.dma_copy(dst=target_out[r0:r0 + rows, 0:1],
+                          src=_target_gradient(z, lse, row_scale, rows, softcap, label_smoothing, v))
+            _gradients(logits, dlogits, lse, row_scale, r0, rows, softcap, label_smoothing, kept)
+    return (loss_out, dlogits, target_out) if grad else (loss_out,)
 
 
 # ----------------------------------------------------------------------------- host side
-def rows_supports(call) -> list[str]:
-    """Dtypes are declared (``BACKEND``); class indices must be exact in float32."""
-    v = call["weight"].shape[0]
-    if v > MAX_CLASSES:
-        return [f"a vocab of {v} classes, over 2^24: the NKI kernel compares class indices in float32"]
-    return []
-
-
 def _as_column(t):
     return t.to(torch.float32).reshape(-1, 1).contiguous()
 
 
-def _fake_rows(logits, picked, target, valid, scale, label_smoothing, softcap, grad):
-    return [logits.new_empty((logits.shape[0], 1), dtype=torch.float32),
-            *([logits.new_empty(logits.shape)] if grad else [])]
+def _fake_rows(logits, picked, valid, scale, label_smoothing, softcap, grad):
+    column = logits.new_empty((logits.shape[0], 1), dtype=torch.float32)
+    return [column, *([logits.new_empty(logits.shape), torch.empty_like(column)] if grad else [])]
 
 
 @kernel_op("linear_cross_entropy_rows", _fake_rows)
-def rows_op(logits: torch.Tensor, picked: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
-            scale: torch.Tensor, label_smoothing: float, softcap: float | None, grad: bool) -> list[torch.Tensor]:
+def rows_op(logits: torch.Tensor, picked: torch.Tensor, valid: torch.Tensor, scale: torch.Tensor,
+            label_smoothing: float, softcap: float | None, grad: bool) -> list[torch.Tensor]:
     """The kernel's launch as the op ``portable_ops_nki::linear_cross_entropy_rows``: ``[loss [C, 1] float32,
-    dlogits?]`` from the ``[C, 1]`` float32 columns (module docstring)."""
-    return list(launch(rows_kernel, logits.contiguous(), picked, target, valid, scale, label_smoothing=label_smoothing,
+    dlogits?, target_grad [C, 1] float32?]`` from the ``[C, 1]`` float32 columns (module docstring)."""
+    return list(launch(rows_kernel, logits.contiguous(), picked, valid, scale, label_smoothing=label_smoothing,
                        softcap=softcap, grad=grad))
 
 
 def _rows(logits, target, row_scale, ignore_index, label_smoothing, softcap, grad):
     valid = target != ignore_index
-    picked = logits.gather(1, torch.where(valid, target, 0)[:, None])
-    outs = rows_op(logits, _as_column(picked), _as_column(torch.where(valid, target, -1)), _as_column(valid),
+    index = torch.where(valid, target, 0)[:, None]  # an ignored token's row is zeros, its "target" column too
+    outs = rows_op(logits, _as_column(logits.gather(1, index)), _as_column(valid),
                    _as_column(torch.where(valid, row_scale, 0.0)), float(label_smoothing),
                    None if softcap is None else float(softcap), grad)
-    return outs[0].reshape(-1), outs[1] if grad else None
+    if not grad:
+        return outs[0].reshape(-1), None
+    dlogits = outs[1].scatter_(1, index, outs[2].to(outs[1].dtype))  # rounded once, from float32
+    return outs[0].reshape(-1), dlogits
 
 
 linear_cross_entropy_fwd = partial(lm_head.forward, _rows)
