@@ -5,7 +5,7 @@ bit-identical. torch.compile and opcheck: tests/test_compile.py."""
 
 import pytest
 import torch
-from attention_definitions import (F64, PAGED_DECLINING, PAGED_TAKING, TAKING, definition, gathered, packed,
+from attention_definitions import (F64, PAGED_TAKING, TAKING, definition, gathered, packed,
                                    paged_cache)
 from conftest import assert_bit_identical, snapshot
 
@@ -224,20 +224,3 @@ def test_kernel_backends_take_paged_ops(backend, monkeypatch):
         paged_out = portable_ops.paged_attention(pq, k_cache, v_cache, table, seqlens)
     with portable_ops.use_backend("reference"):
         torch.testing.assert_close(paged_out, portable_ops.paged_attention(pq, k_cache, v_cache, table, seqlens))
-
-
-@pytest.mark.parametrize("backend", PAGED_DECLINING)
-def test_other_backends_decline_paged_ops_with_the_reason(backend):
-    k_cache, v_cache, table, seqlens = paged_cache([6, 9], 4, dtype=torch.float32)
-    q, new = torch.randn(2, 1, 4, 8), torch.randn(2, 1, 2, 8)
-    with portable_ops.use_backend(backend):
-        for op, args, feature in (
-                ("paged_attention", (q, k_cache, v_cache, table, seqlens), "attention over a paged KV cache"),
-                ("paged_kv_append", (k_cache, v_cache, table, seqlens - 1, new, new), "appending to a paged KV cache")):
-            choice = portable_ops.explain(op, *args)
-            assert choice.backend == "reference"
-            assert choice.rejected[backend] == [f"{feature} ({op}): not in the {backend} kernels yet"]
-    before = snapshot([k_cache, v_cache])
-    with forced_strict(backend), pytest.raises(portable_ops.BackendUnavailableError, match="appending to a paged"):
-        portable_ops.paged_kv_append(k_cache, v_cache, table, seqlens - 1, new, new)
-    assert_bit_identical(before, [k_cache, v_cache])
