@@ -6,7 +6,9 @@ nothing memoised that would hide them; the triton backend's plans and launches p
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -322,3 +324,24 @@ def test_eager_calls_with_gradients_run_torchs_differentiable_norm_where_the_bac
             for got, expected in zip(torch.autograd.grad(out, inputs, torch.ones_like(out)),
                                      torch.autograd.grad(want, inputs, torch.ones_like(want))):
                 torch.testing.assert_close(got, expected, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_an_eager_call_the_backend_would_leave_to_the_next_is_no_fallback_where_it_cant_take_it_either(fake_backend,
+                                                                                                       monkeypatch):
+    """The triton backend on CUDA, stood in for on "meta": an eager call it leaves to ATen's norm (``defer_eager``) is
+    left there whether or not its kernels take it (float64 here), so nothing warns and strict mode allows it; a call it
+    would run but can't (with a residual) is a fallback."""
+    stand_in = fake_backend("triton", devices=("meta",), ops=("rms_norm_fwd", "rms_norm_bwd"),
+                            reasons=lambda call: ["no float64 kernel"] if call["x"].dtype == torch.float64 else [])
+    stand_in.ops["rms_norm_fwd"] = dataclasses.replace(
+        stand_in.ops["rms_norm_fwd"], defer_eager=lambda call: ["ATen's norm"] if call["residual"] is None else [])
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
+    x, w = torch.empty(4, D, device="meta", dtype=torch.float64), torch.empty(D, device="meta", dtype=torch.float64)
+    choice = portable_ops.explain("rms_norm", x, w)
+    assert (choice.backend, choice.is_fallback, choice.rejected["triton"]) == ("reference", False, ["ATen's norm"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for grad in (False, True):
+            assert portable_ops.rms_norm(x.requires_grad_(grad), w).shape == x.shape
+    with pytest.raises(portable_ops.BackendUnavailableError, match="no float64 kernel"):
+        portable_ops.rms_norm(x, w, residual=x)
