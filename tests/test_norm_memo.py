@@ -10,6 +10,7 @@ import dataclasses
 import importlib
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -324,6 +325,23 @@ def test_eager_calls_with_gradients_run_torchs_differentiable_norm_where_the_bac
             for got, expected in zip(torch.autograd.grad(out, inputs, torch.ones_like(out)),
                                      torch.autograd.grad(want, inputs, torch.ones_like(want))):
                 torch.testing.assert_close(got, expected, atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms_norm", "layer_norm"])
+def test_an_eager_call_the_memo_does_not_take_runs_torchs_differentiable_norm_too(rms):
+    """An eps that is not a Python float (numpy's): no memo key, and still the reference backend's ``OpImpl.autograd``,
+    whose backward torch's autograd runs (the triton backend leaves such a call on CUDA to it for that backward)."""
+    x, r, w, b = _leaves("cpu")
+    eps = np.float32(1e-5)
+    out, h = (portable_ops.rms_norm(x, w, eps, residual=r) if rms else
+              portable_ops.layer_norm(x, w, b, eps, residual=r))
+    assert "_EagerNorm" not in type(out.grad_fn).__name__ and norms._memo == {}
+    want = F.rms_norm(x + r, (D,), w, float(eps)) if rms else F.layer_norm(x + r, (D,), w, b, float(eps))
+    inputs = (x, r, w) if rms else (x, r, w, b)
+    dout = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    for got, expected in zip(torch.autograd.grad((out, h), inputs, (dout, dout)),
+                             torch.autograd.grad((want, x + r), inputs, (dout, dout))):
+        torch.testing.assert_close(got, expected)
 
 
 def test_an_eager_call_the_backend_would_leave_to_the_next_is_no_fallback_where_it_cant_take_it_either(fake_backend,
