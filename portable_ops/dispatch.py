@@ -68,7 +68,8 @@ class OpImpl:
     traced: Callable[[], str] | None = None
     # Optional: reasons this backend leaves an eager call (outside torch.compile, no backend forced) to the next
     # backend in the order, which runs it better there (a kernel of the same device time whose backward torch's
-    # autograd runs without Python). Not a fallback: no warning, and strict mode allows it.
+    # autograd runs without Python), asked whether or not this backend takes the call. Not a fallback: no warning,
+    # and strict mode allows it.
     defer_eager: Callable[[Call], list[str]] | None = None
     # Optional, for the forward ops whose public function says so: ``autograd(**call)`` returns, for every call of
     # this one's layout, a function of its tensors that computes the public function's result with torch's own
@@ -367,9 +368,13 @@ def _reasons(name: str, op: str, call: Call, device: torch.device | None) -> lis
     return reasons or backend.reasons(op, call)
 
 
-def _deferral(name: str, op: str, call: Call) -> list[str]:
-    defer = _backends[name].ops[op].defer_eager
-    return defer(call) if defer is not None else []
+def _deferral(name: str, op: str, call: Call, device: torch.device | None) -> list[str]:
+    """Why backend ``name`` leaves this eager call to the next (``OpImpl.defer_eager``), whether or not it could run
+    it: a call it would leave is the next backend's either way, never its fallback. Empty where it can't run here."""
+    impl = _backends[name].ops.get(op)
+    if impl is None or impl.defer_eager is None or _unusable_reasons(name, device):
+        return []
+    return impl.defer_eager(call)
 
 
 def _unusable_reasons(name: str, device: torch.device | None) -> list[str]:
@@ -389,7 +394,7 @@ def choose(op: str, call: Call, device: torch.device | None, prefer: str | None 
     may_defer = prefer is None and forced_backend() is None and not torch.compiler.is_compiling()
     for i, name in enumerate(order):
         reasons = _reasons(name, op, call, device)
-        deferral = _deferral(name, op, call) if may_defer and not reasons and name != FALLBACK else []
+        deferral = _deferral(name, op, call, device) if may_defer and name != FALLBACK else []
         if deferral:  # the next backend is the preferred one for this call
             choice.deferred[name] = deferral
             if choice.preferred == name:

@@ -5,8 +5,8 @@ They run before any backend is chosen, and name the argument at fault.
 
 from __future__ import annotations
 
-import math
 import numbers
+import sys
 
 import torch
 
@@ -51,10 +51,11 @@ def norm_eps(op: str, eps, dtype: torch.dtype) -> float:
         return torch.finfo(dtype).eps
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"{op}: eps must be a float (or None), got {type(eps).__name__}")
-    eps = float(eps)
-    if not 0 <= eps < math.inf:  # NaN fails it too (comparisons, not math.isfinite, trace under torch.compile)
+    # compared before float(), which overflows on an int past the largest float; NaN fails it too (comparisons
+    # trace under torch.compile)
+    if not 0 <= eps <= sys.float_info.max:
         raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps}")
-    return eps
+    return float(eps)
 
 
 def last_dim(op: str, normalized_shape) -> int:

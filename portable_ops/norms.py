@@ -326,6 +326,9 @@ def _norm(rms, x, residual, weight, bias, eps):
     if not needs_grad:
         out, h, _, _ = forward(rms, x, residual, weight, bias, eps)
         return (out, h) if residual is not None else out
+    differentiable = _chosen_differentiable(rms, x, residual, weight, bias, eps) if key is None else None
+    if differentiable is not None:
+        return differentiable(x, residual, weight, bias)
     return _EagerNorm.apply(x, residual, weight, bias, _How(rms, eps, functools.partial(forward, rms, eps=eps),
                                                            functools.partial(backward, rms)))
 
@@ -384,13 +387,7 @@ def _memoise(rms, given, cast, eps, needs_grad):
     else:
         run = memo.prepared(impl, rows, _FWD_TENSORS[rms])
         forward_rows = _folded_forward(rms, run, x, residual is not None, statistics=needs_grad)
-    device_type = x.device.type
-    if memo.autocasting(device_type):
-        def compute(x, residual, weight, bias):  # as run_op does: inputs cast before, the backend run autocast off
-            with memo.autocast_off(device_type):
-                return forward_rows(x, residual, weight, bias)
-    else:
-        compute = forward_rows
+    compute = _autocast_off(forward_rows, x.device.type)
     if needs_grad:
         backward_rows = _prepared_backward(rms, layout, x, residual is not None, weight, bias is not None)
         how = _How(rms, eps, compute, backward_rows)
@@ -400,6 +397,28 @@ def _memoise(rms, given, cast, eps, needs_grad):
     if any(a is not b for a, b in zip(cast, given)):  # this key's calls are cast, as the checked path casts them
         return backend, impl, lambda *tensors: finish(*_cast(*tensors))
     return backend, impl, finish
+
+
+def _autocast_off(forward_rows, device_type):
+    """``forward_rows`` as run_op runs a backend: its inputs cast before, autocast off while it runs."""
+    if not memo.autocasting(device_type):
+        return forward_rows
+
+    def compute(x, residual, weight, bias):
+        with memo.autocast_off(device_type):
+            return forward_rows(x, residual, weight, bias)
+
+    return compute
+
+
+def _chosen_differentiable(rms, x, residual, weight, bias, eps):
+    """For an eager call with no memo key (checked, cast): :func:`_differentiable` of the backend dispatch chooses,
+    autocast off as it runs, or None (a fallback, warned of or raised under strict mode by dispatch just now)."""
+    rows = _forward_call(rms, _rows(x), _rows(residual), weight, bias, eps)
+    _, backend_op = memo.choose(_FWD_OP[rms], call_layout(rows), rows, x.device)
+    differentiable = None if backend_op is None else _differentiable(rms, backend_op[1], x, residual, weight, bias,
+                                                                       eps)
+    return None if differentiable is None else _autocast_off(differentiable, x.device.type)
 
 
 def _differentiable(rms, impl, x, residual, weight, bias, eps):

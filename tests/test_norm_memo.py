@@ -6,8 +6,11 @@ nothing memoised that would hide them; the triton backend's plans and launches p
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -322,3 +325,41 @@ def test_eager_calls_with_gradients_run_torchs_differentiable_norm_where_the_bac
             for got, expected in zip(torch.autograd.grad(out, inputs, torch.ones_like(out)),
                                      torch.autograd.grad(want, inputs, torch.ones_like(want))):
                 torch.testing.assert_close(got, expected, atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.parametrize("rms", [True, False], ids=["rms_norm", "layer_norm"])
+def test_an_eager_call_the_memo_does_not_take_runs_torchs_differentiable_norm_too(rms):
+    """An eps that is not a Python float (numpy's): no memo key, and still the reference backend's ``OpImpl.autograd``,
+    whose backward torch's autograd runs (the triton backend leaves such a call on CUDA to it for that backward)."""
+    x, r, w, b = _leaves("cpu")
+    eps = np.float32(1e-5)
+    out, h = (portable_ops.rms_norm(x, w, eps, residual=r) if rms else
+              portable_ops.layer_norm(x, w, b, eps, residual=r))
+    assert "_EagerNorm" not in type(out.grad_fn).__name__ and norms._memo == {}
+    want = F.rms_norm(x + r, (D,), w, float(eps)) if rms else F.layer_norm(x + r, (D,), w, b, float(eps))
+    inputs = (x, r, w) if rms else (x, r, w, b)
+    dout = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    for got, expected in zip(torch.autograd.grad((out, h), inputs, (dout, dout)),
+                             torch.autograd.grad((want, x + r), inputs, (dout, dout))):
+        torch.testing.assert_close(got, expected)
+
+
+def test_an_eager_call_the_backend_would_leave_to_the_next_is_no_fallback_where_it_cant_take_it_either(fake_backend,
+                                                                                                       monkeypatch):
+    """The triton backend on CUDA, stood in for on "meta": an eager call it leaves to ATen's norm (``defer_eager``) is
+    left there whether or not its kernels take it (float64 here), so nothing warns and strict mode allows it; a call it
+    would run but can't (with a residual) is a fallback."""
+    stand_in = fake_backend("triton", devices=("meta",), ops=("rms_norm_fwd", "rms_norm_bwd"),
+                            reasons=lambda call: ["no float64 kernel"] if call["x"].dtype == torch.float64 else [])
+    stand_in.ops["rms_norm_fwd"] = dataclasses.replace(
+        stand_in.ops["rms_norm_fwd"], defer_eager=lambda call: ["ATen's norm"] if call["residual"] is None else [])
+    monkeypatch.setenv("PORTABLE_OPS_STRICT", "1")
+    x, w = torch.empty(4, D, device="meta", dtype=torch.float64), torch.empty(D, device="meta", dtype=torch.float64)
+    choice = portable_ops.explain("rms_norm", x, w)
+    assert (choice.backend, choice.is_fallback, choice.rejected["triton"]) == ("reference", False, ["ATen's norm"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for grad in (False, True):
+            assert portable_ops.rms_norm(x.requires_grad_(grad), w).shape == x.shape
+    with pytest.raises(portable_ops.BackendUnavailableError, match="no float64 kernel"):
+        portable_ops.rms_norm(x, w, residual=x)

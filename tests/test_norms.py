@@ -112,6 +112,7 @@ BAD = {
     "residual_dtype": (dict(residual=torch.ones(2, 8, dtype=torch.int32)), TypeError, "residual has dtype"),
     "eps_negative": (dict(eps=-1e-5), ValueError, "eps must be a finite number >= 0"),
     "eps_nan": (dict(eps=float("nan")), ValueError, "eps must be a finite number >= 0"),
+    "eps_int_past_float": (dict(eps=10**400), ValueError, "eps must be a finite number >= 0"),
     "eps_tensor": (dict(eps=torch.tensor(1e-5)), TypeError, "eps must be a float"),
     "weight_type": (dict(weight=[1.0] * 8), TypeError, "weight must be a tensor"),
 }
