@@ -386,12 +386,13 @@ def _unusable_reasons(name: str, device: torch.device | None) -> list[str]:
     return _backends[name].device_reasons(device) if device is not None else []
 
 
-def choose(op: str, call: Call, device: torch.device | None, prefer: str | None = None) -> Choice:
-    """Pick the backend for ``op(**call)``, keeping the reasons of every backend passed over."""
+def choose(op: str, call: Call, device: torch.device | None, prefer: str | None = None, eager: bool = True) -> Choice:
+    """Pick the backend for ``op(**call)``, keeping the reasons of every backend passed over; ``eager=False`` for a
+    call a graph is traced for (no backend defers it: ``OpImpl.defer_eager``)."""
     order = preference(device, prefer)
     choice = Choice(op=op, backend=FALLBACK, device=device, preferred=order[0], order=tuple(order),
                     forced=order[0] != FALLBACK or forced_backend() is not None)
-    may_defer = prefer is None and forced_backend() is None and not torch.compiler.is_compiling()
+    may_defer = eager and prefer is None and forced_backend() is None and not torch.compiler.is_compiling()
     for i, name in enumerate(order):
         reasons = _reasons(name, op, call, device)
         deferral = _deferral(name, op, call, device) if may_defer and name != FALLBACK else []
@@ -483,7 +484,7 @@ def traced_op(op: str, tensors: tuple, options: tuple, device: torch.device, for
     call = {name: None if dtype is None else torch.empty(shape, dtype=dtype, device="meta")
             for name, shape, dtype in tensors}
     call.update(options)
-    choice = choose(op, call, device, forced)
+    choice = choose(op, call, device, forced, eager=False)  # dynamo runs this outside the traced code
     traced = _backends[choice.backend].ops[op].traced
     return None if choice.is_fallback or traced is None else traced()
 

@@ -216,5 +216,8 @@ def test_a_backend_may_leave_eager_calls_to_the_next_without_a_fallback(fake_bac
     assert dispatch.select("rms_norm_fwd", dict(call, residual=x), x.device).backend == "triton"
     with portable_ops.use_backend("triton"):
         assert dispatch.select("rms_norm_fwd", call, x.device).backend == "triton"
+    stand_in.ops["rms_norm_fwd"] = dataclasses.replace(stand_in.ops["rms_norm_fwd"], traced=lambda: "stand_in_fwd")
+    tensors = (("x", (1, 8), torch.float32), ("residual", (1, 8), None), ("weight", (8,), torch.float32))
+    assert dispatch.traced_op("rms_norm_fwd", tensors, (("eps", 1e-6),), x.device, None) == "stand_in_fwd"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert dispatch.select("rms_norm_fwd", call, x.device).backend == "triton"
