@@ -51,11 +51,18 @@ def chunk_tokens(vocab: int) -> int:
     return fits - fits % ROW_TILE if fits >= ROW_TILE else fits
 
 
+# CUDA's GEMM adds a half-precision product into a float32 sum itself (aten's addmm with out_dtype)
+_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
 def _add_product(acc, a, b):
-    """``acc += a @ b``; for half-precision ``a, b`` (a float32 ``acc``) each chunk's product is rounded once to
-    their dtype and the sum kept in float32, where summing in their dtype would round once per chunk."""
+    """``acc += a @ b``; for half-precision ``a, b`` (a float32 ``acc``) the sum is kept in float32: on CUDA the GEMM
+    accumulates into it, elsewhere each chunk's product is rounded once to their dtype and then added (summing in
+    their dtype would round once per chunk)."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
+    elif acc.is_cuda and _ADDMM_OUT_DTYPE:
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:
         acc += a @ b
 
