@@ -51,6 +51,10 @@ B_Q = 128  # query rows per tile (partition axis)
 B_K = 128  # keys per tile (P^T needs the keys on <= 128 partitions)
 NEG = -1.0e30  # finite "minus infinity" for masked scores: exp(NEG - m) == 0, no inf - inf
 PMAX = 128  # partitions: the most a matmul contracts over, and a transpose's largest side
+SCORE_KEYS = 512  # keys per forward score tile: one PSUM bank of fp32, a matmul's largest moving free size
+TENSOR_TRANSPOSED = 1  # of a score tile's four P blocks, how many the Tensor Engine transposes (the DMA the rest)
+RESIDENT_BYTES = 96 * 1024  # SBUF per partition for a section's resident K^T and V
+WORKING_BYTES = 48 * 1024  # and for one query tile's scores, P and P^T (the allocator double-buffers them)
 
 
 def _transposed(src, rows, cols, dtype):
@@ -129,6 +133,13 @@ def _query_tiles(k0, bk, shift, Sq, left, right):
     return (lo // B_Q, hi // B_Q + 1) if lo <= hi else (0, 0)
 
 
+def _cuts(q0, k0, bq, bk, shift, left, right):
+    """``(right_cut, left_cut)``: whether the band's right edge (the block's last key is past row 0's band) and its
+    left edge (the block's first key is before the last row's) cut the block ``[k0, k0 + bk)`` of the query tile."""
+    return (right is not None and k0 + bk - 1 > q0 + shift + right,
+            left is not None and k0 < q0 + bq - 1 + shift - left)
+
+
 def _mask(s, q0, k0, bq, bk, shift, left, right):
     """Scores outside the band -> NEG, on edge blocks only. With ``d = (q0 + r + shift) - (k0 + c)``
     (the query's position minus the key's, ``r`` the partition and ``c`` the free index), key
@@ -137,10 +148,11 @@ def _mask(s, q0, k0, bq, bk, shift, left, right):
     A row with no visible key in this block (but some in another) gets weights exp(NEG - NEG) = 1
     here while its running max is still NEG; its first visible score rescales them by
     exp(NEG - m) = 0, and rows with no visible key anywhere are overwritten by _rows_without_keys."""
-    if right is not None and k0 + bk - 1 > q0 + shift + right:  # the block's last key is past row 0's band
+    right_cut, left_cut = _cuts(q0, k0, bq, bk, shift, left, right)
+    if right_cut:
         nisa.affine_select(s, pattern=[[-1, bk]], offset=q0 + shift - k0 + right, channel_multiplier=1,
                            on_true_tile=s, on_false_value=NEG, cmp_op=nl.greater_equal)
-    if left is not None and k0 < q0 + bq - 1 + shift - left:  # the block's first key is before the last row's
+    if left_cut:
         nisa.affine_select(s, pattern=[[-1, bk]], offset=q0 + shift - k0 - left, channel_multiplier=1,
                            on_true_tile=s, on_false_value=NEG, cmp_op=nl.less_equal)
 
@@ -179,30 +191,133 @@ def _sink_column(sinks, h, bq):
     return _load(sinks[h, 0:bq, 0:1], bq, 1, nl.float32)
 
 
-def _join_sink(m, l_sum, sink, bq):
-    """A row's max ``m`` and sum ``l_sum`` with its sink joined, in place, and the factor ``exp(m_old - m)``
-    that takes its accumulator to the new max (0 for a row that saw no key: its ``m`` is NEG)."""
-    m_all = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(m_all, m, sink, op=nl.maximum)
-    neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(neg_m, m_all, op0=nl.multiply, operand0=-1.0)
+def _neg_max_with_sink(neg_m, l_sum, sink, bq):
+    """A row's ``-max`` and sum with its sink joined, in place, and the factor ``exp(m_old - m)`` that takes its
+    accumulator to the new max (0 for a row that saw no key: its ``m`` is NEG)."""
+    neg_all = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(neg_all, data=sink, op0=nl.multiply, operand0=-1.0, op1=nl.minimum, operand1=neg_m)
     decay = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(decay, op=nl.exp, data=m, bias=neg_m)
+    nisa.activation(decay, op=nl.exp, data=neg_m, scale=-1.0, bias=neg_all)
     sink_term = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(sink_term, op=nl.exp, data=sink, bias=neg_m)
+    nisa.activation(sink_term, op=nl.exp, data=sink, bias=neg_all)
     nisa.scalar_tensor_tensor(l_sum, data=l_sum, op0=nl.multiply, operand0=decay, op1=nl.add, operand1=sink_term)
-    nisa.tensor_copy(m, m_all)
+    nisa.tensor_copy(neg_m, neg_all)
     return decay
+
+
+def _itemsize(dtype):
+    return 4 if dtype == nl.float32 else 2
+
+
+def _section_keys(D, Dv, dtype):
+    """Keys per resident section: the most whole score tiles whose K^T and V fit ``RESIDENT_BYTES`` per partition
+    and whose one query tile's scores (fp32), P and P^T fit ``WORKING_BYTES``, at least one tile."""
+    size = _itemsize(dtype)
+    resident = len(_chunks(D)) * size + (Dv + 1) * size / PMAX  # K^T [D, keys]; V [128 keys, blocks, Dv + 1]
+    working = 4 + 2 * size  # scores, P, P^T (bq = 128 columns per 128 keys)
+    tiles = min(RESIDENT_BYTES / resident, WORKING_BYTES / working) // SCORE_KEYS
+    return SCORE_KEYS * max(1, int(tiles))
+
+
+def _resident(k, v, b, hkv, s0, n, D, Dv, dt):
+    """Keys ``[s0, s0 + n)`` of KV head ``hkv`` on chip: ``K^T [min(D, 128), chunks, n]`` (DMA-transposed from HBM),
+    and ``V [128, blocks, Dv + 1]`` (block ``j`` holds keys ``s0 + 128 j ..`` on the partitions), its last column
+    ones, so that P V's last column is P's row sum."""
+    kT = nl.ndarray((min(D, PMAX), len(_chunks(D)), n), dtype=dt, buffer=nl.sbuf)
+    for c, c0, size in _chunks(D):
+        nisa.dma_transpose(kT[0:size, c, :], k[b, hkv, s0:s0 + n, c0:c0 + size])
+    blocks = _chunks(n)
+    v_sb = nl.ndarray((PMAX, len(blocks), Dv + 1), dtype=dt, buffer=nl.sbuf)
+    for j, j0, size in blocks:
+        nisa.dma_copy(v_sb[0:size, j, 0:Dv], v[b, hkv, s0 + j0:s0 + j0 + size, 0:Dv])
+    nisa.memset(v_sb[:, :, Dv:Dv + 1], 1.0)
+    return kT, v_sb
+
+
+def _pieces(k_lo, k_hi, q0, bq, shift, left, right):
+    """The score tiles ``(k0, n)`` of up to ``SCORE_KEYS`` keys over ``[k_lo, k_hi)``, each with its pieces
+    ``(k0, n, cut)``: the 128-key blocks a band edge cuts (``cut``) alone, runs of the others merged."""
+    tiles = []
+    for t0 in range(k_lo, k_hi, SCORE_KEYS):
+        pieces = []
+        for _, j0, size in _chunks(min(SCORE_KEYS, k_hi - t0)):
+            cut = _cuts(q0, t0 + j0, bq, size, shift, left, right) != (False, False)
+            if pieces and not cut and not pieces[-1][2]:
+                pieces[-1] = (pieces[-1][0], pieces[-1][1] + size, False)
+            else:
+                pieces.append((t0 + j0, size, cut))
+        tiles.append(((t0, min(SCORE_KEYS, k_hi - t0)), pieces))
+    return tiles
+
+
+def _section_scores(qT, kT, s0, tiles, D, bq, q0, shift, scale, left, right, softcap):
+    """Scaled, capped, masked scores of the keys ``tiles`` cover (fp32 ``[bq, keys]``, SBUF) and their row max,
+    negated (``[bq, 1]``): each 512-key tile's PSUM is evacuated with the scale and the max of each of its pieces in
+    one Vector instruction; a piece an edge cuts is scaled, masked (GpSimd), then its max taken."""
+    k_lo = tiles[0][0][0]
+    s = nl.ndarray((bq, tiles[-1][0][0] + tiles[-1][0][1] - k_lo), dtype=nl.float32, buffer=nl.sbuf)
+    maxima = nl.ndarray((bq, sum(len(p) for _, p in tiles)), dtype=nl.float32, buffer=nl.sbuf)
+    column = 0
+    for (t0, tn), pieces in tiles:
+        s_ps = nl.ndarray((bq, tn), dtype=nl.float32, buffer=nl.psum)
+        _matmul_chunked(s_ps, qT, kT[:, :, t0 - s0:t0 - s0 + tn], D)
+        src, factor = s_ps, scale
+        if softcap is not None:  # the scale / softcap pre-scale is free as the scores leave PSUM
+            src, factor = nl.ndarray((bq, tn), dtype=nl.float32, buffer=nl.sbuf), softcap
+            nisa.activation(src, op=nl.tanh, data=s_ps, scale=scale / softcap)
+        for p0, pn, cut in pieces:
+            dst, piece = s[:, p0 - k_lo:p0 - k_lo + pn], src[:, p0 - t0:p0 - t0 + pn]
+            peak = maxima[:, column:column + 1]
+            if cut:
+                nisa.tensor_scalar(dst, piece, op0=nl.multiply, operand0=factor)
+                _mask(dst, q0, p0, bq, pn, shift, left, right)
+                nisa.tensor_reduce(peak, op=nl.maximum, data=dst, axis=1, keepdims=True)
+            else:
+                nisa.tensor_scalar_reduce(dst, piece, op0=nl.multiply, operand0=factor, reduce_op=nl.maximum,
+                                          reduce_res=peak)
+            column += 1
+    neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_reduce(neg_m, op=nl.maximum, data=maxima, axis=1, negate=True, keepdims=True)
+    return s, neg_m
+
+
+def _section_pv(s, neg_m, v_sb, s0, tiles, bq, Dv, dt):
+    """``[P V, rowsum(P)]`` in PSUM (``[bq, Dv + 1]`` fp32) for ``P = exp(s - m)`` over the section's keys: one
+    exponential per score tile, P^T per 128-key block (the first ``TENSOR_TRANSPOSED`` of a tile's blocks on the
+    Tensor Engine, copied out of PSUM by the Scalar Engine, the rest by DMA), one accumulating matmul per block."""
+    k_lo = tiles[0][0][0]
+    p = nl.ndarray(s.shape, dtype=dt, buffer=nl.sbuf)
+    pT = nl.ndarray((PMAX, len(_chunks(s.shape[1])), bq), dtype=dt, buffer=nl.sbuf)
+    pv = nl.ndarray((bq, Dv + 1), dtype=nl.float32, buffer=nl.psum)
+    for (t0, tn), _ in tiles:
+        nisa.activation(p[:, t0 - k_lo:t0 - k_lo + tn], op=nl.exp, data=s[:, t0 - k_lo:t0 - k_lo + tn], bias=neg_m)
+        blocks = _chunks(tn)
+        block0 = (t0 - k_lo) // PMAX
+        on_tensor = [(j, j0, size) for j, j0, size in blocks if j < TENSOR_TRANSPOSED]
+        if on_tensor:  # into one PSUM tile, copied out in one instruction
+            t_ps = nl.ndarray((PMAX, len(on_tensor), bq), dtype=dt, buffer=nl.psum)
+            for j, j0, size in on_tensor:
+                nisa.nc_transpose(t_ps[0:size, j, :], p[:, t0 - k_lo + j0:t0 - k_lo + j0 + size])
+            rows = on_tensor[-1][2] if len(on_tensor) == 1 else PMAX  # only a last block is short
+            nisa.tensor_copy(pT[0:rows, block0:block0 + len(on_tensor), :], t_ps[0:rows, :, :],
+                             engine=nisa.scalar_engine)
+        for j, j0, size in blocks[len(on_tensor):]:
+            nisa.dma_transpose(pT[0:size, block0 + j, :], p[:, t0 - k_lo + j0:t0 - k_lo + j0 + size])
+        for j, j0, size in blocks:
+            nisa.nc_matmul(pv, pT[0:size, block0 + j, :], v_sb[0:size, (t0 + j0 - s0) // PMAX, :],
+                           accumulate=block0 + j > 0)
+    return pv
 
 
 @nki.jit
 def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_left=None, window_right=None,
-                         softcap=None):
+                         softcap=None, section_keys=None):
     """``q [B, Hq, Sq, D]``, ``k [B, Hkv, Skv, D]``, ``v [B, Hkv, Skv, Dv]`` -> ``out [B, Hq, Sq, Dv]``,
     ``lse [B, Hq, Sq, 1]`` fp32.
     ``sinks``: None or ``[Hq, 128, 1]`` fp32 (each head's sink down the partitions). ``window_left`` /
-    ``window_right``: the sliding window's sides (None: unbounded); ``softcap``: None or a positive float.
-    The options are trace-time constants: each combination is its own kernel."""
+    ``window_right``: the sliding window's sides (None: unbounded); ``softcap``: None or a positive float;
+    ``section_keys``: keys resident at a time (None: :func:`_section_keys`, a multiple of 512). The options are
+    trace-time constants: each combination is its own kernel."""
     B, Hq, Sq, D = q.shape
     Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
@@ -211,80 +326,119 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
     left, right = _band(causal, window_left, window_right)
     out = nl.ndarray((B, Hq, Sq, Dv), dtype=dt, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Sq, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    step = section_keys or _section_keys(D, Dv, dt)
+    sections = [(s0, min(step, Skv - s0)) for s0 in range(0, Skv, step)]
+    # a query tile's [P V, rowsum, -max] between the sections it sees, when there are several
+    carried = nl.ndarray((B, Hq, Sq, Dv + 2), dtype=nl.float32, buffer=nl.private_hbm) if len(sections) > 1 else None
     n_q = (Sq + B_Q - 1) // B_Q
     for b in nl.affine_range(B):
         for hkv in nl.affine_range(Hkv):
-            for g in nl.affine_range(G):
-                h = hkv * G + g
-                for qi in nl.static_range(n_q):
-                    q0 = qi * B_Q
-                    bq = min(B_Q, Sq - q0)
-                    q_sb = _load(q[b, h, q0:q0 + bq, 0:D], bq, D, dt)
-                    qT = _transposed_chunks(q_sb, bq, D, dt)
-                    m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.memset(m, NEG)
-                    l_sum = nl.zeros((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    acc = nl.zeros((bq, Dv), dtype=nl.float32, buffer=nl.sbuf)
-                    k_first, k_stop = _key_blocks(q0, bq, shift, Skv, left, right)
-                    for ki in nl.static_range(k_first, k_stop):
-                        k0 = ki * B_K
-                        bk = min(B_K, Skv - k0)
-                        k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
-                        kT = _transposed_chunks(k_sb, bk, D, dt)
-                        v_sb = _load(v[b, hkv, k0:k0 + bk, 0:Dv], bk, Dv, dt)
-                        s, _ = _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, left, right, softcap)
-                        # online softmax: m_new = max(m, rowmax(s)); alpha = exp(m - m_new)
-                        m_new = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.tensor_reduce(m_new, op=nl.maximum, data=s, axis=1, keepdims=True)
-                        nisa.tensor_tensor(m_new, m_new, m, op=nl.maximum)
-                        neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.tensor_scalar(neg_m, m_new, op0=nl.multiply, operand0=-1.0)
-                        alpha = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.activation(alpha, op=nl.exp, data=m, bias=neg_m)
-                        # p = exp(s - m_new) in the input dtype; its fp32 row sums on the way
-                        p = nl.ndarray((bq, bk), dtype=dt, buffer=nl.sbuf)
-                        row_sum = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.activation(p, op=nl.exp, data=s, bias=neg_m, reduce_op=nl.add, reduce_res=row_sum,
-                                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
-                        nisa.scalar_tensor_tensor(l_sum, data=l_sum, op0=nl.multiply, operand0=alpha,
-                                                  op1=nl.add, operand1=row_sum)
-                        # acc = acc * alpha + P V  (P^T is the stationary operand: keys contract)
-                        pT = _transposed(p, bq, bk, dt)
-                        pv = nl.ndarray((bq, Dv), dtype=nl.float32, buffer=nl.psum)
-                        nisa.nc_matmul(pv, pT, v_sb, accumulate=False)
-                        nisa.scalar_tensor_tensor(acc, data=acc, op0=nl.multiply, operand0=alpha,
-                                                  op1=nl.add, operand1=pv)
-                        nisa.tensor_copy(m, m_new)
-                    decay = None if sinks is None else _join_sink(m, l_sum, _sink_column(sinks, h, bq), bq)
-                    # A real row's sum is >= 1 (its max term, a key's or its sink's, is exp(0)); one that sees
-                    # nothing sums to 0 and is overwritten below, one with a key scoring +inf is NaN (its acc
-                    # too): 1 in both keeps reciprocal and log in their domains
-                    l_safe = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(l_safe, l_sum, op0=nl.maximum, operand0=1.0)
-                    real = nl.ndarray((bq, 1), dtype=nl.uint8, buffer=nl.sbuf)
-                    nisa.tensor_scalar(real, l_sum, op0=nl.less_equal, operand0=float(2 ** 60))  # NaN: false
-                    nisa.tensor_copy_predicated(dst=l_safe, src=1.0, predicate=real, reverse_pred=True)
-                    inv_l = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.reciprocal(inv_l, l_safe)
-                    if decay is not None:
-                        nisa.tensor_tensor(inv_l, inv_l, decay, op=nl.multiply)
-                    o = nl.ndarray((bq, Dv), dtype=dt, buffer=nl.sbuf)
-                    nisa.tensor_scalar(o, acc, op0=nl.multiply, operand0=inv_l)
-                    lse_t = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.activation(lse_t, op=nl.log, data=l_safe)
-                    # + l_sum * 0: NaN where the sum is, so such a row's lse is NaN as its output
-                    nisa.scalar_tensor_tensor(lse_t, data=l_sum, op0=nl.multiply, operand0=0.0, op1=nl.add,
-                                              operand1=lse_t)
-                    nisa.tensor_tensor(lse_t, lse_t, m, op=nl.add)
-                    # Rows that see no key had only masked scores (or, with no visible block, none):
-                    # out 0 and lse -inf, as the reference, not the mean of masked values (with a sink
-                    # their lse is already the sink's: the decay dropped the masked ones).
-                    _rows_without_keys(o, q0, shift, right, Dv, 0.0)
-                    if sinks is None:
-                        _rows_without_keys(lse_t, q0, shift, right, 1, -math.inf)
-                    nisa.dma_copy(out[b, h, q0:q0 + bq, 0:Dv], o)
-                    nisa.dma_copy(lse[b, h, q0:q0 + bq, 0:1], lse_t)
+            for s0, sn in sections:
+                kT, v_sb = _resident(k, v, b, hkv, s0, sn, D, Dv, dt)
+                # software-pipelined: a query tile's scores are issued before the previous tile's P V, so
+                # neither waits on the other's PSUM banks
+                pending = None
+                for g in nl.static_range(G):
+                    for qi in nl.static_range(n_q + 1):
+                        scored = None if qi == n_q else _scores_stage(
+                            q, b, hkv * G + g, qi * B_Q, min(B_Q, Sq - qi * B_Q), kT, s0, sn, D, dt, shift, Skv,
+                            scale, left, right, softcap)
+                        if pending is not None:
+                            _output_stage(pending, out, lse, sinks, carried, v_sb, b, s0, Dv, dt, shift, right)
+                        pending = scored
     return out, lse
+
+
+def _scores_stage(q, b, h, q0, bq, kT, s0, sn, D, dt, shift, Skv, scale, left, right, softcap):
+    """The first half of a query tile's work on a section: its visible keys there, Q^T, the scores and their
+    max; a dict for :func:`_output_stage`, ``tiles`` None when the tile sees no key of the section."""
+    k_first, k_stop = _key_blocks(q0, bq, shift, Skv, left, right)
+    k_lo, k_hi = max(k_first * B_K, s0), min(k_stop * B_K, Skv, s0 + sn)
+    stage = dict(h=h, q0=q0, bq=bq, first=k_first * B_K >= s0, last=min(k_stop * B_K, Skv) <= s0 + sn,
+                 blind=s0 == 0 and k_first == k_stop, tiles=None)
+    if k_lo < k_hi:
+        qT = nl.ndarray((min(D, PMAX), len(_chunks(D)), bq), dtype=dt, buffer=nl.sbuf)
+        for c, c0, size in _chunks(D):
+            nisa.dma_transpose(qT[0:size, c, :], q[b, h, q0:q0 + bq, c0:c0 + size])
+        stage["tiles"] = _pieces(k_lo, k_hi, q0, bq, shift, left, right)
+        stage["s"], stage["neg_m"] = _section_scores(qT, kT, s0, stage["tiles"], D, bq, q0, shift, scale, left,
+                                                     right, softcap)
+    return stage
+
+
+def _output_stage(stage, out, lse, sinks, carried, v_sb, b, s0, Dv, dt, shift, right):
+    """The second half: P V over the section, joined with the state carried from earlier sections, and the
+    tile's rows written (its last section) or its state carried on (``[P V, rowsum, -max]``, fp32 HBM)."""
+    h, q0, bq, tiles = stage["h"], stage["q0"], stage["bq"], stage["tiles"]
+    if tiles is None:  # no key of this section; of none at all: written once, as seeing nothing
+        if stage["blind"]:
+            _write_rows(out, lse, sinks, None, None, b, h, q0, bq, Dv, shift, right)
+        return
+    neg_m, acc = stage["neg_m"], None
+    if not stage["first"]:  # the max over both, the carried sums rescaled to it
+        acc = _load(carried[b, h, q0:q0 + bq, 0:Dv + 2], bq, Dv + 2, nl.float32)
+        neg_old = acc[:, Dv + 1:Dv + 2]
+        nisa.tensor_tensor(neg_m, neg_m, neg_old, op=nl.minimum)
+        alpha = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(alpha, op=nl.exp, data=neg_old, scale=-1.0, bias=neg_m)
+    pv = _section_pv(stage["s"], neg_m, v_sb, s0, tiles, bq, Dv, dt)
+    if acc is None:
+        acc = pv
+    else:
+        nisa.scalar_tensor_tensor(acc[:, 0:Dv + 1], data=acc[:, 0:Dv + 1], op0=nl.multiply, operand0=alpha,
+                                  op1=nl.add, operand1=pv)
+    if stage["last"]:
+        _write_rows(out, lse, sinks, acc, neg_m, b, h, q0, bq, Dv, shift, right)
+    else:
+        state = nl.ndarray((bq, Dv + 2), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(state[:, 0:Dv + 1], acc[:, 0:Dv + 1])
+        nisa.tensor_copy(state[:, Dv + 1:Dv + 2], neg_m)
+        nisa.dma_copy(carried[b, h, q0:q0 + bq, 0:Dv + 2], state)
+
+
+def _write_rows(out, lse, sinks, acc, neg_m, b, h, q0, bq, Dv, shift, right):
+    """A query tile's output ``acc[:, :Dv] / rowsum`` and lse ``max + log(rowsum)`` from ``acc = [P V, rowsum]``
+    (PSUM or SBUF) and ``-max``, with head ``h``'s sink joined; ``acc`` None: the tile sees no key."""
+    l_sum = nl.zeros((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    if acc is None:
+        neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(neg_m, -NEG)
+    else:
+        nisa.tensor_copy(l_sum, acc[:, Dv:Dv + 1])
+    decay = None if sinks is None else _neg_max_with_sink(neg_m, l_sum, _sink_column(sinks, h, bq), bq)
+    # A real row's sum is >= 1 (its max term, a key's or its sink's, is exp(0)); one that sees
+    # nothing sums to 0 and is overwritten below, one with a key scoring +inf is NaN (its acc
+    # too): 1 in both keeps reciprocal and log in their domains
+    l_safe = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(l_safe, l_sum, op0=nl.maximum, operand0=1.0)
+    real = nl.ndarray((bq, 1), dtype=nl.uint8, buffer=nl.sbuf)
+    nisa.tensor_scalar(real, l_sum, op0=nl.less_equal, operand0=float(2 ** 60))  # NaN: false
+    nisa.tensor_copy_predicated(dst=l_safe, src=1.0, predicate=real, reverse_pred=True)
+    inv_l = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.reciprocal(inv_l, l_safe)
+    if decay is not None:
+        nisa.tensor_tensor(inv_l, inv_l, decay, op=nl.multiply)
+    o = nl.ndarray((bq, Dv), dtype=out.dtype, buffer=nl.sbuf)
+    if acc is None:
+        nisa.memset(o, 0.0)
+    else:
+        nisa.tensor_scalar(o, acc[:, 0:Dv], op0=nl.multiply, operand0=inv_l)
+    lse_t = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation(lse_t, op=nl.log, data=l_safe)
+    # + l_sum * 0: NaN where the sum is, so such a row's lse is NaN as its output
+    nisa.scalar_tensor_tensor(lse_t, data=l_sum, op0=nl.multiply, operand0=0.0, op1=nl.add, operand1=lse_t)
+    nisa.tensor_tensor(lse_t, lse_t, neg_m, op=nl.subtract)
+    # Rows that see no key had only masked scores (or, with no visible block, none):
+    # out 0 and lse -inf, as the reference, not the mean of masked values (with a sink
+    # their lse is already the sink's: the decay dropped the masked ones).
+    _rows_without_keys(o, q0, shift, right, Dv, 0.0)
+    if sinks is None:
+        _rows_without_keys(lse_t, q0, shift, right, 1, -math.inf)
+    nisa.dma_copy(out[b, h, q0:q0 + bq, 0:Dv], o)
+    # lse as one row: a 4-byte DMA per partition would be as slow as a whole tile
+    lse_row = nl.ndarray((1, bq), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_transpose(lse_row, lse_t)
+    nisa.dma_copy(lse[b, h, q0:q0 + bq, 0:1], lse_row)
 
 
 def _query_side(q, o, do, lse, dlse, b, h, q0, bq, D, Dv, dt, shift, right, sunk):
