@@ -52,8 +52,10 @@ B_K = 128  # keys per tile (P^T needs the keys on <= 128 partitions)
 NEG = -1.0e30  # finite "minus infinity" for masked scores: exp(NEG - m) == 0, no inf - inf
 PMAX = 128  # partitions: the most a matmul contracts over, and a transpose's largest side
 SCORE_KEYS = 512  # keys per forward score tile: one PSUM bank of fp32, a matmul's largest moving free size
-TENSOR_TRANSPOSED = 1  # of a score tile's four P blocks, how many the Tensor Engine transposes (the DMA the rest)
+TENSOR_TRANSPOSED = 2  # of a score tile's four P blocks, how many the Tensor Engine transposes (the DMA the rest)
+SCORED_AHEAD = 2  # query tiles whose scores are issued before a tile's P V
 RESIDENT_BYTES = 96 * 1024  # SBUF per partition for a section's resident K^T and V
+PSUM_BANK_BYTES = 2048  # per partition
 WORKING_BYTES = 48 * 1024  # and for one query tile's scores, P and P^T (the allocator double-buffers them)
 
 
@@ -220,18 +222,35 @@ def _section_keys(D, Dv, dtype):
 
 
 def _resident(k, v, b, hkv, s0, n, D, Dv, dt):
-    """Keys ``[s0, s0 + n)`` of KV head ``hkv`` on chip: ``K^T [min(D, 128), chunks, n]`` (DMA-transposed from HBM),
-    and ``V [128, blocks, Dv + 1]`` (block ``j`` holds keys ``s0 + 128 j ..`` on the partitions), its last column
-    ones, so that P V's last column is P's row sum."""
-    kT = nl.ndarray((min(D, PMAX), len(_chunks(D)), n), dtype=dt, buffer=nl.sbuf)
-    for c, c0, size in _chunks(D):
-        nisa.dma_transpose(kT[0:size, c, :], k[b, hkv, s0:s0 + n, c0:c0 + size])
+    """Keys ``[s0, s0 + n)`` of KV head ``hkv`` on chip: ``K^T [min(D, 128), chunks, n]``, and ``V [128, blocks,
+    Dv + 1]`` (block ``j`` holds keys ``s0 + 128 j ..`` on the partitions), its last column ones, so that P V's last
+    column is P's row sum. Both come in as DMA transposes from HBM (one long run per partition, where V's rows would
+    be 2 * Dv bytes each); V is turned back per block on the Tensor Engine, a PSUM bank's worth at a time."""
+    kT, vT = (_transposed_rows(x[b, hkv, s0:s0 + n, :], n, width, dt) for x, width in ((k, D), (v, Dv)))
     blocks = _chunks(n)
     v_sb = nl.ndarray((PMAX, len(blocks), Dv + 1), dtype=dt, buffer=nl.sbuf)
-    for j, j0, size in blocks:
-        nisa.dma_copy(v_sb[0:size, j, 0:Dv], v[b, hkv, s0 + j0:s0 + j0 + size, 0:Dv])
+    per_bank = max(1, PSUM_BANK_BYTES // (Dv * _itemsize(dt)))
+    for g0 in range(0, len(blocks), per_bank):
+        group = blocks[g0:g0 + per_bank]
+        t_ps = nl.ndarray((PMAX, len(group), Dv), dtype=dt, buffer=nl.psum)
+        for i, (_, j0, size) in enumerate(group):
+            for c, c0, width in _chunks(Dv):
+                nisa.nc_transpose(t_ps[0:size, i, c0:c0 + width], vT[0:width, c, j0:j0 + size])
+        full = len(group) - (group[-1][2] < PMAX)  # only the section's last block can be short
+        if full:
+            nisa.tensor_copy(v_sb[:, g0:g0 + full, 0:Dv], t_ps[:, 0:full, :])
+        if full < len(group):
+            nisa.tensor_copy(v_sb[0:group[-1][2], g0 + full, 0:Dv], t_ps[0:group[-1][2], full, :])
     nisa.memset(v_sb[:, :, Dv:Dv + 1], 1.0)
     return kT, v_sb
+
+
+def _transposed_rows(src, n, width, dt):
+    """HBM ``src [n, width]`` -> ``[min(width, 128), chunks, n]`` in SBUF by DMA transposes, one per 128 columns."""
+    dst = nl.ndarray((min(width, PMAX), len(_chunks(width)), n), dtype=dt, buffer=nl.sbuf)
+    for c, c0, size in _chunks(width):
+        nisa.dma_transpose(dst[0:size, c, :], src[:, c0:c0 + size])
+    return dst
 
 
 def _pieces(k_lo, k_hi, q0, bq, shift, left, right):
@@ -335,17 +354,16 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
         for hkv in nl.affine_range(Hkv):
             for s0, sn in sections:
                 kT, v_sb = _resident(k, v, b, hkv, s0, sn, D, Dv, dt)
-                # software-pipelined: a query tile's scores are issued before the previous tile's P V, so
-                # neither waits on the other's PSUM banks
-                pending = None
-                for g in nl.static_range(G):
-                    for qi in nl.static_range(n_q + 1):
-                        scored = None if qi == n_q else _scores_stage(
-                            q, b, hkv * G + g, qi * B_Q, min(B_Q, Sq - qi * B_Q), kT, s0, sn, D, dt, shift, Skv,
-                            scale, left, right, softcap)
-                        if pending is not None:
-                            _output_stage(pending, out, lse, sinks, carried, v_sb, b, s0, Dv, dt, shift, right)
-                        pending = scored
+                # software-pipelined: the scores of the next SCORED_AHEAD query tiles are issued before a tile's
+                # P V, so neither waits on the other's engines or PSUM banks
+                scored = []
+                for h, qi in [(hkv * G + g, qi) for g in range(G) for qi in range(n_q)]:
+                    scored.append(_scores_stage(q, b, h, qi * B_Q, min(B_Q, Sq - qi * B_Q), kT, s0, sn, D, dt,
+                                                shift, Skv, scale, left, right, softcap))
+                    if len(scored) > SCORED_AHEAD:
+                        _output_stage(scored.pop(0), out, lse, sinks, carried, v_sb, b, s0, Dv, dt, shift, right)
+                for stage in scored:
+                    _output_stage(stage, out, lse, sinks, carried, v_sb, b, s0, Dv, dt, shift, right)
     return out, lse
 
 
@@ -357,9 +375,7 @@ def _scores_stage(q, b, h, q0, bq, kT, s0, sn, D, dt, shift, Skv, scale, left, r
     stage = dict(h=h, q0=q0, bq=bq, first=k_first * B_K >= s0, last=min(k_stop * B_K, Skv) <= s0 + sn,
                  blind=s0 == 0 and k_first == k_stop, tiles=None)
     if k_lo < k_hi:
-        qT = nl.ndarray((min(D, PMAX), len(_chunks(D)), bq), dtype=dt, buffer=nl.sbuf)
-        for c, c0, size in _chunks(D):
-            nisa.dma_transpose(qT[0:size, c, :], q[b, h, q0:q0 + bq, c0:c0 + size])
+        qT = _transposed_rows(q[b, h, q0:q0 + bq, :], bq, D, dt)
         stage["tiles"] = _pieces(k_lo, k_hi, q0, bq, shift, left, right)
         stage["s"], stage["neg_m"] = _section_scores(qT, kT, s0, stage["tiles"], D, bq, q0, shift, scale, left,
                                                      right, softcap)
@@ -410,24 +426,26 @@ def _write_rows(out, lse, sinks, acc, neg_m, b, h, q0, bq, Dv, shift, right):
     # nothing sums to 0 and is overwritten below, one with a key scoring +inf is NaN (its acc
     # too): 1 in both keeps reciprocal and log in their domains
     l_safe = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(l_safe, l_sum, op0=nl.maximum, operand0=1.0)
+    # the one-column steps on GpSimd and the Scalar Engine where they can, off the Vector Engine's scores
+    nisa.tensor_scalar(l_safe, l_sum, op0=nl.maximum, operand0=1.0, engine=nisa.gpsimd_engine)
     real = nl.ndarray((bq, 1), dtype=nl.uint8, buffer=nl.sbuf)
-    nisa.tensor_scalar(real, l_sum, op0=nl.less_equal, operand0=float(2 ** 60))  # NaN: false
+    nisa.tensor_scalar(real, l_sum, op0=nl.less_equal, operand0=float(2 ** 60),  # NaN: false
+                       engine=nisa.gpsimd_engine)
     nisa.tensor_copy_predicated(dst=l_safe, src=1.0, predicate=real, reverse_pred=True)
     inv_l = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.reciprocal(inv_l, l_safe)
     if decay is not None:
-        nisa.tensor_tensor(inv_l, inv_l, decay, op=nl.multiply)
+        nisa.tensor_tensor(inv_l, inv_l, decay, op=nl.multiply, engine=nisa.gpsimd_engine)
     o = nl.ndarray((bq, Dv), dtype=out.dtype, buffer=nl.sbuf)
     if acc is None:
         nisa.memset(o, 0.0)
     else:
-        nisa.tensor_scalar(o, acc[:, 0:Dv], op0=nl.multiply, operand0=inv_l)
+        nisa.activation(o, op=nl.copy, data=acc[:, 0:Dv], scale=inv_l)
     lse_t = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
     nisa.activation(lse_t, op=nl.log, data=l_safe)
     # + l_sum * 0: NaN where the sum is, so such a row's lse is NaN as its output
     nisa.scalar_tensor_tensor(lse_t, data=l_sum, op0=nl.multiply, operand0=0.0, op1=nl.add, operand1=lse_t)
-    nisa.tensor_tensor(lse_t, lse_t, neg_m, op=nl.subtract)
+    nisa.tensor_tensor(lse_t, lse_t, neg_m, op=nl.subtract, engine=nisa.gpsimd_engine)
     # Rows that see no key had only masked scores (or, with no visible block, none):
     # out 0 and lse -inf, as the reference, not the mean of masked values (with a sink
     # their lse is already the sink's: the decay dropped the masked ones).
