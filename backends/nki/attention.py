@@ -55,7 +55,6 @@ SCORE_KEYS = 512  # keys per forward score tile: one PSUM bank of fp32, a matmul
 TENSOR_TRANSPOSED = 2  # of a score tile's four P blocks, how many the Tensor Engine transposes (the DMA the rest)
 SCORED_AHEAD = 2  # query tiles whose scores are issued before a tile's P V
 RESIDENT_BYTES = 96 * 1024  # SBUF per partition for a section's resident K^T and V
-PSUM_BANK_BYTES = 2048  # per partition
 WORKING_BYTES = 48 * 1024  # and for one query tile's scores, P and P^T (the allocator double-buffers them)
 
 
@@ -221,35 +220,14 @@ def _section_keys(D, Dv, dtype):
     return SCORE_KEYS * max(1, int(tiles))
 
 
-def _resident(k, v, b, hkv, s0, n, D, Dv, dt):
-    """Keys ``[s0, s0 + n)`` of KV head ``hkv`` on chip: ``K^T [min(D, 128), chunks, n]``, and ``V [128, blocks,
-    Dv + 1]`` (block ``j`` holds keys ``s0 + 128 j ..`` on the partitions), its last column ones, so that P V's last
-    column is P's row sum. Both come in as DMA transposes from HBM (one long run per partition, where V's rows would
-    be 2 * Dv bytes each); V is turned back per block on the Tensor Engine, a PSUM bank's worth at a time."""
-    kT, vT = (_transposed_rows(x[b, hkv, s0:s0 + n, :], n, width, dt) for x, width in ((k, D), (v, Dv)))
-    blocks = _chunks(n)
-    v_sb = nl.ndarray((PMAX, len(blocks), Dv + 1), dtype=dt, buffer=nl.sbuf)
-    per_bank = max(1, PSUM_BANK_BYTES // (Dv * _itemsize(dt)))
-    for g0 in range(0, len(blocks), per_bank):
-        group = blocks[g0:g0 + per_bank]
-        t_ps = nl.ndarray((PMAX, len(group), Dv), dtype=dt, buffer=nl.psum)
-        for i, (_, j0, size) in enumerate(group):
-            for c, c0, width in _chunks(Dv):
-                nisa.nc_transpose(t_ps[0:size, i, c0:c0 + width], vT[0:width, c, j0:j0 + size])
-        full = len(group) - (group[-1][2] < PMAX)  # only the section's last block can be short
-        if full:
-            nisa.tensor_copy(v_sb[:, g0:g0 + full, 0:Dv], t_ps[:, 0:full, :])
-        if full < len(group):
-            nisa.tensor_copy(v_sb[0:group[-1][2], g0 + full, 0:Dv], t_ps[0:group[-1][2], full, :])
-    nisa.memset(v_sb[:, :, Dv:Dv + 1], 1.0)
-    return kT, v_sb
-
-
 def _transposed_rows(src, n, width, dt):
-    """HBM ``src [n, width]`` -> ``[min(width, 128), chunks, n]`` in SBUF by DMA transposes, one per 128 columns."""
+    """HBM ``src [n, width]`` -> ``[min(width, 128), chunks, n]`` in SBUF by DMA transposes, one per 128 columns
+    and score tile of rows (so that the first tile's work need not wait for the whole section)."""
     dst = nl.ndarray((min(width, PMAX), len(_chunks(width)), n), dtype=dt, buffer=nl.sbuf)
-    for c, c0, size in _chunks(width):
-        nisa.dma_transpose(dst[0:size, c, :], src[:, c0:c0 + size])
+    for r0 in range(0, n, SCORE_KEYS):
+        rows = slice(r0, min(n, r0 + SCORE_KEYS))
+        for c, c0, size in _chunks(width):
+            nisa.dma_transpose(dst[0:size, c, rows], src[rows, c0:c0 + size])
     return dst
 
 
@@ -269,63 +247,211 @@ def _pieces(k_lo, k_hi, q0, bq, shift, left, right):
     return tiles
 
 
-def _section_scores(qT, kT, s0, tiles, D, bq, q0, shift, scale, left, right, softcap):
-    """Scaled, capped, masked scores of the keys ``tiles`` cover (fp32 ``[bq, keys]``, SBUF) and their row max,
-    negated (``[bq, 1]``): each 512-key tile's PSUM is evacuated with the scale and the max of each of its pieces in
-    one Vector instruction; a piece an edge cuts is scaled, masked (GpSimd), then its max taken."""
-    k_lo = tiles[0][0][0]
-    s = nl.ndarray((bq, tiles[-1][0][0] + tiles[-1][0][1] - k_lo), dtype=nl.float32, buffer=nl.sbuf)
-    maxima = nl.ndarray((bq, sum(len(p) for _, p in tiles)), dtype=nl.float32, buffer=nl.sbuf)
-    column = 0
-    for (t0, tn), pieces in tiles:
-        s_ps = nl.ndarray((bq, tn), dtype=nl.float32, buffer=nl.psum)
-        _matmul_chunked(s_ps, qT, kT[:, :, t0 - s0:t0 - s0 + tn], D)
-        src, factor = s_ps, scale
-        if softcap is not None:  # the scale / softcap pre-scale is free as the scores leave PSUM
-            src, factor = nl.ndarray((bq, tn), dtype=nl.float32, buffer=nl.sbuf), softcap
-            nisa.activation(src, op=nl.tanh, data=s_ps, scale=scale / softcap)
-        for p0, pn, cut in pieces:
-            dst, piece = s[:, p0 - k_lo:p0 - k_lo + pn], src[:, p0 - t0:p0 - t0 + pn]
-            peak = maxima[:, column:column + 1]
-            if cut:
-                nisa.tensor_scalar(dst, piece, op0=nl.multiply, operand0=factor)
-                _mask(dst, q0, p0, bq, pn, shift, left, right)
-                nisa.tensor_reduce(peak, op=nl.maximum, data=dst, axis=1, keepdims=True)
-            else:
-                nisa.tensor_scalar_reduce(dst, piece, op0=nl.multiply, operand0=factor, reduce_op=nl.maximum,
-                                          reduce_res=peak)
-            column += 1
-    neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(neg_m, op=nl.maximum, data=maxima, axis=1, negate=True, keepdims=True)
-    return s, neg_m
+class _PsumRing:
+    """PSUM tiles taken in turn: explicit multi-buffering, since PSUM's eight banks are too few to leave to the
+    allocator (a new tile would take the bank of one still being read)."""
+
+    def __init__(self, count, shape, dtype):
+        self.tiles = [nl.ndarray(shape, dtype=dtype, buffer=nl.psum) for _ in range(count)]
+        self.turn = -1
+
+    def take(self):
+        self.turn = (self.turn + 1) % len(self.tiles)
+        return self.tiles[self.turn]
 
 
-def _section_pv(s, neg_m, v_sb, s0, tiles, bq, Dv, dt):
-    """``[P V, rowsum(P)]`` in PSUM (``[bq, Dv + 1]`` fp32) for ``P = exp(s - m)`` over the section's keys: one
-    exponential per score tile, P^T per 128-key block (the first ``TENSOR_TRANSPOSED`` of a tile's blocks on the
-    Tensor Engine, copied out of PSUM by the Scalar Engine, the rest by DMA), one accumulating matmul per block."""
-    k_lo = tiles[0][0][0]
-    p = nl.ndarray(s.shape, dtype=dt, buffer=nl.sbuf)
-    pT = nl.ndarray((PMAX, len(_chunks(s.shape[1])), bq), dtype=dt, buffer=nl.sbuf)
-    pv = nl.ndarray((bq, Dv + 1), dtype=nl.float32, buffer=nl.psum)
-    for (t0, tn), _ in tiles:
-        nisa.activation(p[:, t0 - k_lo:t0 - k_lo + tn], op=nl.exp, data=s[:, t0 - k_lo:t0 - k_lo + tn], bias=neg_m)
-        blocks = _chunks(tn)
-        block0 = (t0 - k_lo) // PMAX
-        on_tensor = [(j, j0, size) for j, j0, size in blocks if j < TENSOR_TRANSPOSED]
-        if on_tensor:  # into one PSUM tile, copied out in one instruction
-            t_ps = nl.ndarray((PMAX, len(on_tensor), bq), dtype=dt, buffer=nl.psum)
+class _Forward:
+    """One forward launch's trace-time constants, outputs and PSUM rings; its methods are the kernel's stages."""
+
+    def __init__(self, q, k, v, sinks, carried, out, lse, scale, left, right, softcap):
+        self.q, self.k, self.v, self.sinks, self.carried, self.out, self.lse = q, k, v, sinks, carried, out, lse
+        self.Sq, self.D, self.Skv, self.Dv = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
+        self.dt, self.shift = q.dtype, self.Skv - self.Sq
+        self.scale, self.left, self.right, self.softcap = scale, left, right, softcap
+        # the eight banks: scores, Tensor Engine transposes (four 128-column slots each), [P V, rowsum]
+        self.scores_ps = _PsumRing(4, (B_Q, SCORE_KEYS), nl.float32)
+        self.transposes_ps = _PsumRing(2, (PMAX, 4, PMAX), self.dt)
+        self.pv_ps = _PsumRing(2, (B_Q, self.Dv + 1), nl.float32)
+
+    def resident(self, b, hkv, s0, n):
+        """Keys ``[s0, s0 + n)`` of KV head ``hkv`` on chip: ``K^T [min(D, 128), chunks, n]``, and ``V [128,
+        blocks, Dv + 1]`` (block ``j`` holds keys ``s0 + 128 j ..`` on the partitions), its last column ones, so
+        that P V's last column is P's row sum. Both come in as DMA transposes from HBM (one long run per partition,
+        where V's rows would be 2 * Dv bytes each); V is turned back per block on the Tensor Engine."""
+        Dv, dt = self.Dv, self.dt
+        kT, vT = (_transposed_rows(x[b, hkv, s0:s0 + n, :], n, width, dt) for x, width in ((self.k, self.D),
+                                                                                             (self.v, Dv)))
+        blocks, chunks = _chunks(n), _chunks(Dv)
+        v_sb = nl.ndarray((PMAX, len(blocks), Dv + 1), dtype=dt, buffer=nl.sbuf)
+        per_tile = 4 // len(chunks)  # blocks per PSUM tile: a slot per (block, 128 columns of Dv)
+        for g0 in range(0, len(blocks), per_tile):
+            group = blocks[g0:g0 + per_tile]
+            t_ps = self.transposes_ps.take()
+            for i, (_, j0, size) in enumerate(group):
+                for c, c0, width in chunks:
+                    nisa.nc_transpose(t_ps[0:size, i * len(chunks) + c, 0:width], vT[0:width, c, j0:j0 + size])
+            full = len(group) - (group[-1][2] < PMAX)  # only the section's last block can be short
+            for c, c0, width in chunks:
+                slots = slice(c, len(group) * len(chunks), len(chunks))
+                if full:
+                    nisa.tensor_copy(v_sb[:, g0:g0 + full, c0:c0 + width], t_ps[:, slots, 0:width][:, 0:full, :])
+                if full < len(group):
+                    rows, slot = group[-1][2], full * len(chunks) + c
+                    nisa.tensor_copy(v_sb[0:rows, g0 + full, c0:c0 + width], t_ps[0:rows, slot, 0:width])
+        nisa.memset(v_sb[:, :, Dv:Dv + 1], 1.0)
+        return kT, v_sb
+
+    def scores_stage(self, b, h, q0, bq, kT, s0, sn):
+        """The first half of a query tile's work on a section: its visible keys there, Q^T, the scores and their
+        max; a dict for :meth:`output_stage`, ``tiles`` None when the tile sees no key of the section."""
+        k_first, k_stop = _key_blocks(q0, bq, self.shift, self.Skv, self.left, self.right)
+        k_lo, k_hi = max(k_first * B_K, s0), min(k_stop * B_K, self.Skv, s0 + sn)
+        stage = dict(h=h, q0=q0, bq=bq, first=k_first * B_K >= s0, last=min(k_stop * B_K, self.Skv) <= s0 + sn,
+                     blind=s0 == 0 and k_first == k_stop, tiles=None)
+        if k_lo < k_hi:
+            qT = _transposed_rows(self.q[b, h, q0:q0 + bq, :], bq, self.D, self.dt)
+            stage["tiles"] = _pieces(k_lo, k_hi, q0, bq, self.shift, self.left, self.right)
+            stage["s"], stage["neg_m"] = self.section_scores(qT, kT, s0, stage["tiles"], bq, q0)
+        return stage
+
+    def section_scores(self, qT, kT, s0, tiles, bq, q0):
+        """Scaled, capped, masked scores of the keys ``tiles`` cover (fp32 ``[bq, keys]``, SBUF) and their row max,
+        negated (``[bq, 1]``): each 512-key tile's PSUM is evacuated with the scale and the max of each of its
+        pieces in one Vector instruction; a piece an edge cuts is scaled, masked (GpSimd), then its max taken."""
+        k_lo = tiles[0][0][0]
+        s = nl.ndarray((bq, tiles[-1][0][0] + tiles[-1][0][1] - k_lo), dtype=nl.float32, buffer=nl.sbuf)
+        maxima = nl.ndarray((bq, sum(len(p) for _, p in tiles)), dtype=nl.float32, buffer=nl.sbuf)
+        column = 0
+        for (t0, tn), pieces in tiles:
+            s_ps = self.scores_ps.take()[0:bq, 0:tn]
+            _matmul_chunked(s_ps, qT, kT[:, :, t0 - s0:t0 - s0 + tn], self.D)
+            src, factor = s_ps, self.scale
+            if self.softcap is not None:  # the scale / softcap pre-scale is free as the scores leave PSUM
+                src, factor = nl.ndarray((bq, tn), dtype=nl.float32, buffer=nl.sbuf), self.softcap
+                nisa.activation(src, op=nl.tanh, data=s_ps, scale=self.scale / self.softcap)
+            for p0, pn, cut in pieces:
+                dst, piece = s[:, p0 - k_lo:p0 - k_lo + pn], src[:, p0 - t0:p0 - t0 + pn]
+                peak = maxima[:, column:column + 1]
+                if cut:
+                    nisa.tensor_scalar(dst, piece, op0=nl.multiply, operand0=factor)
+                    _mask(dst, q0, p0, bq, pn, self.shift, self.left, self.right)
+                    nisa.tensor_reduce(peak, op=nl.maximum, data=dst, axis=1, keepdims=True)
+                else:
+                    nisa.tensor_scalar_reduce(dst, piece, op0=nl.multiply, operand0=factor, reduce_op=nl.maximum,
+                                              reduce_res=peak)
+                column += 1
+        neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(neg_m, op=nl.maximum, data=maxima, axis=1, negate=True, keepdims=True)
+        return s, neg_m
+
+    def probabilities_stage(self, stage, b, s0):
+        """The second: the row max joined with the state carried from earlier sections, ``P = exp(s - m)`` (one
+        exponential per score tile) and P^T per 128-key block (the first ``TENSOR_TRANSPOSED`` of a tile's blocks
+        on the Tensor Engine, copied out of PSUM by the Scalar Engine, the rest by DMA)."""
+        tiles, h, q0, bq, Dv, dt = stage["tiles"], stage["h"], stage["q0"], stage["bq"], self.Dv, self.dt
+        if tiles is None:
+            return stage
+        s, neg_m = stage["s"], stage["neg_m"]
+        if not stage["first"]:  # the max over both, the carried sums to be rescaled to it
+            stage["carried"] = carried = _load(self.carried[b, h, q0:q0 + bq, 0:Dv + 2], bq, Dv + 2, nl.float32)
+            nisa.tensor_tensor(neg_m, neg_m, carried[:, Dv + 1:Dv + 2], op=nl.minimum)
+            stage["alpha"] = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(stage["alpha"], op=nl.exp, data=carried[:, Dv + 1:Dv + 2], scale=-1.0, bias=neg_m)
+        k_lo = tiles[0][0][0]
+        p = nl.ndarray(s.shape, dtype=dt, buffer=nl.sbuf)
+        stage["pT"] = pT = nl.ndarray((PMAX, len(_chunks(s.shape[1])), bq), dtype=dt, buffer=nl.sbuf)
+        for (t0, tn), _ in tiles:  # every exponential first: the Scalar Engine's copies below wait on transposes
+            nisa.activation(p[:, t0 - k_lo:t0 - k_lo + tn], op=nl.exp, data=s[:, t0 - k_lo:t0 - k_lo + tn],
+                            bias=neg_m)
+        for (t0, tn), _ in tiles:
+            keys = slice(t0 - k_lo, t0 - k_lo + tn)
+            blocks, block0 = _chunks(tn), (t0 - k_lo) // PMAX
+            on_tensor = blocks[:TENSOR_TRANSPOSED]
+            t_ps = self.transposes_ps.take()
             for j, j0, size in on_tensor:
-                nisa.nc_transpose(t_ps[0:size, j, :], p[:, t0 - k_lo + j0:t0 - k_lo + j0 + size])
+                nisa.nc_transpose(t_ps[0:size, j, 0:bq], p[:, keys.start + j0:keys.start + j0 + size])
             rows = on_tensor[-1][2] if len(on_tensor) == 1 else PMAX  # only a last block is short
-            nisa.tensor_copy(pT[0:rows, block0:block0 + len(on_tensor), :], t_ps[0:rows, :, :],
+            nisa.tensor_copy(pT[0:rows, block0:block0 + len(on_tensor), :], t_ps[0:rows, 0:len(on_tensor), 0:bq],
                              engine=nisa.scalar_engine)
-        for j, j0, size in blocks[len(on_tensor):]:
-            nisa.dma_transpose(pT[0:size, block0 + j, :], p[:, t0 - k_lo + j0:t0 - k_lo + j0 + size])
-        for j, j0, size in blocks:
-            nisa.nc_matmul(pv, pT[0:size, block0 + j, :], v_sb[0:size, (t0 + j0 - s0) // PMAX, :],
-                           accumulate=block0 + j > 0)
-    return pv
+            for j, j0, size in blocks[len(on_tensor):]:
+                nisa.dma_transpose(pT[0:size, block0 + j, :], p[:, keys.start + j0:keys.start + j0 + size])
+        return stage
+
+    def output_stage(self, stage, b, v_sb, s0):
+        """The last: ``[P V, rowsum(P)]`` in PSUM (one accumulating matmul per 128-key block), joined with the
+        carried state, and the tile's rows written (its last section) or its state carried on (``[P V, rowsum,
+        -max]``, fp32 HBM)."""
+        h, q0, bq, tiles, Dv = stage["h"], stage["q0"], stage["bq"], stage["tiles"], self.Dv
+        if tiles is None:  # no key of this section; of none at all: written once, as seeing nothing
+            if stage["blind"]:
+                self.write_rows(None, None, b, h, q0, bq)
+            return
+        k_lo, pT = tiles[0][0][0], stage["pT"]
+        acc = pv = self.pv_ps.take()[0:bq, :]
+        for (t0, tn), _ in tiles:
+            for j, j0, size in _chunks(tn):
+                block = (t0 + j0 - k_lo) // PMAX
+                nisa.nc_matmul(pv, pT[0:size, block, :], v_sb[0:size, (t0 + j0 - s0) // PMAX, :],
+                               accumulate=block > 0)
+        if not stage["first"]:
+            acc = stage["carried"][:, 0:Dv + 1]
+            nisa.scalar_tensor_tensor(acc, data=acc, op0=nl.multiply, operand0=stage["alpha"], op1=nl.add,
+                                      operand1=pv)
+        if stage["last"]:
+            self.write_rows(acc, stage["neg_m"], b, h, q0, bq)
+        else:
+            state = nl.ndarray((bq, Dv + 2), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(state[:, 0:Dv + 1], acc)
+            nisa.tensor_copy(state[:, Dv + 1:Dv + 2], stage["neg_m"])
+            nisa.dma_copy(self.carried[b, h, q0:q0 + bq, 0:Dv + 2], state)
+
+    def write_rows(self, acc, neg_m, b, h, q0, bq):
+        """A query tile's output ``acc[:, :Dv] / rowsum`` and lse ``max + log(rowsum)`` from ``acc = [P V, rowsum]``
+        (PSUM or SBUF) and ``-max``, with head ``h``'s sink joined; ``acc`` None: the tile sees no key."""
+        Dv, shift, right = self.Dv, self.shift, self.right
+        l_sum = nl.zeros((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        if acc is None:
+            neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.memset(neg_m, -NEG)
+        else:
+            nisa.tensor_copy(l_sum, acc[:, Dv:Dv + 1])
+        sinks = self.sinks
+        decay = None if sinks is None else _neg_max_with_sink(neg_m, l_sum, _sink_column(sinks, h, bq), bq)
+        # A real row's sum is >= 1 (its max term, a key's or its sink's, is exp(0)); one that sees nothing sums to
+        # 0 and is overwritten below, one with a key scoring +inf is NaN (its acc too): 1 in both keeps reciprocal
+        # and log in their domains. The one-column steps run on GpSimd and the Scalar Engine where they can, off
+        # the Vector Engine's score evacuations.
+        l_safe = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(l_safe, l_sum, op0=nl.maximum, operand0=1.0, engine=nisa.gpsimd_engine)
+        real = nl.ndarray((bq, 1), dtype=nl.uint8, buffer=nl.sbuf)
+        nisa.tensor_scalar(real, l_sum, op0=nl.less_equal, operand0=float(2 ** 60),  # NaN: false
+                           engine=nisa.gpsimd_engine)
+        nisa.tensor_copy_predicated(dst=l_safe, src=1.0, predicate=real, reverse_pred=True)
+        inv_l = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.reciprocal(inv_l, l_safe)
+        if decay is not None:
+            nisa.tensor_tensor(inv_l, inv_l, decay, op=nl.multiply, engine=nisa.gpsimd_engine)
+        o = nl.ndarray((bq, Dv), dtype=self.dt, buffer=nl.sbuf)
+        if acc is None:
+            nisa.memset(o, 0.0)
+        else:
+            nisa.activation(o, op=nl.copy, data=acc[:, 0:Dv], scale=inv_l)
+        lse_t = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(lse_t, op=nl.log, data=l_safe)
+        # + l_sum * 0: NaN where the sum is, so such a row's lse is NaN as its output
+        nisa.scalar_tensor_tensor(lse_t, data=l_sum, op0=nl.multiply, operand0=0.0, op1=nl.add, operand1=lse_t)
+        nisa.tensor_tensor(lse_t, lse_t, neg_m, op=nl.subtract, engine=nisa.gpsimd_engine)
+        # Rows that see no key had only masked scores (or, with no visible block, none): out 0 and lse -inf, as
+        # the reference, not the mean of masked values (with a sink their lse is already the sink's: the decay
+        # dropped the masked ones).
+        _rows_without_keys(o, q0, shift, right, Dv, 0.0)
+        if sinks is None:
+            _rows_without_keys(lse_t, q0, shift, right, 1, -math.inf)
+        nisa.dma_copy(self.out[b, h, q0:q0 + bq, 0:Dv], o)
+        # lse as one row: a 4-byte DMA per partition would be as slow as a whole tile
+        lse_row = nl.ndarray((1, bq), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_transpose(lse_row, lse_t)
+        nisa.dma_copy(self.lse[b, h, q0:q0 + bq, 0:1], lse_row)
 
 
 @nki.jit
@@ -340,123 +466,33 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
     B, Hq, Sq, D = q.shape
     Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
-    dt = q.dtype
-    shift = Skv - Sq
-    left, right = _band(causal, window_left, window_right)
-    out = nl.ndarray((B, Hq, Sq, Dv), dtype=dt, buffer=nl.shared_hbm)
-    lse = nl.ndarray((B, Hq, Sq, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-    step = section_keys or _section_keys(D, Dv, dt)
+    step = section_keys or _section_keys(D, Dv, q.dtype)
     sections = [(s0, min(step, Skv - s0)) for s0 in range(0, Skv, step)]
+    out = nl.ndarray((B, Hq, Sq, Dv), dtype=q.dtype, buffer=nl.shared_hbm)
+    lse = nl.ndarray((B, Hq, Sq, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     # a query tile's [P V, rowsum, -max] between the sections it sees, when there are several
     carried = nl.ndarray((B, Hq, Sq, Dv + 2), dtype=nl.float32, buffer=nl.private_hbm) if len(sections) > 1 else None
+    fwd = _Forward(q, k, v, sinks, carried, out, lse, scale, *_band(causal, window_left, window_right), softcap)
     n_q = (Sq + B_Q - 1) // B_Q
     for b in nl.affine_range(B):
         for hkv in nl.affine_range(Hkv):
             for s0, sn in sections:
-                kT, v_sb = _resident(k, v, b, hkv, s0, sn, D, Dv, dt)
-                # software-pipelined: the scores of the next SCORED_AHEAD query tiles are issued before a tile's
-                # P V, so neither waits on the other's engines or PSUM banks
-                scored = []
-                for h, qi in [(hkv * G + g, qi) for g in range(G) for qi in range(n_q)]:
-                    scored.append(_scores_stage(q, b, h, qi * B_Q, min(B_Q, Sq - qi * B_Q), kT, s0, sn, D, dt,
-                                                shift, Skv, scale, left, right, softcap))
-                    if len(scored) > SCORED_AHEAD:
-                        _output_stage(scored.pop(0), out, lse, sinks, carried, v_sb, b, s0, Dv, dt, shift, right)
-                for stage in scored:
-                    _output_stage(stage, out, lse, sinks, carried, v_sb, b, s0, Dv, dt, shift, right)
+                kT, v_sb = fwd.resident(b, hkv, s0, sn)
+                # software-pipelined: a query tile's scores are issued SCORED_AHEAD tiles ahead of its P, and its
+                # P (and P^T) a tile ahead of its P V, so none of them waits on another's engines or transfers
+                jobs = [(hkv * G + g, qi) for g in range(G) for qi in range(n_q)]
+                scored, transposed = [], []
+                for index in range(len(jobs) + SCORED_AHEAD):
+                    if index < len(jobs):
+                        h, qi = jobs[index]
+                        scored.append(fwd.scores_stage(b, h, qi * B_Q, min(B_Q, Sq - qi * B_Q), kT, s0, sn))
+                    if len(scored) > SCORED_AHEAD or (scored and index >= len(jobs)):
+                        transposed.append(fwd.probabilities_stage(scored.pop(0), b, s0))
+                    if len(transposed) > 1:
+                        fwd.output_stage(transposed.pop(0), b, v_sb, s0)
+                for stage in transposed:
+                    fwd.output_stage(stage, b, v_sb, s0)
     return out, lse
-
-
-def _scores_stage(q, b, h, q0, bq, kT, s0, sn, D, dt, shift, Skv, scale, left, right, softcap):
-    """The first half of a query tile's work on a section: its visible keys there, Q^T, the scores and their
-    max; a dict for :func:`_output_stage`, ``tiles`` None when the tile sees no key of the section."""
-    k_first, k_stop = _key_blocks(q0, bq, shift, Skv, left, right)
-    k_lo, k_hi = max(k_first * B_K, s0), min(k_stop * B_K, Skv, s0 + sn)
-    stage = dict(h=h, q0=q0, bq=bq, first=k_first * B_K >= s0, last=min(k_stop * B_K, Skv) <= s0 + sn,
-                 blind=s0 == 0 and k_first == k_stop, tiles=None)
-    if k_lo < k_hi:
-        qT = _transposed_rows(q[b, h, q0:q0 + bq, :], bq, D, dt)
-        stage["tiles"] = _pieces(k_lo, k_hi, q0, bq, shift, left, right)
-        stage["s"], stage["neg_m"] = _section_scores(qT, kT, s0, stage["tiles"], D, bq, q0, shift, scale, left,
-                                                     right, softcap)
-    return stage
-
-
-def _output_stage(stage, out, lse, sinks, carried, v_sb, b, s0, Dv, dt, shift, right):
-    """The second half: P V over the section, joined with the state carried from earlier sections, and the
-    tile's rows written (its last section) or its state carried on (``[P V, rowsum, -max]``, fp32 HBM)."""
-    h, q0, bq, tiles = stage["h"], stage["q0"], stage["bq"], stage["tiles"]
-    if tiles is None:  # no key of this section; of none at all: written once, as seeing nothing
-        if stage["blind"]:
-            _write_rows(out, lse, sinks, None, None, b, h, q0, bq, Dv, shift, right)
-        return
-    neg_m, acc = stage["neg_m"], None
-    if not stage["first"]:  # the max over both, the carried sums rescaled to it
-        acc = _load(carried[b, h, q0:q0 + bq, 0:Dv + 2], bq, Dv + 2, nl.float32)
-        neg_old = acc[:, Dv + 1:Dv + 2]
-        nisa.tensor_tensor(neg_m, neg_m, neg_old, op=nl.minimum)
-        alpha = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(alpha, op=nl.exp, data=neg_old, scale=-1.0, bias=neg_m)
-    pv = _section_pv(stage["s"], neg_m, v_sb, s0, tiles, bq, Dv, dt)
-    if acc is None:
-        acc = pv
-    else:
-        nisa.scalar_tensor_tensor(acc[:, 0:Dv + 1], data=acc[:, 0:Dv + 1], op0=nl.multiply, operand0=alpha,
-                                  op1=nl.add, operand1=pv)
-    if stage["last"]:
-        _write_rows(out, lse, sinks, acc, neg_m, b, h, q0, bq, Dv, shift, right)
-    else:
-        state = nl.ndarray((bq, Dv + 2), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_copy(state[:, 0:Dv + 1], acc[:, 0:Dv + 1])
-        nisa.tensor_copy(state[:, Dv + 1:Dv + 2], neg_m)
-        nisa.dma_copy(carried[b, h, q0:q0 + bq, 0:Dv + 2], state)
-
-
-def _write_rows(out, lse, sinks, acc, neg_m, b, h, q0, bq, Dv, shift, right):
-    """A query tile's output ``acc[:, :Dv] / rowsum`` and lse ``max + log(rowsum)`` from ``acc = [P V, rowsum]``
-    (PSUM or SBUF) and ``-max``, with head ``h``'s sink joined; ``acc`` None: the tile sees no key."""
-    l_sum = nl.zeros((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    if acc is None:
-        neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.memset(neg_m, -NEG)
-    else:
-        nisa.tensor_copy(l_sum, acc[:, Dv:Dv + 1])
-    decay = None if sinks is None else _neg_max_with_sink(neg_m, l_sum, _sink_column(sinks, h, bq), bq)
-    # A real row's sum is >= 1 (its max term, a key's or its sink's, is exp(0)); one that sees
-    # nothing sums to 0 and is overwritten below, one with a key scoring +inf is NaN (its acc
-    # too): 1 in both keeps reciprocal and log in their domains
-    l_safe = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    # the one-column steps on GpSimd and the Scalar Engine where they can, off the Vector Engine's scores
-    nisa.tensor_scalar(l_safe, l_sum, op0=nl.maximum, operand0=1.0, engine=nisa.gpsimd_engine)
-    real = nl.ndarray((bq, 1), dtype=nl.uint8, buffer=nl.sbuf)
-    nisa.tensor_scalar(real, l_sum, op0=nl.less_equal, operand0=float(2 ** 60),  # NaN: false
-                       engine=nisa.gpsimd_engine)
-    nisa.tensor_copy_predicated(dst=l_safe, src=1.0, predicate=real, reverse_pred=True)
-    inv_l = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.reciprocal(inv_l, l_safe)
-    if decay is not None:
-        nisa.tensor_tensor(inv_l, inv_l, decay, op=nl.multiply, engine=nisa.gpsimd_engine)
-    o = nl.ndarray((bq, Dv), dtype=out.dtype, buffer=nl.sbuf)
-    if acc is None:
-        nisa.memset(o, 0.0)
-    else:
-        nisa.activation(o, op=nl.copy, data=acc[:, 0:Dv], scale=inv_l)
-    lse_t = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(lse_t, op=nl.log, data=l_safe)
-    # + l_sum * 0: NaN where the sum is, so such a row's lse is NaN as its output
-    nisa.scalar_tensor_tensor(lse_t, data=l_sum, op0=nl.multiply, operand0=0.0, op1=nl.add, operand1=lse_t)
-    nisa.tensor_tensor(lse_t, lse_t, neg_m, op=nl.subtract, engine=nisa.gpsimd_engine)
-    # Rows that see no key had only masked scores (or, with no visible block, none):
-    # out 0 and lse -inf, as the reference, not the mean of masked values (with a sink
-    # their lse is already the sink's: the decay dropped the masked ones).
-    _rows_without_keys(o, q0, shift, right, Dv, 0.0)
-    if sinks is None:
-        _rows_without_keys(lse_t, q0, shift, right, 1, -math.inf)
-    nisa.dma_copy(out[b, h, q0:q0 + bq, 0:Dv], o)
-    # lse as one row: a 4-byte DMA per partition would be as slow as a whole tile
-    lse_row = nl.ndarray((1, bq), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.dma_transpose(lse_row, lse_t)
-    nisa.dma_copy(lse[b, h, q0:q0 + bq, 0:1], lse_row)
 
 
 def _query_side(q, o, do, lse, dlse, b, h, q0, bq, D, Dv, dt, shift, right, sunk):
