@@ -287,21 +287,30 @@ def test_attention_window_and_softcap_match_float64_reference(name, dtype):
 
 @pytest.mark.parametrize("features", [dict(causal=True), dict(causal=False, window=(300, 40), softcap=2.0)],
                          ids=["causal", "window_softcap"])
-def test_attention_forward_over_several_resident_sections_matches_the_reference(features):
-    """Keys resident 512 at a time (``section_keys``): each query tile carries ``[P V, rowsum, -max]`` through
-    HBM between the sections it sees and joins them at the larger max; out and lse agree with the reference,
-    with GQA, ragged lengths and a sink (three sections here, where the default would hold every key in one)."""
+def test_attention_over_several_resident_sections_matches_the_reference(features):
+    """Keys resident 512 at a time and, in the backward, query rows 128 at a time: the forward carries each query
+    tile's ``[P V, rowsum, -max]`` through HBM between the key sections it sees and joins them at the larger max,
+    the backward carries dQ's sum between key sections and sums dK, dV over query sections; out, lse and the
+    gradients (the sink's included) agree with the reference, with GQA, ragged lengths and a sink (three key
+    sections here, where the defaults would hold every key and row in one)."""
     from portable_ops.backends.nki import attention as nki_attention
     g = torch.Generator().manual_seed(7)
-    q = torch.randn(1, 2, 140, 32, generator=g)
+    q, do = (torch.randn(1, 2, 140, 32, generator=g) for _ in range(2))
     k, v = (3.0 * torch.randn(1, 1, 1100, 32, generator=g) for _ in range(2))
     sinks = torch.randn(2, generator=g)
     static = nki_attention._static(features.get("causal"), 0.2, features.get("window"), features.get("softcap"))
-    out, lse = runtime.launch(nki_attention.attention_fwd_kernel, q, k, v,
-                              sinks=nki_attention._sinks_down_partitions(sinks), section_keys=512, **static)
-    r_out, r_lse = reference_fwd(q.double(), k.double(), v.double(), scale=0.2, sinks=sinks.double(), **features)
+    sink_rows = nki_attention._sinks_down_partitions(sinks)
+    out, lse = runtime.launch(nki_attention.attention_fwd_kernel, q, k, v, sinks=sink_rows, section_keys=512,
+                              **static)
+    grads = runtime.launch(nki_attention.attention_bwd_kernel, q, k, v, out, lse, do, sinks=sink_rows,
+                           section_rows=128, section_keys=512, **static)
+    options = dict(scale=0.2, sinks=sinks.double(), **features)
+    r_out, r_lse = reference_fwd(q.double(), k.double(), v.double(), **options)
     close(out, r_out, tolerance("attention", F32))
     close(lse.reshape(r_lse.shape), r_lse, tolerance("attention", F32))
+    r_grads = reference_bwd(q.double(), k.double(), v.double(), r_out, r_lse, do.double(), **options)
+    for mine, ref in zip((*grads[:3], grads[3].sum((0, 2, 3))), r_grads):
+        close(mine, ref, tolerance("attention", F32).scaled(GRADIENT_FACTOR))
 
 
 def test_softcap_saturates_huge_scores_and_keeps_gradients_finite():

@@ -1,41 +1,48 @@
-"""Flash attention forward and backward as NKI kernels (online softmax, GQA, bottom-right causal,
-sliding window, logit softcap).
+"""Flash attention forward and backward as NKI kernels (GQA, bottom-right causal, sliding window, logit
+softcap, sinks, a head dim of V's own).
 
-Layout: a query tile holds up to 128 rows on the partitions; a key tile holds up to 128 keys.
-V (and O, dO) may have a head dim of their own, ``Dv`` (DeepSeek's MLA): Q and K's ``D`` is
-contracted in ``S`` and dQ, dK; ``Dv`` in ``dP = dO V^T``, and it is P V's free size.
+Layout: a query tile holds up to 128 rows on the partitions. V (and O, dO) may have a head dim of their own,
+``Dv`` (DeepSeek's MLA): Q and K's ``D`` is contracted in ``S`` and dQ, dK; ``Dv`` in ``dP = dO V^T``, and it is
+P V's free size. A head dim over 128 is split into chunks of at most 128 partitions (``[128, n_chunks, rows]``
+tiles) whose matmuls accumulate into one PSUM tile; where it is a free size it needs no split up to 512 fp32.
 
-Scores ``S = Q K^T`` come from ``nc_matmul(stationary=Q^T [D, bq], moving=K^T [D, bk])`` into
-PSUM, so the head dim is the contraction, on the partitions. A head dim over 128 is split into
-chunks of at most 128 partitions (``[128, n_chunks, rows]`` tiles) whose matmuls accumulate into
-one PSUM tile; where D is a free size (``P V`` and the gradients, ``[rows, D]`` in PSUM) it needs
-no split up to 512 fp32 per bank. ``Q^T`` / ``K^T`` / ``P^T`` are made on the Tensor Engine with
-``nc_transpose``. Ragged
-sequence lengths use smaller static edge tiles.
+Forward (:class:`_Forward`): per (batch, KV head), a section of keys is resident in SBUF (K^T and V, brought in by
+DMA transposes, whose runs per partition are long, V turned back per 128-key block on the Tensor Engine, with a
+ones column appended so that P V's last column is P's row sum), reused by every query tile of every query head
+of the GQA group. Per query tile, the keys of the section it sees are scored in 512-key tiles (one PSUM bank):
+``S = Q K^T`` with ``Q^T`` stationary, evacuated with the scale and the row max in one ``tensor_scalar_reduce``;
+the section's max comes first, so the exponentials need no rescale; ``P = exp(s - m)`` in the input dtype; P^T
+per 128-key block, two of a tile's four blocks on the Tensor Engine (copied out of PSUM by the Scalar Engine),
+two by DMA transpose; ``[P V, rowsum]`` accumulates in one PSUM bank over the section. Sections: as many whole
+512-key tiles as fit ``RESIDENT_BYTES`` (K^T and V) and ``WORKING_BYTES`` (one tile's scores, P, P^T) per
+partition; with several, a query tile carries ``[P V, rowsum, -max]`` through fp32 HBM from one to the next and
+joins them at the larger max. The stages are software-pipelined (scores two tiles ahead of P, P a tile ahead of
+P V) and PSUM is multi-buffered in explicit rings, so that the engines overlap.
+
+Backward (:class:`_Backward`, one pass): per (batch, KV head) and key section (K^T, V^T and K resident, dK and dV
+summed over the GQA group in fp32 SBUF), per query head and query section (Q^T, dO^T, Q and dO resident, dQ
+summed in fp32 SBUF, carried through HBM between key sections), per 512-key group and query tile: S and dP into
+PSUM, ``P = exp(scale S - lse)`` straight out of PSUM, ``dS = P (dP - delta)``; dV and dK accumulate in PSUM over
+the section's query tiles (P and dS are the stationary operands as they are, queries contracted), dQ over the
+group's blocks through dS^T.
 
 Masks are one band: query ``i`` sits at key position ``p = i + Skv - Sq`` and sees key ``j`` iff
-``p - left <= j <= p + right`` (either side None: unbounded), where ``causal`` makes ``right``
-at most 0 and ``window=(left, right)`` gives the sides (``visible`` in the reference). Key blocks
-wholly outside the band of a query tile are skipped at trace time (and query tiles wholly outside
-a key block's, in the dK/dV pass), so a window of W keys costs O(W) per query, not O(Skv); only
-blocks that a band edge crosses get a GpSimd ``affine_select`` (one per edge). A softcap replaces
-each scaled score ``s`` by ``softcap * tanh(s / softcap)`` before the mask: the Scalar Engine's
-``tanh`` as the scores leave PSUM, its output kept for the backward's ``1 - tanh^2``. GQA reads
-K/V head ``h // (Hq // Hkv)`` in place (query heads loop inside their KV head), never a repeated
-copy.
+``p - left <= j <= p + right`` (either side None: unbounded), where ``causal`` makes ``right`` at most 0 and
+``window=(left, right)`` gives the sides (``visible`` in the reference). Keys wholly outside the band of a query
+tile are skipped at trace time, 128 at a time, so a window of W keys costs O(W) per query, not O(Skv); only
+128-key blocks that a band edge crosses get a GpSimd ``affine_select`` (one per edge): on the scores in the
+forward, on P in the backward. A softcap replaces each scaled score ``s`` by ``softcap * tanh(s / softcap)``
+before the mask: the Scalar Engine's ``tanh`` as the scores leave PSUM (the backward's ``1 - tanh^2`` from it).
+GQA reads K/V head ``h // (Hq // Hkv)`` in place, never a repeated copy.
 
-Sinks (one logit per query head) join each row's denominator once, after its last key block; the
-host hands each head's sink down the partitions (``[Hq, 128, 1]``), so a query tile loads its column
-in one DMA.
+Sinks (one logit per query head) join each row's denominator once, at its end; the host hands each head's sink
+down the partitions (``[Hq, 128, 1]``), so a query tile loads its column in one DMA.
 
-Forward returns ``out`` and ``lse`` (float32, natural log; ``-inf`` and zero output for rows that
-see no key; with sinks their lse is the sink). Backward recomputes P from ``lse`` (the sunk lse:
-the sinked probabilities) in two passes: dQ with query tiles outside, then dK/dV with key tiles
-outside and every query head of the group inside, so dK/dV are summed over the group in SBUF.
-The dQ pass also writes each row's share of the sinks' gradient, ``-p_sink * delta``, which the
-host sums. Semantics: ``backends/reference/attention.py``.
+Forward returns ``out`` and ``lse`` (float32, natural log; ``-inf`` and zero output for rows that see no key; with
+sinks their lse is the sink). Backward recomputes P from ``lse`` (the sunk lse: the sinked probabilities) and also
+writes each row's share of the sinks' gradient, ``-p_sink * delta``, which the host sums. Semantics:
+``backends/reference/attention.py``.
 """
-
 from __future__ import annotations
 
 import math
@@ -48,24 +55,16 @@ from .compat import nki, nisa, nl
 from .runtime import kernel_op, launch
 
 B_Q = 128  # query rows per tile (partition axis)
-B_K = 128  # keys per tile (P^T needs the keys on <= 128 partitions)
+B_K = 128  # keys per block (P^T needs the keys on <= 128 partitions)
 NEG = -1.0e30  # finite "minus infinity" for masked scores: exp(NEG - m) == 0, no inf - inf
 PMAX = 128  # partitions: the most a matmul contracts over, and a transpose's largest side
 SCORE_KEYS = 512  # keys per forward score tile: one PSUM bank of fp32, a matmul's largest moving free size
 TENSOR_TRANSPOSED = 2  # of a score tile's four P blocks, how many the Tensor Engine transposes (the DMA the rest)
 SCORED_AHEAD = 2  # query tiles whose scores are issued before a tile's P V
+BACKWARD_SIDE_BYTES = 64 * 1024  # SBUF per partition for the backward's query side, and for its key side
+PSUM_BANK_FP32 = 512  # fp32 per partition in a PSUM bank
 RESIDENT_BYTES = 96 * 1024  # SBUF per partition for a section's resident K^T and V
 WORKING_BYTES = 48 * 1024  # and for one query tile's scores, P and P^T (the allocator double-buffers them)
-
-
-def _transposed(src, rows, cols, dtype):
-    """``src [rows, cols]`` (SBUF, ``cols <= 128``) -> ``[cols, rows]`` in SBUF, through a Tensor Engine
-    transpose (into PSUM in ``src``'s dtype, as nc_transpose requires)."""
-    t_ps = nl.ndarray((cols, rows), dtype=src.dtype, buffer=nl.psum)
-    nisa.nc_transpose(t_ps, src)
-    t_sb = nl.ndarray((cols, rows), dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(t_sb, t_ps)
-    return t_sb
 
 
 def _chunks(n):
@@ -73,29 +72,9 @@ def _chunks(n):
     return [(c, c0, min(PMAX, n - c0)) for c, c0 in enumerate(range(0, n, PMAX))]
 
 
-def _transposed_chunks(src, rows, cols, dtype):
-    """``src [rows, cols]`` (SBUF) -> ``[min(cols, 128), n_chunks, rows]`` in SBUF: chunk ``c`` is
-    ``src[:, c0:c0 + size]`` transposed, on its first ``size`` partitions (the layout
-    :func:`_matmul_chunked` contracts over). All chunks share one PSUM tile (in ``src``'s dtype, as
-    nc_transpose requires; a bank holds ``n_chunks * rows <= 512`` of them), so a wider head dim
-    costs no extra PSUM bank."""
-    chunks = _chunks(cols)
-    shape = (min(cols, PMAX), len(chunks), rows)
-    t_ps = nl.ndarray(shape, dtype=src.dtype, buffer=nl.psum)
-    for c, c0, size in chunks:
-        nisa.nc_transpose(t_ps[0:size, c, :], src[:, c0:c0 + size])
-    t_sb = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
-    full, ragged = divmod(cols, PMAX)
-    if full:  # the full chunks in one copy
-        nisa.tensor_copy(t_sb[:, 0:full, :], t_ps[:, 0:full, :])
-    if ragged:  # only the written partitions of the last chunk
-        nisa.tensor_copy(t_sb[0:ragged, full, :], t_ps[0:ragged, full, :])
-    return t_sb
-
-
 def _matmul_chunked(dst, stationary, moving, contraction):
     """``dst = stationary^T moving`` over a contraction that may exceed the 128 partitions: both
-    operands are in :func:`_transposed_chunks`' layout, and the chunk matmuls accumulate into the
+    operands are in :func:`_transposed_rows`' layout, and the chunk matmuls accumulate into the
     one PSUM tile ``dst``."""
     for c, _, size in _chunks(contraction):
         nisa.nc_matmul(dst, stationary[0:size, c, :], moving[0:size, c, :], accumulate=c > 0)
@@ -126,14 +105,6 @@ def _key_blocks(q0, bq, shift, Skv, left, right):
     return (lo // B_K, hi // B_K + 1) if lo <= hi else (0, 0)
 
 
-def _query_tiles(k0, bk, shift, Sq, left, right):
-    """``(first, stop)``: the query tiles with some row that sees a key of ``[k0, k0 + bk)``; key
-    ``j`` is seen by positions ``j - right .. j + left``, query rows ``i = p - shift``."""
-    lo = 0 if right is None else max(0, k0 - right - shift)
-    hi = Sq - 1 if left is None else min(Sq - 1, k0 + bk - 1 + left - shift)
-    return (lo // B_Q, hi // B_Q + 1) if lo <= hi else (0, 0)
-
-
 def _cuts(q0, k0, bq, bk, shift, left, right):
     """``(right_cut, left_cut)``: whether the band's right edge (the block's last key is past row 0's band) and its
     left edge (the block's first key is before the last row's) cut the block ``[k0, k0 + bk)`` of the query tile."""
@@ -141,40 +112,19 @@ def _cuts(q0, k0, bq, bk, shift, left, right):
             left is not None and k0 < q0 + bq - 1 + shift - left)
 
 
-def _mask(s, q0, k0, bq, bk, shift, left, right):
-    """Scores outside the band -> NEG, on edge blocks only. With ``d = (q0 + r + shift) - (k0 + c)``
-    (the query's position minus the key's, ``r`` the partition and ``c`` the free index), key
-    ``k0 + c`` is visible iff ``-right <= d <= left``: one affine_select per side that cuts the block.
-
-    A row with no visible key in this block (but some in another) gets weights exp(NEG - NEG) = 1
-    here while its running max is still NEG; its first visible score rescales them by
-    exp(NEG - m) = 0, and rows with no visible key anywhere are overwritten by _rows_without_keys."""
+def _mask(s, q0, k0, bq, bk, shift, left, right, fill=NEG):
+    """Entries of ``s`` (scores, or P in the backward) outside the band -> ``fill``, on edge blocks only. With
+    ``d = (q0 + r + shift) - (k0 + c)`` (the query's position minus the key's, ``r`` the partition and ``c`` the
+    free index), key ``k0 + c`` is visible iff ``-right <= d <= left``: one affine_select per side that cuts the
+    block. A row with no visible key at all keeps max NEG, its masked scores weigh exp(0) = 1; such rows are
+    overwritten by _rows_without_keys."""
     right_cut, left_cut = _cuts(q0, k0, bq, bk, shift, left, right)
     if right_cut:
         nisa.affine_select(s, pattern=[[-1, bk]], offset=q0 + shift - k0 + right, channel_multiplier=1,
-                           on_true_tile=s, on_false_value=NEG, cmp_op=nl.greater_equal)
+                           on_true_tile=s, on_false_value=fill, cmp_op=nl.greater_equal)
     if left_cut:
         nisa.affine_select(s, pattern=[[-1, bk]], offset=q0 + shift - k0 - left, channel_multiplier=1,
-                           on_true_tile=s, on_false_value=NEG, cmp_op=nl.less_equal)
-
-
-def _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, left, right, softcap):
-    """Scaled, capped, masked scores ``[bq, bk]`` in float32 SBUF, and ``tanh(scale * QK^T / softcap)``
-    for the softcap's derivative (None without a softcap)."""
-    s_ps = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.psum)
-    _matmul_chunked(s_ps, qT, kT, D)
-    s = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
-    t = None
-    if softcap is None:
-        nisa.activation(s, op=nl.copy, data=s_ps, scale=scale)
-    else:
-        # The activation's pre-scale takes scale / softcap for free as the scores leave PSUM; the
-        # Scalar Engine's tanh is valid on [-inf, inf], so huge scores saturate at +-softcap.
-        t = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(t, op=nl.tanh, data=s_ps, scale=scale / softcap)
-        nisa.tensor_scalar(s, t, op0=nl.multiply, operand0=softcap)
-    _mask(s, q0, k0, bq, bk, shift, left, right)  # after the cap, as the reference: capped scores are masked
-    return s, t
+                           on_true_tile=s, on_false_value=fill, cmp_op=nl.less_equal)
 
 
 def _rows_without_keys(tile, q0, shift, right, width, fill):
@@ -495,147 +445,243 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
     return out, lse
 
 
-def _query_side(q, o, do, lse, dlse, b, h, q0, bq, D, Dv, dt, shift, right, sunk):
-    """Per query tile: Q, dO, their transposes, -lse (NEG for rows without keys, unless ``sunk``: their
-    lse is then their sink) and delta = rowsum(dO * O), less the gradient that reached lse (``dlse``, or
-    None: d lse / d s = P)."""
-    q_sb = _load(q[b, h, q0:q0 + bq, 0:D], bq, D, dt)
-    do_sb = _load(do[b, h, q0:q0 + bq, 0:Dv], bq, Dv, dt)
-    o_sb = _load(o[b, h, q0:q0 + bq, 0:Dv], bq, Dv, dt)
-    qT = _transposed_chunks(q_sb, bq, D, dt)
-    doT = _transposed_chunks(do_sb, bq, Dv, dt)
-    lse_t = _load(lse[b, h, q0:q0 + bq, 0:1], bq, 1, nl.float32)
-    neg_lse = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(neg_lse, lse_t, op0=nl.multiply, operand0=-1.0)
-    if not sunk:
-        _rows_without_keys(neg_lse, q0, shift, right, 1, NEG)  # lse = -inf there: P must be 0, not exp(+inf)
-    prod = nl.ndarray((bq, Dv), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(prod, do_sb, o_sb, op=nl.multiply)
-    delta = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(delta, op=nl.add, data=prod, axis=1, keepdims=True)
-    if dlse is not None:
-        nisa.tensor_tensor(delta, delta, _load(dlse[b, h, q0:q0 + bq, 0:1], bq, 1, nl.float32), op=nl.subtract)
-    return q_sb, do_sb, qT, doT, neg_lse, delta
+def _sections(n, step):
+    """``(start, size)`` of the sections of at most ``step`` that ``n`` splits into."""
+    return [(s0, min(step, n - s0)) for s0 in range(0, n, step)]
 
 
-def _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, Dv, bq, bk, q0, k0, shift, scale, left, right, softcap):
-    """P = exp(S - lse) and dS = P * (dO V^T - delta), both ``[bq, bk]`` float32; under a softcap dS
-    is taken back through it, times ``1 - tanh^2``, so that it is the derivative by the scaled scores."""
-    s, t = _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, left, right, softcap)
-    p = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(p, op=nl.exp, data=s, bias=neg_lse)
-    dp_ps = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.psum)
-    _matmul_chunked(dp_ps, doT, vT, Dv)
-    ds = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(ds, data=dp_ps, op0=nl.subtract, operand0=delta, op1=nl.multiply, operand1=p)
-    if t is not None:
-        # tanh is taken before the mask, so 1 - t^2 is finite on masked keys too, where P = 0 made dS 0.
-        t2 = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(t2, op=nl.square, data=t)  # on the Scalar Engine, beside VectorE's dS work
-        nisa.scalar_tensor_tensor(ds, data=t2, op0=nl.subtract, operand0=1.0, reverse0=True,
-                                  op1=nl.multiply, operand1=ds)
-    return p, ds
+def _backward_sections(D, Dv, dtype):
+    """``(query rows, keys)`` per backward section: the query side (Q^T, dO^T, Q, dO, dQ's fp32 sum) and the key side
+    (K^T, V^T, K, dK's and dV's fp32 sums) each within ``BACKWARD_SIDE_BYTES`` per partition."""
+    size = _itemsize(dtype)
+    query = len(_chunks(D)) * size + len(_chunks(Dv)) * size + (D * (size + 4) + Dv * size) / PMAX
+    key = len(_chunks(D)) * size + len(_chunks(Dv)) * size + (D * (size + 4) + Dv * 4) / PMAX
+    return (B_Q * max(1, int(BACKWARD_SIDE_BYTES / query) // B_Q),
+            SCORE_KEYS * max(1, int(BACKWARD_SIDE_BYTES / key) // SCORE_KEYS))
 
 
-def _cast(src, rows, cols, dtype):
-    if src.dtype == dtype:
-        return src
-    dst = nl.ndarray((rows, cols), dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst, src)
+def _rows_in_blocks(src, n, width, dt):
+    """HBM ``src [n, width]`` -> ``[128, blocks, width]`` in SBUF: block ``j`` holds rows ``128 j ..`` on the
+    partitions."""
+    dst = nl.ndarray((PMAX, len(_chunks(n)), width), dtype=dt, buffer=nl.sbuf)
+    for j, j0, size in _chunks(n):
+        nisa.dma_copy(dst[0:size, j, :], src[j0:j0 + size, :])
     return dst
+
+
+class _Backward:
+    """One backward launch's trace-time constants, outputs and PSUM; its methods are the kernel's stages. One pass:
+    per KV head and key section (K^T, V^T, K resident, dK and dV summed in SBUF over the GQA group), per query head
+    and query section (Q^T, dO^T, Q, dO resident, dQ summed in SBUF over the key groups), per 512-key group, per
+    query tile: S and dP into PSUM, P = exp(S - lse) straight out of PSUM, dS = P (dP - delta); dV and dK of the
+    group's blocks accumulate in PSUM over the section's query tiles, dQ over the group's blocks."""
+
+    def __init__(self, q, k, v, o, lse, do, sinks, dlse, outputs, carried, scale, left, right, softcap):
+        self.q, self.k, self.v, self.o, self.lse, self.do, self.sinks, self.dlse = q, k, v, o, lse, do, sinks, dlse
+        self.dq, self.dk, self.dv, self.dsink_rows = outputs
+        self.carried = carried
+        self.Sq, self.D, self.Skv, self.Dv = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
+        self.dt, self.shift = q.dtype, self.Skv - self.Sq
+        self.scale, self.left, self.right, self.softcap = scale, left, right, softcap
+        # PSUM's eight banks: dK and dV of a 512-key group (a bank holds PSUM_BANK_FP32 // D blocks), dQ, the dS
+        # transposes, and the rest split between S and dP
+        self.dk_per_bank, self.dv_per_bank = (max(1, PSUM_BANK_FP32 // d) for d in (self.D, self.Dv))
+        dk_banks, dv_banks = (-(-4 // n) for n in (self.dk_per_bank, self.dv_per_bank))
+        self.dk_ps = [nl.ndarray((PMAX, self.dk_per_bank, self.D), dtype=nl.float32, buffer=nl.psum)
+                      for _ in range(dk_banks)]
+        self.dv_ps = [nl.ndarray((PMAX, self.dv_per_bank, self.Dv), dtype=nl.float32, buffer=nl.psum)
+                      for _ in range(dv_banks)]
+        self.dq_ps = _PsumRing(1, (B_Q, self.D), nl.float32)
+        self.transposes_ps = _PsumRing(1, (PMAX, 4, PMAX), self.dt)
+        each = max(1, (8 - dk_banks - dv_banks - 2) // 2)
+        self.scores_ps, self.dp_ps = (_PsumRing(each, (B_Q, SCORE_KEYS), nl.float32) for _ in range(2))
+
+    def key_side(self, b, hkv, s0, sn):
+        """The key section's resident K^T, V^T and K rows, and zeroed fp32 sums for dK and dV."""
+        keys = (self.k[b, hkv, s0:s0 + sn, :], self.v[b, hkv, s0:s0 + sn, :])
+        kT, vT = (_transposed_rows(x, sn, width, self.dt) for x, width in zip(keys, (self.D, self.Dv)))
+        k_rows = _rows_in_blocks(keys[0], sn, self.D, self.dt)
+        dk_sum, dv_sum = (nl.zeros((PMAX, len(_chunks(sn)), d), dtype=nl.float32, buffer=nl.sbuf)
+                          for d in (self.D, self.Dv))
+        return dict(s0=s0, sn=sn, kT=kT, vT=vT, k_rows=k_rows, dk_sum=dk_sum, dv_sum=dv_sum)
+
+    def query_side(self, b, h, r0, rn, first):
+        """The query section's resident Q^T, dO^T, Q and dO rows, per tile ``-lse`` and ``-delta`` columns, and dQ's
+        fp32 sum (zero on the first key section, else as the last one left it); with sinks, each row's share of
+        their gradient, written on the first key section."""
+        rows = slice(r0, r0 + rn)
+        side = dict(r0=r0, rn=rn, h=h)
+        side["qT"], side["doT"] = (_transposed_rows(x[b, h, rows, :], rn, width, self.dt)
+                                   for x, width in ((self.q, self.D), (self.do, self.Dv)))
+        side["q_rows"], side["do_rows"] = (_rows_in_blocks(x[b, h, rows, :], rn, width, self.dt)
+                                           for x, width in ((self.q, self.D), (self.do, self.Dv)))
+        tiles = _chunks(rn)
+        side["neg_lse"], side["neg_delta"] = (nl.ndarray((PMAX, len(tiles)), dtype=nl.float32, buffer=nl.sbuf)
+                                              for _ in range(2))
+        for t, t0, bq in tiles:
+            self.row_terms(b, h, r0 + t0, bq, side["do_rows"][0:bq, t, :], side["neg_lse"][0:bq, t:t + 1],
+                           side["neg_delta"][0:bq, t:t + 1], first)
+        if first:
+            side["dq_sum"] = nl.zeros((PMAX, len(tiles), self.D), dtype=nl.float32, buffer=nl.sbuf)
+        else:
+            side["dq_sum"] = _rows_in_blocks(self.carried[b, h, rows, :], rn, self.D, nl.float32)
+        return side
+
+    def row_terms(self, b, h, q0, bq, do_t, neg_lse, neg_delta, first):
+        """A query tile's ``-lse`` (NEG for rows without keys, unless sinks make their lse the sink's) and
+        ``-delta = -(rowsum(dO * O) - dlse)``; with sinks, on the first key section, ``-p_sink * delta`` per row."""
+        lse_row = _load(self.lse[b, h, q0:q0 + bq, 0:1], 1, bq, nl.float32)  # one row: a 4-byte run per partition
+        nisa.dma_transpose(neg_lse, lse_row)  # would cost as much as a whole tile
+        nisa.tensor_scalar(neg_lse, neg_lse, op0=nl.multiply, operand0=-1.0, engine=nisa.gpsimd_engine)
+        if self.sinks is None:  # lse = -inf there: P must be 0, not exp(+inf)
+            _rows_without_keys(neg_lse, q0, self.shift, self.right, 1, NEG)
+        o_t = _load(self.o[b, h, q0:q0 + bq, :], bq, self.Dv, self.dt)
+        prod = nl.ndarray((bq, self.Dv), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(prod, do_t, o_t, op=nl.multiply, engine=nisa.gpsimd_engine)
+        nisa.tensor_reduce(neg_delta, op=nl.add, data=prod, axis=1, negate=True, keepdims=True)
+        if self.dlse is not None:
+            nisa.tensor_tensor(neg_delta, neg_delta, _load(self.dlse[b, h, q0:q0 + bq, 0:1], bq, 1, nl.float32),
+                               op=nl.add, engine=nisa.gpsimd_engine)
+        if self.sinks is not None and first:  # p_sink = exp(sink - lse); its row's term -p_sink * delta
+            term = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(term, op=nl.exp, data=_sink_column(self.sinks, h, bq), bias=neg_lse)
+            nisa.tensor_tensor(term, term, neg_delta, op=nl.multiply, engine=nisa.gpsimd_engine)
+            nisa.dma_copy(self.dsink_rows[b, h, q0:q0 + bq, 0:1], term)
+
+    def probabilities(self, key, side, t, q0, bq, a, z):
+        """Stage one of a query tile against keys ``[a, z)`` of a group: ``P`` and ``dS`` (``[bq, z - a]`` in the
+        input dtype), dS taken back through a softcap, so that it is the derivative by the scaled scores."""
+        s0, w, dt = key["s0"], z - a, self.dt
+        qT, doT = side["qT"][:, :, t * B_Q:t * B_Q + bq], side["doT"][:, :, t * B_Q:t * B_Q + bq]
+        s_ps, dp_ps = self.scores_ps.take()[0:bq, 0:w], self.dp_ps.take()[0:bq, 0:w]
+        _matmul_chunked(s_ps, qT, key["kT"][:, :, a - s0:z - s0], self.D)
+        _matmul_chunked(dp_ps, doT, key["vT"][:, :, a - s0:z - s0], self.Dv)
+        neg_lse, neg_delta = side["neg_lse"][0:bq, t:t + 1], side["neg_delta"][0:bq, t:t + 1]
+        p = nl.ndarray((bq, w), dtype=dt, buffer=nl.sbuf)
+        capped = None
+        if self.softcap is None:
+            nisa.activation(p, op=nl.exp, data=s_ps, scale=self.scale, bias=neg_lse)
+        else:  # tanh is taken before the mask, so 1 - t^2 is finite on masked keys too, where P = 0 makes dS 0
+            capped = nl.ndarray((bq, w), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(capped, op=nl.tanh, data=s_ps, scale=self.scale / self.softcap)
+            nisa.activation(p, op=nl.exp, data=capped, scale=self.softcap, bias=neg_lse)
+        for _, j0, size in _chunks(w):
+            _mask(p[:, j0:j0 + size], q0, a + j0, bq, size, self.shift, self.left, self.right, fill=0.0)
+        dp = nl.ndarray((bq, w), dtype=dt, buffer=nl.sbuf)
+        nisa.activation(dp, op=nl.copy, data=dp_ps, bias=neg_delta)
+        ds = nl.ndarray((bq, w), dtype=dt, buffer=nl.sbuf)
+        nisa.tensor_tensor(ds, p, dp, op=nl.multiply)
+        if capped is not None:
+            nisa.activation(capped, op=nl.square, data=capped)
+            nisa.scalar_tensor_tensor(ds, data=capped, op0=nl.subtract, operand0=1.0, reverse0=True,
+                                      op1=nl.multiply, operand1=ds)
+        return p, ds
+
+    def gradients(self, key, side, t, bq, a, z, p, ds, g0, touched):
+        """Stage two: dV += P^T dO and dK += dS^T Q per 128-key block (PSUM, over the group's query tiles), and
+        dQ += dS K over the blocks, added into the query section's fp32 sum."""
+        s0, dt = key["s0"], self.dt
+        blocks = _chunks(z - a)
+        t_ps = self.transposes_ps.take()
+        for j, j0, size in blocks:
+            nisa.nc_transpose(t_ps[0:size, j, 0:bq], ds[:, j0:j0 + size])
+        dsT = nl.ndarray((PMAX, len(blocks), bq), dtype=dt, buffer=nl.sbuf)
+        rows = blocks[-1][2] if len(blocks) == 1 else PMAX  # only a last block is short
+        nisa.tensor_copy(dsT[0:rows, :, :], t_ps[0:rows, 0:len(blocks), 0:bq])
+        do_t, q_t = side["do_rows"][0:bq, t, :], side["q_rows"][0:bq, t, :]
+        for j, j0, size in blocks:
+            i = (a + j0 - g0) // PMAX  # the block's place in its group
+            first = i not in touched
+            touched.add(i)
+            dv = self.dv_ps[i // self.dv_per_bank][0:size, i % self.dv_per_bank, :]
+            nisa.nc_matmul(dv, p[:, j0:j0 + size], do_t, accumulate=not first)
+            dk = self.dk_ps[i // self.dk_per_bank][0:size, i % self.dk_per_bank, :]
+            nisa.nc_matmul(dk, ds[:, j0:j0 + size], q_t, accumulate=not first)
+        dq = self.dq_ps.take()[0:bq, :]
+        for j, j0, size in blocks:
+            nisa.nc_matmul(dq, dsT[0:size, j, :], key["k_rows"][0:size, (a + j0 - s0) // PMAX, :], accumulate=j > 0)
+        dq_sum = side["dq_sum"][0:bq, t, :]
+        nisa.tensor_tensor(dq_sum, dq_sum, dq, op=nl.add)
+
+    def group(self, b, key, side, g0, gn):
+        """A 512-key group against every query tile of the query section that sees some of it (two-stage
+        pipelined: a tile's P and dS are issued before the previous tile's gradients)."""
+        touched, pending = set(), None
+        for tile in _chunks(side["rn"]) + [None]:
+            ready = None
+            if tile is not None:
+                t, t0, bq = tile
+                q0 = side["r0"] + t0
+                k_first, k_stop = _key_blocks(q0, bq, self.shift, self.Skv, self.left, self.right)
+                a, z = max(k_first * B_K, g0), min(k_stop * B_K, self.Skv, g0 + gn)
+                if a < z:
+                    ready = (t, bq, a, z, *self.probabilities(key, side, t, q0, bq, a, z))
+            if pending is not None:
+                self.gradients(key, side, *pending, g0, touched)
+            pending = ready
+        for i in sorted(touched):  # the group's blocks some query tile reached
+            block = (g0 - key["s0"]) // PMAX + i
+            for sums, banks, per_bank in ((key["dk_sum"], self.dk_ps, self.dk_per_bank),
+                                          (key["dv_sum"], self.dv_ps, self.dv_per_bank)):
+                nisa.tensor_tensor(sums[:, block, :], sums[:, block, :], banks[i // per_bank][:, i % per_bank, :],
+                                   op=nl.add)
+
+    def write_query_side(self, b, side, last):
+        """dQ's sum, scaled, into dq (the last key section) or carried on in fp32 HBM."""
+        rows = slice(side["r0"], side["r0"] + side["rn"])
+        if not last:
+            for t, t0, bq in _chunks(side["rn"]):
+                nisa.dma_copy(self.carried[b, side["h"], rows.start + t0:rows.start + t0 + bq, :],
+                              side["dq_sum"][0:bq, t, :])
+            return
+        dq_t = nl.ndarray(side["dq_sum"].shape, dtype=self.dt, buffer=nl.sbuf)
+        nisa.tensor_scalar(dq_t, side["dq_sum"], op0=nl.multiply, operand0=self.scale, engine=nisa.gpsimd_engine)
+        for t, t0, bq in _chunks(side["rn"]):
+            nisa.dma_copy(self.dq[b, side["h"], rows.start + t0:rows.start + t0 + bq, :], dq_t[0:bq, t, :])
+
+    def write_key_side(self, b, hkv, key):
+        """dK (scaled) and dV of the key section."""
+        s0 = key["s0"]
+        for sums, out, factor in ((key["dk_sum"], self.dk, self.scale), (key["dv_sum"], self.dv, 1.0)):
+            cast = nl.ndarray(sums.shape, dtype=self.dt, buffer=nl.sbuf)
+            nisa.tensor_scalar(cast, sums, op0=nl.multiply, operand0=factor, engine=nisa.gpsimd_engine)
+            for j, j0, size in _chunks(key["sn"]):
+                nisa.dma_copy(out[b, hkv, s0 + j0:s0 + j0 + size, :], cast[0:size, j, :])
 
 
 @nki.jit
 def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, dlse=None, scale=1.0, causal=False, window_left=None,
-                         window_right=None, softcap=None):
+                         window_right=None, softcap=None, section_rows=None, section_keys=None):
     """Gradients ``(dq, dk, dv)``, and with ``sinks`` each row's share of theirs, ``-p_sink * delta``
     (``[B, Hq, Sq, 1]`` fp32, summed on the host); ``lse`` is ``[B, Hq, Sq, 1]`` float32 from the
     forward, ``dlse`` None or the gradient that reached it, laid out as it; the masks, softcap and sinks as
-    :func:`attention_fwd_kernel`'s."""
+    :func:`attention_fwd_kernel`'s. ``section_rows`` / ``section_keys``: query rows (a multiple of 128) and keys
+    (of 512) resident at a time (None: :func:`_backward_sections`)."""
     B, Hq, Sq, D = q.shape
     Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
-    dt = q.dtype
-    shift = Skv - Sq
-    left, right = _band(causal, window_left, window_right)
-    dq = nl.ndarray(q.shape, dtype=dt, buffer=nl.shared_hbm)
-    dk = nl.ndarray(k.shape, dtype=dt, buffer=nl.shared_hbm)
-    dv = nl.ndarray(v.shape, dtype=dt, buffer=nl.shared_hbm)
-    dsink_rows = None if sinks is None else nl.ndarray((B, Hq, Sq, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-    sunk = sinks is not None
-    n_q = (Sq + B_Q - 1) // B_Q
-    n_k = (Skv + B_K - 1) // B_K
-
-    # Pass 1: dQ = scale * dS K, query tiles outside.
+    rows_step, keys_step = _backward_sections(D, Dv, q.dtype)
+    key_sections = _sections(Skv, section_keys or keys_step)
+    outputs = (nl.ndarray(q.shape, dtype=q.dtype, buffer=nl.shared_hbm),
+               nl.ndarray(k.shape, dtype=q.dtype, buffer=nl.shared_hbm),
+               nl.ndarray(v.shape, dtype=q.dtype, buffer=nl.shared_hbm),
+               None if sinks is None else nl.ndarray((B, Hq, Sq, 1), dtype=nl.float32, buffer=nl.shared_hbm))
+    # dQ's fp32 sum between key sections, when there are several
+    carried = nl.ndarray((B, Hq, Sq, D), dtype=nl.float32, buffer=nl.private_hbm) if len(key_sections) > 1 else None
+    bwd = _Backward(q, k, v, o, lse, do, sinks, dlse, outputs, carried, scale,
+                    *_band(causal, window_left, window_right), softcap)
     for b in nl.affine_range(B):
         for hkv in nl.affine_range(Hkv):
-            for g in nl.affine_range(G):
-                h = hkv * G + g
-                for qi in nl.static_range(n_q):
-                    q0 = qi * B_Q
-                    bq = min(B_Q, Sq - q0)
-                    _, _, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, dlse, b, h, q0, bq, D, Dv, dt, shift,
-                                                                right, sunk)
-                    if sunk:  # p_sink = exp(sink - lse); its row's term -p_sink * delta
-                        p_sink = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.activation(p_sink, op=nl.exp, data=_sink_column(sinks, h, bq), bias=neg_lse)
-                        term = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.scalar_tensor_tensor(term, data=delta, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
-                                                  operand1=p_sink)
-                        nisa.dma_copy(dsink_rows[b, h, q0:q0 + bq, 0:1], term)
-                    dq_acc = nl.zeros((bq, D), dtype=nl.float32, buffer=nl.sbuf)
-                    k_first, k_stop = _key_blocks(q0, bq, shift, Skv, left, right)
-                    for ki in nl.static_range(k_first, k_stop):
-                        k0 = ki * B_K
-                        bk = min(B_K, Skv - k0)
-                        k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
-                        v_sb = _load(v[b, hkv, k0:k0 + bk, 0:Dv], bk, Dv, dt)
-                        kT = _transposed_chunks(k_sb, bk, D, dt)
-                        vT = _transposed_chunks(v_sb, bk, Dv, dt)
-                        _, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, Dv, bq, bk, q0, k0, shift, scale,
-                                                   left, right, softcap)
-                        dsT = _transposed(_cast(ds, bq, bk, dt), bq, bk, dt)
-                        dq_ps = nl.ndarray((bq, D), dtype=nl.float32, buffer=nl.psum)
-                        nisa.nc_matmul(dq_ps, dsT, k_sb, accumulate=False)
-                        nisa.tensor_tensor(dq_acc, dq_acc, dq_ps, op=nl.add)
-                    dq_t = nl.ndarray((bq, D), dtype=dt, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dq_t, dq_acc, op0=nl.multiply, operand0=scale)
-                    nisa.dma_copy(dq[b, h, q0:q0 + bq, 0:D], dq_t)
-
-    # Pass 2: dV = P^T dO and dK = scale * dS^T Q, key tiles outside, summed over the GQA group.
-    for b in nl.affine_range(B):
-        for hkv in nl.affine_range(Hkv):
-            for ki in nl.static_range(n_k):
-                k0 = ki * B_K
-                bk = min(B_K, Skv - k0)
-                k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
-                v_sb = _load(v[b, hkv, k0:k0 + bk, 0:Dv], bk, Dv, dt)
-                kT = _transposed_chunks(k_sb, bk, D, dt)
-                vT = _transposed_chunks(v_sb, bk, Dv, dt)
-                dk_acc = nl.zeros((bk, D), dtype=nl.float32, buffer=nl.sbuf)
-                dv_acc = nl.zeros((bk, Dv), dtype=nl.float32, buffer=nl.sbuf)
-                q_first, q_stop = _query_tiles(k0, bk, shift, Sq, left, right)
+            for s0, sn in key_sections:
+                key = bwd.key_side(b, hkv, s0, sn)
                 for g in nl.static_range(G):
-                    h = hkv * G + g
-                    for qi in nl.static_range(q_first, q_stop):
-                        q0 = qi * B_Q
-                        bq = min(B_Q, Sq - q0)
-                        q_sb, do_sb, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, dlse, b, h, q0, bq, D,
-                                                                            Dv, dt, shift, right, sunk)
-                        p, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, Dv, bq, bk, q0, k0, shift,
-                                                   scale, left, right, softcap)
-                        dv_ps = nl.ndarray((bk, Dv), dtype=nl.float32, buffer=nl.psum)
-                        nisa.nc_matmul(dv_ps, _cast(p, bq, bk, dt), do_sb, accumulate=False)
-                        nisa.tensor_tensor(dv_acc, dv_acc, dv_ps, op=nl.add)
-                        dk_ps = nl.ndarray((bk, D), dtype=nl.float32, buffer=nl.psum)
-                        nisa.nc_matmul(dk_ps, _cast(ds, bq, bk, dt), q_sb, accumulate=False)
-                        nisa.tensor_tensor(dk_acc, dk_acc, dk_ps, op=nl.add)
-                dk_t = nl.ndarray((bk, D), dtype=dt, buffer=nl.sbuf)
-                nisa.tensor_scalar(dk_t, dk_acc, op0=nl.multiply, operand0=scale)
-                nisa.dma_copy(dk[b, hkv, k0:k0 + bk, 0:D], dk_t)
-                dv_t = _cast(dv_acc, bk, Dv, dt)
-                nisa.dma_copy(dv[b, hkv, k0:k0 + bk, 0:Dv], dv_t)
-    return (dq, dk, dv) if dsink_rows is None else (dq, dk, dv, dsink_rows)
+                    for r0, rn in _sections(Sq, section_rows or rows_step):
+                        side = bwd.query_side(b, hkv * G + g, r0, rn, first=s0 == 0)
+                        for g0, gn in _sections(sn, SCORE_KEYS):
+                            bwd.group(b, key, side, s0 + g0, gn)
+                        bwd.write_query_side(b, side, last=s0 + sn == Skv)
+                bwd.write_key_side(b, hkv, key)
+    return outputs[:3] if sinks is None else outputs
 
 
 # ----------------------------------------------------------------------------- host side
