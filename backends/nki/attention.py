@@ -181,6 +181,31 @@ def _transposed_rows(src, n, width, dt):
     return dst
 
 
+def _rows_from_transposed(xT, n, width, dt, ring, columns=None):
+    """``xT`` (:func:`_transposed_rows`' layout of ``[n, width]``) turned back into ``[128, blocks, columns]``
+    (block ``j`` holds rows ``128 j ..`` on the partitions; ``columns`` >= ``width``, the rest left unwritten) on
+    the Tensor Engine, four 128-column slots per PSUM tile of ``ring``: cheaper than DMAing the rows, whose runs
+    per partition are only ``width`` elements."""
+    blocks, chunks = _chunks(n), _chunks(width)
+    rows = nl.ndarray((PMAX, len(blocks), columns or width), dtype=dt, buffer=nl.sbuf)
+    per_tile = 4 // len(chunks)  # blocks per PSUM tile: a slot per (block, 128 columns)
+    for g0 in range(0, len(blocks), per_tile):
+        group = blocks[g0:g0 + per_tile]
+        t_ps = ring.take()
+        for i, (_, j0, size) in enumerate(group):
+            for c, c0, w in chunks:
+                nisa.nc_transpose(t_ps[0:size, i * len(chunks) + c, 0:w], xT[0:w, c, j0:j0 + size])
+        full = len(group) - (group[-1][2] < PMAX)  # only the last block can be short
+        for c, c0, w in chunks:
+            slots = slice(c, len(group) * len(chunks), len(chunks))
+            if full:
+                nisa.tensor_copy(rows[:, g0:g0 + full, c0:c0 + w], t_ps[:, slots, 0:w][:, 0:full, :])
+            if full < len(group):
+                short, slot = group[-1][2], full * len(chunks) + c
+                nisa.tensor_copy(rows[0:short, g0 + full, c0:c0 + w], t_ps[0:short, slot, 0:w])
+    return rows
+
+
 def _pieces(k_lo, k_hi, q0, bq, shift, left, right):
     """The score tiles ``(k0, n)`` of up to ``SCORE_KEYS`` keys over ``[k_lo, k_hi)``, each with its pieces
     ``(k0, n, cut)``: the 128-key blocks a band edge cuts (``cut``) alone, runs of the others merged."""
@@ -227,27 +252,11 @@ class _Forward:
         """Keys ``[s0, s0 + n)`` of KV head ``hkv`` on chip: ``K^T [min(D, 128), chunks, n]``, and ``V [128,
         blocks, Dv + 1]`` (block ``j`` holds keys ``s0 + 128 j ..`` on the partitions), its last column ones, so
         that P V's last column is P's row sum. Both come in as DMA transposes from HBM (one long run per partition,
-        where V's rows would be 2 * Dv bytes each); V is turned back per block on the Tensor Engine."""
+        where V's rows would be 2 * Dv bytes each); V is turned back by :func:`_rows_from_transposed`."""
         Dv, dt = self.Dv, self.dt
         kT, vT = (_transposed_rows(x[b, hkv, s0:s0 + n, :], n, width, dt) for x, width in ((self.k, self.D),
                                                                                              (self.v, Dv)))
-        blocks, chunks = _chunks(n), _chunks(Dv)
-        v_sb = nl.ndarray((PMAX, len(blocks), Dv + 1), dtype=dt, buffer=nl.sbuf)
-        per_tile = 4 // len(chunks)  # blocks per PSUM tile: a slot per (block, 128 columns of Dv)
-        for g0 in range(0, len(blocks), per_tile):
-            group = blocks[g0:g0 + per_tile]
-            t_ps = self.transposes_ps.take()
-            for i, (_, j0, size) in enumerate(group):
-                for c, c0, width in chunks:
-                    nisa.nc_transpose(t_ps[0:size, i * len(chunks) + c, 0:width], vT[0:width, c, j0:j0 + size])
-            full = len(group) - (group[-1][2] < PMAX)  # only the section's last block can be short
-            for c, c0, width in chunks:
-                slots = slice(c, len(group) * len(chunks), len(chunks))
-                if full:
-                    nisa.tensor_copy(v_sb[:, g0:g0 + full, c0:c0 + width], t_ps[:, slots, 0:width][:, 0:full, :])
-                if full < len(group):
-                    rows, slot = group[-1][2], full * len(chunks) + c
-                    nisa.tensor_copy(v_sb[0:rows, g0 + full, c0:c0 + width], t_ps[0:rows, slot, 0:width])
+        v_sb = _rows_from_transposed(vT, n, Dv, dt, self.transposes_ps, columns=Dv + 1)
         nisa.memset(v_sb[:, :, Dv:Dv + 1], 1.0)
         return kT, v_sb
 
@@ -500,7 +509,7 @@ class _Backward:
         """The key section's resident K^T, V^T and K rows, and zeroed fp32 sums for dK and dV."""
         keys = (self.k[b, hkv, s0:s0 + sn, :], self.v[b, hkv, s0:s0 + sn, :])
         kT, vT = (_transposed_rows(x, sn, width, self.dt) for x, width in zip(keys, (self.D, self.Dv)))
-        k_rows = _rows_in_blocks(keys[0], sn, self.D, self.dt)
+        k_rows = _rows_from_transposed(kT, sn, self.D, self.dt, self.transposes_ps)
         dk_sum, dv_sum = (nl.zeros((PMAX, len(_chunks(sn)), d), dtype=nl.float32, buffer=nl.sbuf)
                           for d in (self.D, self.Dv))
         return dict(s0=s0, sn=sn, kT=kT, vT=vT, k_rows=k_rows, dk_sum=dk_sum, dv_sum=dv_sum)
@@ -510,11 +519,11 @@ class _Backward:
         fp32 sum (zero on the first key section, else as the last one left it); with sinks, each row's share of
         their gradient, written on the first key section."""
         rows = slice(r0, r0 + rn)
-        side = dict(r0=r0, rn=rn, h=h)
+        side = dict(r0=r0, rn=rn, h=h, written=set())  # the tiles whose dQ has left
         side["qT"], side["doT"] = (_transposed_rows(x[b, h, rows, :], rn, width, self.dt)
                                    for x, width in ((self.q, self.D), (self.do, self.Dv)))
-        side["q_rows"], side["do_rows"] = (_rows_in_blocks(x[b, h, rows, :], rn, width, self.dt)
-                                           for x, width in ((self.q, self.D), (self.do, self.Dv)))
+        side["q_rows"], side["do_rows"] = (_rows_from_transposed(xT, rn, width, self.dt, self.transposes_ps)
+                                           for xT, width in ((side["qT"], self.D), (side["doT"], self.Dv)))
         tiles = _chunks(rn)
         side["neg_lse"], side["neg_delta"] = (nl.ndarray((PMAX, len(tiles)), dtype=nl.float32, buffer=nl.sbuf)
                                               for _ in range(2))
@@ -577,15 +586,15 @@ class _Backward:
                                       op1=nl.multiply, operand1=ds)
         return p, ds
 
-    def gradients(self, key, side, t, bq, a, z, p, ds, g0, touched):
+    def key_gradients(self, key, side, work, p, ds, g0, touched):
         """Stage two: dV += P^T dO and dK += dS^T Q per 128-key block (PSUM, over the group's query tiles), and
-        dQ += dS K over the blocks, added into the query section's fp32 sum."""
-        s0, dt = key["s0"], self.dt
+        dS^T per block for dQ (Tensor Engine transposes, one PSUM tile, one copy)."""
+        t, _, bq, a, z = work
         blocks = _chunks(z - a)
         t_ps = self.transposes_ps.take()
         for j, j0, size in blocks:
             nisa.nc_transpose(t_ps[0:size, j, 0:bq], ds[:, j0:j0 + size])
-        dsT = nl.ndarray((PMAX, len(blocks), bq), dtype=dt, buffer=nl.sbuf)
+        dsT = nl.ndarray((PMAX, len(blocks), bq), dtype=self.dt, buffer=nl.sbuf)
         rows = blocks[-1][2] if len(blocks) == 1 else PMAX  # only a last block is short
         nisa.tensor_copy(dsT[0:rows, :, :], t_ps[0:rows, 0:len(blocks), 0:bq])
         do_t, q_t = side["do_rows"][0:bq, t, :], side["q_rows"][0:bq, t, :]
@@ -597,56 +606,73 @@ class _Backward:
             nisa.nc_matmul(dv, p[:, j0:j0 + size], do_t, accumulate=not first)
             dk = self.dk_ps[i // self.dk_per_bank][0:size, i % self.dk_per_bank, :]
             nisa.nc_matmul(dk, ds[:, j0:j0 + size], q_t, accumulate=not first)
+        return dsT
+
+    def query_gradient(self, key, side, work, dsT):
+        """Stage three: dQ += dS K over the group's blocks (PSUM), added into the query section's fp32 sum."""
+        t, _, bq, a, z = work
         dq = self.dq_ps.take()[0:bq, :]
-        for j, j0, size in blocks:
-            nisa.nc_matmul(dq, dsT[0:size, j, :], key["k_rows"][0:size, (a + j0 - s0) // PMAX, :], accumulate=j > 0)
+        for j, j0, size in _chunks(z - a):
+            nisa.nc_matmul(dq, dsT[0:size, j, :], key["k_rows"][0:size, (a + j0 - key["s0"]) // PMAX, :],
+                           accumulate=j > 0)
         dq_sum = side["dq_sum"][0:bq, t, :]
         nisa.tensor_tensor(dq_sum, dq_sum, dq, op=nl.add)
 
-    def group(self, b, key, side, g0, gn):
-        """A 512-key group against every query tile of the query section that sees some of it (two-stage
-        pipelined: a tile's P and dS are issued before the previous tile's gradients)."""
-        touched, pending = set(), None
-        for tile in _chunks(side["rn"]) + [None]:
-            ready = None
-            if tile is not None:
-                t, t0, bq = tile
-                q0 = side["r0"] + t0
-                k_first, k_stop = _key_blocks(q0, bq, self.shift, self.Skv, self.left, self.right)
-                a, z = max(k_first * B_K, g0), min(k_stop * B_K, self.Skv, g0 + gn)
-                if a < z:
-                    ready = (t, bq, a, z, *self.probabilities(key, side, t, q0, bq, a, z))
-            if pending is not None:
-                self.gradients(key, side, *pending, g0, touched)
-            pending = ready
+    def group(self, b, hkv, key, side, g0, gn, last_pass, last_section):
+        """A 512-key group against every query tile of the query section that sees some of it, software-pipelined:
+        a tile's P and dS, then the previous tile's dV, dK and dS^T, then dQ of the one before, so that no engine
+        waits on the step before in the same tile."""
+        work = []  # (tile, first row, rows, keys a..z of the group it sees)
+        for t, t0, bq in _chunks(side["rn"]):
+            k_first, k_stop = _key_blocks(side["r0"] + t0, bq, self.shift, self.Skv, self.left, self.right)
+            a, z = max(k_first * B_K, g0), min(k_stop * B_K, self.Skv, g0 + gn)
+            if a < z:
+                work.append((t, side["r0"] + t0, bq, a, z))
+        touched, probabilities, transposed = set(), {}, {}
+        for index in range(len(work) + 2):
+            if index < len(work):
+                probabilities[index] = self.probabilities(key, side, *work[index])
+            if 0 <= index - 1 < len(work):
+                transposed[index - 1] = self.key_gradients(key, side, work[index - 1],
+                                                           *probabilities.pop(index - 1), g0, touched)
+            if 0 <= index - 2 < len(work):
+                t, q0, bq, _, z = work[index - 2]
+                self.query_gradient(key, side, work[index - 2], transposed.pop(index - 2))
+                if last_section and z == min(_key_blocks(q0, bq, self.shift, self.Skv, self.left, self.right)[1]
+                                             * B_K, self.Skv):  # the tile's last keys: its dQ is whole
+                    self.write_query_tile(b, side, t, bq, last=True)
+                    side["written"].add(t)
         for i in sorted(touched):  # the group's blocks some query tile reached
             block = (g0 - key["s0"]) // PMAX + i
             for sums, banks, per_bank in ((key["dk_sum"], self.dk_ps, self.dk_per_bank),
                                           (key["dv_sum"], self.dv_ps, self.dv_per_bank)):
                 nisa.tensor_tensor(sums[:, block, :], sums[:, block, :], banks[i // per_bank][:, i % per_bank, :],
                                    op=nl.add)
+        if last_pass:
+            first = (g0 - key["s0"]) // PMAX
+            self.write_key_blocks(b, hkv, key, first, first + len(_chunks(gn)))
 
-    def write_query_side(self, b, side, last):
-        """dQ's sum, scaled, into dq (the last key section) or carried on in fp32 HBM."""
-        rows = slice(side["r0"], side["r0"] + side["rn"])
+
+    def write_query_tile(self, b, side, t, bq, last):
+        """A query tile's dQ sum, scaled, into dq (``last``: the last key section) or carried on in fp32 HBM."""
+        rows = slice(side["r0"] + t * B_Q, side["r0"] + t * B_Q + bq)
         if not last:
-            for t, t0, bq in _chunks(side["rn"]):
-                nisa.dma_copy(self.carried[b, side["h"], rows.start + t0:rows.start + t0 + bq, :],
-                              side["dq_sum"][0:bq, t, :])
+            nisa.dma_copy(self.carried[b, side["h"], rows, :], side["dq_sum"][0:bq, t, :])
             return
-        dq_t = nl.ndarray(side["dq_sum"].shape, dtype=self.dt, buffer=nl.sbuf)
-        nisa.tensor_scalar(dq_t, side["dq_sum"], op0=nl.multiply, operand0=self.scale, engine=nisa.gpsimd_engine)
-        for t, t0, bq in _chunks(side["rn"]):
-            nisa.dma_copy(self.dq[b, side["h"], rows.start + t0:rows.start + t0 + bq, :], dq_t[0:bq, t, :])
+        dq_t = nl.ndarray((bq, self.D), dtype=self.dt, buffer=nl.sbuf)
+        nisa.tensor_scalar(dq_t, side["dq_sum"][0:bq, t, :], op0=nl.multiply, operand0=self.scale,
+                           engine=nisa.gpsimd_engine)
+        nisa.dma_copy(self.dq[b, side["h"], rows, :], dq_t)
 
-    def write_key_side(self, b, hkv, key):
-        """dK (scaled) and dV of the key section."""
+    def write_key_blocks(self, b, hkv, key, first, stop):
+        """dK (scaled) and dV of the section's blocks ``first .. stop - 1``."""
         s0 = key["s0"]
         for sums, out, factor in ((key["dk_sum"], self.dk, self.scale), (key["dv_sum"], self.dv, 1.0)):
-            cast = nl.ndarray(sums.shape, dtype=self.dt, buffer=nl.sbuf)
-            nisa.tensor_scalar(cast, sums, op0=nl.multiply, operand0=factor, engine=nisa.gpsimd_engine)
-            for j, j0, size in _chunks(key["sn"]):
-                nisa.dma_copy(out[b, hkv, s0 + j0:s0 + j0 + size, :], cast[0:size, j, :])
+            cast = nl.ndarray((PMAX, stop - first, sums.shape[2]), dtype=self.dt, buffer=nl.sbuf)
+            nisa.tensor_scalar(cast, sums[:, first:stop, :], op0=nl.multiply, operand0=factor,
+                               engine=nisa.gpsimd_engine)
+            for j, j0, size in _chunks(key["sn"])[first:stop]:
+                nisa.dma_copy(out[b, hkv, s0 + j0:s0 + j0 + size, :], cast[0:size, j - first, :])
 
 
 @nki.jit
@@ -661,7 +687,7 @@ def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, dlse=None, scale=1.0, 
     Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
     rows_step, keys_step = _backward_sections(D, Dv, q.dtype)
-    key_sections = _sections(Skv, section_keys or keys_step)
+    key_sections, row_sections = _sections(Skv, section_keys or keys_step), _sections(Sq, section_rows or rows_step)
     outputs = (nl.ndarray(q.shape, dtype=q.dtype, buffer=nl.shared_hbm),
                nl.ndarray(k.shape, dtype=q.dtype, buffer=nl.shared_hbm),
                nl.ndarray(v.shape, dtype=q.dtype, buffer=nl.shared_hbm),
@@ -674,13 +700,16 @@ def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, dlse=None, scale=1.0, 
         for hkv in nl.affine_range(Hkv):
             for s0, sn in key_sections:
                 key = bwd.key_side(b, hkv, s0, sn)
-                for g in nl.static_range(G):
-                    for r0, rn in _sections(Sq, section_rows or rows_step):
-                        side = bwd.query_side(b, hkv * G + g, r0, rn, first=s0 == 0)
-                        for g0, gn in _sections(sn, SCORE_KEYS):
-                            bwd.group(b, key, side, s0 + g0, gn)
-                        bwd.write_query_side(b, side, last=s0 + sn == Skv)
-                bwd.write_key_side(b, hkv, key)
+                passes = [(hkv * G + g, r0, rn) for g in range(G) for r0, rn in row_sections]
+                for h, r0, rn in passes:
+                    side = bwd.query_side(b, h, r0, rn, first=s0 == 0)
+                    # the last pass over a group finishes its dK and dV, the last key section each tile's dQ
+                    for g0, gn in _sections(sn, SCORE_KEYS):
+                        bwd.group(b, hkv, key, side, s0 + g0, gn, last_pass=(h, r0) == passes[-1][:2],
+                                  last_section=s0 + sn == Skv)
+                    for t, _, bq in _chunks(rn):
+                        if t not in side["written"]:
+                            bwd.write_query_tile(b, side, t, bq, last=s0 + sn == Skv)
     return outputs[:3] if sinks is None else outputs
 
 
