@@ -170,15 +170,22 @@ def _section_keys(D, Dv, dtype):
     return SCORE_KEYS * max(1, int(tiles))
 
 
-def _transposed_rows(src, n, width, dt):
-    """HBM ``src [n, width]`` -> ``[min(width, 128), chunks, n]`` in SBUF by DMA transposes, one per 128 columns
-    and score tile of rows (so that the first tile's work need not wait for the whole section)."""
-    dst = nl.ndarray((min(width, PMAX), len(_chunks(width)), n), dtype=dt, buffer=nl.sbuf)
+def _transposed_rows_of(sources, n, widths, dt):
+    """HBM ``sources`` (each ``[n, width]``) -> ``[min(width, 128), chunks, n]`` each in SBUF by DMA transposes, one
+    per 128 columns and score tile of rows, the sources' interleaved (so that the first tile's work waits for no
+    more than its own rows)."""
+    dsts = [nl.ndarray((min(width, PMAX), len(_chunks(width)), n), dtype=dt, buffer=nl.sbuf) for width in widths]
     for r0 in range(0, n, SCORE_KEYS):
         rows = slice(r0, min(n, r0 + SCORE_KEYS))
-        for c, c0, size in _chunks(width):
-            nisa.dma_transpose(dst[0:size, c, rows], src[rows, c0:c0 + size])
-    return dst
+        for src, dst, width in zip(sources, dsts, widths):
+            for c, c0, size in _chunks(width):
+                nisa.dma_transpose(dst[0:size, c, rows], src[rows, c0:c0 + size])
+    return dsts
+
+
+def _transposed_rows(src, n, width, dt):
+    """HBM ``src [n, width]`` -> ``[min(width, 128), chunks, n]`` in SBUF (:func:`_transposed_rows_of`)."""
+    return _transposed_rows_of((src,), n, (width,), dt)[0]
 
 
 def _rows_from_transposed(xT, n, width, dt, ring, columns=None):
@@ -254,21 +261,25 @@ class _Forward:
         that P V's last column is P's row sum. Both come in as DMA transposes from HBM (one long run per partition,
         where V's rows would be 2 * Dv bytes each); V is turned back by :func:`_rows_from_transposed`."""
         Dv, dt = self.Dv, self.dt
-        kT, vT = (_transposed_rows(x[b, hkv, s0:s0 + n, :], n, width, dt) for x, width in ((self.k, self.D),
-                                                                                             (self.v, Dv)))
+        kT, vT = _transposed_rows_of((self.k[b, hkv, s0:s0 + n, :], self.v[b, hkv, s0:s0 + n, :]), n,
+                                     (self.D, Dv), dt)
         v_sb = _rows_from_transposed(vT, n, Dv, dt, self.transposes_ps, columns=Dv + 1)
         nisa.memset(v_sb[:, :, Dv:Dv + 1], 1.0)
         return kT, v_sb
 
-    def scores_stage(self, b, h, q0, bq, kT, s0, sn):
-        """The first half of a query tile's work on a section: its visible keys there, Q^T, the scores and their
-        max; a dict for :meth:`output_stage`, ``tiles`` None when the tile sees no key of the section."""
+    def query_transposed(self, b, h, q0, bq):
+        """A query tile's ``Q^T`` (DMA transposes)."""
+        return _transposed_rows(self.q[b, h, q0:q0 + bq, :], bq, self.D, self.dt)
+
+    def scores_stage(self, b, h, q0, bq, kT, s0, sn, qT=None):
+        """The first stage of a query tile's work on a section: its visible keys there, Q^T (unless given), the
+        scores and their max; a dict for the next stages, ``tiles`` None when the tile sees no key of the section."""
         k_first, k_stop = _key_blocks(q0, bq, self.shift, self.Skv, self.left, self.right)
         k_lo, k_hi = max(k_first * B_K, s0), min(k_stop * B_K, self.Skv, s0 + sn)
         stage = dict(h=h, q0=q0, bq=bq, first=k_first * B_K >= s0, last=min(k_stop * B_K, self.Skv) <= s0 + sn,
                      blind=s0 == 0 and k_first == k_stop, tiles=None)
         if k_lo < k_hi:
-            qT = _transposed_rows(self.q[b, h, q0:q0 + bq, :], bq, self.D, self.dt)
+            qT = self.query_transposed(b, h, q0, bq) if qT is None else qT
             stage["tiles"] = _pieces(k_lo, k_hi, q0, bq, self.shift, self.left, self.right)
             stage["s"], stage["neg_m"] = self.section_scores(qT, kT, s0, stage["tiles"], bq, q0)
         return stage
@@ -436,15 +447,17 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
     for b in nl.affine_range(B):
         for hkv in nl.affine_range(Hkv):
             for s0, sn in sections:
+                jobs = [(hkv * G + g, qi * B_Q, min(B_Q, Sq - qi * B_Q)) for g in range(G) for qi in range(n_q)]
+                # the first tiles' Q^T ahead of the resident keys: the DMA queues serve transfers in program order
+                early = [fwd.query_transposed(b, *job) for job in jobs[:SCORED_AHEAD + 1]]
                 kT, v_sb = fwd.resident(b, hkv, s0, sn)
                 # software-pipelined: a query tile's scores are issued SCORED_AHEAD tiles ahead of its P, and its
                 # P (and P^T) a tile ahead of its P V, so none of them waits on another's engines or transfers
-                jobs = [(hkv * G + g, qi) for g in range(G) for qi in range(n_q)]
                 scored, transposed = [], []
                 for index in range(len(jobs) + SCORED_AHEAD):
                     if index < len(jobs):
-                        h, qi = jobs[index]
-                        scored.append(fwd.scores_stage(b, h, qi * B_Q, min(B_Q, Sq - qi * B_Q), kT, s0, sn))
+                        qT = early[index] if index < len(early) else None
+                        scored.append(fwd.scores_stage(b, *jobs[index], kT, s0, sn, qT))
                     if len(scored) > SCORED_AHEAD or (scored and index >= len(jobs)):
                         transposed.append(fwd.probabilities_stage(scored.pop(0), b, s0))
                     if len(transposed) > 1:
