@@ -57,6 +57,7 @@ from .runtime import kernel_op, launch
 B_Q = 128  # query rows per tile (partition axis)
 B_K = 128  # keys per block (P^T needs the keys on <= 128 partitions)
 NEG = -1.0e30  # finite "minus infinity" for masked scores: exp(NEG - m) == 0, no inf - inf
+FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 2.0 ** -126  # float32's largest and smallest normal
 PMAX = 128  # partitions: the most a matmul contracts over, and a transpose's largest side
 SCORE_KEYS = 512  # keys per forward score tile: one PSUM bank of fp32, a matmul's largest moving free size
 TENSOR_TRANSPOSED = 2  # of a score tile's four P blocks, how many the Tensor Engine transposes (the DMA the rest)
@@ -154,6 +155,32 @@ def _neg_max_with_sink(neg_m, l_sum, sink, bq):
     nisa.scalar_tensor_tensor(l_sum, data=l_sum, op0=nl.multiply, operand0=decay, op1=nl.add, operand1=sink_term)
     nisa.tensor_copy(neg_m, neg_all)
     return decay
+
+
+def _factors(factor):
+    """``factor`` as one float32 immediate, or as two whose product it is where it is out of float32's normal range
+    (a tiny or huge softcap makes ``scale / softcap`` or ``softcap`` so): the engines take float32 immediates."""
+    if factor == 0 or FLOAT32_TINY <= abs(factor) <= FLOAT32_MAX:
+        return (factor,)
+    root = math.sqrt(abs(factor))
+    return (math.copysign(root, factor), root)
+
+
+def _multiply(dst, src, factor):
+    """``dst = src * factor`` on the Vector Engine, in two steps where ``factor`` needs two immediates."""
+    first, *second = _factors(factor)
+    nisa.tensor_scalar(dst, src, op0=nl.multiply, operand0=first, op1=nl.multiply if second else None,
+                       operand1=second[0] if second else None)
+
+
+def _tanh(dst, src, factor):
+    """``dst = tanh(src * factor)`` on the Scalar Engine, the factor its free pre-scale where one immediate holds
+    it, else applied first."""
+    if len(_factors(factor)) == 1:
+        nisa.activation(dst, op=nl.tanh, data=src, scale=factor)
+    else:
+        _multiply(dst, src, factor)
+        nisa.activation(dst, op=nl.tanh, data=dst)
 
 
 def _itemsize(dtype):
@@ -298,12 +325,12 @@ class _Forward:
             src, factor = s_ps, self.scale
             if self.softcap is not None:  # the scale / softcap pre-scale is free as the scores leave PSUM
                 src, factor = nl.ndarray((bq, tn), dtype=nl.float32, buffer=nl.sbuf), self.softcap
-                nisa.activation(src, op=nl.tanh, data=s_ps, scale=self.scale / self.softcap)
+                _tanh(src, s_ps, self.scale / self.softcap)
             for p0, pn, cut in pieces:
                 dst, piece = s[:, p0 - k_lo:p0 - k_lo + pn], src[:, p0 - t0:p0 - t0 + pn]
                 peak = maxima[:, column:column + 1]
-                if cut:
-                    nisa.tensor_scalar(dst, piece, op0=nl.multiply, operand0=factor)
+                if cut or len(_factors(factor)) > 1:  # masked, or a factor of two immediates: apart
+                    _multiply(dst, piece, factor)
                     _mask(dst, q0, p0, bq, pn, self.shift, self.left, self.right)
                     nisa.tensor_reduce(peak, op=nl.maximum, data=dst, axis=1, keepdims=True)
                 else:
@@ -585,8 +612,13 @@ class _Backward:
             nisa.activation(p, op=nl.exp, data=s_ps, scale=self.scale, bias=neg_lse)
         else:  # tanh is taken before the mask, so 1 - t^2 is finite on masked keys too, where P = 0 makes dS 0
             capped = nl.ndarray((bq, w), dtype=nl.float32, buffer=nl.sbuf)
-            nisa.activation(capped, op=nl.tanh, data=s_ps, scale=self.scale / self.softcap)
-            nisa.activation(p, op=nl.exp, data=capped, scale=self.softcap, bias=neg_lse)
+            _tanh(capped, s_ps, self.scale / self.softcap)
+            if len(_factors(self.softcap)) == 1:
+                nisa.activation(p, op=nl.exp, data=capped, scale=self.softcap, bias=neg_lse)
+            else:
+                scores = nl.ndarray((bq, w), dtype=nl.float32, buffer=nl.sbuf)
+                _multiply(scores, capped, self.softcap)
+                nisa.activation(p, op=nl.exp, data=scores, bias=neg_lse)
         for _, j0, size in _chunks(w):
             _mask(p[:, j0:j0 + size], q0, a + j0, bq, size, self.shift, self.left, self.right, fill=0.0)
         dp = nl.ndarray((bq, w), dtype=dt, buffer=nl.sbuf)
@@ -734,13 +766,25 @@ MAX_HEAD_DIM = 256
 
 def attention_supports(call) -> list[str]:
     """Every window, softcap and sink is taken (the kernels' masks, cap and sink term), dtypes and head dims
-    are declared (``BACKEND``): what is left is q, k and v agreeing, and having sizes."""
-    q, k, v = call["q"], call["k"], call["v"]
-    reasons = []
-    if not (q.dtype == k.dtype == v.dtype):
-        reasons.append("NKI attention needs q, k and v in one dtype")
-    if q.shape[-2] == 0 or k.shape[-2] == 0 or q.shape[-1] == 0:
+    are declared (``BACKEND``): what is left is q, k and v agreeing, having sizes, and options the engines can
+    hold."""
+    q = call["q"]
+    reasons = options_reasons(call)
+    if q.shape[-2] == 0 or call["k"].shape[-2] == 0 or q.shape[-1] == 0:
         reasons.append("NKI attention needs non-empty sequences and head dim")
+    return reasons
+
+
+def options_reasons(call) -> list[str]:
+    """What dense and packed attention share: q, k and v in one dtype, and a scale the engines can take as the
+    float32 immediate it is (a softcap out of float32's range is split in two)."""
+    reasons = []
+    if not (call["q"].dtype == call["k"].dtype == call["v"].dtype):
+        reasons.append("NKI attention needs q, k and v in one dtype")
+    scale = call.get("scale")
+    if scale is not None and abs(float(scale)) > FLOAT32_MAX:
+        reasons.append(f"NKI attention takes scale as a float32 immediate: at most {FLOAT32_MAX:.4g} in magnitude, "
+                       f"got {float(scale):g}")
     return reasons
 
 
