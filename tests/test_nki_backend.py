@@ -313,6 +313,33 @@ def test_attention_over_several_resident_sections_matches_the_reference(features
         close(mine, ref, tolerance("attention", F32).scaled(GRADIENT_FACTOR))
 
 
+def test_packed_sequences_with_no_key_or_no_query_match_the_definition():
+    """Packed attention runs each sequence through the dense kernels; a sequence with queries but no keys (its rows
+    see only their sink), and one with keys but no queries, take the zero-size answer, gradients included: out,
+    lse, dq, dk, dv and dsinks (a gradient through lse too) agree with the float64 definition."""
+    from portable_ops.definitions import attention_varlen as varlen
+    g = torch.Generator().manual_seed(3)
+    lens_q, lens_k = (3, 0, 40), (0, 6, 37)
+    q, do = (torch.randn(sum(lens_q), 2, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(sum(lens_k), 1, 16, generator=g) for _ in range(2))
+    sinks, dlse = torch.randn(2, generator=g), torch.randn(2, sum(lens_q), generator=g)
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+                  for lens in (lens_q, lens_k))
+    options = dict(causal=True, scale=0.3, sinks=sinks)
+    out, lse = OPS["attention_varlen_fwd"].run(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=40,
+                                               max_seqlen_k=37, **options)
+    double = dict(options, sinks=sinks.double())
+    r_out, r_lse = varlen.attention_varlen_fwd(q.double(), k.double(), v.double(), cu_q, cu_k, 40, 37, **double)
+    close(out, r_out, tolerance("attention", F32))
+    close(lse, r_lse, tolerance("attention", F32))
+    grads = OPS["attention_varlen_bwd"].run(q=q, k=k, v=v, out=out, lse=lse, dout=do, cu_seqlens_q=cu_q,
+                                            cu_seqlens_k=cu_k, max_seqlen_q=40, max_seqlen_k=37, dlse=dlse, **options)
+    r_grads = varlen.attention_varlen_bwd(q.double(), k.double(), v.double(), r_out, r_lse, do.double(), cu_q, cu_k,
+                                          40, 37, dlse=dlse.double(), **double)
+    for mine, ref in zip(grads, r_grads):
+        close(mine, ref, tolerance("attention", F32).scaled(GRADIENT_FACTOR))
+
+
 def test_softcap_saturates_huge_scores_and_keeps_gradients_finite():
     """Scores of ~1e4 against a softcap of 2: nearly every capped score is +-2, as in the reference."""
     out, lse, grads = _check_attention((1, 2, 1, 40, 50, 16, False), F32, scale=2e3, softcap=2.0)
