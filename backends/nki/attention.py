@@ -348,7 +348,7 @@ class _Forward:
         tiles, h, q0, bq, Dv, dt = stage["tiles"], stage["h"], stage["q0"], stage["bq"], self.Dv, self.dt
         if tiles is None:
             return stage
-        s, neg_m = stage["s"], stage["neg_m"]
+        s, neg_m = stage.pop("s"), stage["neg_m"]  # the scores are dead once P is made
         if not stage["first"]:  # the max over both, the carried sums to be rescaled to it
             stage["carried"] = carried = _load(self.carried[b, h, q0:q0 + bq, 0:Dv + 2], bq, Dv + 2, nl.float32)
             nisa.tensor_tensor(neg_m, neg_m, carried[:, Dv + 1:Dv + 2], op=nl.minimum)
