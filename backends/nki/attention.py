@@ -12,12 +12,12 @@ ones column appended so that P V's last column is P's row sum), reused by every 
 of the GQA group. Per query tile, the keys of the section it sees are scored in 512-key tiles (one PSUM bank):
 ``S = Q K^T`` with ``Q^T`` stationary, evacuated with the scale and the row max in one ``tensor_scalar_reduce``;
 the section's max comes first, so the exponentials need no rescale; ``P = exp(s - m)`` in the input dtype; P^T
-per 128-key block, two of a tile's four blocks on the Tensor Engine (copied out of PSUM by the Scalar Engine),
-two by DMA transpose; ``[P V, rowsum]`` accumulates in one PSUM bank over the section. Sections: as many whole
-512-key tiles as fit ``RESIDENT_BYTES`` (K^T and V) and ``WORKING_BYTES`` (one tile's scores, P, P^T) per
-partition; with several, a query tile carries ``[P V, rowsum, -max]`` through fp32 HBM from one to the next and
-joins them at the larger max. The stages are software-pipelined (scores two tiles ahead of P, P a tile ahead of
-P V) and PSUM is multi-buffered in explicit rings, so that the engines overlap.
+per 128-key block, the first one or two of a tile's four on the Tensor Engine in turn (copied out of PSUM by the
+Scalar Engine), the rest by DMA transpose; ``[P V, rowsum]`` accumulates in one PSUM bank over the section.
+Sections: as many whole 512-key tiles as fit ``RESIDENT_BYTES`` (K^T and V) and ``WORKING_BYTES`` (one tile's
+scores, P, P^T) per partition; with several, a query tile carries ``[P V, rowsum, -max]`` through fp32 HBM from one
+to the next and joins them at the larger max. The stages are software-pipelined (scores two tiles ahead of P, P a
+tile ahead of P V) and PSUM is multi-buffered in explicit rings, so that the engines overlap.
 
 Backward (:class:`_Backward`, one pass): per (batch, KV head) and key section (K^T, V^T and K resident, dK and dV
 summed over the GQA group in fp32 SBUF), per query head and query section (Q^T, dO^T, Q and dO resident, dQ
@@ -60,7 +60,9 @@ NEG = -1.0e30  # finite "minus infinity" for masked scores: exp(NEG - m) == 0, n
 FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 2.0 ** -126  # float32's largest and smallest normal
 PMAX = 128  # partitions: the most a matmul contracts over, and a transpose's largest side
 SCORE_KEYS = 512  # keys per forward score tile: one PSUM bank of fp32, a matmul's largest moving free size
-TENSOR_TRANSPOSED = 2  # of a score tile's four P blocks, how many the Tensor Engine transposes (the DMA the rest)
+# of each score tile's four P blocks, how many the Tensor Engine transposes, tile by tile in turn (the DMA the rest):
+# the Scalar Engine copies those out of PSUM, so this balances its time against the DMA queues'
+TENSOR_TRANSPOSED = (2, 1)
 SCORED_AHEAD = 2  # query tiles whose scores are issued before a tile's P V
 BACKWARD_SIDE_BYTES = 64 * 1024  # SBUF per partition for the backward's query side, and for its key side
 PSUM_BANK_FP32 = 512  # fp32 per partition in a PSUM bank
@@ -343,8 +345,8 @@ class _Forward:
 
     def probabilities_stage(self, stage, b, s0):
         """The second: the row max joined with the state carried from earlier sections, ``P = exp(s - m)`` (one
-        exponential per score tile) and P^T per 128-key block (the first ``TENSOR_TRANSPOSED`` of a tile's blocks
-        on the Tensor Engine, copied out of PSUM by the Scalar Engine, the rest by DMA)."""
+        exponential per score tile) and P^T per 128-key block (the first ``TENSOR_TRANSPOSED`` of a tile's blocks,
+        tile by tile in turn, on the Tensor Engine, copied out of PSUM by the Scalar Engine, the rest by DMA)."""
         tiles, h, q0, bq, Dv, dt = stage["tiles"], stage["h"], stage["q0"], stage["bq"], self.Dv, self.dt
         if tiles is None:
             return stage
@@ -360,10 +362,10 @@ class _Forward:
         for (t0, tn), _ in tiles:  # every exponential first: the Scalar Engine's copies below wait on transposes
             nisa.activation(p[:, t0 - k_lo:t0 - k_lo + tn], op=nl.exp, data=s[:, t0 - k_lo:t0 - k_lo + tn],
                             bias=neg_m)
-        for (t0, tn), _ in tiles:
+        for i, ((t0, tn), _) in enumerate(tiles):
             keys = slice(t0 - k_lo, t0 - k_lo + tn)
             blocks, block0 = _chunks(tn), (t0 - k_lo) // PMAX
-            on_tensor = blocks[:TENSOR_TRANSPOSED]
+            on_tensor = blocks[:TENSOR_TRANSPOSED[i % len(TENSOR_TRANSPOSED)]]
             t_ps = self.transposes_ps.take()
             for j, j0, size in on_tensor:
                 nisa.nc_transpose(t_ps[0:size, j, 0:bq], p[:, keys.start + j0:keys.start + j0 + size])
