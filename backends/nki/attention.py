@@ -220,8 +220,8 @@ def _transposed_rows(src, n, width, dt):
 def _rows_from_transposed(xT, n, width, dt, ring, columns=None):
     """``xT`` (:func:`_transposed_rows`' layout of ``[n, width]``) turned back into ``[128, blocks, columns]``
     (block ``j`` holds rows ``128 j ..`` on the partitions; ``columns`` >= ``width``, the rest left unwritten) on
-    the Tensor Engine, four 128-column slots per PSUM tile of ``ring``: cheaper than DMAing the rows, whose runs
-    per partition are only ``width`` elements."""
+    the Tensor Engine, four 128-column slots per PSUM tile of ``ring``, copied out by the Scalar Engine (the Vector
+    Engine's are the scores'): cheaper than DMAing the rows, whose runs per partition are only ``width`` elements."""
     blocks, chunks = _chunks(n), _chunks(width)
     rows = nl.ndarray((PMAX, len(blocks), columns or width), dtype=dt, buffer=nl.sbuf)
     per_tile = 4 // len(chunks)  # blocks per PSUM tile: a slot per (block, 128 columns)
@@ -235,10 +235,12 @@ def _rows_from_transposed(xT, n, width, dt, ring, columns=None):
         for c, c0, w in chunks:
             slots = slice(c, len(group) * len(chunks), len(chunks))
             if full:
-                nisa.tensor_copy(rows[:, g0:g0 + full, c0:c0 + w], t_ps[:, slots, 0:w][:, 0:full, :])
+                nisa.tensor_copy(rows[:, g0:g0 + full, c0:c0 + w], t_ps[:, slots, 0:w][:, 0:full, :],
+                                 engine=nisa.scalar_engine)
             if full < len(group):
                 short, slot = group[-1][2], full * len(chunks) + c
-                nisa.tensor_copy(rows[0:short, g0 + full, c0:c0 + w], t_ps[0:short, slot, 0:w])
+                nisa.tensor_copy(rows[0:short, g0 + full, c0:c0 + w], t_ps[0:short, slot, 0:w],
+                                 engine=nisa.scalar_engine)
     return rows
 
 
@@ -417,9 +419,9 @@ class _Forward:
         sinks = self.sinks
         decay = None if sinks is None else _neg_max_with_sink(neg_m, l_sum, _sink_column(sinks, h, bq), bq)
         # A real row's sum is >= 1 (its max term, a key's or its sink's, is exp(0)); one that sees nothing sums to
-        # 0 and is overwritten below, one with a key scoring +inf is NaN (its acc too): 1 in both keeps reciprocal
-        # and log in their domains. The one-column steps run on GpSimd and the Scalar Engine where they can, off
-        # the Vector Engine's score evacuations.
+        # 0 and is overwritten below, one with a key scoring +inf is NaN (its acc too): 1 in both keeps log in its
+        # domain. The one-column steps run on GpSimd and the Scalar Engine where they can, off the Vector Engine's
+        # score evacuations.
         l_safe = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_scalar(l_safe, l_sum, op0=nl.maximum, operand0=1.0, engine=nisa.gpsimd_engine)
         real = nl.ndarray((bq, 1), dtype=nl.uint8, buffer=nl.sbuf)
@@ -427,7 +429,7 @@ class _Forward:
                            engine=nisa.gpsimd_engine)
         nisa.tensor_copy_predicated(dst=l_safe, src=1.0, predicate=real, reverse_pred=True)
         inv_l = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.reciprocal(inv_l, l_safe)
+        nisa.tensor_scalar(inv_l, l_safe, op0=nl.reciprocal, operand0=None, engine=nisa.gpsimd_engine)
         if decay is not None:
             nisa.tensor_tensor(inv_l, inv_l, decay, op=nl.multiply, engine=nisa.gpsimd_engine)
         o = nl.ndarray((bq, Dv), dtype=self.dt, buffer=nl.sbuf)
@@ -438,8 +440,10 @@ class _Forward:
         lse_t = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.activation(lse_t, op=nl.log, data=l_safe)
         # + l_sum * 0: NaN where the sum is, so such a row's lse is NaN as its output
-        nisa.scalar_tensor_tensor(lse_t, data=l_sum, op0=nl.multiply, operand0=0.0, op1=nl.add, operand1=lse_t)
-        nisa.tensor_tensor(lse_t, lse_t, neg_m, op=nl.subtract, engine=nisa.gpsimd_engine)
+        nan_or_max = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(nan_or_max, l_sum, op0=nl.multiply, operand0=0.0, op1=nl.subtract, operand1=neg_m,
+                           engine=nisa.gpsimd_engine)
+        nisa.tensor_tensor(lse_t, lse_t, nan_or_max, op=nl.add, engine=nisa.gpsimd_engine)
         # Rows that see no key had only masked scores (or, with no visible block, none): out 0 and lse -inf, as
         # the reference, not the mean of masked values (with a sink their lse is already the sink's: the decay
         # dropped the masked ones).
