@@ -3,8 +3,9 @@
 Tiny random-init models built from configs (no downloads), float32 on CPU, each against transformers' own "eager"
 attention on the same weights: logits and every parameter's gradient, under strict mode (no silent fallback), on
 every backend usable here. reference takes every case; triton (the Triton interpreter) takes a few tiny ones; nki
-(the emulator) declines packed attention, so its padded and packed cases are skipped with its declared reason
-and its strict refusal is tested once. Whatever the integration can't map must be refused, naming the argument.
+(the emulator) takes them too, packed attention one launch per sequence. A backend that declines packed attention
+has its padded and packed cases skipped with its declared reason and its strict refusal tested once. Whatever the
+integration can't map must be refused, naming the argument.
 """
 
 import contextlib
@@ -29,7 +30,7 @@ NAME = register()
 BACKENDS = usable_backends()
 TOL = tolerance("attention", torch.float32)
 GRAD_TOL = TOL.scaled(GRADIENT_FACTOR)
-# nki's kernels decline packed attention: the padded and packed cases are not theirs to pass
+# a backend whose kernels decline packed attention: the padded and packed cases are not its to pass
 VARLEN_DECLINED = [b for b in BACKENDS if "attention_varlen_fwd" in dispatch.get_backend(b).declined]
 
 # initializer_range 0.3: scores large enough that a dropped softcap or a wrong window changes the logits
