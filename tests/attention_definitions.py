@@ -15,9 +15,12 @@ from portable_ops.conformance import usable_backends
 F64 = torch.float64
 BACKENDS = usable_backends()
 NOT_REFERENCE = [b for b in BACKENDS if b != "reference"]
-# kernel backends without packed sequences and paged caches (their Backend.declined says so), and with
+# kernel backends without packed sequences (their Backend.declined says so), and with
 DECLINING = [b for b in NOT_REFERENCE if "attention_varlen_fwd" in dispatch.get_backend(b).declined]
 TAKING = [b for b in NOT_REFERENCE if b not in DECLINING]
+# and without paged KV caches, and with (nki takes packed sequences but not yet paged caches)
+DECLINING_PAGED = [b for b in NOT_REFERENCE if "paged_attention" in dispatch.get_backend(b).declined]
+TAKING_PAGED = [b for b in NOT_REFERENCE if b not in DECLINING_PAGED]
 
 
 def definition_mask(sq, skv, causal, window):

@@ -5,7 +5,7 @@ bit-identical. torch.compile and opcheck: tests/test_compile.py."""
 
 import pytest
 import torch
-from attention_definitions import DECLINING, F64, TAKING, definition, gathered, packed, paged_cache
+from attention_definitions import DECLINING_PAGED, F64, TAKING, TAKING_PAGED, definition, gathered, packed, paged_cache
 from conftest import assert_bit_identical, snapshot
 
 import portable_ops
@@ -195,7 +195,7 @@ def test_a_decode_loop_reads_the_tables_once_per_step(reads):
         portable_ops.paged_kv_append(k_cache, v_cache, table, seqlens, *(torch.zeros(2, 5, 2, 8, dtype=F64),) * 2)
 
 
-@pytest.mark.parametrize("backend", TAKING)
+@pytest.mark.parametrize("backend", [b for b in TAKING_PAGED if b in TAKING])
 def test_kernel_backends_take_varlen_and_paged_ops(backend, monkeypatch):
     """explain and strict mode see packed and paged calls run on the backend, with the definition's values."""
     monkeypatch.setattr(dispatch, "_warned", set())
@@ -216,7 +216,7 @@ def test_kernel_backends_take_varlen_and_paged_ops(backend, monkeypatch):
         torch.testing.assert_close(paged_out, portable_ops.paged_attention(pq, k_cache, v_cache, table, seqlens))
 
 
-@pytest.mark.parametrize("backend", DECLINING)
+@pytest.mark.parametrize("backend", DECLINING_PAGED)
 def test_other_backends_decline_paged_ops_with_the_reason(backend):
     k_cache, v_cache, table, seqlens = paged_cache([6, 9], 4, dtype=torch.float32)
     q, new = torch.randn(2, 1, 4, 8), torch.randn(2, 1, 2, 8)
