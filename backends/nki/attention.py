@@ -480,7 +480,10 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
     for b in nl.affine_range(B):
         for hkv in nl.affine_range(Hkv):
             for s0, sn in sections:
-                jobs = [(hkv * G + g, qi * B_Q, min(B_Q, Sq - qi * B_Q)) for g in range(G) for qi in range(n_q)]
+                # the last query tiles first: under a causal mask they see the most keys, so the pipeline fills with
+                # long tiles and drains with short ones
+                jobs = [(hkv * G + g, qi * B_Q, min(B_Q, Sq - qi * B_Q)) for g in range(G)
+                        for qi in reversed(range(n_q))]
                 # the first tiles' Q^T ahead of the resident keys: the DMA queues serve transfers in program order
                 early = [fwd.query_transposed(b, *job) for job in jobs[:SCORED_AHEAD + 1]]
                 kT, v_sb = fwd.resident(b, hkv, s0, sn)
