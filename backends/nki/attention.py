@@ -64,6 +64,7 @@ SCORE_KEYS = 512  # keys per forward score tile: one PSUM bank of fp32, a matmul
 # the Scalar Engine copies those out of PSUM, so this balances its time against the DMA queues'
 TENSOR_TRANSPOSED = (2, 1)
 SCORED_AHEAD = 2  # query tiles whose scores are issued before a tile's P V
+BACKWARD_TENSOR_TRANSPOSED = 3  # of a group's four dS blocks, how many the Tensor Engine transposes (the DMA the rest)
 BACKWARD_SIDE_BYTES = 64 * 1024  # SBUF per partition for the backward's query side, and for its key side
 PSUM_BANK_FP32 = 512  # fp32 per partition in a PSUM bank
 RESIDENT_BYTES = 96 * 1024  # SBUF per partition for a section's resident K^T and V
@@ -642,15 +643,19 @@ class _Backward:
 
     def key_gradients(self, key, side, work, p, ds, g0, touched):
         """Stage two: dV += P^T dO and dK += dS^T Q per 128-key block (PSUM, over the group's query tiles), and
-        dS^T per block for dQ (Tensor Engine transposes, one PSUM tile, one copy)."""
+        dS^T per block for dQ (the first ``BACKWARD_TENSOR_TRANSPOSED`` on the Tensor Engine into one PSUM tile, one
+        copy; the rest by DMA transpose)."""
         t, _, bq, a, z = work
         blocks = _chunks(z - a)
+        on_tensor = blocks[:BACKWARD_TENSOR_TRANSPOSED]
         t_ps = self.transposes_ps.take()
-        for j, j0, size in blocks:
+        for j, j0, size in on_tensor:
             nisa.nc_transpose(t_ps[0:size, j, 0:bq], ds[:, j0:j0 + size])
         dsT = nl.ndarray((PMAX, len(blocks), bq), dtype=self.dt, buffer=nl.sbuf)
-        rows = blocks[-1][2] if len(blocks) == 1 else PMAX  # only a last block is short
-        nisa.tensor_copy(dsT[0:rows, :, :], t_ps[0:rows, 0:len(blocks), 0:bq])
+        rows = on_tensor[-1][2] if len(on_tensor) == 1 else PMAX  # only a last block is short
+        nisa.tensor_copy(dsT[0:rows, 0:len(on_tensor), :], t_ps[0:rows, 0:len(on_tensor), 0:bq])
+        for j, j0, size in blocks[len(on_tensor):]:
+            nisa.dma_transpose(dsT[0:size, j, :], ds[:, j0:j0 + size])
         do_t, q_t = side["do_rows"][0:bq, t, :], side["q_rows"][0:bq, t, :]
         for j, j0, size in blocks:
             i = (a + j0 - g0) // PMAX  # the block's place in its group
