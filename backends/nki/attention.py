@@ -344,6 +344,8 @@ class _Forward:
                 column += 1
         neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
         nisa.tensor_reduce(neg_m, op=nl.maximum, data=maxima, axis=1, negate=True, keepdims=True)
+        # a max of at least NEG: a row scoring -inf against every key gets exp(-inf - NEG) = 0, not exp(-inf + inf)
+        nisa.tensor_scalar(neg_m, neg_m, op0=nl.minimum, operand0=-NEG, engine=nisa.gpsimd_engine)
         return s, neg_m
 
     def probabilities_stage(self, stage, b, s0):
