@@ -68,7 +68,7 @@ BACKWARD_TENSOR_TRANSPOSED = 3  # of a group's four dS blocks, how many the Tens
 BACKWARD_SIDE_BYTES = 64 * 1024  # SBUF per partition for the backward's query side, and for its key side
 PSUM_BANK_FP32 = 512  # fp32 per partition in a PSUM bank
 RESIDENT_BYTES = 96 * 1024  # SBUF per partition for a section's resident K^T and V
-WORKING_BYTES = 48 * 1024  # and for one query tile's scores, P and P^T (the allocator double-buffers them)
+WORKING_BYTES = 48 * 1024  # and for one query tile's scores, P and P^T (the pipeline holds a few such at once)
 
 
 def _chunks(n):
@@ -222,7 +222,8 @@ def _rows_from_transposed(xT, n, width, dt, ring, columns=None):
     """``xT`` (:func:`_transposed_rows`' layout of ``[n, width]``) turned back into ``[128, blocks, columns]``
     (block ``j`` holds rows ``128 j ..`` on the partitions; ``columns`` >= ``width``, the rest left unwritten) on
     the Tensor Engine, four 128-column slots per PSUM tile of ``ring``, copied out by the Scalar Engine (the Vector
-    Engine's are the scores'): cheaper than DMAing the rows, whose runs per partition are only ``width`` elements."""
+    Engine has the scores to evacuate): cheaper than DMAing the rows, whose runs per partition are ``width`` elements
+    only."""
     blocks, chunks = _chunks(n), _chunks(width)
     rows = nl.ndarray((PMAX, len(blocks), columns or width), dtype=dt, buffer=nl.sbuf)
     per_tile = 4 // len(chunks)  # blocks per PSUM tile: a slot per (block, 128 columns)
