@@ -348,10 +348,10 @@ def test_softcap_saturates_huge_scores_and_keeps_gradients_finite():
 
 def test_window_skips_invisible_blocks_and_masks_only_the_edge_blocks(monkeypatch):
     """At trace time: a (query tile, 128-key block) pair is computed iff some query of the tile sees some key of
-    the block, and an affine_select cuts scores (forward) or P (backward) only where a band edge crosses the
-    block (one per edge). Counted on the matmuls whose moving operand is the pair's V block with its ones column
-    (forward: one per pair) or a [rows, D] tile (backward: dV, dK and dQ, three per pair), and on affine_select
-    calls."""
+    the block, and only blocks a band edge crosses are masked: in the forward by one bias matmul each (a mask
+    added to the scores in PSUM), in the backward by one affine_select on P per edge. Counted on the matmuls whose
+    moving operand is the pair's V block with its ones column (forward: one per pair), a [rows, D] tile (backward:
+    dV, dK and dQ, three per pair) or a mask (accumulating onto the scores), and on affine_select calls."""
     from portable_ops.backends.nki import attention as nki_attention
     B, H, Sq, Skv, D = 1, 1, 300, 520, 32
     cases = [(False, (100, 30)), (True, (150, None)), (False, (None, 7)), (False, (3, None)), (True, None)]
@@ -359,15 +359,16 @@ def test_window_skips_invisible_blocks_and_masks_only_the_edge_blocks(monkeypatc
         seen = visible(torch.arange(Sq) + Skv - Sq, torch.arange(Skv), causal, window)
         left, right = window or (None, None)
         offset = torch.arange(Skv)[None, :] - (torch.arange(Sq) + Skv - Sq)[:, None]  # key minus query position
-        pairs = edges = 0
+        pairs = edges = cut = 0
         for q0 in range(0, Sq, 128):
             for k0 in range(0, Skv, 128):
                 block, off = seen[q0:q0 + 128, k0:k0 + 128], offset[q0:q0 + 128, k0:k0 + 128]
                 if block.any():
                     pairs += 1
                     right_edge = 0 if causal and (right is None or right > 0) else right
-                    edges += int(right_edge is not None and bool((off > right_edge).any()))
-                    edges += int(left is not None and bool((off < -left).any()))
+                    sides = (int(right_edge is not None and bool((off > right_edge).any()))
+                             + int(left is not None and bool((off < -left).any())))
+                    edges, cut = edges + sides, cut + bool(sides)
         n_q, n_k = -(-Sq // 128), -(-Skv // 128)
         selects, moving = [], []  # each affine_select's first pattern step (-1: a mask; 0: a row fix-up), each
         # matmul's moving free size
@@ -377,7 +378,7 @@ def test_window_skips_invisible_blocks_and_masks_only_the_edge_blocks(monkeypatc
             return real(dst, pattern, **kwargs)
 
         def matmul(dst, stationary, mover, real=nki_attention.nisa.nc_matmul, **kwargs):
-            moving.append(mover.shape[-1])
+            moving.append((mover.shape[-1], kwargs.get("accumulate")))
             return real(dst, stationary, mover, **kwargs)
 
         monkeypatch.setattr(nki_attention.nisa, "affine_select", select)
@@ -386,11 +387,13 @@ def test_window_skips_invisible_blocks_and_masks_only_the_edge_blocks(monkeypatc
         k, v = torch.randn(B, H, Skv, D), torch.randn(B, H, Skv, D)
         options = dict(causal=causal, scale=0.2, window=window)
         out, lse = OPS["attention_fwd"].run(q=q, k=k, v=v, **options)
-        fwd_masks, fwd_pv, selects[:], moving[:] = selects.count(-1), moving.count(D + 1), [], []
+        fwd_pv = sum(n == D + 1 for n, _ in moving)
+        fwd_masks = sum(n != D + 1 and bool(accumulate) for n, accumulate in moving)  # D <= 128: no chunk sums
+        selects[:], moving[:] = [], []
         OPS["attention_bwd"].run(q=q, k=k, v=v, out=out, lse=lse, dout=do, **options)
         monkeypatch.undo()
-        assert fwd_pv == pairs and moving.count(D) == 3 * pairs, (causal, window)
-        assert fwd_masks == edges and selects.count(-1) == edges, (causal, window)
+        assert fwd_pv == pairs and sum(n == D for n, _ in moving) == 3 * pairs, (causal, window)
+        assert fwd_masks == cut and selects.count(-1) == edges, (causal, window)
         assert pairs < n_q * n_k or window is None
 
 

@@ -10,10 +10,11 @@ Forward (:class:`_Forward`): per (batch, KV head), a section of keys is resident
 DMA transposes, whose runs per partition are long, V turned back per 128-key block on the Tensor Engine, with a
 ones column appended so that P V's last column is P's row sum), reused by every query tile of every query head
 of the GQA group. Per query tile, the keys of the section it sees are scored in 512-key tiles (one PSUM bank):
-``S = Q K^T`` with ``Q^T`` stationary, evacuated with the scale and the row max in one ``tensor_scalar_reduce``;
-the section's max comes first, so the exponentials need no rescale; ``P = exp(s - m)`` in the input dtype; P^T
-per 128-key block, the first one or two of a tile's four on the Tensor Engine in turn (copied out of PSUM by the
-Scalar Engine), the rest by DMA transpose; ``[P V, rowsum]`` accumulates in one PSUM bank over the section.
+``S = Q K^T`` with ``Q^T`` stationary (a cut block's mask added in PSUM by a matmul where it can be: ``mask``),
+evacuated with the scale and the row max in one ``tensor_scalar_reduce``; the section's max comes first, so the
+exponentials need no rescale; ``P = exp(s - m)`` in the input dtype; P^T per 128-key block, the first one or two
+of a tile's four on the Tensor Engine in turn (copied out of PSUM by the Scalar Engine), the rest by DMA
+transpose; ``[P V, rowsum]`` accumulates in one PSUM bank over the section.
 Sections: as many whole 512-key tiles as fit ``RESIDENT_BYTES`` (K^T and V) and ``WORKING_BYTES`` (one tile's
 scores, P, P^T) per partition; with several, a query tile carries ``[P V, rowsum, -max]`` through fp32 HBM from one
 to the next and joins them at the larger max. The stages are software-pipelined (scores two tiles ahead of P, P a
@@ -283,6 +284,17 @@ class _Forward:
         self.Sq, self.D, self.Skv, self.Dv = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
         self.dt, self.shift = q.dtype, self.Skv - self.Sq
         self.scale, self.left, self.right, self.softcap = scale, left, right, softcap
+        # Where the scale is positive, no softcap comes between, and NEG / scale fits the input dtype, a cut block's
+        # mask is a bias the Tensor Engine adds to its scores in PSUM (identity^T x mask): NEG once scaled, and the
+        # Vector Engine evacuates it with its tile's other blocks; else it is masked after the scale (and cap).
+        bias = NEG / scale if scale > 0 else -math.inf
+        in_psum = softcap is None and self.dt in (nl.bfloat16, nl.float32) and abs(bias) <= FLOAT32_MAX / 4
+        self.mask_value, self.masks, self.identity = (bias if in_psum else None), {}, None
+        if in_psum and (left is not None or right is not None):
+            self.identity = nl.ndarray((PMAX, PMAX), dtype=self.dt, buffer=nl.sbuf)
+            nisa.memset(self.identity, 1.0)
+            nisa.affine_select(self.identity, pattern=[[-1, PMAX]], offset=0, channel_multiplier=1,
+                               on_true_tile=self.identity, on_false_value=0.0, cmp_op=nl.equal)
         # the eight banks: scores, Tensor Engine transposes (four 128-column slots each), [P V, rowsum]
         self.scores_ps = _PsumRing(4, (B_Q, SCORE_KEYS), nl.float32)
         self.transposes_ps = _PsumRing(2, (PMAX, 4, PMAX), self.dt)
@@ -320,14 +332,22 @@ class _Forward:
     def section_scores(self, qT, kT, s0, tiles, bq, q0):
         """Scaled, capped, masked scores of the keys ``tiles`` cover (fp32 ``[bq, keys]``, SBUF) and their row max,
         negated (``[bq, 1]``): each 512-key tile's PSUM is evacuated with the scale and the max of each of its
-        pieces in one Vector instruction; a piece an edge cuts is scaled, masked (GpSimd), then its max taken."""
-        k_lo = tiles[0][0][0]
+        pieces in one Vector instruction; a piece an edge cuts has its mask added in PSUM (one piece with the rest of
+        its tile), or is scaled, masked (GpSimd), then its max taken."""
+        k_lo, in_psum = tiles[0][0][0], self.mask_value is not None
         s = nl.ndarray((bq, tiles[-1][0][0] + tiles[-1][0][1] - k_lo), dtype=nl.float32, buffer=nl.sbuf)
-        maxima = nl.ndarray((bq, sum(len(p) for _, p in tiles)), dtype=nl.float32, buffer=nl.sbuf)
+        maxima = nl.ndarray((bq, len(tiles) if in_psum else sum(len(p) for _, p in tiles)), dtype=nl.float32,
+                            buffer=nl.sbuf)
         column = 0
         for (t0, tn), pieces in tiles:
             s_ps = self.scores_ps.take()[0:bq, 0:tn]
             _matmul_chunked(s_ps, qT, kT[:, :, t0 - s0:t0 - s0 + tn], self.D)
+            if in_psum:
+                for p0, pn, cut in pieces:
+                    if cut:
+                        nisa.nc_matmul(s_ps[:, p0 - t0:p0 - t0 + pn], self.identity[0:bq, 0:bq],
+                                       self.mask(q0, p0, bq, pn), accumulate=True)
+                pieces = [(t0, tn, False)]
             src, factor = s_ps, self.scale
             if self.softcap is not None:  # the scale / softcap pre-scale is free as the scores leave PSUM
                 src, factor = nl.ndarray((bq, tn), dtype=nl.float32, buffer=nl.sbuf), self.softcap
@@ -381,6 +401,16 @@ class _Forward:
             for j, j0, size in blocks[len(on_tensor):]:
                 nisa.dma_transpose(pT[0:size, block0 + j, :], p[:, keys.start + j0:keys.start + j0 + size])
         return stage
+
+    def mask(self, q0, k0, bq, bk):
+        """The bias that masks the block ``[k0, k0 + bk)`` of the query tile at ``q0`` in PSUM (``[bq, bk]``, 0 where
+        visible, ``mask_value`` where not), made once per offset of the block from the tile's diagonal."""
+        key = (q0 + self.shift - k0, bq, bk)
+        if key not in self.masks:
+            self.masks[key] = tile = nl.ndarray((bq, bk), dtype=self.dt, buffer=nl.sbuf)
+            nisa.memset(tile, 0.0)
+            _mask(tile, q0, k0, bq, bk, self.shift, self.left, self.right, fill=self.mask_value)
+        return self.masks[key]
 
     def output_stage(self, stage, b, v_sb, s0):
         """The last: ``[P V, rowsum(P)]`` in PSUM (one accumulating matmul per 128-key block), joined with the
