@@ -15,7 +15,7 @@ from portable_ops.conformance import usable_backends
 F64 = torch.float64
 BACKENDS = usable_backends()
 NOT_REFERENCE = [b for b in BACKENDS if b != "reference"]
-# kernel backends without packed sequences and paged caches (their Backend.declined says so), and with
+# kernel backends without packed sequences (their Backend.declined says so), and with
 DECLINING = [b for b in NOT_REFERENCE if "attention_varlen_fwd" in dispatch.get_backend(b).declined]
 TAKING = [b for b in NOT_REFERENCE if b not in DECLINING]
 # kernel backends without paged caches (whether or not they have packed sequences), and with

@@ -72,8 +72,8 @@ def test_step_9_the_api_doc_names_it(name):
 
 
 def test_a_declined_op_reads_as_a_user_would_say_it():
-    reason = declined_reason("attention_varlen_fwd", "nki")
-    assert reason == "packed variable-length sequences (attention_varlen): not in the nki kernels yet"
+    reason = declined_reason("paged_attention", "nki")
+    assert reason == "attention over a paged KV cache (paged_attention): not in the nki kernels yet"
     assert not re.search(r"issue \d+|#\d+", " ".join(declined_reason(op, "nki") for op in OPS))
 
 

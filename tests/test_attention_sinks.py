@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 import portable_ops
-from attention_definitions import F64, NOT_REFERENCE, TAKING, definition, gathered, packed, paged_cache, qkv
+from attention_definitions import (F64, NOT_REFERENCE, TAKING, PAGED_TAKING, definition, gathered, packed, paged_cache,
+                                   qkv)
 from portable_ops import dispatch, layout
 from portable_ops.conformance.runner import default_device, forced_strict
 
@@ -559,12 +560,15 @@ def test_kernel_backends_take_sinks_lse_gradients_and_value_head_dims(backend, m
     if backend in TAKING:
         pq, pk, pv, cu_q, cu_k = (t.detach().to(device, torch.float32) if t.is_floating_point() else t.to(device)
                                   for t in packed((3, 5), (4, 5)))
-        k_cache, v_cache, table, seqlens = (t.to(device, torch.float32) if t.is_floating_point() else t.to(device)
-                                            for t in paged_cache([3, 6], 4))
         with forced_strict(backend), torch.no_grad():
             portable_ops.attention_varlen(pq, pk, pv[..., :5], cu_q, cu_k, 5, 5, causal=True, sinks=sinks,
                                           return_lse=True)
-            portable_ops.paged_kv_append(k_cache, v_cache[..., :5], table, seqlens - 1,
+    if backend in PAGED_TAKING:
+        k_cache, v_cache, table, seqlens = (t.to(device, torch.float32) if t.is_floating_point() else t.to(device)
+                                            for t in paged_cache([3, 6], 4))
+        v_cache = v_cache[..., :5].contiguous()  # v's own head dim (nki takes contiguous caches)
+        with forced_strict(backend), torch.no_grad():
+            portable_ops.paged_kv_append(k_cache, v_cache, table, seqlens - 1,
                                          torch.randn(2, 1, 2, 8, device=device), torch.randn(2, 1, 2, 5, device=device))
-            portable_ops.paged_attention(torch.randn(2, 1, 4, 8, device=device), k_cache, v_cache[..., :5], table,
+            portable_ops.paged_attention(torch.randn(2, 1, 4, 8, device=device), k_cache, v_cache, table,
                                          seqlens, sinks=sinks, return_lse=True)

@@ -129,6 +129,6 @@ def test_a_window_or_max_seqlen_past_any_sequence_means_what_the_longest_would(b
                                    portable_ops.attention(q, k, v, causal=True))
     packed = [t[0].transpose(0, 1).contiguous() for t in (q, k, v)]
     cu = torch.tensor([0, 2, 6], dtype=torch.int32, device=device)
-    with portable_ops.use_backend(backend):  # nki declines packed sequences: its fallback answers
+    with portable_ops.use_backend(backend):  # a backend declining packed sequences: its fallback answers
         torch.testing.assert_close(portable_ops.attention_varlen(*packed, cu, cu, 10**12, 10**12, causal=True),
                                    portable_ops.attention_varlen(*packed, cu, cu, 4, 4, causal=True))

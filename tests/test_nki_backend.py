@@ -285,6 +285,61 @@ def test_attention_window_and_softcap_match_float64_reference(name, dtype):
     _check_attention(shape, dtype, key_std=3.0, window=window, softcap=softcap)
 
 
+@pytest.mark.parametrize("features", [dict(causal=True), dict(causal=False, window=(300, 40), softcap=2.0)],
+                         ids=["causal", "window_softcap"])
+def test_attention_over_several_resident_sections_matches_the_reference(features):
+    """Keys resident 512 at a time and, in the backward, query rows 128 at a time: the forward carries each query
+    tile's ``[P V, rowsum, -max]`` through HBM between the key sections it sees and joins them at the larger max,
+    the backward carries dQ's sum between key sections and sums dK, dV over query sections; out, lse and the
+    gradients (the sink's included) agree with the reference, with GQA, ragged lengths and a sink (three key
+    sections here, where the defaults would hold every key and row in one)."""
+    from portable_ops.backends.nki import attention as nki_attention
+    g = torch.Generator().manual_seed(7)
+    q, do = (torch.randn(1, 2, 140, 32, generator=g) for _ in range(2))
+    k, v = (3.0 * torch.randn(1, 1, 1100, 32, generator=g) for _ in range(2))
+    sinks = torch.randn(2, generator=g)
+    static = nki_attention._static(features.get("causal"), 0.2, features.get("window"), features.get("softcap"))
+    sink_rows = nki_attention._sinks_down_partitions(sinks)
+    out, lse = runtime.launch(nki_attention.attention_fwd_kernel, q, k, v, sinks=sink_rows, section_keys=512,
+                              **static)
+    grads = runtime.launch(nki_attention.attention_bwd_kernel, q, k, v, out, lse, do, sinks=sink_rows,
+                           section_rows=128, section_keys=512, **static)
+    options = dict(scale=0.2, sinks=sinks.double(), **features)
+    r_out, r_lse = reference_fwd(q.double(), k.double(), v.double(), **options)
+    close(out, r_out, tolerance("attention", F32))
+    close(lse.reshape(r_lse.shape), r_lse, tolerance("attention", F32))
+    r_grads = reference_bwd(q.double(), k.double(), v.double(), r_out, r_lse, do.double(), **options)
+    for mine, ref in zip((*grads[:3], grads[3].sum((0, 2, 3))), r_grads):
+        close(mine, ref, tolerance("attention", F32).scaled(GRADIENT_FACTOR))
+
+
+def test_packed_sequences_with_no_key_or_no_query_match_the_definition():
+    """Packed attention runs each sequence through the dense kernels; a sequence with queries but no keys (its rows
+    see only their sink), and one with keys but no queries, take the zero-size answer, gradients included: out,
+    lse, dq, dk, dv and dsinks (a gradient through lse too) agree with the float64 definition."""
+    from portable_ops.definitions import attention_varlen as varlen
+    g = torch.Generator().manual_seed(3)
+    lens_q, lens_k = (3, 0, 40), (0, 6, 37)
+    q, do = (torch.randn(sum(lens_q), 2, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(sum(lens_k), 1, 16, generator=g) for _ in range(2))
+    sinks, dlse = torch.randn(2, generator=g), torch.randn(2, sum(lens_q), generator=g)
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+                  for lens in (lens_q, lens_k))
+    options = dict(causal=True, scale=0.3, sinks=sinks)
+    out, lse = OPS["attention_varlen_fwd"].run(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=40,
+                                               max_seqlen_k=37, **options)
+    double = dict(options, sinks=sinks.double())
+    r_out, r_lse = varlen.attention_varlen_fwd(q.double(), k.double(), v.double(), cu_q, cu_k, 40, 37, **double)
+    close(out, r_out, tolerance("attention", F32))
+    close(lse, r_lse, tolerance("attention", F32))
+    grads = OPS["attention_varlen_bwd"].run(q=q, k=k, v=v, out=out, lse=lse, dout=do, cu_seqlens_q=cu_q,
+                                            cu_seqlens_k=cu_k, max_seqlen_q=40, max_seqlen_k=37, dlse=dlse, **options)
+    r_grads = varlen.attention_varlen_bwd(q.double(), k.double(), v.double(), r_out, r_lse, do.double(), cu_q, cu_k,
+                                          40, 37, dlse=dlse.double(), **double)
+    for mine, ref in zip(grads, r_grads):
+        close(mine, ref, tolerance("attention", F32).scaled(GRADIENT_FACTOR))
+
+
 def test_softcap_saturates_huge_scores_and_keeps_gradients_finite():
     """Scores of ~1e4 against a softcap of 2: nearly every capped score is +-2, as in the reference."""
     out, lse, grads = _check_attention((1, 2, 1, 40, 50, 16, False), F32, scale=2e3, softcap=2.0)
@@ -292,10 +347,11 @@ def test_softcap_saturates_huge_scores_and_keeps_gradients_finite():
 
 
 def test_window_skips_invisible_blocks_and_masks_only_the_edge_blocks(monkeypatch):
-    """At trace time: a (query tile, key block) pair is computed iff some query of the tile sees some
-    key of the block, and an affine_select cuts scores only where a band edge crosses the block (one
-    per edge), in the forward and in both backward passes. Counted on the Tensor Engine (a fixed number
-    of matmuls and transposes per tile and per pair) and on affine_select calls."""
+    """At trace time: a (query tile, 128-key block) pair is computed iff some query of the tile sees some key of
+    the block, and only blocks a band edge crosses are masked: in the forward by one bias matmul each (a mask
+    added to the scores in PSUM), in the backward by one affine_select on P per edge. Counted on the matmuls whose
+    moving operand is the pair's V block with its ones column (forward: one per pair), a [rows, D] tile (backward:
+    dV, dK and dQ, three per pair) or a mask (accumulating onto the scores), and on affine_select calls."""
     from portable_ops.backends.nki import attention as nki_attention
     B, H, Sq, Skv, D = 1, 1, 300, 520, 32
     cases = [(False, (100, 30)), (True, (150, None)), (False, (None, 7)), (False, (3, None)), (True, None)]
@@ -303,38 +359,41 @@ def test_window_skips_invisible_blocks_and_masks_only_the_edge_blocks(monkeypatc
         seen = visible(torch.arange(Sq) + Skv - Sq, torch.arange(Skv), causal, window)
         left, right = window or (None, None)
         offset = torch.arange(Skv)[None, :] - (torch.arange(Sq) + Skv - Sq)[:, None]  # key minus query position
-        pairs = edges = 0
+        pairs = edges = cut = 0
         for q0 in range(0, Sq, 128):
             for k0 in range(0, Skv, 128):
                 block, off = seen[q0:q0 + 128, k0:k0 + 128], offset[q0:q0 + 128, k0:k0 + 128]
                 if block.any():
                     pairs += 1
                     right_edge = 0 if causal and (right is None or right > 0) else right
-                    edges += int(right_edge is not None and bool((off > right_edge).any()))
-                    edges += int(left is not None and bool((off < -left).any()))
+                    sides = (int(right_edge is not None and bool((off > right_edge).any()))
+                             + int(left is not None and bool((off < -left).any())))
+                    edges, cut = edges + sides, cut + bool(sides)
         n_q, n_k = -(-Sq // 128), -(-Skv // 128)
-        selects = []  # the first pattern step of each affine_select: -1 for a score mask, 0 for a row fix-up
+        selects, moving = [], []  # each affine_select's first pattern step (-1: a mask; 0: a row fix-up), each
+        # matmul's moving free size
 
-        def counted(dst, pattern, real=nki_attention.nisa.affine_select, seen=selects, **kwargs):
-            seen.append(pattern[0][0])
+        def select(dst, pattern, real=nki_attention.nisa.affine_select, **kwargs):
+            selects.append(pattern[0][0])
             return real(dst, pattern, **kwargs)
 
-        monkeypatch.setattr(nki_attention.nisa, "affine_select", counted)
+        def matmul(dst, stationary, mover, real=nki_attention.nisa.nc_matmul, **kwargs):
+            moving.append((mover.shape[-1], kwargs.get("accumulate")))
+            return real(dst, stationary, mover, **kwargs)
+
+        monkeypatch.setattr(nki_attention.nisa, "affine_select", select)
+        monkeypatch.setattr(nki_attention.nisa, "nc_matmul", matmul)
         q, do = torch.randn(B, H, Sq, D), torch.randn(B, H, Sq, D)
         k, v = torch.randn(B, H, Skv, D), torch.randn(B, H, Skv, D)
         options = dict(causal=causal, scale=0.2, window=window)
-        with emulator.count_instructions() as fwd:
-            out, lse = OPS["attention_fwd"].run(q=q, k=k, v=v, **options)
-        fwd_masks, selects[:] = selects.count(-1), []
-        with emulator.count_instructions() as bwd:
-            OPS["attention_bwd"].run(q=q, k=k, v=v, out=out, lse=lse, dout=do, **options)
+        out, lse = OPS["attention_fwd"].run(q=q, k=k, v=v, **options)
+        fwd_pv = sum(n == D + 1 for n, _ in moving)
+        fwd_masks = sum(n != D + 1 and bool(accumulate) for n, accumulate in moving)  # D <= 128: no chunk sums
+        selects[:], moving[:] = [], []
+        OPS["attention_bwd"].run(q=q, k=k, v=v, out=out, lse=lse, dout=do, **options)
         monkeypatch.undo()
-        # forward: Q^T per query tile; K^T, S = QK^T, P^T, PV per pair
-        assert fwd.instructions["tensor"] == n_q + 4 * pairs, (causal, window)
-        # backward: Q^T and dO^T per query tile (dQ pass) and K^T, V^T per key block (dK/dV pass); per
-        # pair six in each pass (dQ: K^T, V^T, S, dP, dS^T, dS K; dK/dV: Q^T, dO^T, S, dP, P^T dO, dS^T Q)
-        assert bwd.instructions["tensor"] == 2 * n_q + 2 * n_k + 12 * pairs, (causal, window)
-        assert fwd_masks == edges and selects.count(-1) == 2 * edges, (causal, window)
+        assert fwd_pv == pairs and sum(n == D for n, _ in moving) == 3 * pairs, (causal, window)
+        assert fwd_masks == cut and selects.count(-1) == edges, (causal, window)
         assert pairs < n_q * n_k or window is None
 
 

@@ -330,11 +330,20 @@ def test_bench_nki_sgd_is_one_launch_at_its_floor_but_nesterov_with_weight_decay
     assert nesterov["Trn2 x floor"] <= 1.3
 
 
-def test_bench_nki_says_what_bounds_attention(bench_rows):
-    attention = [r for r in bench_rows if r["kernel"].startswith("attention")]
-    assert len(attention) == 4
-    for row in attention:  # docs/backends/nki.md: K and V re-loaded per query tile, 256 bytes a partition
-        assert row["Trn2 bound"] == "dma" and row["Trn2 x floor"] > 1.5
+def test_bench_nki_prices_attention_near_its_floor(bench_rows):
+    """docs/backends/nki.md, 'Attention kernels': K^T and V resident per KV head, 512-key score tiles and a one-pass
+    backward bring attention to within these factors of the Trn2 floor; the backward is bound by the Tensor Engine,
+    the forward's engines are balanced (none busy for more than 1.75x the floor)."""
+    limits = {"full fwd": 1.9, "causal fwd": 2.4, "full bwd": 1.5, "causal bwd": 1.8}
+    attention = {f"{r['kernel'].split()[1]} {r['kernel'].split()[-1]}": r for r in bench_rows
+                 if r["kernel"].startswith("attention")}
+    assert set(attention) == set(limits)
+    for name, row in attention.items():
+        assert row["Trn2 x floor"] <= limits[name], (name, row["Trn2 x floor"])
+        if name.endswith("bwd"):
+            assert row["Trn2 bound"] == "tensor", (name, row["Trn2 bound"])
+        else:
+            assert max(row["Trn2 engine ms"].values()) <= 1.75 * row["Trn2 floor ms"], (name, row["Trn2 engine ms"])
 
 
 def test_bench_nki_prices_the_norms_forward_near_its_floor_and_says_what_bounds_the_backward(bench_rows):

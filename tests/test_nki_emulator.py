@@ -276,6 +276,43 @@ def test_tanh_activation_scales_first_and_saturates():
         nl.tanh(x)  # a tile-level call is outside the emulated subset, as every nl operator
 
 
+def test_tensor_scalar_reduce_writes_the_product_and_reduces_it_in_one_vector_instruction():
+    """nisa.tensor_scalar_reduce: ``dst = data <op0> operand0`` and ``reduce_res`` its reduction over the free axis
+    (negated under reduce_res_negate), one Vector Engine instruction priced max(MIN_II, N) + MIN_II (its reference
+    page); a reduce command other than reset_reduce is outside the emulated subset."""
+    @jit
+    def kernel(x, reduce_op, negate):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        peak = nl.ndarray((x.shape[0], 1), dtype=nl.float32, buffer=nl.shared_hbm)
+        t, r = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf), nl.ndarray((x.shape[0], 1), dtype=nl.float32,
+                                                                               buffer=nl.sbuf)
+        nisa.dma_copy(t, x)
+        nisa.tensor_scalar_reduce(t, t, op0=nl.multiply, operand0=-2.0, reduce_op=reduce_op, reduce_res=r,
+                                  reduce_res_negate=negate)
+        nisa.dma_copy(out, t)
+        nisa.dma_copy(peak, r)
+        return out, peak
+
+    x = torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
+    with emulator.count_instructions() as stats:
+        out, peak = kernel(x, nl.maximum, True)
+    assert torch.equal(out, x * -2.0) and torch.equal(peak, -(x * -2.0).amax(1, keepdim=True))
+    assert stats.instructions["vector"] == 1 and stats.work[("vector", "stream", 300 + 64)] == 1
+    out, total = kernel(x, nl.add, False)
+    torch.testing.assert_close(total, (x * -2.0).sum(1, keepdim=True))
+
+    @jit
+    def accumulating(x):
+        t, r = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf), nl.ndarray((x.shape[0], 1), dtype=nl.float32,
+                                                                               buffer=nl.sbuf)
+        nisa.dma_copy(t, x)
+        nisa.tensor_scalar_reduce(t, t, op0=nl.add, operand0=1.0, reduce_op=nl.add, reduce_res=r,
+                                  reduce_cmd=nisa.reduce_cmd.reduce)
+        return x
+
+    rejects("api-subset", accumulating, x)
+
+
 def test_instruction_counts_per_engine():
     hp = torch.zeros(128, len(SHARED) + PAIR)
     hp[:, EPS] = 1e-8  # the reciprocal's domain takes no eps of 0

@@ -3,8 +3,9 @@
 Tiny random-init models built from configs (no downloads), float32 on CPU, each against transformers' own "eager"
 attention on the same weights: logits and every parameter's gradient, under strict mode (no silent fallback), on
 every backend usable here. reference takes every case; triton (the Triton interpreter) takes a few tiny ones; nki
-(the emulator) declines packed attention, so its padded and packed cases are skipped with its declared reason
-and its strict refusal is tested once. Whatever the integration can't map must be refused, naming the argument.
+(the emulator) takes them too, packed attention one launch per sequence. A backend that declines packed attention
+(a stand-in) is refused under strict mode, naming the op. Whatever the integration can't map must be refused, naming
+the argument.
 """
 
 import contextlib
@@ -18,7 +19,7 @@ transformers = pytest.importorskip("transformers", minversion="5.0",
                                    reason="transformers >= 5.0 is not installed (the test extra installs it)")
 
 import portable_ops  # noqa: E402
-from portable_ops import BackendUnavailableError, dispatch  # noqa: E402
+from portable_ops import BackendUnavailableError  # noqa: E402
 from portable_ops.conformance import usable_backends  # noqa: E402
 from portable_ops.conformance.runner import forced_strict  # noqa: E402
 from portable_ops.conformance.tolerances import GRADIENT_FACTOR, tolerance  # noqa: E402
@@ -29,9 +30,6 @@ NAME = register()
 BACKENDS = usable_backends()
 TOL = tolerance("attention", torch.float32)
 GRAD_TOL = TOL.scaled(GRADIENT_FACTOR)
-# nki's kernels decline packed attention: the padded and packed cases are not theirs to pass
-VARLEN_DECLINED = [b for b in BACKENDS if "attention_varlen_fwd" in dispatch.get_backend(b).declined]
-
 # initializer_range 0.3: scores large enough that a dropped softcap or a wrong window changes the logits
 BASE = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, initializer_range=0.3)
@@ -106,13 +104,6 @@ def calls(monkeypatch):
     return seen
 
 
-def varlen_backend(backend):
-    if backend in VARLEN_DECLINED:
-        pytest.skip(f"{backend} declares it has no packed-attention kernel (attention_varlen_fwd/_bwd declined); "
-                    "its strict refusal is test_a_backend_declining_packed_attention_refuses_under_strict_mode")
-    return backend
-
-
 # ----------------------------------------------------------------------------- registration
 
 def test_importing_portable_ops_does_not_import_transformers():
@@ -180,7 +171,6 @@ def test_a_family_matches_eager(family, backend, calls):
 
 @pytest.mark.parametrize("side, backend", [("right", b) for b in BACKENDS] + [("left", "reference")])
 def test_a_padded_batch_is_unpadded_and_matches_eager(side, backend, calls):
-    varlen_backend(backend)
     eager, ours = models("gemma2")  # window and softcap through the packed kernels
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[0, 7:] = 0
@@ -197,7 +187,6 @@ def packed_positions():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_packed_batch_matches_eager(backend, calls):
-    varlen_backend(backend)
     eager, ours = models("mistral")  # its window inside each packed sequence
     assert_matches_eager(eager, ours, backend, input_ids=tokens(2, 12), position_ids=packed_positions(),
                          use_cache=False)
@@ -246,8 +235,6 @@ GENERATE_CASES = ([("llama", 8, False, False, b) for b in BACKENDS]
 
 @pytest.mark.parametrize("family, prompt, left_padded, static, backend", GENERATE_CASES)
 def test_greedy_generation_matches_eager(family, prompt, left_padded, static, backend):
-    if left_padded:
-        varlen_backend(backend)
     eager, ours = models(family)
     ids = tokens(2, prompt)
     options = dict(cache_implementation="static") if static else {}
@@ -260,15 +247,15 @@ def test_greedy_generation_matches_eager(family, prompt, left_padded, static, ba
     torch.testing.assert_close(my_scores, their_scores, atol=TOL.atol, rtol=TOL.rtol)
 
 
-def test_a_backend_declining_packed_attention_refuses_under_strict_mode():
-    if not VARLEN_DECLINED:
-        pytest.skip("every backend usable here takes packed attention")
+def test_a_backend_declining_packed_attention_refuses_under_strict_mode(fake_backend):
+    """A backend with dense attention only (a stand-in: every real backend takes packed sequences): under strict mode a
+    padded batch, which the integration runs as packed sequences, is refused naming the op."""
+    fake_backend("triton", ops=("attention_fwd", "attention_bwd"))
     _, ours = models("llama")
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[0, 7:] = 0
-    for backend in VARLEN_DECLINED:
-        with forced_strict(backend), pytest.raises(BackendUnavailableError, match="attention_varlen"):
-            ours(tokens(2, 12), attention_mask=mask)
+    with forced_strict("triton"), pytest.raises(BackendUnavailableError, match="attention_varlen"):
+        ours(tokens(2, 12), attention_mask=mask)
 
 
 # ----------------------------------------------------------------------------- refusals

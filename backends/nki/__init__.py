@@ -23,6 +23,7 @@ from portable_ops.dispatch import Backend, OpImpl
 from . import compat
 from .adam import adam, adam_supports
 from .attention import MAX_HEAD_DIM, attention_bwd, attention_fwd, attention_supports
+from .attention_varlen import attention_varlen_bwd, attention_varlen_fwd, attention_varlen_supports
 from .grad_norm import grad_norm
 from .linear_cross_entropy import linear_cross_entropy_bwd, linear_cross_entropy_fwd
 from .norms import layer_norm_bwd, layer_norm_fwd, norm_supports, rms_norm_bwd, rms_norm_fwd
@@ -47,7 +48,7 @@ def _runtime_reasons(device: torch.device) -> list[str]:
     return []
 
 
-_ATTENTION = dict(supports=attention_supports, dtypes=DTYPES, max_head_dim=MAX_HEAD_DIM)
+_ATTENTION = dict(dtypes=DTYPES, max_head_dim=MAX_HEAD_DIM)
 
 BACKEND = Backend(
     name="nki",
@@ -57,8 +58,10 @@ BACKEND = Backend(
         "adam": OpImpl(run=adam, supports=adam_supports, dtypes=DTYPES),
         "sgd": OpImpl(run=sgd, supports=sgd_supports, dtypes=DTYPES),
         "grad_norm": OpImpl(run=grad_norm, dtypes=DTYPES, features=()),  # norm types 2 and inf
-        "attention_fwd": OpImpl(run=attention_fwd, **_ATTENTION),
-        "attention_bwd": OpImpl(run=attention_bwd, **_ATTENTION),
+        "attention_fwd": OpImpl(run=attention_fwd, supports=attention_supports, **_ATTENTION),
+        "attention_bwd": OpImpl(run=attention_bwd, supports=attention_supports, **_ATTENTION),
+        "attention_varlen_fwd": OpImpl(run=attention_varlen_fwd, supports=attention_varlen_supports, **_ATTENTION),
+        "attention_varlen_bwd": OpImpl(run=attention_varlen_bwd, supports=attention_varlen_supports, **_ATTENTION),
         "rms_norm_fwd": OpImpl(run=rms_norm_fwd, supports=norm_supports, dtypes=DTYPES),
         "rms_norm_bwd": OpImpl(run=rms_norm_bwd, supports=norm_supports, dtypes=DTYPES),
         "layer_norm_fwd": OpImpl(run=layer_norm_fwd, supports=norm_supports, dtypes=DTYPES),
@@ -76,5 +79,4 @@ BACKEND = Backend(
     runtime_reasons=_runtime_reasons,
     description="NKI kernels for Trainium2/3, custom ops through "
                 + ("" if compat.USING_TORCH_NEURONX else "a test double of ") + "torch-neuronx's nki_op",
-    declined=("attention_varlen_fwd", "attention_varlen_bwd"),
 )

@@ -1,41 +1,49 @@
-"""Flash attention forward and backward as NKI kernels (online softmax, GQA, bottom-right causal,
-sliding window, logit softcap).
+"""Flash attention forward and backward as NKI kernels (GQA, bottom-right causal, sliding window, logit
+softcap, sinks, a head dim of V's own).
 
-Layout: a query tile holds up to 128 rows on the partitions; a key tile holds up to 128 keys.
-V (and O, dO) may have a head dim of their own, ``Dv`` (DeepSeek's MLA): Q and K's ``D`` is
-contracted in ``S`` and dQ, dK; ``Dv`` in ``dP = dO V^T``, and it is P V's free size.
+Layout: a query tile holds up to 128 rows on the partitions. V (and O, dO) may have a head dim of their own,
+``Dv`` (DeepSeek's MLA): Q and K's ``D`` is contracted in ``S`` and dQ, dK; ``Dv`` in ``dP = dO V^T``, and it is
+P V's free size. A head dim over 128 is split into chunks of at most 128 partitions (``[128, n_chunks, rows]``
+tiles) whose matmuls accumulate into one PSUM tile; where it is a free size it needs no split up to 512 fp32.
 
-Scores ``S = Q K^T`` come from ``nc_matmul(stationary=Q^T [D, bq], moving=K^T [D, bk])`` into
-PSUM, so the head dim is the contraction, on the partitions. A head dim over 128 is split into
-chunks of at most 128 partitions (``[128, n_chunks, rows]`` tiles) whose matmuls accumulate into
-one PSUM tile; where D is a free size (``P V`` and the gradients, ``[rows, D]`` in PSUM) it needs
-no split up to 512 fp32 per bank. ``Q^T`` / ``K^T`` / ``P^T`` are made on the Tensor Engine with
-``nc_transpose``. Ragged
-sequence lengths use smaller static edge tiles.
+Forward (:class:`_Forward`): per (batch, KV head), a section of keys is resident in SBUF (K^T and V, brought in by
+DMA transposes, whose runs per partition are long, V turned back per 128-key block on the Tensor Engine, with a
+ones column appended so that P V's last column is P's row sum), reused by every query tile of every query head
+of the GQA group. Per query tile, the keys of the section it sees are scored in 512-key tiles (one PSUM bank):
+``S = Q K^T`` with ``Q^T`` stationary (a cut block's mask added in PSUM by a matmul where it can be: ``mask``),
+evacuated with the scale and the row max in one ``tensor_scalar_reduce``; the section's max comes first, so the
+exponentials need no rescale; ``P = exp(s - m)`` in the input dtype; P^T per 128-key block, the first one or two
+of a tile's four on the Tensor Engine in turn (copied out of PSUM by the Scalar Engine), the rest by DMA
+transpose; ``[P V, rowsum]`` accumulates in one PSUM bank over the section.
+Sections: as many whole 512-key tiles as fit ``RESIDENT_BYTES`` (K^T and V) and ``WORKING_BYTES`` (one tile's
+scores, P, P^T) per partition; with several, a query tile carries ``[P V, rowsum, -max]`` through fp32 HBM from one
+to the next and joins them at the larger max. The stages are software-pipelined (scores two tiles ahead of P, P a
+tile ahead of P V) and PSUM is multi-buffered in explicit rings, so that the engines overlap.
+
+Backward (:class:`_Backward`, one pass): per (batch, KV head) and key section (K^T, V^T and K resident, dK and dV
+summed over the GQA group in fp32 SBUF), per query head and query section (Q^T, dO^T, Q and dO resident, dQ
+summed in fp32 SBUF, carried through HBM between key sections), per 512-key group and query tile: S and dP into
+PSUM, ``P = exp(scale S - lse)`` straight out of PSUM, ``dS = P (dP - delta)``; dV and dK accumulate in PSUM over
+the section's query tiles (P and dS are the stationary operands as they are, queries contracted), dQ over the
+group's blocks through dS^T.
 
 Masks are one band: query ``i`` sits at key position ``p = i + Skv - Sq`` and sees key ``j`` iff
-``p - left <= j <= p + right`` (either side None: unbounded), where ``causal`` makes ``right``
-at most 0 and ``window=(left, right)`` gives the sides (``visible`` in the reference). Key blocks
-wholly outside the band of a query tile are skipped at trace time (and query tiles wholly outside
-a key block's, in the dK/dV pass), so a window of W keys costs O(W) per query, not O(Skv); only
-blocks that a band edge crosses get a GpSimd ``affine_select`` (one per edge). A softcap replaces
-each scaled score ``s`` by ``softcap * tanh(s / softcap)`` before the mask: the Scalar Engine's
-``tanh`` as the scores leave PSUM, its output kept for the backward's ``1 - tanh^2``. GQA reads
-K/V head ``h // (Hq // Hkv)`` in place (query heads loop inside their KV head), never a repeated
-copy.
+``p - left <= j <= p + right`` (either side None: unbounded), where ``causal`` makes ``right`` at most 0 and
+``window=(left, right)`` gives the sides (``visible`` in the reference). Keys wholly outside the band of a query
+tile are skipped at trace time, 128 at a time, so a window of W keys costs O(W) per query, not O(Skv); only
+128-key blocks that a band edge crosses get a GpSimd ``affine_select`` (one per edge): on the scores in the
+forward, on P in the backward. A softcap replaces each scaled score ``s`` by ``softcap * tanh(s / softcap)``
+before the mask: the Scalar Engine's ``tanh`` as the scores leave PSUM (the backward's ``1 - tanh^2`` from it).
+GQA reads K/V head ``h // (Hq // Hkv)`` in place, never a repeated copy.
 
-Sinks (one logit per query head) join each row's denominator once, after its last key block; the
-host hands each head's sink down the partitions (``[Hq, 128, 1]``), so a query tile loads its column
-in one DMA.
+Sinks (one logit per query head) join each row's denominator once, at its end; the host hands each head's sink
+down the partitions (``[Hq, 128, 1]``), so a query tile loads its column in one DMA.
 
-Forward returns ``out`` and ``lse`` (float32, natural log; ``-inf`` and zero output for rows that
-see no key; with sinks their lse is the sink). Backward recomputes P from ``lse`` (the sunk lse:
-the sinked probabilities) in two passes: dQ with query tiles outside, then dK/dV with key tiles
-outside and every query head of the group inside, so dK/dV are summed over the group in SBUF.
-The dQ pass also writes each row's share of the sinks' gradient, ``-p_sink * delta``, which the
-host sums. Semantics: ``backends/reference/attention.py``.
+Forward returns ``out`` and ``lse`` (float32, natural log; ``-inf`` and zero output for rows that see no key; with
+sinks their lse is the sink). Backward recomputes P from ``lse`` (the sunk lse: the sinked probabilities) and also
+writes each row's share of the sinks' gradient, ``-p_sink * delta``, which the host sums. Semantics:
+``backends/reference/attention.py``.
 """
-
 from __future__ import annotations
 
 import math
@@ -48,19 +56,20 @@ from .compat import nki, nisa, nl
 from .runtime import kernel_op, launch
 
 B_Q = 128  # query rows per tile (partition axis)
-B_K = 128  # keys per tile (P^T needs the keys on <= 128 partitions)
+B_K = 128  # keys per block (P^T needs the keys on <= 128 partitions)
 NEG = -1.0e30  # finite "minus infinity" for masked scores: exp(NEG - m) == 0, no inf - inf
+FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 2.0 ** -126  # float32's largest and smallest normal
 PMAX = 128  # partitions: the most a matmul contracts over, and a transpose's largest side
-
-
-def _transposed(src, rows, cols, dtype):
-    """``src [rows, cols]`` (SBUF, ``cols <= 128``) -> ``[cols, rows]`` in SBUF, through a Tensor Engine
-    transpose (into PSUM in ``src``'s dtype, as nc_transpose requires)."""
-    t_ps = nl.ndarray((cols, rows), dtype=src.dtype, buffer=nl.psum)
-    nisa.nc_transpose(t_ps, src)
-    t_sb = nl.ndarray((cols, rows), dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(t_sb, t_ps)
-    return t_sb
+SCORE_KEYS = 512  # keys per forward score tile: one PSUM bank of fp32, a matmul's largest moving free size
+# of each score tile's four P blocks, how many the Tensor Engine transposes, tile by tile in turn (the DMA the rest):
+# the Scalar Engine copies those out of PSUM, so this balances its time against the DMA queues'
+TENSOR_TRANSPOSED = (2, 1)
+SCORED_AHEAD = 2  # query tiles whose scores are issued before a tile's P V
+BACKWARD_TENSOR_TRANSPOSED = 3  # of a group's four dS blocks, how many the Tensor Engine transposes (the DMA the rest)
+BACKWARD_SIDE_BYTES = 64 * 1024  # SBUF per partition for the backward's query side, and for its key side
+PSUM_BANK_FP32 = 512  # fp32 per partition in a PSUM bank
+RESIDENT_BYTES = 96 * 1024  # SBUF per partition for a section's resident K^T and V
+WORKING_BYTES = 48 * 1024  # and for one query tile's scores, P and P^T (the pipeline holds a few such at once)
 
 
 def _chunks(n):
@@ -68,29 +77,9 @@ def _chunks(n):
     return [(c, c0, min(PMAX, n - c0)) for c, c0 in enumerate(range(0, n, PMAX))]
 
 
-def _transposed_chunks(src, rows, cols, dtype):
-    """``src [rows, cols]`` (SBUF) -> ``[min(cols, 128), n_chunks, rows]`` in SBUF: chunk ``c`` is
-    ``src[:, c0:c0 + size]`` transposed, on its first ``size`` partitions (the layout
-    :func:`_matmul_chunked` contracts over). All chunks share one PSUM tile (in ``src``'s dtype, as
-    nc_transpose requires; a bank holds ``n_chunks * rows <= 512`` of them), so a wider head dim
-    costs no extra PSUM bank."""
-    chunks = _chunks(cols)
-    shape = (min(cols, PMAX), len(chunks), rows)
-    t_ps = nl.ndarray(shape, dtype=src.dtype, buffer=nl.psum)
-    for c, c0, size in chunks:
-        nisa.nc_transpose(t_ps[0:size, c, :], src[:, c0:c0 + size])
-    t_sb = nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
-    full, ragged = divmod(cols, PMAX)
-    if full:  # the full chunks in one copy
-        nisa.tensor_copy(t_sb[:, 0:full, :], t_ps[:, 0:full, :])
-    if ragged:  # only the written partitions of the last chunk
-        nisa.tensor_copy(t_sb[0:ragged, full, :], t_ps[0:ragged, full, :])
-    return t_sb
-
-
 def _matmul_chunked(dst, stationary, moving, contraction):
     """``dst = stationary^T moving`` over a contraction that may exceed the 128 partitions: both
-    operands are in :func:`_transposed_chunks`' layout, and the chunk matmuls accumulate into the
+    operands are in :func:`_transposed_rows`' layout, and the chunk matmuls accumulate into the
     one PSUM tile ``dst``."""
     for c, _, size in _chunks(contraction):
         nisa.nc_matmul(dst, stationary[0:size, c, :], moving[0:size, c, :], accumulate=c > 0)
@@ -121,47 +110,26 @@ def _key_blocks(q0, bq, shift, Skv, left, right):
     return (lo // B_K, hi // B_K + 1) if lo <= hi else (0, 0)
 
 
-def _query_tiles(k0, bk, shift, Sq, left, right):
-    """``(first, stop)``: the query tiles with some row that sees a key of ``[k0, k0 + bk)``; key
-    ``j`` is seen by positions ``j - right .. j + left``, query rows ``i = p - shift``."""
-    lo = 0 if right is None else max(0, k0 - right - shift)
-    hi = Sq - 1 if left is None else min(Sq - 1, k0 + bk - 1 + left - shift)
-    return (lo // B_Q, hi // B_Q + 1) if lo <= hi else (0, 0)
+def _cuts(q0, k0, bq, bk, shift, left, right):
+    """``(right_cut, left_cut)``: whether the band's right edge (the block's last key is past row 0's band) and its
+    left edge (the block's first key is before the last row's) cut the block ``[k0, k0 + bk)`` of the query tile."""
+    return (right is not None and k0 + bk - 1 > q0 + shift + right,
+            left is not None and k0 < q0 + bq - 1 + shift - left)
 
 
-def _mask(s, q0, k0, bq, bk, shift, left, right):
-    """Scores outside the band -> NEG, on edge blocks only. With ``d = (q0 + r + shift) - (k0 + c)``
-    (the query's position minus the key's, ``r`` the partition and ``c`` the free index), key
-    ``k0 + c`` is visible iff ``-right <= d <= left``: one affine_select per side that cuts the block.
-
-    A row with no visible key in this block (but some in another) gets weights exp(NEG - NEG) = 1
-    here while its running max is still NEG; its first visible score rescales them by
-    exp(NEG - m) = 0, and rows with no visible key anywhere are overwritten by _rows_without_keys."""
-    if right is not None and k0 + bk - 1 > q0 + shift + right:  # the block's last key is past row 0's band
+def _mask(s, q0, k0, bq, bk, shift, left, right, fill=NEG):
+    """Entries of ``s`` (scores, or P in the backward) outside the band -> ``fill``, on edge blocks only. With
+    ``d = (q0 + r + shift) - (k0 + c)`` (the query's position minus the key's, ``r`` the partition and ``c`` the
+    free index), key ``k0 + c`` is visible iff ``-right <= d <= left``: one affine_select per side that cuts the
+    block. A row with no visible key at all keeps max NEG, its masked scores weigh exp(0) = 1; such rows are
+    overwritten by _rows_without_keys."""
+    right_cut, left_cut = _cuts(q0, k0, bq, bk, shift, left, right)
+    if right_cut:
         nisa.affine_select(s, pattern=[[-1, bk]], offset=q0 + shift - k0 + right, channel_multiplier=1,
-                           on_true_tile=s, on_false_value=NEG, cmp_op=nl.greater_equal)
-    if left is not None and k0 < q0 + bq - 1 + shift - left:  # the block's first key is before the last row's
+                           on_true_tile=s, on_false_value=fill, cmp_op=nl.greater_equal)
+    if left_cut:
         nisa.affine_select(s, pattern=[[-1, bk]], offset=q0 + shift - k0 - left, channel_multiplier=1,
-                           on_true_tile=s, on_false_value=NEG, cmp_op=nl.less_equal)
-
-
-def _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, left, right, softcap):
-    """Scaled, capped, masked scores ``[bq, bk]`` in float32 SBUF, and ``tanh(scale * QK^T / softcap)``
-    for the softcap's derivative (None without a softcap)."""
-    s_ps = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.psum)
-    _matmul_chunked(s_ps, qT, kT, D)
-    s = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
-    t = None
-    if softcap is None:
-        nisa.activation(s, op=nl.copy, data=s_ps, scale=scale)
-    else:
-        # The activation's pre-scale takes scale / softcap for free as the scores leave PSUM; the
-        # Scalar Engine's tanh is valid on [-inf, inf], so huge scores saturate at +-softcap.
-        t = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(t, op=nl.tanh, data=s_ps, scale=scale / softcap)
-        nisa.tensor_scalar(s, t, op0=nl.multiply, operand0=softcap)
-    _mask(s, q0, k0, bq, bk, shift, left, right)  # after the cap, as the reference: capped scores are masked
-    return s, t
+                           on_true_tile=s, on_false_value=fill, cmp_op=nl.less_equal)
 
 
 def _rows_without_keys(tile, q0, shift, right, width, fill):
@@ -179,255 +147,662 @@ def _sink_column(sinks, h, bq):
     return _load(sinks[h, 0:bq, 0:1], bq, 1, nl.float32)
 
 
-def _join_sink(m, l_sum, sink, bq):
-    """A row's max ``m`` and sum ``l_sum`` with its sink joined, in place, and the factor ``exp(m_old - m)``
-    that takes its accumulator to the new max (0 for a row that saw no key: its ``m`` is NEG)."""
-    m_all = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(m_all, m, sink, op=nl.maximum)
-    neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(neg_m, m_all, op0=nl.multiply, operand0=-1.0)
+def _neg_max_with_sink(neg_m, l_sum, sink, bq):
+    """A row's ``-max`` and sum with its sink joined, in place, and the factor ``exp(m_old - m)`` that takes its
+    accumulator to the new max (0 for a row that saw no key: its ``m`` is NEG)."""
+    neg_all = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(neg_all, data=sink, op0=nl.multiply, operand0=-1.0, op1=nl.minimum, operand1=neg_m)
     decay = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(decay, op=nl.exp, data=m, bias=neg_m)
+    nisa.activation(decay, op=nl.exp, data=neg_m, scale=-1.0, bias=neg_all)
     sink_term = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(sink_term, op=nl.exp, data=sink, bias=neg_m)
+    nisa.activation(sink_term, op=nl.exp, data=sink, bias=neg_all)
     nisa.scalar_tensor_tensor(l_sum, data=l_sum, op0=nl.multiply, operand0=decay, op1=nl.add, operand1=sink_term)
-    nisa.tensor_copy(m, m_all)
+    nisa.tensor_copy(neg_m, neg_all)
     return decay
+
+
+def _factors(factor):
+    """``factor`` as one float32 immediate, or as two whose product it is where it is out of float32's normal range
+    (a tiny or huge softcap makes ``scale / softcap`` or ``softcap`` so): the engines take float32 immediates."""
+    if factor == 0 or FLOAT32_TINY <= abs(factor) <= FLOAT32_MAX:
+        return (factor,)
+    root = math.sqrt(abs(factor))
+    return (math.copysign(root, factor), root)
+
+
+def _multiply(dst, src, factor):
+    """``dst = src * factor`` on the Vector Engine, in two steps where ``factor`` needs two immediates."""
+    first, *second = _factors(factor)
+    nisa.tensor_scalar(dst, src, op0=nl.multiply, operand0=first, op1=nl.multiply if second else None,
+                       operand1=second[0] if second else None)
+
+
+def _tanh(dst, src, factor):
+    """``dst = tanh(src * factor)`` on the Scalar Engine, the factor its free pre-scale where one immediate holds
+    it, else applied first."""
+    if len(_factors(factor)) == 1:
+        nisa.activation(dst, op=nl.tanh, data=src, scale=factor)
+    else:
+        _multiply(dst, src, factor)
+        nisa.activation(dst, op=nl.tanh, data=dst)
+
+
+def _itemsize(dtype):
+    return 4 if dtype == nl.float32 else 2
+
+
+def _section_keys(D, Dv, dtype):
+    """Keys per resident section: the most whole score tiles whose K^T and V fit ``RESIDENT_BYTES`` per partition
+    and whose one query tile's scores (fp32), P and P^T fit ``WORKING_BYTES``, at least one tile."""
+    size = _itemsize(dtype)
+    resident = len(_chunks(D)) * size + (Dv + 1) * size / PMAX  # K^T [D, keys]; V [128 keys, blocks, Dv + 1]
+    working = 4 + 2 * size  # scores, P, P^T (bq = 128 columns per 128 keys)
+    tiles = min(RESIDENT_BYTES / resident, WORKING_BYTES / working) // SCORE_KEYS
+    return SCORE_KEYS * max(1, int(tiles))
+
+
+def _transposed_rows_of(sources, n, widths, dt):
+    """HBM ``sources`` (each ``[n, width]``) -> ``[min(width, 128), chunks, n]`` each in SBUF by DMA transposes, one
+    per 128 columns and score tile of rows, the sources' interleaved (so that the first tile's work waits for no
+    more than its own rows)."""
+    dsts = [nl.ndarray((min(width, PMAX), len(_chunks(width)), n), dtype=dt, buffer=nl.sbuf) for width in widths]
+    for r0 in range(0, n, SCORE_KEYS):
+        rows = slice(r0, min(n, r0 + SCORE_KEYS))
+        for src, dst, width in zip(sources, dsts, widths):
+            for c, c0, size in _chunks(width):
+                nisa.dma_transpose(dst[0:size, c, rows], src[rows, c0:c0 + size])
+    return dsts
+
+
+def _transposed_rows(src, n, width, dt):
+    """HBM ``src [n, width]`` -> ``[min(width, 128), chunks, n]`` in SBUF (:func:`_transposed_rows_of`)."""
+    return _transposed_rows_of((src,), n, (width,), dt)[0]
+
+
+def _rows_from_transposed(xT, n, width, dt, ring, columns=None):
+    """``xT`` (:func:`_transposed_rows`' layout of ``[n, width]``) turned back into ``[128, blocks, columns]``
+    (block ``j`` holds rows ``128 j ..`` on the partitions; ``columns`` >= ``width``, the rest left unwritten) on
+    the Tensor Engine, four 128-column slots per PSUM tile of ``ring``, copied out by the Scalar Engine (the Vector
+    Engine has the scores to evacuate): cheaper than DMAing the rows, whose runs per partition are ``width`` elements
+    only."""
+    blocks, chunks = _chunks(n), _chunks(width)
+    rows = nl.ndarray((PMAX, len(blocks), columns or width), dtype=dt, buffer=nl.sbuf)
+    per_tile = 4 // len(chunks)  # blocks per PSUM tile: a slot per (block, 128 columns)
+    for g0 in range(0, len(blocks), per_tile):
+        group = blocks[g0:g0 + per_tile]
+        t_ps = ring.take()
+        for i, (_, j0, size) in enumerate(group):
+            for c, c0, w in chunks:
+                nisa.nc_transpose(t_ps[0:size, i * len(chunks) + c, 0:w], xT[0:w, c, j0:j0 + size])
+        full = len(group) - (group[-1][2] < PMAX)  # only the last block can be short
+        for c, c0, w in chunks:
+            slots = slice(c, len(group) * len(chunks), len(chunks))
+            if full:
+                nisa.tensor_copy(rows[:, g0:g0 + full, c0:c0 + w], t_ps[:, slots, 0:w][:, 0:full, :],
+                                 engine=nisa.scalar_engine)
+            if full < len(group):
+                short, slot = group[-1][2], full * len(chunks) + c
+                nisa.tensor_copy(rows[0:short, g0 + full, c0:c0 + w], t_ps[0:short, slot, 0:w],
+                                 engine=nisa.scalar_engine)
+    return rows
+
+
+def _pieces(k_lo, k_hi, q0, bq, shift, left, right):
+    """The score tiles ``(k0, n)`` of up to ``SCORE_KEYS`` keys over ``[k_lo, k_hi)``, each with its pieces
+    ``(k0, n, cut)``: the 128-key blocks a band edge cuts (``cut``) alone, runs of the others merged."""
+    tiles = []
+    for t0 in range(k_lo, k_hi, SCORE_KEYS):
+        pieces = []
+        for _, j0, size in _chunks(min(SCORE_KEYS, k_hi - t0)):
+            cut = _cuts(q0, t0 + j0, bq, size, shift, left, right) != (False, False)
+            if pieces and not cut and not pieces[-1][2]:
+                pieces[-1] = (pieces[-1][0], pieces[-1][1] + size, False)
+            else:
+                pieces.append((t0 + j0, size, cut))
+        tiles.append(((t0, min(SCORE_KEYS, k_hi - t0)), pieces))
+    return tiles
+
+
+class _PsumRing:
+    """PSUM tiles taken in turn: explicit multi-buffering, since PSUM's eight banks are too few to leave to the
+    allocator (a new tile would take the bank of one still being read)."""
+
+    def __init__(self, count, shape, dtype):
+        self.tiles = [nl.ndarray(shape, dtype=dtype, buffer=nl.psum) for _ in range(count)]
+        self.turn = -1
+
+    def take(self):
+        self.turn = (self.turn + 1) % len(self.tiles)
+        return self.tiles[self.turn]
+
+
+class _Forward:
+    """One forward launch's trace-time constants, outputs and PSUM rings; its methods are the kernel's stages."""
+
+    def __init__(self, q, k, v, sinks, carried, out, lse, scale, left, right, softcap):
+        self.q, self.k, self.v, self.sinks, self.carried, self.out, self.lse = q, k, v, sinks, carried, out, lse
+        self.Sq, self.D, self.Skv, self.Dv = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
+        self.dt, self.shift = q.dtype, self.Skv - self.Sq
+        self.scale, self.left, self.right, self.softcap = scale, left, right, softcap
+        # Where the scale is positive, no softcap comes between, and NEG / scale fits the input dtype, a cut block's
+        # mask is a bias the Tensor Engine adds to its scores in PSUM (identity^T x mask): NEG once scaled, and the
+        # Vector Engine evacuates it with its tile's other blocks; else it is masked after the scale (and cap).
+        bias = NEG / scale if scale > 0 else -math.inf
+        in_psum = softcap is None and self.dt in (nl.bfloat16, nl.float32) and abs(bias) <= FLOAT32_MAX / 4
+        self.mask_value, self.masks, self.identity = (bias if in_psum else None), {}, None
+        if in_psum and (left is not None or right is not None):
+            self.identity = nl.ndarray((PMAX, PMAX), dtype=self.dt, buffer=nl.sbuf)
+            nisa.memset(self.identity, 1.0)
+            nisa.affine_select(self.identity, pattern=[[-1, PMAX]], offset=0, channel_multiplier=1,
+                               on_true_tile=self.identity, on_false_value=0.0, cmp_op=nl.equal)
+        # the eight banks: scores, Tensor Engine transposes (four 128-column slots each), [P V, rowsum]
+        self.scores_ps = _PsumRing(4, (B_Q, SCORE_KEYS), nl.float32)
+        self.transposes_ps = _PsumRing(2, (PMAX, 4, PMAX), self.dt)
+        self.pv_ps = _PsumRing(2, (B_Q, self.Dv + 1), nl.float32)
+
+    def resident(self, b, hkv, s0, n):
+        """Keys ``[s0, s0 + n)`` of KV head ``hkv`` on chip: ``K^T [min(D, 128), chunks, n]``, and ``V [128,
+        blocks, Dv + 1]`` (block ``j`` holds keys ``s0 + 128 j ..`` on the partitions), its last column ones, so
+        that P V's last column is P's row sum. Both come in as DMA transposes from HBM (one long run per partition,
+        where V's rows would be 2 * Dv bytes each); V is turned back by :func:`_rows_from_transposed`."""
+        Dv, dt = self.Dv, self.dt
+        kT, vT = _transposed_rows_of((self.k[b, hkv, s0:s0 + n, :], self.v[b, hkv, s0:s0 + n, :]), n,
+                                     (self.D, Dv), dt)
+        v_sb = _rows_from_transposed(vT, n, Dv, dt, self.transposes_ps, columns=Dv + 1)
+        nisa.memset(v_sb[:, :, Dv:Dv + 1], 1.0)
+        return kT, v_sb
+
+    def query_transposed(self, b, h, q0, bq):
+        """A query tile's ``Q^T`` (DMA transposes)."""
+        return _transposed_rows(self.q[b, h, q0:q0 + bq, :], bq, self.D, self.dt)
+
+    def scores_stage(self, b, h, q0, bq, kT, s0, sn, qT=None):
+        """The first stage of a query tile's work on a section: its visible keys there, Q^T (unless given), the
+        scores and their max; a dict for the next stages, ``tiles`` None when the tile sees no key of the section."""
+        k_first, k_stop = _key_blocks(q0, bq, self.shift, self.Skv, self.left, self.right)
+        k_lo, k_hi = max(k_first * B_K, s0), min(k_stop * B_K, self.Skv, s0 + sn)
+        stage = dict(h=h, q0=q0, bq=bq, first=k_first * B_K >= s0, last=min(k_stop * B_K, self.Skv) <= s0 + sn,
+                     blind=s0 == 0 and k_first == k_stop, tiles=None)
+        if k_lo < k_hi:
+            qT = self.query_transposed(b, h, q0, bq) if qT is None else qT
+            stage["tiles"] = _pieces(k_lo, k_hi, q0, bq, self.shift, self.left, self.right)
+            stage["s"], stage["neg_m"] = self.section_scores(qT, kT, s0, stage["tiles"], bq, q0)
+        return stage
+
+    def section_scores(self, qT, kT, s0, tiles, bq, q0):
+        """Scaled, capped, masked scores of the keys ``tiles`` cover (fp32 ``[bq, keys]``, SBUF) and their row max,
+        negated (``[bq, 1]``): each 512-key tile's PSUM is evacuated with the scale and the max of each of its
+        pieces in one Vector instruction; a piece an edge cuts has its mask added in PSUM (one piece with the rest of
+        its tile), or is scaled, masked (GpSimd), then its max taken."""
+        k_lo, in_psum = tiles[0][0][0], self.mask_value is not None
+        s = nl.ndarray((bq, tiles[-1][0][0] + tiles[-1][0][1] - k_lo), dtype=nl.float32, buffer=nl.sbuf)
+        maxima = nl.ndarray((bq, len(tiles) if in_psum else sum(len(p) for _, p in tiles)), dtype=nl.float32,
+                            buffer=nl.sbuf)
+        column = 0
+        for (t0, tn), pieces in tiles:
+            s_ps = self.scores_ps.take()[0:bq, 0:tn]
+            _matmul_chunked(s_ps, qT, kT[:, :, t0 - s0:t0 - s0 + tn], self.D)
+            if in_psum:
+                for p0, pn, cut in pieces:
+                    if cut:
+                        nisa.nc_matmul(s_ps[:, p0 - t0:p0 - t0 + pn], self.identity[0:bq, 0:bq],
+                                       self.mask(q0, p0, bq, pn), accumulate=True)
+                pieces = [(t0, tn, False)]
+            src, factor = s_ps, self.scale
+            if self.softcap is not None:  # the scale / softcap pre-scale is free as the scores leave PSUM
+                src, factor = nl.ndarray((bq, tn), dtype=nl.float32, buffer=nl.sbuf), self.softcap
+                _tanh(src, s_ps, self.scale / self.softcap)
+            for p0, pn, cut in pieces:
+                dst, piece = s[:, p0 - k_lo:p0 - k_lo + pn], src[:, p0 - t0:p0 - t0 + pn]
+                peak = maxima[:, column:column + 1]
+                if cut or len(_factors(factor)) > 1:  # masked, or a factor of two immediates: apart
+                    _multiply(dst, piece, factor)
+                    _mask(dst, q0, p0, bq, pn, self.shift, self.left, self.right)
+                    nisa.tensor_reduce(peak, op=nl.maximum, data=dst, axis=1, keepdims=True)
+                else:
+                    nisa.tensor_scalar_reduce(dst, piece, op0=nl.multiply, operand0=factor, reduce_op=nl.maximum,
+                                              reduce_res=peak)
+                column += 1
+        neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(neg_m, op=nl.maximum, data=maxima, axis=1, negate=True, keepdims=True)
+        # a max of at least NEG: a row scoring -inf against every key gets exp(-inf - NEG) = 0, not exp(-inf + inf)
+        nisa.tensor_scalar(neg_m, neg_m, op0=nl.minimum, operand0=-NEG, engine=nisa.gpsimd_engine)
+        return s, neg_m
+
+    def probabilities_stage(self, stage, b, s0):
+        """The second: the row max joined with the state carried from earlier sections, ``P = exp(s - m)`` (one
+        exponential per score tile) and P^T per 128-key block (the first ``TENSOR_TRANSPOSED`` of a tile's blocks,
+        tile by tile in turn, on the Tensor Engine, copied out of PSUM by the Scalar Engine, the rest by DMA)."""
+        tiles, h, q0, bq, Dv, dt = stage["tiles"], stage["h"], stage["q0"], stage["bq"], self.Dv, self.dt
+        if tiles is None:
+            return stage
+        s, neg_m = stage.pop("s"), stage["neg_m"]  # the scores are dead once P is made
+        if not stage["first"]:  # the max over both, the carried sums to be rescaled to it
+            stage["carried"] = carried = _load(self.carried[b, h, q0:q0 + bq, 0:Dv + 2], bq, Dv + 2, nl.float32)
+            nisa.tensor_tensor(neg_m, neg_m, carried[:, Dv + 1:Dv + 2], op=nl.minimum)
+            stage["alpha"] = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(stage["alpha"], op=nl.exp, data=carried[:, Dv + 1:Dv + 2], scale=-1.0, bias=neg_m)
+        k_lo = tiles[0][0][0]
+        p = nl.ndarray(s.shape, dtype=dt, buffer=nl.sbuf)
+        stage["pT"] = pT = nl.ndarray((PMAX, len(_chunks(s.shape[1])), bq), dtype=dt, buffer=nl.sbuf)
+        for (t0, tn), _ in tiles:  # every exponential first: the Scalar Engine's copies below wait on transposes
+            nisa.activation(p[:, t0 - k_lo:t0 - k_lo + tn], op=nl.exp, data=s[:, t0 - k_lo:t0 - k_lo + tn],
+                            bias=neg_m)
+        for i, ((t0, tn), _) in enumerate(tiles):
+            keys = slice(t0 - k_lo, t0 - k_lo + tn)
+            blocks, block0 = _chunks(tn), (t0 - k_lo) // PMAX
+            on_tensor = blocks[:TENSOR_TRANSPOSED[i % len(TENSOR_TRANSPOSED)]]
+            t_ps = self.transposes_ps.take()
+            for j, j0, size in on_tensor:
+                nisa.nc_transpose(t_ps[0:size, j, 0:bq], p[:, keys.start + j0:keys.start + j0 + size])
+            rows = on_tensor[-1][2] if len(on_tensor) == 1 else PMAX  # only a last block is short
+            nisa.tensor_copy(pT[0:rows, block0:block0 + len(on_tensor), :], t_ps[0:rows, 0:len(on_tensor), 0:bq],
+                             engine=nisa.scalar_engine)
+            for j, j0, size in blocks[len(on_tensor):]:
+                nisa.dma_transpose(pT[0:size, block0 + j, :], p[:, keys.start + j0:keys.start + j0 + size])
+        return stage
+
+    def mask(self, q0, k0, bq, bk):
+        """The bias that masks the block ``[k0, k0 + bk)`` of the query tile at ``q0`` in PSUM (``[bq, bk]``, 0 where
+        visible, ``mask_value`` where not), made once per offset of the block from the tile's diagonal."""
+        key = (q0 + self.shift - k0, bq, bk)
+        if key not in self.masks:
+            self.masks[key] = tile = nl.ndarray((bq, bk), dtype=self.dt, buffer=nl.sbuf)
+            nisa.memset(tile, 0.0)
+            _mask(tile, q0, k0, bq, bk, self.shift, self.left, self.right, fill=self.mask_value)
+        return self.masks[key]
+
+    def output_stage(self, stage, b, v_sb, s0):
+        """The last: ``[P V, rowsum(P)]`` in PSUM (one accumulating matmul per 128-key block), joined with the
+        carried state, and the tile's rows written (its last section) or its state carried on (``[P V, rowsum,
+        -max]``, fp32 HBM)."""
+        h, q0, bq, tiles, Dv = stage["h"], stage["q0"], stage["bq"], stage["tiles"], self.Dv
+        if tiles is None:  # no key of this section; of none at all: written once, as seeing nothing
+            if stage["blind"]:
+                self.write_rows(None, None, b, h, q0, bq)
+            return
+        k_lo, pT = tiles[0][0][0], stage["pT"]
+        acc = pv = self.pv_ps.take()[0:bq, :]
+        for (t0, tn), _ in tiles:
+            for j, j0, size in _chunks(tn):
+                block = (t0 + j0 - k_lo) // PMAX
+                nisa.nc_matmul(pv, pT[0:size, block, :], v_sb[0:size, (t0 + j0 - s0) // PMAX, :],
+                               accumulate=block > 0)
+        if not stage["first"]:
+            acc = stage["carried"][:, 0:Dv + 1]
+            nisa.scalar_tensor_tensor(acc, data=acc, op0=nl.multiply, operand0=stage["alpha"], op1=nl.add,
+                                      operand1=pv)
+        if stage["last"]:
+            self.write_rows(acc, stage["neg_m"], b, h, q0, bq)
+        else:
+            state = nl.ndarray((bq, Dv + 2), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(state[:, 0:Dv + 1], acc)
+            nisa.tensor_copy(state[:, Dv + 1:Dv + 2], stage["neg_m"])
+            nisa.dma_copy(self.carried[b, h, q0:q0 + bq, 0:Dv + 2], state)
+
+    def write_rows(self, acc, neg_m, b, h, q0, bq):
+        """A query tile's output ``acc[:, :Dv] / rowsum`` and lse ``max + log(rowsum)`` from ``acc = [P V, rowsum]``
+        (PSUM or SBUF) and ``-max``, with head ``h``'s sink joined; ``acc`` None: the tile sees no key."""
+        Dv, shift, right = self.Dv, self.shift, self.right
+        l_sum = nl.zeros((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        if acc is None:
+            neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.memset(neg_m, -NEG)
+        else:
+            nisa.tensor_copy(l_sum, acc[:, Dv:Dv + 1])
+        sinks = self.sinks
+        decay = None if sinks is None else _neg_max_with_sink(neg_m, l_sum, _sink_column(sinks, h, bq), bq)
+        # A real row's sum is >= 1 (its max term, a key's or its sink's, is exp(0)); one that sees nothing sums to
+        # 0 and is overwritten below, one with a key scoring +inf is NaN (its acc too): 1 in both keeps log in its
+        # domain. The one-column steps run on GpSimd and the Scalar Engine where they can, off the Vector Engine's
+        # score evacuations.
+        l_safe = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(l_safe, l_sum, op0=nl.maximum, operand0=1.0, engine=nisa.gpsimd_engine)
+        real = nl.ndarray((bq, 1), dtype=nl.uint8, buffer=nl.sbuf)
+        nisa.tensor_scalar(real, l_sum, op0=nl.less_equal, operand0=float(2 ** 60),  # NaN: false
+                           engine=nisa.gpsimd_engine)
+        nisa.tensor_copy_predicated(dst=l_safe, src=1.0, predicate=real, reverse_pred=True)
+        inv_l = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(inv_l, l_safe, op0=nl.reciprocal, operand0=None, engine=nisa.gpsimd_engine)
+        if decay is not None:
+            nisa.tensor_tensor(inv_l, inv_l, decay, op=nl.multiply, engine=nisa.gpsimd_engine)
+        o = nl.ndarray((bq, Dv), dtype=self.dt, buffer=nl.sbuf)
+        if acc is None:
+            nisa.memset(o, 0.0)
+        else:
+            nisa.activation(o, op=nl.copy, data=acc[:, 0:Dv], scale=inv_l)
+        lse_t = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(lse_t, op=nl.log, data=l_safe)
+        # + l_sum * 0: NaN where the sum is, so such a row's lse is NaN as its output
+        nan_or_max = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(nan_or_max, l_sum, op0=nl.multiply, operand0=0.0, op1=nl.subtract, operand1=neg_m,
+                           engine=nisa.gpsimd_engine)
+        nisa.tensor_tensor(lse_t, lse_t, nan_or_max, op=nl.add, engine=nisa.gpsimd_engine)
+        # Rows that see no key had only masked scores (or, with no visible block, none): out 0 and lse -inf, as
+        # the reference, not the mean of masked values (with a sink their lse is already the sink's: the decay
+        # dropped the masked ones).
+        _rows_without_keys(o, q0, shift, right, Dv, 0.0)
+        if sinks is None:
+            _rows_without_keys(lse_t, q0, shift, right, 1, -math.inf)
+        nisa.dma_copy(self.out[b, h, q0:q0 + bq, 0:Dv], o)
+        # lse as one row: a 4-byte DMA per partition would be as slow as a whole tile
+        lse_row = nl.ndarray((1, bq), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.dma_transpose(lse_row, lse_t)
+        nisa.dma_copy(self.lse[b, h, q0:q0 + bq, 0:1], lse_row)
 
 
 @nki.jit
 def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_left=None, window_right=None,
-                         softcap=None):
+                         softcap=None, section_keys=None):
     """``q [B, Hq, Sq, D]``, ``k [B, Hkv, Skv, D]``, ``v [B, Hkv, Skv, Dv]`` -> ``out [B, Hq, Sq, Dv]``,
     ``lse [B, Hq, Sq, 1]`` fp32.
     ``sinks``: None or ``[Hq, 128, 1]`` fp32 (each head's sink down the partitions). ``window_left`` /
-    ``window_right``: the sliding window's sides (None: unbounded); ``softcap``: None or a positive float.
-    The options are trace-time constants: each combination is its own kernel."""
+    ``window_right``: the sliding window's sides (None: unbounded); ``softcap``: None or a positive float;
+    ``section_keys``: keys resident at a time (None: :func:`_section_keys`, a multiple of 512). The options are
+    trace-time constants: each combination is its own kernel."""
     B, Hq, Sq, D = q.shape
     Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
-    dt = q.dtype
-    shift = Skv - Sq
-    left, right = _band(causal, window_left, window_right)
-    out = nl.ndarray((B, Hq, Sq, Dv), dtype=dt, buffer=nl.shared_hbm)
+    step = section_keys or _section_keys(D, Dv, q.dtype)
+    sections = [(s0, min(step, Skv - s0)) for s0 in range(0, Skv, step)]
+    out = nl.ndarray((B, Hq, Sq, Dv), dtype=q.dtype, buffer=nl.shared_hbm)
     lse = nl.ndarray((B, Hq, Sq, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    # a query tile's [P V, rowsum, -max] between the sections it sees, when there are several
+    carried = nl.ndarray((B, Hq, Sq, Dv + 2), dtype=nl.float32, buffer=nl.private_hbm) if len(sections) > 1 else None
+    fwd = _Forward(q, k, v, sinks, carried, out, lse, scale, *_band(causal, window_left, window_right), softcap)
     n_q = (Sq + B_Q - 1) // B_Q
     for b in nl.affine_range(B):
         for hkv in nl.affine_range(Hkv):
-            for g in nl.affine_range(G):
-                h = hkv * G + g
-                for qi in nl.static_range(n_q):
-                    q0 = qi * B_Q
-                    bq = min(B_Q, Sq - q0)
-                    q_sb = _load(q[b, h, q0:q0 + bq, 0:D], bq, D, dt)
-                    qT = _transposed_chunks(q_sb, bq, D, dt)
-                    m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.memset(m, NEG)
-                    l_sum = nl.zeros((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    acc = nl.zeros((bq, Dv), dtype=nl.float32, buffer=nl.sbuf)
-                    k_first, k_stop = _key_blocks(q0, bq, shift, Skv, left, right)
-                    for ki in nl.static_range(k_first, k_stop):
-                        k0 = ki * B_K
-                        bk = min(B_K, Skv - k0)
-                        k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
-                        kT = _transposed_chunks(k_sb, bk, D, dt)
-                        v_sb = _load(v[b, hkv, k0:k0 + bk, 0:Dv], bk, Dv, dt)
-                        s, _ = _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, left, right, softcap)
-                        # online softmax: m_new = max(m, rowmax(s)); alpha = exp(m - m_new)
-                        m_new = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.tensor_reduce(m_new, op=nl.maximum, data=s, axis=1, keepdims=True)
-                        nisa.tensor_tensor(m_new, m_new, m, op=nl.maximum)
-                        neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.tensor_scalar(neg_m, m_new, op0=nl.multiply, operand0=-1.0)
-                        alpha = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.activation(alpha, op=nl.exp, data=m, bias=neg_m)
-                        # p = exp(s - m_new) in the input dtype; its fp32 row sums on the way
-                        p = nl.ndarray((bq, bk), dtype=dt, buffer=nl.sbuf)
-                        row_sum = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.activation(p, op=nl.exp, data=s, bias=neg_m, reduce_op=nl.add, reduce_res=row_sum,
-                                        reduce_cmd=nisa.reduce_cmd.reset_reduce)
-                        nisa.scalar_tensor_tensor(l_sum, data=l_sum, op0=nl.multiply, operand0=alpha,
-                                                  op1=nl.add, operand1=row_sum)
-                        # acc = acc * alpha + P V  (P^T is the stationary operand: keys contract)
-                        pT = _transposed(p, bq, bk, dt)
-                        pv = nl.ndarray((bq, Dv), dtype=nl.float32, buffer=nl.psum)
-                        nisa.nc_matmul(pv, pT, v_sb, accumulate=False)
-                        nisa.scalar_tensor_tensor(acc, data=acc, op0=nl.multiply, operand0=alpha,
-                                                  op1=nl.add, operand1=pv)
-                        nisa.tensor_copy(m, m_new)
-                    decay = None if sinks is None else _join_sink(m, l_sum, _sink_column(sinks, h, bq), bq)
-                    # A real row's sum is >= 1 (its max term, a key's or its sink's, is exp(0)); one that sees
-                    # nothing sums to 0 and is overwritten below, one with a key scoring +inf is NaN (its acc
-                    # too): 1 in both keeps reciprocal and log in their domains
-                    l_safe = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.tensor_scalar(l_safe, l_sum, op0=nl.maximum, operand0=1.0)
-                    real = nl.ndarray((bq, 1), dtype=nl.uint8, buffer=nl.sbuf)
-                    nisa.tensor_scalar(real, l_sum, op0=nl.less_equal, operand0=float(2 ** 60))  # NaN: false
-                    nisa.tensor_copy_predicated(dst=l_safe, src=1.0, predicate=real, reverse_pred=True)
-                    inv_l = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.reciprocal(inv_l, l_safe)
-                    if decay is not None:
-                        nisa.tensor_tensor(inv_l, inv_l, decay, op=nl.multiply)
-                    o = nl.ndarray((bq, Dv), dtype=dt, buffer=nl.sbuf)
-                    nisa.tensor_scalar(o, acc, op0=nl.multiply, operand0=inv_l)
-                    lse_t = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                    nisa.activation(lse_t, op=nl.log, data=l_safe)
-                    # + l_sum * 0: NaN where the sum is, so such a row's lse is NaN as its output
-                    nisa.scalar_tensor_tensor(lse_t, data=l_sum, op0=nl.multiply, operand0=0.0, op1=nl.add,
-                                              operand1=lse_t)
-                    nisa.tensor_tensor(lse_t, lse_t, m, op=nl.add)
-                    # Rows that see no key had only masked scores (or, with no visible block, none):
-                    # out 0 and lse -inf, as the reference, not the mean of masked values (with a sink
-                    # their lse is already the sink's: the decay dropped the masked ones).
-                    _rows_without_keys(o, q0, shift, right, Dv, 0.0)
-                    if sinks is None:
-                        _rows_without_keys(lse_t, q0, shift, right, 1, -math.inf)
-                    nisa.dma_copy(out[b, h, q0:q0 + bq, 0:Dv], o)
-                    nisa.dma_copy(lse[b, h, q0:q0 + bq, 0:1], lse_t)
+            for s0, sn in sections:
+                # the last query tiles first: under a causal mask they see the most keys, so the pipeline fills with
+                # long tiles and drains with short ones
+                jobs = [(hkv * G + g, qi * B_Q, min(B_Q, Sq - qi * B_Q)) for g in range(G)
+                        for qi in reversed(range(n_q))]
+                # the first tiles' Q^T ahead of the resident keys: the DMA queues serve transfers in program order
+                early = [fwd.query_transposed(b, *job) for job in jobs[:SCORED_AHEAD + 1]]
+                kT, v_sb = fwd.resident(b, hkv, s0, sn)
+                # software-pipelined: a query tile's scores are issued SCORED_AHEAD tiles ahead of its P, and its
+                # P (and P^T) a tile ahead of its P V, so none of them waits on another's engines or transfers
+                scored, transposed = [], []
+                for index in range(len(jobs) + SCORED_AHEAD):
+                    if index < len(jobs):
+                        qT = early[index] if index < len(early) else None
+                        scored.append(fwd.scores_stage(b, *jobs[index], kT, s0, sn, qT))
+                    if len(scored) > SCORED_AHEAD or (scored and index >= len(jobs)):
+                        transposed.append(fwd.probabilities_stage(scored.pop(0), b, s0))
+                    if len(transposed) > 1:
+                        fwd.output_stage(transposed.pop(0), b, v_sb, s0)
+                for stage in transposed:
+                    fwd.output_stage(stage, b, v_sb, s0)
     return out, lse
 
 
-def _query_side(q, o, do, lse, dlse, b, h, q0, bq, D, Dv, dt, shift, right, sunk):
-    """Per query tile: Q, dO, their transposes, -lse (NEG for rows without keys, unless ``sunk``: their
-    lse is then their sink) and delta = rowsum(dO * O), less the gradient that reached lse (``dlse``, or
-    None: d lse / d s = P)."""
-    q_sb = _load(q[b, h, q0:q0 + bq, 0:D], bq, D, dt)
-    do_sb = _load(do[b, h, q0:q0 + bq, 0:Dv], bq, Dv, dt)
-    o_sb = _load(o[b, h, q0:q0 + bq, 0:Dv], bq, Dv, dt)
-    qT = _transposed_chunks(q_sb, bq, D, dt)
-    doT = _transposed_chunks(do_sb, bq, Dv, dt)
-    lse_t = _load(lse[b, h, q0:q0 + bq, 0:1], bq, 1, nl.float32)
-    neg_lse = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_scalar(neg_lse, lse_t, op0=nl.multiply, operand0=-1.0)
-    if not sunk:
-        _rows_without_keys(neg_lse, q0, shift, right, 1, NEG)  # lse = -inf there: P must be 0, not exp(+inf)
-    prod = nl.ndarray((bq, Dv), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_tensor(prod, do_sb, o_sb, op=nl.multiply)
-    delta = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.tensor_reduce(delta, op=nl.add, data=prod, axis=1, keepdims=True)
-    if dlse is not None:
-        nisa.tensor_tensor(delta, delta, _load(dlse[b, h, q0:q0 + bq, 0:1], bq, 1, nl.float32), op=nl.subtract)
-    return q_sb, do_sb, qT, doT, neg_lse, delta
+def _sections(n, step):
+    """``(start, size)`` of the sections of at most ``step`` that ``n`` splits into."""
+    return [(s0, min(step, n - s0)) for s0 in range(0, n, step)]
 
 
-def _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, Dv, bq, bk, q0, k0, shift, scale, left, right, softcap):
-    """P = exp(S - lse) and dS = P * (dO V^T - delta), both ``[bq, bk]`` float32; under a softcap dS
-    is taken back through it, times ``1 - tanh^2``, so that it is the derivative by the scaled scores."""
-    s, t = _scores(qT, kT, D, bq, bk, q0, k0, shift, scale, left, right, softcap)
-    p = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.activation(p, op=nl.exp, data=s, bias=neg_lse)
-    dp_ps = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.psum)
-    _matmul_chunked(dp_ps, doT, vT, Dv)
-    ds = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.scalar_tensor_tensor(ds, data=dp_ps, op0=nl.subtract, operand0=delta, op1=nl.multiply, operand1=p)
-    if t is not None:
-        # tanh is taken before the mask, so 1 - t^2 is finite on masked keys too, where P = 0 made dS 0.
-        t2 = nl.ndarray((bq, bk), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.activation(t2, op=nl.square, data=t)  # on the Scalar Engine, beside VectorE's dS work
-        nisa.scalar_tensor_tensor(ds, data=t2, op0=nl.subtract, operand0=1.0, reverse0=True,
-                                  op1=nl.multiply, operand1=ds)
-    return p, ds
+def _backward_sections(D, Dv, dtype):
+    """``(query rows, keys)`` per backward section: the query side (Q^T, dO^T, Q, dO, dQ's fp32 sum) and the key side
+    (K^T, V^T, K, dK's and dV's fp32 sums) each within ``BACKWARD_SIDE_BYTES`` per partition."""
+    size = _itemsize(dtype)
+    query = len(_chunks(D)) * size + len(_chunks(Dv)) * size + (D * (size + 4) + Dv * size) / PMAX
+    key = len(_chunks(D)) * size + len(_chunks(Dv)) * size + (D * (size + 4) + Dv * 4) / PMAX
+    return (B_Q * max(1, int(BACKWARD_SIDE_BYTES / query) // B_Q),
+            SCORE_KEYS * max(1, int(BACKWARD_SIDE_BYTES / key) // SCORE_KEYS))
 
 
-def _cast(src, rows, cols, dtype):
-    if src.dtype == dtype:
-        return src
-    dst = nl.ndarray((rows, cols), dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst, src)
+def _rows_in_blocks(src, n, width, dt):
+    """HBM ``src [n, width]`` -> ``[128, blocks, width]`` in SBUF: block ``j`` holds rows ``128 j ..`` on the
+    partitions."""
+    dst = nl.ndarray((PMAX, len(_chunks(n)), width), dtype=dt, buffer=nl.sbuf)
+    for j, j0, size in _chunks(n):
+        nisa.dma_copy(dst[0:size, j, :], src[j0:j0 + size, :])
     return dst
+
+
+class _Backward:
+    """One backward launch's trace-time constants, outputs and PSUM; its methods are the kernel's stages. One pass:
+    per KV head and key section (K^T, V^T, K resident, dK and dV summed in SBUF over the GQA group), per query head
+    and query section (Q^T, dO^T, Q, dO resident, dQ summed in SBUF over the key groups), per 512-key group, per
+    query tile: S and dP into PSUM, P = exp(S - lse) straight out of PSUM, dS = P (dP - delta); dV and dK of the
+    group's blocks accumulate in PSUM over the section's query tiles, dQ over the group's blocks."""
+
+    def __init__(self, q, k, v, o, lse, do, sinks, dlse, outputs, carried, scale, left, right, softcap):
+        self.q, self.k, self.v, self.o, self.lse, self.do, self.sinks, self.dlse = q, k, v, o, lse, do, sinks, dlse
+        self.dq, self.dk, self.dv, self.dsink_rows = outputs
+        self.carried = carried
+        self.Sq, self.D, self.Skv, self.Dv = q.shape[2], q.shape[3], k.shape[2], v.shape[3]
+        self.dt, self.shift = q.dtype, self.Skv - self.Sq
+        self.scale, self.left, self.right, self.softcap = scale, left, right, softcap
+        # PSUM's eight banks: dK and dV of a 512-key group (a bank holds PSUM_BANK_FP32 // D blocks), dQ, the dS
+        # transposes, and the rest split between S and dP
+        self.dk_per_bank, self.dv_per_bank = (max(1, PSUM_BANK_FP32 // d) for d in (self.D, self.Dv))
+        dk_banks, dv_banks = (-(-4 // n) for n in (self.dk_per_bank, self.dv_per_bank))
+        self.dk_ps = [nl.ndarray((PMAX, self.dk_per_bank, self.D), dtype=nl.float32, buffer=nl.psum)
+                      for _ in range(dk_banks)]
+        self.dv_ps = [nl.ndarray((PMAX, self.dv_per_bank, self.Dv), dtype=nl.float32, buffer=nl.psum)
+                      for _ in range(dv_banks)]
+        self.dq_ps = _PsumRing(1, (B_Q, self.D), nl.float32)
+        self.transposes_ps = _PsumRing(1, (PMAX, 4, PMAX), self.dt)
+        each = max(1, (8 - dk_banks - dv_banks - 2) // 2)
+        self.scores_ps, self.dp_ps = (_PsumRing(each, (B_Q, SCORE_KEYS), nl.float32) for _ in range(2))
+
+    def key_side(self, b, hkv, s0, sn):
+        """The key section's resident K^T, V^T and K rows, and zeroed fp32 sums for dK and dV."""
+        keys = (self.k[b, hkv, s0:s0 + sn, :], self.v[b, hkv, s0:s0 + sn, :])
+        kT, vT = (_transposed_rows(x, sn, width, self.dt) for x, width in zip(keys, (self.D, self.Dv)))
+        k_rows = _rows_from_transposed(kT, sn, self.D, self.dt, self.transposes_ps)
+        dk_sum, dv_sum = (nl.zeros((PMAX, len(_chunks(sn)), d), dtype=nl.float32, buffer=nl.sbuf)
+                          for d in (self.D, self.Dv))
+        return dict(s0=s0, sn=sn, kT=kT, vT=vT, k_rows=k_rows, dk_sum=dk_sum, dv_sum=dv_sum)
+
+    def query_side(self, b, h, r0, rn, first):
+        """The query section's resident Q^T, dO^T, Q and dO rows, per tile ``-lse`` and ``-delta`` columns, and dQ's
+        fp32 sum (zero on the first key section, else as the last one left it); with sinks, each row's share of
+        their gradient, written on the first key section."""
+        rows = slice(r0, r0 + rn)
+        side = dict(r0=r0, rn=rn, h=h, written=set())  # the tiles whose dQ has left
+        side["qT"], side["doT"] = (_transposed_rows(x[b, h, rows, :], rn, width, self.dt)
+                                   for x, width in ((self.q, self.D), (self.do, self.Dv)))
+        side["q_rows"], side["do_rows"] = (_rows_from_transposed(xT, rn, width, self.dt, self.transposes_ps)
+                                           for xT, width in ((side["qT"], self.D), (side["doT"], self.Dv)))
+        tiles = _chunks(rn)
+        side["neg_lse"], side["neg_delta"] = (nl.ndarray((PMAX, len(tiles)), dtype=nl.float32, buffer=nl.sbuf)
+                                              for _ in range(2))
+        for t, t0, bq in tiles:
+            self.row_terms(b, h, r0 + t0, bq, side["do_rows"][0:bq, t, :], side["neg_lse"][0:bq, t:t + 1],
+                           side["neg_delta"][0:bq, t:t + 1], first)
+        if first:
+            side["dq_sum"] = nl.zeros((PMAX, len(tiles), self.D), dtype=nl.float32, buffer=nl.sbuf)
+        else:
+            side["dq_sum"] = _rows_in_blocks(self.carried[b, h, rows, :], rn, self.D, nl.float32)
+        return side
+
+    def row_terms(self, b, h, q0, bq, do_t, neg_lse, neg_delta, first):
+        """A query tile's ``-lse`` (NEG for rows without keys, unless sinks make their lse the sink's) and
+        ``-delta = -(rowsum(dO * O) - dlse)``; with sinks, on the first key section, ``-p_sink * delta`` per row."""
+        lse_row = _load(self.lse[b, h, q0:q0 + bq, 0:1], 1, bq, nl.float32)  # one row: a 4-byte run per partition
+        nisa.dma_transpose(neg_lse, lse_row)  # would cost as much as a whole tile
+        nisa.tensor_scalar(neg_lse, neg_lse, op0=nl.multiply, operand0=-1.0, engine=nisa.gpsimd_engine)
+        if self.sinks is None:  # lse = -inf there: P must be 0, not exp(+inf)
+            _rows_without_keys(neg_lse, q0, self.shift, self.right, 1, NEG)
+        o_t = _load(self.o[b, h, q0:q0 + bq, :], bq, self.Dv, self.dt)
+        prod = nl.ndarray((bq, self.Dv), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(prod, do_t, o_t, op=nl.multiply, engine=nisa.gpsimd_engine)
+        nisa.tensor_reduce(neg_delta, op=nl.add, data=prod, axis=1, negate=True, keepdims=True)
+        if self.dlse is not None:
+            nisa.tensor_tensor(neg_delta, neg_delta, _load(self.dlse[b, h, q0:q0 + bq, 0:1], bq, 1, nl.float32),
+                               op=nl.add, engine=nisa.gpsimd_engine)
+        if self.sinks is not None and first:  # p_sink = exp(sink - lse); its row's term -p_sink * delta
+            term = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
+            nisa.activation(term, op=nl.exp, data=_sink_column(self.sinks, h, bq), bias=neg_lse)
+            nisa.tensor_tensor(term, term, neg_delta, op=nl.multiply, engine=nisa.gpsimd_engine)
+            nisa.dma_copy(self.dsink_rows[b, h, q0:q0 + bq, 0:1], term)
+
+    def probabilities(self, key, side, t, q0, bq, a, z):
+        """Stage one of a query tile against keys ``[a, z)`` of a group: ``P`` and ``dS`` (``[bq, z - a]`` in the
+        input dtype), dS taken back through a softcap, so that it is the derivative by the scaled scores."""
+        s0, w, dt = key["s0"], z - a, self.dt
+        qT, doT = side["qT"][:, :, t * B_Q:t * B_Q + bq], side["doT"][:, :, t * B_Q:t * B_Q + bq]
+        s_ps, dp_ps = self.scores_ps.take()[0:bq, 0:w], self.dp_ps.take()[0:bq, 0:w]
+        _matmul_chunked(s_ps, qT, key["kT"][:, :, a - s0:z - s0], self.D)
+        _matmul_chunked(dp_ps, doT, key["vT"][:, :, a - s0:z - s0], self.Dv)
+        neg_lse, neg_delta = side["neg_lse"][0:bq, t:t + 1], side["neg_delta"][0:bq, t:t + 1]
+        p = nl.ndarray((bq, w), dtype=dt, buffer=nl.sbuf)
+        capped = None
+        if self.softcap is None:
+            nisa.activation(p, op=nl.exp, data=s_ps, scale=self.scale, bias=neg_lse)
+        else:  # tanh is taken before the mask, so 1 - t^2 is finite on masked keys too, where P = 0 makes dS 0
+            capped = nl.ndarray((bq, w), dtype=nl.float32, buffer=nl.sbuf)
+            _tanh(capped, s_ps, self.scale / self.softcap)
+            if len(_factors(self.softcap)) == 1:
+                nisa.activation(p, op=nl.exp, data=capped, scale=self.softcap, bias=neg_lse)
+            else:
+                scores = nl.ndarray((bq, w), dtype=nl.float32, buffer=nl.sbuf)
+                _multiply(scores, capped, self.softcap)
+                nisa.activation(p, op=nl.exp, data=scores, bias=neg_lse)
+        for _, j0, size in _chunks(w):
+            _mask(p[:, j0:j0 + size], q0, a + j0, bq, size, self.shift, self.left, self.right, fill=0.0)
+        dp = nl.ndarray((bq, w), dtype=dt, buffer=nl.sbuf)
+        nisa.activation(dp, op=nl.copy, data=dp_ps, bias=neg_delta)
+        ds = nl.ndarray((bq, w), dtype=dt, buffer=nl.sbuf)
+        nisa.tensor_tensor(ds, p, dp, op=nl.multiply)
+        if capped is not None:
+            nisa.activation(capped, op=nl.square, data=capped)
+            nisa.scalar_tensor_tensor(ds, data=capped, op0=nl.subtract, operand0=1.0, reverse0=True,
+                                      op1=nl.multiply, operand1=ds)
+        return p, ds
+
+    def key_gradients(self, key, side, work, p, ds, g0, touched):
+        """Stage two: dV += P^T dO and dK += dS^T Q per 128-key block (PSUM, over the group's query tiles), and
+        dS^T per block for dQ (the first ``BACKWARD_TENSOR_TRANSPOSED`` on the Tensor Engine into one PSUM tile, one
+        copy; the rest by DMA transpose)."""
+        t, _, bq, a, z = work
+        blocks = _chunks(z - a)
+        on_tensor = blocks[:BACKWARD_TENSOR_TRANSPOSED]
+        t_ps = self.transposes_ps.take()
+        for j, j0, size in on_tensor:
+            nisa.nc_transpose(t_ps[0:size, j, 0:bq], ds[:, j0:j0 + size])
+        dsT = nl.ndarray((PMAX, len(blocks), bq), dtype=self.dt, buffer=nl.sbuf)
+        rows = on_tensor[-1][2] if len(on_tensor) == 1 else PMAX  # only a last block is short
+        nisa.tensor_copy(dsT[0:rows, 0:len(on_tensor), :], t_ps[0:rows, 0:len(on_tensor), 0:bq])
+        for j, j0, size in blocks[len(on_tensor):]:
+            nisa.dma_transpose(dsT[0:size, j, :], ds[:, j0:j0 + size])
+        do_t, q_t = side["do_rows"][0:bq, t, :], side["q_rows"][0:bq, t, :]
+        for j, j0, size in blocks:
+            i = (a + j0 - g0) // PMAX  # the block's place in its group
+            first = i not in touched
+            touched.add(i)
+            dv = self.dv_ps[i // self.dv_per_bank][0:size, i % self.dv_per_bank, :]
+            nisa.nc_matmul(dv, p[:, j0:j0 + size], do_t, accumulate=not first)
+            dk = self.dk_ps[i // self.dk_per_bank][0:size, i % self.dk_per_bank, :]
+            nisa.nc_matmul(dk, ds[:, j0:j0 + size], q_t, accumulate=not first)
+        return dsT
+
+    def query_gradient(self, key, side, work, dsT):
+        """Stage three: dQ += dS K over the group's blocks (PSUM), added into the query section's fp32 sum."""
+        t, _, bq, a, z = work
+        dq = self.dq_ps.take()[0:bq, :]
+        for j, j0, size in _chunks(z - a):
+            nisa.nc_matmul(dq, dsT[0:size, j, :], key["k_rows"][0:size, (a + j0 - key["s0"]) // PMAX, :],
+                           accumulate=j > 0)
+        dq_sum = side["dq_sum"][0:bq, t, :]
+        nisa.tensor_tensor(dq_sum, dq_sum, dq, op=nl.add)
+
+    def group(self, b, hkv, key, side, g0, gn, last_pass, last_section):
+        """A 512-key group against every query tile of the query section that sees some of it, software-pipelined:
+        a tile's P and dS, then the previous tile's dV, dK and dS^T, then dQ of the one before, so that no engine
+        waits on the step before in the same tile."""
+        work = []  # (tile, first row, rows, keys a..z of the group it sees)
+        for t, t0, bq in _chunks(side["rn"]):
+            k_first, k_stop = _key_blocks(side["r0"] + t0, bq, self.shift, self.Skv, self.left, self.right)
+            a, z = max(k_first * B_K, g0), min(k_stop * B_K, self.Skv, g0 + gn)
+            if a < z:
+                work.append((t, side["r0"] + t0, bq, a, z))
+        touched, probabilities, transposed = set(), {}, {}
+        for index in range(len(work) + 2):
+            if index < len(work):
+                probabilities[index] = self.probabilities(key, side, *work[index])
+            if 0 <= index - 1 < len(work):
+                transposed[index - 1] = self.key_gradients(key, side, work[index - 1],
+                                                           *probabilities.pop(index - 1), g0, touched)
+            if 0 <= index - 2 < len(work):
+                t, q0, bq, _, z = work[index - 2]
+                self.query_gradient(key, side, work[index - 2], transposed.pop(index - 2))
+                if last_section and z == min(_key_blocks(q0, bq, self.shift, self.Skv, self.left, self.right)[1]
+                                             * B_K, self.Skv):  # the tile's last keys: its dQ is whole
+                    self.write_query_tile(b, side, t, bq, last=True)
+                    side["written"].add(t)
+        for i in sorted(touched):  # the group's blocks some query tile reached
+            block = (g0 - key["s0"]) // PMAX + i
+            for sums, banks, per_bank in ((key["dk_sum"], self.dk_ps, self.dk_per_bank),
+                                          (key["dv_sum"], self.dv_ps, self.dv_per_bank)):
+                nisa.tensor_tensor(sums[:, block, :], sums[:, block, :], banks[i // per_bank][:, i % per_bank, :],
+                                   op=nl.add)
+        if last_pass:
+            first = (g0 - key["s0"]) // PMAX
+            self.write_key_blocks(b, hkv, key, first, first + len(_chunks(gn)))
+
+
+    def write_query_tile(self, b, side, t, bq, last):
+        """A query tile's dQ sum, scaled, into dq (``last``: the last key section) or carried on in fp32 HBM."""
+        rows = slice(side["r0"] + t * B_Q, side["r0"] + t * B_Q + bq)
+        if not last:
+            nisa.dma_copy(self.carried[b, side["h"], rows, :], side["dq_sum"][0:bq, t, :])
+            return
+        dq_t = nl.ndarray((bq, self.D), dtype=self.dt, buffer=nl.sbuf)
+        nisa.tensor_scalar(dq_t, side["dq_sum"][0:bq, t, :], op0=nl.multiply, operand0=self.scale,
+                           engine=nisa.gpsimd_engine)
+        nisa.dma_copy(self.dq[b, side["h"], rows, :], dq_t)
+
+    def write_key_blocks(self, b, hkv, key, first, stop):
+        """dK (scaled) and dV of the section's blocks ``first .. stop - 1``."""
+        s0 = key["s0"]
+        for sums, out, factor in ((key["dk_sum"], self.dk, self.scale), (key["dv_sum"], self.dv, 1.0)):
+            cast = nl.ndarray((PMAX, stop - first, sums.shape[2]), dtype=self.dt, buffer=nl.sbuf)
+            nisa.tensor_scalar(cast, sums[:, first:stop, :], op0=nl.multiply, operand0=factor,
+                               engine=nisa.gpsimd_engine)
+            for j, j0, size in _chunks(key["sn"])[first:stop]:
+                nisa.dma_copy(out[b, hkv, s0 + j0:s0 + j0 + size, :], cast[0:size, j - first, :])
 
 
 @nki.jit
 def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, dlse=None, scale=1.0, causal=False, window_left=None,
-                         window_right=None, softcap=None):
+                         window_right=None, softcap=None, section_rows=None, section_keys=None):
     """Gradients ``(dq, dk, dv)``, and with ``sinks`` each row's share of theirs, ``-p_sink * delta``
     (``[B, Hq, Sq, 1]`` fp32, summed on the host); ``lse`` is ``[B, Hq, Sq, 1]`` float32 from the
     forward, ``dlse`` None or the gradient that reached it, laid out as it; the masks, softcap and sinks as
-    :func:`attention_fwd_kernel`'s."""
+    :func:`attention_fwd_kernel`'s. ``section_rows`` / ``section_keys``: query rows (a multiple of 128) and keys
+    (of 512) resident at a time (None: :func:`_backward_sections`)."""
     B, Hq, Sq, D = q.shape
     Hkv, Skv, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = Hq // Hkv
-    dt = q.dtype
-    shift = Skv - Sq
-    left, right = _band(causal, window_left, window_right)
-    dq = nl.ndarray(q.shape, dtype=dt, buffer=nl.shared_hbm)
-    dk = nl.ndarray(k.shape, dtype=dt, buffer=nl.shared_hbm)
-    dv = nl.ndarray(v.shape, dtype=dt, buffer=nl.shared_hbm)
-    dsink_rows = None if sinks is None else nl.ndarray((B, Hq, Sq, 1), dtype=nl.float32, buffer=nl.shared_hbm)
-    sunk = sinks is not None
-    n_q = (Sq + B_Q - 1) // B_Q
-    n_k = (Skv + B_K - 1) // B_K
-
-    # Pass 1: dQ = scale * dS K, query tiles outside.
+    rows_step, keys_step = _backward_sections(D, Dv, q.dtype)
+    key_sections, row_sections = _sections(Skv, section_keys or keys_step), _sections(Sq, section_rows or rows_step)
+    outputs = (nl.ndarray(q.shape, dtype=q.dtype, buffer=nl.shared_hbm),
+               nl.ndarray(k.shape, dtype=q.dtype, buffer=nl.shared_hbm),
+               nl.ndarray(v.shape, dtype=q.dtype, buffer=nl.shared_hbm),
+               None if sinks is None else nl.ndarray((B, Hq, Sq, 1), dtype=nl.float32, buffer=nl.shared_hbm))
+    # dQ's fp32 sum between key sections, when there are several
+    carried = nl.ndarray((B, Hq, Sq, D), dtype=nl.float32, buffer=nl.private_hbm) if len(key_sections) > 1 else None
+    bwd = _Backward(q, k, v, o, lse, do, sinks, dlse, outputs, carried, scale,
+                    *_band(causal, window_left, window_right), softcap)
     for b in nl.affine_range(B):
         for hkv in nl.affine_range(Hkv):
-            for g in nl.affine_range(G):
-                h = hkv * G + g
-                for qi in nl.static_range(n_q):
-                    q0 = qi * B_Q
-                    bq = min(B_Q, Sq - q0)
-                    _, _, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, dlse, b, h, q0, bq, D, Dv, dt, shift,
-                                                                right, sunk)
-                    if sunk:  # p_sink = exp(sink - lse); its row's term -p_sink * delta
-                        p_sink = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.activation(p_sink, op=nl.exp, data=_sink_column(sinks, h, bq), bias=neg_lse)
-                        term = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-                        nisa.scalar_tensor_tensor(term, data=delta, op0=nl.multiply, operand0=-1.0, op1=nl.multiply,
-                                                  operand1=p_sink)
-                        nisa.dma_copy(dsink_rows[b, h, q0:q0 + bq, 0:1], term)
-                    dq_acc = nl.zeros((bq, D), dtype=nl.float32, buffer=nl.sbuf)
-                    k_first, k_stop = _key_blocks(q0, bq, shift, Skv, left, right)
-                    for ki in nl.static_range(k_first, k_stop):
-                        k0 = ki * B_K
-                        bk = min(B_K, Skv - k0)
-                        k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
-                        v_sb = _load(v[b, hkv, k0:k0 + bk, 0:Dv], bk, Dv, dt)
-                        kT = _transposed_chunks(k_sb, bk, D, dt)
-                        vT = _transposed_chunks(v_sb, bk, Dv, dt)
-                        _, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, Dv, bq, bk, q0, k0, shift, scale,
-                                                   left, right, softcap)
-                        dsT = _transposed(_cast(ds, bq, bk, dt), bq, bk, dt)
-                        dq_ps = nl.ndarray((bq, D), dtype=nl.float32, buffer=nl.psum)
-                        nisa.nc_matmul(dq_ps, dsT, k_sb, accumulate=False)
-                        nisa.tensor_tensor(dq_acc, dq_acc, dq_ps, op=nl.add)
-                    dq_t = nl.ndarray((bq, D), dtype=dt, buffer=nl.sbuf)
-                    nisa.tensor_scalar(dq_t, dq_acc, op0=nl.multiply, operand0=scale)
-                    nisa.dma_copy(dq[b, h, q0:q0 + bq, 0:D], dq_t)
-
-    # Pass 2: dV = P^T dO and dK = scale * dS^T Q, key tiles outside, summed over the GQA group.
-    for b in nl.affine_range(B):
-        for hkv in nl.affine_range(Hkv):
-            for ki in nl.static_range(n_k):
-                k0 = ki * B_K
-                bk = min(B_K, Skv - k0)
-                k_sb = _load(k[b, hkv, k0:k0 + bk, 0:D], bk, D, dt)
-                v_sb = _load(v[b, hkv, k0:k0 + bk, 0:Dv], bk, Dv, dt)
-                kT = _transposed_chunks(k_sb, bk, D, dt)
-                vT = _transposed_chunks(v_sb, bk, Dv, dt)
-                dk_acc = nl.zeros((bk, D), dtype=nl.float32, buffer=nl.sbuf)
-                dv_acc = nl.zeros((bk, Dv), dtype=nl.float32, buffer=nl.sbuf)
-                q_first, q_stop = _query_tiles(k0, bk, shift, Sq, left, right)
-                for g in nl.static_range(G):
-                    h = hkv * G + g
-                    for qi in nl.static_range(q_first, q_stop):
-                        q0 = qi * B_Q
-                        bq = min(B_Q, Sq - q0)
-                        q_sb, do_sb, qT, doT, neg_lse, delta = _query_side(q, o, do, lse, dlse, b, h, q0, bq, D,
-                                                                            Dv, dt, shift, right, sunk)
-                        p, ds = _probs_and_dscores(qT, kT, doT, vT, neg_lse, delta, D, Dv, bq, bk, q0, k0, shift,
-                                                   scale, left, right, softcap)
-                        dv_ps = nl.ndarray((bk, Dv), dtype=nl.float32, buffer=nl.psum)
-                        nisa.nc_matmul(dv_ps, _cast(p, bq, bk, dt), do_sb, accumulate=False)
-                        nisa.tensor_tensor(dv_acc, dv_acc, dv_ps, op=nl.add)
-                        dk_ps = nl.ndarray((bk, D), dtype=nl.float32, buffer=nl.psum)
-                        nisa.nc_matmul(dk_ps, _cast(ds, bq, bk, dt), q_sb, accumulate=False)
-                        nisa.tensor_tensor(dk_acc, dk_acc, dk_ps, op=nl.add)
-                dk_t = nl.ndarray((bk, D), dtype=dt, buffer=nl.sbuf)
-                nisa.tensor_scalar(dk_t, dk_acc, op0=nl.multiply, operand0=scale)
-                nisa.dma_copy(dk[b, hkv, k0:k0 + bk, 0:D], dk_t)
-                dv_t = _cast(dv_acc, bk, Dv, dt)
-                nisa.dma_copy(dv[b, hkv, k0:k0 + bk, 0:Dv], dv_t)
-    return (dq, dk, dv) if dsink_rows is None else (dq, dk, dv, dsink_rows)
+            for s0, sn in key_sections:
+                key = bwd.key_side(b, hkv, s0, sn)
+                passes = [(hkv * G + g, r0, rn) for g in range(G) for r0, rn in row_sections]
+                for h, r0, rn in passes:
+                    side = bwd.query_side(b, h, r0, rn, first=s0 == 0)
+                    # the last pass over a group finishes its dK and dV, the last key section each tile's dQ
+                    for g0, gn in _sections(sn, SCORE_KEYS):
+                        bwd.group(b, hkv, key, side, s0 + g0, gn, last_pass=(h, r0) == passes[-1][:2],
+                                  last_section=s0 + sn == Skv)
+                    for t, _, bq in _chunks(rn):
+                        if t not in side["written"]:
+                            bwd.write_query_tile(b, side, t, bq, last=s0 + sn == Skv)
+    return outputs[:3] if sinks is None else outputs
 
 
 # ----------------------------------------------------------------------------- host side
@@ -438,13 +813,25 @@ MAX_HEAD_DIM = 256
 
 def attention_supports(call) -> list[str]:
     """Every window, softcap and sink is taken (the kernels' masks, cap and sink term), dtypes and head dims
-    are declared (``BACKEND``): what is left is q, k and v agreeing, and having sizes."""
-    q, k, v = call["q"], call["k"], call["v"]
-    reasons = []
-    if not (q.dtype == k.dtype == v.dtype):
-        reasons.append("NKI attention needs q, k and v in one dtype")
-    if q.shape[-2] == 0 or k.shape[-2] == 0 or q.shape[-1] == 0:
+    are declared (``BACKEND``): what is left is q, k and v agreeing, having sizes, and options the engines can
+    hold."""
+    q = call["q"]
+    reasons = options_reasons(call)
+    if q.shape[-2] == 0 or call["k"].shape[-2] == 0 or q.shape[-1] == 0:
         reasons.append("NKI attention needs non-empty sequences and head dim")
+    return reasons
+
+
+def options_reasons(call) -> list[str]:
+    """What dense and packed attention share: q, k and v in one dtype, and a scale the engines can take as the
+    float32 immediate it is (a softcap out of float32's range is split in two)."""
+    reasons = []
+    if not (call["q"].dtype == call["k"].dtype == call["v"].dtype):
+        reasons.append("NKI attention needs q, k and v in one dtype")
+    scale = call.get("scale")
+    if scale is not None and abs(float(scale)) > FLOAT32_MAX:
+        reasons.append(f"NKI attention takes scale as a float32 immediate: at most {FLOAT32_MAX:.4g} in magnitude, "
+                       f"got {float(scale):g}")
     return reasons
 
 

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from . import core, indirect
+from . import core, cost, indirect
 from . import language as nl
 from .core import Tensor, psum, reject, sbuf
 
@@ -374,6 +374,45 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     dst.assign(value)
     core.record(eng, _one_input_cost(eng, dst, data), data.free_size,
                 reads=(data, operand0, operand1), writes=(dst,))
+
+
+def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, reverse0=False,
+                         reduce_cmd=reduce_cmd.reset_reduce, reduce_init=None, reduce_res_negate=False, name=None):
+    """``dst = data <op0> operand0`` on the Vector Engine and ``reduce_res`` its reduction over every free axis
+    by ``reduce_op`` (add, multiply, max or min), negated under ``reduce_res_negate``; a fresh reduction
+    (``reset_reduce``) only."""
+    _tile("dst", dst, "tensor_scalar_reduce"), _tile("data", data, "tensor_scalar_reduce")
+    _same_layout(dst, data, "tensor_scalar_reduce", "dst and data")
+    if reduce_cmd is not type(reduce_cmd).reset_reduce or reduce_init is not None:
+        reject("api-subset", "tensor_scalar_reduce: only reduce_cmd.reset_reduce without reduce_init is emulated")
+    if reduce_op not in (nl.add, nl.multiply, nl.maximum, nl.minimum):
+        reject("alu-op", f"tensor_scalar_reduce: reduce_op must be nl.add, nl.multiply, nl.maximum or nl.minimum, "
+               f"not {_op_name(reduce_op)}")
+    if reduce_res is None:
+        reject("api-subset", "tensor_scalar_reduce: the emulator needs reduce_res (the reduction's destination)")
+    _tile("reduce_res", reduce_res, "tensor_scalar_reduce")
+    if reduce_res.shape[0] != data.shape[0] or reduce_res.free_size != 1:
+        reject("operand-shape",
+               f"tensor_scalar_reduce: reduce_res must be ({data.shape[0]}, 1); got {reduce_res.shape}")
+    a = _vector_operand(operand0, data, "tensor_scalar_reduce", "operand0", float32_only=True)
+    _alu(op0, "tensor_scalar_reduce")
+    p = data.shape[0]
+    result = {}
+
+    def value():
+        result["x"] = _binary(op0, data.read(), a, reverse0, "tensor_scalar_reduce").expand(data.shape)
+        return result["x"].reshape(dst.shape)
+
+    def reduced():
+        flat = result["x"].reshape(p, -1)
+        total = flat.prod(1, keepdim=True) if reduce_op is nl.multiply else nl.REDUCE[reduce_op](flat, [1])
+        return ((-1 if reduce_res_negate else 1) * total).reshape(reduce_res.shape)
+
+    dst.assign(value)
+    reduce_res.assign(reduced)
+    # its reference page's cost, max(MIN_II, N) + MIN_II Vector cycles, as one streaming instruction
+    core.record("vector", "stream", max(cost.MIN_II, data.free_size) + cost.MIN_II,
+                reads=(data, operand0), writes=(dst, reduce_res))
 
 
 def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False, reverse1=False, name=None):
