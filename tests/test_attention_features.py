@@ -417,7 +417,7 @@ def test_index_tensors_of_any_strides(backend):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", TAKING)
+@pytest.mark.parametrize("backend", ["reference", *TAKING])
 @pytest.mark.parametrize("options", [dict(window=(None, 2**31 - 1)), dict(window=(2**31 - 1, None), causal=True),
                                      dict(softcap=1e7), dict(softcap=1e-42), dict(softcap=1e39)],
                          ids=["right_int32_max", "left_int32_max", "cap_1e7", "cap_1e-42", "cap_1e39"])

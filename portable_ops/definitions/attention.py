@@ -78,8 +78,10 @@ def _scores(q_rows, k, start, sq, causal, scale, window=None, softcap=None):
     scores = (q_rows @ k.transpose(-1, -2)) * scale
     tanh = None
     if softcap is not None:
-        tanh = torch.tanh(scores / softcap)
-        scores = softcap * tanh
+        # a cap past the scores' dtype's range is inf there (inf * tanh(0) is NaN): such a cap is taken in float64
+        wide = scores.double() if softcap > torch.finfo(scores.dtype).max else scores
+        tanh = torch.tanh(wide / softcap)
+        scores, tanh = (softcap * tanh).to(scores.dtype), tanh.to(scores.dtype)
     skv = k.shape[-2]
     q_pos = torch.arange(start, start + q_rows.shape[-2], device=q_rows.device) % sq + (skv - sq)
     seen = visible(q_pos, torch.arange(skv, device=q_rows.device), causal, window)
