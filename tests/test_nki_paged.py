@@ -81,3 +81,23 @@ def test_calls_the_kernel_cannot_take_are_declined_with_the_reason():
         choice = portable_ops.explain("paged_kv_append", many, many, table, seqlens - 1, new, new)
         assert choice.rejected["nki"] == ["a token's row of every KV head is 81920 bytes; the NKI kernel moves it "
                                           "through one partition of SBUF, at most 65536"]
+
+
+def _counted_decode(b, table_pages, page=16, length=40, hq=4, hkv=2, d=8):
+    """The kernel's emulator counts (count-only) for ``b`` sequences of ``length`` keys, tables ``table_pages`` wide."""
+    from portable_ops.backends.nki import emulator
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    pool = b * -(-length // page)
+    with emulator.count_only(), emulator.count_instructions() as stats:
+        nki_paged.paged_attention(torch.zeros(b, 1, hq, d, **meta), torch.zeros(pool, page, hkv, d, **meta),
+                                  torch.zeros(pool, page, hkv, d, **meta),
+                                  torch.zeros(b, table_pages, dtype=torch.int32, device="meta"),
+                                  torch.full((b,), length, dtype=torch.int32, device="meta"), scale=d ** -0.5)
+    return stats
+
+
+def test_the_slot_tables_sbuf_holds_do_not_grow_with_the_block_tables_width():
+    """A table as wide as supports takes (2^24 positions: 32768 blocks of 512 keys) must fit SBUF, so the kernel
+    holds one section's slots at a time, not the whole table's."""
+    narrow, wide = (_counted_decode(1, pages).sbuf_peak_bytes for pages in (256, 1024))
+    assert wide == narrow

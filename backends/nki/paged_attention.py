@@ -133,9 +133,9 @@ def _evacuate(out, s_ps, scale, softcap):
         nisa.tensor_scalar(out, out, op0=nl.multiply, operand0=softcap)
 
 
-def _section_scores(scores, qT, k_rows, k_slots, b0, run, HG, h0, D, scale, softcap, dt):
+def _section_scores(scores, qT, k_rows, k_slots, run, HG, h0, D, scale, softcap, dt):
     """``scores [R, blocks * run * 128]``: the section's scaled (and capped) scores, 512 per PSUM tile, in the
-    blocks' column order (:func:`_scores_of_block`)."""
+    blocks' column order (:func:`_scores_of_block`); ``k_slots [128, blocks]``: the section's runs' first slots."""
     R, width = scores.shape[0], run * PMAX
     blocks = scores.shape[1] // width
     per_bank = SCORE_COLUMNS // width
@@ -144,7 +144,7 @@ def _section_scores(scores, qT, k_rows, k_slots, b0, run, HG, h0, D, scale, soft
         s_ps = nl.ndarray((R, count * width), dtype=nl.float32, buffer=nl.psum)
         for i in nl.static_range(count):
             k_sb = nl.ndarray((PMAX, run * HG * D), dtype=dt, buffer=nl.sbuf)
-            _gather_into(k_sb, k_rows, k_slots[:, b0 + first + i:b0 + first + i + 1], h0, HG, D, run)
+            _gather_into(k_sb, k_rows, k_slots[:, first + i:first + i + 1], h0, HG, D, run)
             _scores_of_block(s_ps[:, i * width:(i + 1) * width], qT, k_sb, run, HG, D, dt)
         _evacuate(scores[:, first * width:(first + count) * width], s_ps, scale, softcap)
 
@@ -171,7 +171,7 @@ def _values_into(pvT, v_sb, pT, HG, Dv, rows_per_head, accumulate):
                            accumulate=accumulate)
 
 
-def _section_values(p, v_rows, v_slots, b0, run, R, HG, h0, Dv, rows_per_head, dt):
+def _section_values(p, v_rows, v_slots, run, R, HG, h0, Dv, rows_per_head, dt):
     """``(P V)^T`` of the section's blocks, ``[min(Dv, 128), Dv chunks, R]`` in PSUM: each head's matmul takes its V
     as the stationary operand and its rows' ``P^T`` columns as the moving one, into those rows' columns. A block's V
     arrives as its K did, ``run`` keys a partition (runs wholly seen; the others are zeros here)."""
@@ -184,7 +184,7 @@ def _section_values(p, v_rows, v_slots, b0, run, R, HG, h0, Dv, rows_per_head, d
         pT = nl.ndarray((PMAX, count, R), dtype=dt, buffer=nl.sbuf)
         nisa.tensor_copy(pT, pT_ps)
         for i in nl.static_range(count // run):
-            n = b0 + first // run + i
+            n = first // run + i
             v_sb = nl.ndarray((PMAX, run * HG * Dv), dtype=dt, buffer=nl.sbuf)
             nisa.memset(v_sb, 0.0)  # a skipped run stays 0: P is 0 there, and 0 * stale data may be NaN
             _gather_into(v_sb, v_rows, v_slots[:, n:n + 1], h0, HG, Dv, run)
@@ -296,10 +296,6 @@ def paged_attention_kernel(q, k_rows, v_rows, k_slots, v_slots, bounds, tail_slo
     key_index = nl.ndarray((PMAX, blocks * run * PMAX), dtype=nl.float32, buffer=nl.sbuf)
     nisa.iota(key_index, pattern=[[run * PMAX, blocks], [1, run], [run, PMAX]], offset=0)
     for b in nl.affine_range(B):
-        k_slots_sb = nl.ndarray((PMAX, n_blocks), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(k_slots_sb, k_slots[b])
-        v_slots_sb = nl.ndarray((PMAX, n_blocks), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(v_slots_sb, v_slots[b])
         if T:
             tail_sb = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.sbuf)
             nisa.dma_copy(tail_sb, tail_slots[b])
@@ -315,10 +311,16 @@ def paged_attention_kernel(q, k_rows, v_rows, k_slots, v_slots, bounds, tail_slo
             l_sum = nl.zeros((R, 1), dtype=nl.float32, buffer=nl.sbuf)
             acc = nl.zeros((R, Dv), dtype=nl.float32, buffer=nl.sbuf)
             for n0 in nl.static_range(0, n_blocks, section_blocks):
-                width = min(section_blocks, n_blocks - n0) * run * PMAX
+                blocks_here = min(section_blocks, n_blocks - n0)
+                width = blocks_here * run * PMAX
+                # the section's slots only: SBUF does not grow with the table's width
+                k_slots_sb = nl.ndarray((PMAX, blocks_here), dtype=nl.int32, buffer=nl.sbuf)
+                nisa.dma_copy(k_slots_sb, k_slots[b, :, n0:n0 + blocks_here])
+                v_slots_sb = nl.ndarray((PMAX, blocks_here), dtype=nl.int32, buffer=nl.sbuf)
+                nisa.dma_copy(v_slots_sb, v_slots[b, :, n0:n0 + blocks_here])
                 tail = T if n0 + section_blocks >= n_blocks else 0  # the last section takes the tail's keys
                 scores = nl.ndarray((R, width + tail), dtype=nl.float32, buffer=nl.sbuf)
-                _section_scores(scores[:, 0:width], qT, k_rows, k_slots_sb, n0, run, HG, h0, D, scale, softcap, dt)
+                _section_scores(scores[:, 0:width], qT, k_rows, k_slots_sb, run, HG, h0, D, scale, softcap, dt)
                 _mask(scores[:, 0:width], key_index, n0 * run * PMAX, bounds_sb, windowed)
                 if tail:
                     hidden = nl.ndarray((R, T), dtype=nl.uint8, buffer=nl.sbuf)
@@ -339,7 +341,7 @@ def paged_attention_kernel(q, k_rows, v_rows, k_slots, v_slots, bounds, tail_slo
                                 reduce_cmd=nisa.reduce_cmd.reset_reduce)
                 nisa.scalar_tensor_tensor(l_sum, data=l_sum, op0=nl.multiply, operand0=alpha, op1=nl.add,
                                           operand1=row_sum)
-                pvT = _section_values(p[:, 0:width], v_rows, v_slots_sb, n0, run, R, HG, h0, Dv, rows_per_head, dt)
+                pvT = _section_values(p[:, 0:width], v_rows, v_slots_sb, run, R, HG, h0, Dv, rows_per_head, dt)
                 if tail:
                     _tail_values(pvT, p[:, width:width + T], v_rows, tail_sb, R, HG, h0, Dv, rows_per_head, dt)
                 _rescaled(acc, pvT, alpha, R, Dv)
