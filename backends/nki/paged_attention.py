@@ -41,6 +41,7 @@ MAX_RUN = 4  # consecutive slots of a page a partition of a gather holds: a bloc
 GATHER_BYTES = 32 * 1024  # of a partition, for one block's K or V tile
 NEG = -1.0e30  # a masked score: finite, so exp(NEG - NEG) is 1, never NaN
 MAX_HEAD_DIM = 576  # DeepSeek's absorbed MLA (576 / 512): its v's 512 fp32 is one PSUM bank
+INSTRUCTION_BUDGET = 5_000_000  # per launch: the Neuron compiler's threshold (XTP002), which the emulator enforces
 
 
 def groups(hkv: int, rows_per_head: int, d: int, dv: int, itemsize: int) -> list[tuple[int, int]]:
@@ -50,6 +51,22 @@ def groups(hkv: int, rows_per_head: int, d: int, dv: int, itemsize: int) -> list
     per_group = max(1, min(PMAX // rows_per_head, SCORE_COLUMNS // (len(_chunks(dv)) * rows_per_head),
                            GATHER_BYTES // (MAX_RUN * max(d, dv) * itemsize)))
     return [(h0, min(per_group, hkv - h0)) for h0 in range(0, hkv, per_group)]
+
+
+def sequence_instructions(positions, page_size, sq, hq, hkv, d, dv, itemsize) -> int:
+    """At least the instructions :func:`paged_attention_kernel` issues for one sequence of a table of ``positions``
+    (every block up to the table's width is issued: the trace cannot know the lengths), with every option on."""
+    run = run_of(page_size)
+    n_blocks = -(-max(positions, page_size) // (run * PMAX))
+    sections = -(-n_blocks // max(1, SECTION_KEYS // (run * PMAX)))
+    nc, ncv = len(_chunks(d)), len(_chunks(dv))
+    total = 2
+    for _, heads in groups(hkv, sq * (hq // hkv), d, dv, itemsize):
+        per_block = 5 + 2 * run + run * heads * (3 * nc + ncv)  # gathers, K^T, scores, P^T, P V
+        per_section = 14 + 2 * ncv  # slots, mask, softmax, rescale
+        tail = 10 + heads * (3 * nc + ncv)
+        total += 40 + 2 * nc + 2 * heads + tail + sections * per_section + n_blocks * per_block
+    return total
 
 
 def _chunks(n):
@@ -439,7 +456,20 @@ def paged_attention_op(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tens
 
 def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, window=None, softcap=None, sinks=None):
     """``q [B, Sq, Hq, D]`` over ``[pages, page_size, Hkv, D]`` (v: ``Dv``) caches -> (out ``[B, Sq, Hq, Dv]``
-    contiguous, lse ``[B, Hq, Sq]``)."""
+    contiguous, lse ``[B, Hq, Sq]``), in as many launches as the instruction budget needs."""
+    b, sq, hq, d = q.shape
+    per_launch = max(1, INSTRUCTION_BUDGET // sequence_instructions(
+        block_table.shape[1] * k_cache.shape[1], k_cache.shape[1], sq, hq, k_cache.shape[2], d, v_cache.shape[-1],
+        q.element_size()))
+    parts = [_launch(q[i:i + per_launch], k_cache, v_cache, block_table[i:i + per_launch],
+                     cache_seqlens[i:i + per_launch], scale, window, softcap, sinks) for i in range(0, b, per_launch)]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat(pieces) for pieces in zip(*parts))
+
+
+def _launch(q, k_cache, v_cache, block_table, cache_seqlens, scale, window, softcap, sinks):
+    """One launch of the kernel over every sequence of ``q``."""
     b, sq, hq, _ = q.shape
     page_size, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
     group = hq // hkv
@@ -469,6 +499,14 @@ def paged_attention_supports(call) -> list[str]:
                        f"of one KV head, the head dim in chunks of {PMAX}, must fit one PSUM bank")
     if k_cache.shape[0] * k_cache.shape[1] >= 2 ** 31:
         reasons.append("a pool of 2^31 or more token slots: the NKI kernel's gather indices are int32")
-    if call["block_table"].shape[1] * k_cache.shape[1] > 2 ** 24:
+    positions = call["block_table"].shape[1] * k_cache.shape[1]
+    if positions > 2 ** 24:
         reasons.append("block_table holds over 2^24 positions: the NKI kernel compares positions in float32")
+    elif not reasons:
+        needs = sequence_instructions(positions, k_cache.shape[1], q.shape[1], q.shape[2], k_cache.shape[2],
+                                      q.shape[3], v_cache.shape[3], q.element_size())
+        if needs > INSTRUCTION_BUDGET:
+            reasons.append(f"one sequence of a block table of {positions} positions takes up to {needs} instructions, "
+                           f"past the Neuron compiler's {INSTRUCTION_BUDGET} a launch: the NKI kernel issues every "
+                           "block up to the table's width")
     return reasons
