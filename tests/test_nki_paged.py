@@ -10,7 +10,7 @@ import torch
 from attention_definitions import paged_cache
 
 import portable_ops
-from portable_ops.backends.nki import compat
+from portable_ops.backends.nki import compat, runtime
 from portable_ops.conformance.runner import forced_strict
 
 nki_paged = importlib.import_module("portable_ops.backends.nki.paged_attention")  # the package's name is the op's
@@ -119,12 +119,12 @@ def test_a_batch_past_the_instruction_budget_runs_in_several_launches(monkeypatc
     k_cache, v_cache, table, seqlens = paged_cache([30, 0, 5, 17, 9], 16, dtype=torch.float32)
     one = nki_paged.sequence_instructions(table.shape[1] * 16, 16, 1, 4, 2, 8, 8, 4)
     budget = int(2.5 * one)
-    monkeypatch.setattr(nki_paged, "INSTRUCTION_BUDGET", budget)
+    monkeypatch.setattr(runtime, "INSTRUCTION_BUDGET", budget)
     q = torch.randn(5, 1, 4, 8)
     with emulator.instruction_budget(budget), emulator.count_instructions() as stats:
         _nki_and_reference(q, k_cache, v_cache, table, seqlens, softcap=9.0)
     assert stats.launches == 3
-    monkeypatch.setattr(nki_paged, "INSTRUCTION_BUDGET", one - 1)  # not even one sequence a launch: declined
+    monkeypatch.setattr(runtime, "INSTRUCTION_BUDGET", one - 1)  # not even one sequence a launch: declined
     with portable_ops.use_backend("nki"):
         reasons = portable_ops.explain("paged_attention", q, k_cache, v_cache, table, seqlens).rejected["nki"]
     assert reasons == [f"one sequence of a block table of {table.shape[1] * 16} positions takes up to {one} "

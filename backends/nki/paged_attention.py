@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .compat import nki, nisa, nl
+from . import runtime
 from .runtime import kernel_op, launch
 
 PMAX = 128  # partitions: keys per tile, query rows per group, a transpose's largest side
@@ -41,7 +42,6 @@ MAX_RUN = 4  # consecutive slots of a page a partition of a gather holds: a bloc
 GATHER_BYTES = 32 * 1024  # of a partition, for one block's K or V tile
 NEG = -1.0e30  # a masked score: finite, so exp(NEG - NEG) is 1, never NaN
 MAX_HEAD_DIM = 576  # DeepSeek's absorbed MLA (576 / 512): its v's 512 fp32 is one PSUM bank
-INSTRUCTION_BUDGET = 5_000_000  # per launch: the Neuron compiler's threshold (XTP002), which the emulator enforces
 
 
 def groups(hkv: int, rows_per_head: int, d: int, dv: int, itemsize: int) -> list[tuple[int, int]]:
@@ -458,7 +458,7 @@ def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, w
     """``q [B, Sq, Hq, D]`` over ``[pages, page_size, Hkv, D]`` (v: ``Dv``) caches -> (out ``[B, Sq, Hq, Dv]``
     contiguous, lse ``[B, Hq, Sq]``), in as many launches as the instruction budget needs."""
     b, sq, hq, d = q.shape
-    per_launch = max(1, INSTRUCTION_BUDGET // sequence_instructions(
+    per_launch = max(1, runtime.INSTRUCTION_BUDGET // sequence_instructions(
         block_table.shape[1] * k_cache.shape[1], k_cache.shape[1], sq, hq, k_cache.shape[2], d, v_cache.shape[-1],
         q.element_size()))
     parts = [_launch(q[i:i + per_launch], k_cache, v_cache, block_table[i:i + per_launch],
@@ -505,8 +505,8 @@ def paged_attention_supports(call) -> list[str]:
     elif not reasons:
         needs = sequence_instructions(positions, k_cache.shape[1], q.shape[1], q.shape[2], k_cache.shape[2],
                                       q.shape[3], v_cache.shape[3], q.element_size())
-        if needs > INSTRUCTION_BUDGET:
+        if needs > runtime.INSTRUCTION_BUDGET:
             reasons.append(f"one sequence of a block table of {positions} positions takes up to {needs} instructions, "
-                           f"past the Neuron compiler's {INSTRUCTION_BUDGET} a launch: the NKI kernel issues every "
-                           "block up to the table's width")
+                           f"past the Neuron compiler's {runtime.INSTRUCTION_BUDGET} a launch: the NKI kernel issues "
+                           "every block up to the table's width")
     return reasons
