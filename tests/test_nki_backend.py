@@ -559,3 +559,61 @@ def test_placeholder_nki_package_falls_back_to_the_emulator(fake_sdk):
     reasons = nki_backend.BACKEND.device_reasons(NEURON)
     assert reasons and "placeholder" in reasons[0]
     assert runtime.where(torch.device("cpu")) == "emulator"
+
+
+nki_attention = importlib.import_module("portable_ops.backends.nki.attention")
+
+
+def _attention_counts(sq, skv, d, causal, window=None, softcap=None):
+    """Instructions of the forward and the backward kernels (count-only) for one query head, with a sink."""
+    q, k = (torch.zeros(1, 1, n, d, dtype=BF16, device="meta") for n in (sq, skv))
+    lse = torch.zeros(1, 1, sq, device="meta")
+    options = dict(causal=causal, scale=0.1, window=window, softcap=softcap, sinks=torch.zeros(1, device="meta"))
+    counts = []
+    for op, args in (("attention_fwd", {}), ("attention_bwd", dict(out=q, lse=lse, dout=q, dlse=lse))):
+        with emulator.count_only(), emulator.count_instructions() as stats:
+            OPS[op].run(q=q, k=k, v=k, **args, **options)
+        counts.append(sum(stats.instructions.values()))
+    return counts
+
+
+def test_the_head_instruction_estimate_bounds_both_attention_kernels():
+    """The host splits heads into launches by :func:`head_instructions`: never under what either kernel issues for
+    a head (a launch past the compiler's threshold fails), and not far over it on a long sequence."""
+    for sq, skv, d, causal, window, softcap in ((8192, 8192, 128, True, None, None), (2048, 512, 8, True, None, 5.0),
+                                                (512, 2048, 256, False, (300, 40), None)):
+        counted = max(_attention_counts(sq, skv, d, causal, window, softcap))
+        estimate = nki_attention.head_instructions(sq, skv, causal, window)
+        assert counted <= estimate
+    assert estimate <= 8 * counted and nki_attention.head_instructions(8192, 8192, True, None) <= 2.5 * max(
+        _attention_counts(8192, 8192, 128, True))
+
+
+def test_attention_past_the_instruction_budget_runs_in_several_launches(monkeypatch):
+    """Both kernels issue every (batch, head) of a call in one launch: 32 heads of 32K causal keys pass the
+    compiler's 5,000,000 instructions in the backward, so the host splits the batch and the KV heads."""
+    one = nki_attention.head_instructions(200, 200, True, None)
+    monkeypatch.setattr(runtime, "INSTRUCTION_BUDGET", 3 * one)  # one KV head of two query heads a launch
+    q, k, v = (torch.randn(2, h, 200, 8, requires_grad=True) for h in (4, 2, 2))
+    sinks = torch.randn(4, requires_grad=True)
+    needs = 2 * max(_attention_counts(200, 200, 8, True))  # a launch's two query heads: the whole call's a quarter
+    with emulator.instruction_budget(needs), emulator.count_instructions() as stats:
+        with portable_ops.use_backend("nki"):
+            out = portable_ops.attention(q, k, v, causal=True, sinks=sinks)
+            got = torch.autograd.grad(out.square().sum(), (q, k, v, sinks))
+    assert stats.launches == 8
+    ref_out, ref_lse = reference_fwd(*(t.detach().double() for t in (q, k, v)), causal=True, scale=8 ** -0.5,
+                                     sinks=sinks.detach().double())
+    close(out, ref_out, (1e-5, 1e-5))
+    want = reference_bwd(*(t.detach().double() for t in (q, k, v)), ref_out, ref_lse, 2 * ref_out, causal=True,
+                         scale=8 ** -0.5, sinks=sinks.detach().double())
+    for g, w in zip(got, want):
+        close(g, w, (1e-4, 1e-4))
+    monkeypatch.setattr(runtime, "INSTRUCTION_BUDGET", one - 1)
+    with portable_ops.use_backend("nki"):
+        reasons = portable_ops.explain("attention", q, k, v, causal=True).rejected["nki"]
+        packed = portable_ops.explain("attention_varlen", q[0].transpose(0, 1), k[0].transpose(0, 1),
+                                      v[0].transpose(0, 1), torch.tensor([0, 200], dtype=torch.int32),
+                                      torch.tensor([0, 200], dtype=torch.int32), 200, 200, causal=True)
+    assert reasons == packed.rejected["nki"] == [f"one head of 200 queries over 200 keys takes up to {one} "
+                                                 f"instructions, past the Neuron compiler's {one - 1} a launch"]

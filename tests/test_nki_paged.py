@@ -10,7 +10,7 @@ import torch
 from attention_definitions import paged_cache
 
 import portable_ops
-from portable_ops.backends.nki import compat
+from portable_ops.backends.nki import compat, runtime
 from portable_ops.conformance.runner import forced_strict
 
 nki_paged = importlib.import_module("portable_ops.backends.nki.paged_attention")  # the package's name is the op's
@@ -81,3 +81,52 @@ def test_calls_the_kernel_cannot_take_are_declined_with_the_reason():
         choice = portable_ops.explain("paged_kv_append", many, many, table, seqlens - 1, new, new)
         assert choice.rejected["nki"] == ["a token's row of every KV head is 81920 bytes; the NKI kernel moves it "
                                           "through one partition of SBUF, at most 65536"]
+
+
+def _counted_decode(b, table_pages, page=16, length=40, hq=4, hkv=2, d=8):
+    """The kernel's emulator counts (count-only) for ``b`` sequences of ``length`` keys, tables ``table_pages`` wide."""
+    from portable_ops.backends.nki import emulator
+    meta = dict(dtype=torch.bfloat16, device="meta")
+    pool = b * -(-length // page)
+    with emulator.count_only(), emulator.count_instructions() as stats:
+        nki_paged.paged_attention(torch.zeros(b, 1, hq, d, **meta), torch.zeros(pool, page, hkv, d, **meta),
+                                  torch.zeros(pool, page, hkv, d, **meta),
+                                  torch.zeros(b, table_pages, dtype=torch.int32, device="meta"),
+                                  torch.full((b,), length, dtype=torch.int32, device="meta"), scale=d ** -0.5)
+    return stats
+
+
+def test_the_slot_tables_sbuf_holds_do_not_grow_with_the_block_tables_width():
+    """A table as wide as supports takes (2^24 positions: 32768 blocks of 512 keys) must fit SBUF, so the kernel
+    holds one section's slots at a time, not the whole table's."""
+    narrow, wide = (_counted_decode(1, pages).sbuf_peak_bytes for pages in (256, 1024))
+    assert wide == narrow
+
+
+def test_the_instruction_estimate_bounds_what_a_sequence_issues():
+    """The host splits a batch into launches by :func:`sequence_instructions`: it must not undercount (a launch past
+    the compiler's threshold fails) nor overcount much (launches cost)."""
+    for b, pages, hq, hkv, d in ((1, 256, 4, 2, 8), (1, 1024, 16, 2, 40), (2, 80, 8, 8, 200)):
+        counted = sum(_counted_decode(b, pages, hq=hq, hkv=hkv, d=d).instructions.values()) / b
+        estimate = nki_paged.sequence_instructions(pages * 16, 16, 1, hq, hkv, d, d, torch.bfloat16.itemsize)
+        assert counted <= estimate <= 2 * counted
+
+
+def test_a_batch_past_the_instruction_budget_runs_in_several_launches(monkeypatch):
+    """Every sequence's blocks are issued up to the table's width, so a batch of long tables (256 sequences of
+    128K positions in pages of 16) passes the compiler's 5,000,000 instructions a launch: the host splits it."""
+    from portable_ops.backends.nki import emulator
+    k_cache, v_cache, table, seqlens = paged_cache([30, 0, 5, 17, 9], 16, dtype=torch.float32)
+    one = nki_paged.sequence_instructions(table.shape[1] * 16, 16, 1, 4, 2, 8, 8, 4)
+    budget = int(2.5 * one)
+    monkeypatch.setattr(runtime, "INSTRUCTION_BUDGET", budget)
+    q = torch.randn(5, 1, 4, 8)
+    with emulator.instruction_budget(budget), emulator.count_instructions() as stats:
+        _nki_and_reference(q, k_cache, v_cache, table, seqlens, softcap=9.0)
+    assert stats.launches == 3
+    monkeypatch.setattr(runtime, "INSTRUCTION_BUDGET", one - 1)  # not even one sequence a launch: declined
+    with portable_ops.use_backend("nki"):
+        reasons = portable_ops.explain("paged_attention", q, k_cache, v_cache, table, seqlens).rejected["nki"]
+    assert reasons == [f"one sequence of a block table of {table.shape[1] * 16} positions takes up to {one} "
+                       f"instructions, past the Neuron compiler's {one - 1} a launch: the NKI kernel issues every "
+                       "block up to the table's width"]

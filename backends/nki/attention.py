@@ -53,6 +53,7 @@ import torch
 from portable_ops.layout import as_layout_of
 
 from .compat import nki, nisa, nl
+from . import runtime
 from .runtime import kernel_op, launch
 
 B_Q = 128  # query rows per tile (partition axis)
@@ -813,13 +814,69 @@ MAX_HEAD_DIM = 256
 
 def attention_supports(call) -> list[str]:
     """Every window, softcap and sink is taken (the kernels' masks, cap and sink term), dtypes and head dims
-    are declared (``BACKEND``): what is left is q, k and v agreeing, having sizes, and options the engines can
-    hold."""
+    are declared (``BACKEND``): what is left is q, k and v agreeing, having sizes, options the engines can
+    hold, and a head the compiler takes in one launch."""
     q = call["q"]
     reasons = options_reasons(call)
-    if q.shape[-2] == 0 or call["k"].shape[-2] == 0 or q.shape[-1] == 0:
+    sq, skv = q.shape[-2], call["k"].shape[-2]
+    if sq == 0 or skv == 0 or q.shape[-1] == 0:
         reasons.append("NKI attention needs non-empty sequences and head dim")
+    else:
+        reasons += head_reasons(sq, skv, call)
     return reasons
+
+
+def head_reasons(sq, skv, call) -> list[str]:
+    """Why a head of ``sq`` queries over ``skv`` keys (with the call's mask) can't run: past the compiler's
+    instructions in one launch."""
+    needs = head_instructions(sq, skv, call["causal"], call["window"])
+    if needs <= runtime.INSTRUCTION_BUDGET:
+        return []
+    return [f"one head of {sq} queries over {skv} keys takes up to {needs} instructions, past the Neuron compiler's "
+            f"{runtime.INSTRUCTION_BUDGET} a launch"]
+
+
+def head_instructions(sq, skv, causal, window) -> int:
+    """At least the instructions the forward or the backward kernel issues for one query head, every option on:
+    by the score tiles of 512 keys its query tiles see, and its query tiles and key blocks."""
+    left, right = _band(causal, *(window or (None, None)))
+    score_tiles = 0
+    for q0 in range(0, sq, B_Q):
+        first, stop = _key_blocks(q0, min(B_Q, sq - q0), skv - sq, skv, left, right)
+        score_tiles += -(-(stop - first) * B_K // SCORE_KEYS)
+    return 48 * score_tiles + 64 * (-(-sq // B_Q) + -(-skv // B_K)) + 200
+
+
+def _in_launches(kernel, q, k, args, laid_out, per_head, static):
+    """``kernel``'s outputs for every (batch, head) of ``q [B, Hq, ..]`` and ``k [B, Hkv, ..]``, in as many launches
+    as the instruction budget needs, each taking some batch entries' KV heads with their query heads. ``args``
+    (positional) and ``laid_out`` (keywords, or None): tensors laid out as q or k, told apart by their head count;
+    ``per_head``: keywords ``[Hq, ..]``, or None."""
+    (b, hq), hkv = q.shape[:2], k.shape[1]
+    group = hq // hkv
+    per_launch = max(1, runtime.INSTRUCTION_BUDGET // (group * head_instructions(
+        q.shape[2], k.shape[2], static["causal"], (static["window_left"], static["window_right"]))))
+    heads = min(hkv, per_launch)
+    batch = max(1, per_launch // hkv) if heads == hkv else 1
+    if batch >= b and heads == hkv:
+        return launch(kernel, *args, **laid_out, **per_head, **static)
+    rows = []
+    for b0 in range(0, b, batch):
+        parts = []
+        for h0 in range(0, hkv, heads):
+            def piece(t):
+                if t is None:
+                    return None
+                first, width = (h0 * group, heads * group) if t.shape[1] == hq else (h0, heads)
+                return t[b0:b0 + batch, first:first + width]
+
+            parts.append(launch(kernel, *(piece(t).contiguous() for t in args),
+                                **{name: piece(t) for name, t in laid_out.items()},
+                                **{name: None if t is None else t[h0 * group:(h0 + heads) * group]
+                                   for name, t in per_head.items()}, **static))
+        rows.append(parts)
+    return tuple(torch.cat([torch.cat([part[i] for part in parts], 1) for parts in rows])
+                 for i in range(len(rows[0][0])))
 
 
 def options_reasons(call) -> list[str]:
@@ -858,9 +915,10 @@ def attention_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: t
                      softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel's launch as the op ``portable_ops_nki::attention_fwd``: a contiguous ``out`` and
     ``lse [B, Hq, Sq]`` float32; differentiable in q, k, v and sinks (``[Hq]``) through the backward op."""
-    out, lse = launch(attention_fwd_kernel, q.contiguous(), k.contiguous(), v.contiguous(),
-                      sinks=_sinks_down_partitions(sinks), scale=scale, causal=causal, window_left=window_left,
-                      window_right=window_right, softcap=softcap)
+    out, lse = _in_launches(attention_fwd_kernel, q, k, (q.contiguous(), k.contiguous(), v.contiguous()), {},
+                            dict(sinks=_sinks_down_partitions(sinks)),
+                            dict(scale=scale, causal=causal, window_left=window_left, window_right=window_right,
+                                 softcap=softcap))
     return out, lse.reshape(q.shape[:-1])
 
 
@@ -885,11 +943,11 @@ def attention_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: tor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward kernel's launch as the op ``portable_ops_nki::attention_bwd``: contiguous ``(dq, dk, dv,
     dsinks)``, dsinks empty without sinks (an op's outputs are fixed)."""
-    dq, dk, dv, *dsink_rows = launch(attention_bwd_kernel, q.contiguous(), k.contiguous(), v.contiguous(),
-                                     out.contiguous(), _rows(lse, q), dout.to(q.dtype).contiguous(),
-                                     sinks=_sinks_down_partitions(sinks), dlse=_rows(dlse, q), scale=scale,
-                                     causal=causal, window_left=window_left, window_right=window_right,
-                                     softcap=softcap)
+    dq, dk, dv, *dsink_rows = _in_launches(
+        attention_bwd_kernel, q, k, (q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), _rows(lse, q),
+                                     dout.to(q.dtype).contiguous()),
+        dict(dlse=_rows(dlse, q)), dict(sinks=_sinks_down_partitions(sinks)),
+        dict(scale=scale, causal=causal, window_left=window_left, window_right=window_right, softcap=softcap))
     dsinks = dsink_rows[0].sum((0, 2, 3)).to(sinks.dtype) if sinks is not None else _dsinks_like(q, None)
     return dq, dk, dv, dsinks
 

@@ -19,12 +19,15 @@ import torch
 from portable_ops.attention import degenerate
 from portable_ops.definitions import attention_varlen as definition
 
-from .attention import attention_bwd, attention_fwd, options_reasons
+from .attention import attention_bwd, attention_fwd, head_reasons, options_reasons
 
 
 def attention_varlen_supports(call) -> list[str]:
-    """The dense kernels' conditions that the packed layout leaves (its empty sequences are handled here)."""
-    return options_reasons(call)
+    """The dense kernels' conditions that the packed layout leaves (its empty sequences are handled here), the
+    longest sequences' heads (at most max_seqlen, and at most every token) bounding every sequence's."""
+    longest_q = min(call["max_seqlen_q"], call["q"].shape[0])
+    longest_k = min(call["max_seqlen_k"], call["k"].shape[0])
+    return options_reasons(call) + head_reasons(longest_q, longest_k, call)
 
 
 def _empty(q, k):

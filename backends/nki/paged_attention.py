@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from .compat import nki, nisa, nl
+from . import runtime
 from .runtime import kernel_op, launch
 
 PMAX = 128  # partitions: keys per tile, query rows per group, a transpose's largest side
@@ -50,6 +51,22 @@ def groups(hkv: int, rows_per_head: int, d: int, dv: int, itemsize: int) -> list
     per_group = max(1, min(PMAX // rows_per_head, SCORE_COLUMNS // (len(_chunks(dv)) * rows_per_head),
                            GATHER_BYTES // (MAX_RUN * max(d, dv) * itemsize)))
     return [(h0, min(per_group, hkv - h0)) for h0 in range(0, hkv, per_group)]
+
+
+def sequence_instructions(positions, page_size, sq, hq, hkv, d, dv, itemsize) -> int:
+    """At least the instructions :func:`paged_attention_kernel` issues for one sequence of a table of ``positions``
+    (every block up to the table's width is issued: the trace cannot know the lengths), with every option on."""
+    run = run_of(page_size)
+    n_blocks = -(-max(positions, page_size) // (run * PMAX))
+    sections = -(-n_blocks // max(1, SECTION_KEYS // (run * PMAX)))
+    nc, ncv = len(_chunks(d)), len(_chunks(dv))
+    total = 2
+    for _, heads in groups(hkv, sq * (hq // hkv), d, dv, itemsize):
+        per_block = 5 + 2 * run + run * heads * (3 * nc + ncv)  # gathers, K^T, scores, P^T, P V
+        per_section = 14 + 2 * ncv  # slots, mask, softmax, rescale
+        tail = 10 + heads * (3 * nc + ncv)
+        total += 40 + 2 * nc + 2 * heads + tail + sections * per_section + n_blocks * per_block
+    return total
 
 
 def _chunks(n):
@@ -133,9 +150,9 @@ def _evacuate(out, s_ps, scale, softcap):
         nisa.tensor_scalar(out, out, op0=nl.multiply, operand0=softcap)
 
 
-def _section_scores(scores, qT, k_rows, k_slots, b0, run, HG, h0, D, scale, softcap, dt):
+def _section_scores(scores, qT, k_rows, k_slots, run, HG, h0, D, scale, softcap, dt):
     """``scores [R, blocks * run * 128]``: the section's scaled (and capped) scores, 512 per PSUM tile, in the
-    blocks' column order (:func:`_scores_of_block`)."""
+    blocks' column order (:func:`_scores_of_block`); ``k_slots [128, blocks]``: the section's runs' first slots."""
     R, width = scores.shape[0], run * PMAX
     blocks = scores.shape[1] // width
     per_bank = SCORE_COLUMNS // width
@@ -144,7 +161,7 @@ def _section_scores(scores, qT, k_rows, k_slots, b0, run, HG, h0, D, scale, soft
         s_ps = nl.ndarray((R, count * width), dtype=nl.float32, buffer=nl.psum)
         for i in nl.static_range(count):
             k_sb = nl.ndarray((PMAX, run * HG * D), dtype=dt, buffer=nl.sbuf)
-            _gather_into(k_sb, k_rows, k_slots[:, b0 + first + i:b0 + first + i + 1], h0, HG, D, run)
+            _gather_into(k_sb, k_rows, k_slots[:, first + i:first + i + 1], h0, HG, D, run)
             _scores_of_block(s_ps[:, i * width:(i + 1) * width], qT, k_sb, run, HG, D, dt)
         _evacuate(scores[:, first * width:(first + count) * width], s_ps, scale, softcap)
 
@@ -171,7 +188,7 @@ def _values_into(pvT, v_sb, pT, HG, Dv, rows_per_head, accumulate):
                            accumulate=accumulate)
 
 
-def _section_values(p, v_rows, v_slots, b0, run, R, HG, h0, Dv, rows_per_head, dt):
+def _section_values(p, v_rows, v_slots, run, R, HG, h0, Dv, rows_per_head, dt):
     """``(P V)^T`` of the section's blocks, ``[min(Dv, 128), Dv chunks, R]`` in PSUM: each head's matmul takes its V
     as the stationary operand and its rows' ``P^T`` columns as the moving one, into those rows' columns. A block's V
     arrives as its K did, ``run`` keys a partition (runs wholly seen; the others are zeros here)."""
@@ -184,7 +201,7 @@ def _section_values(p, v_rows, v_slots, b0, run, R, HG, h0, Dv, rows_per_head, d
         pT = nl.ndarray((PMAX, count, R), dtype=dt, buffer=nl.sbuf)
         nisa.tensor_copy(pT, pT_ps)
         for i in nl.static_range(count // run):
-            n = b0 + first // run + i
+            n = first // run + i
             v_sb = nl.ndarray((PMAX, run * HG * Dv), dtype=dt, buffer=nl.sbuf)
             nisa.memset(v_sb, 0.0)  # a skipped run stays 0: P is 0 there, and 0 * stale data may be NaN
             _gather_into(v_sb, v_rows, v_slots[:, n:n + 1], h0, HG, Dv, run)
@@ -296,10 +313,6 @@ def paged_attention_kernel(q, k_rows, v_rows, k_slots, v_slots, bounds, tail_slo
     key_index = nl.ndarray((PMAX, blocks * run * PMAX), dtype=nl.float32, buffer=nl.sbuf)
     nisa.iota(key_index, pattern=[[run * PMAX, blocks], [1, run], [run, PMAX]], offset=0)
     for b in nl.affine_range(B):
-        k_slots_sb = nl.ndarray((PMAX, n_blocks), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(k_slots_sb, k_slots[b])
-        v_slots_sb = nl.ndarray((PMAX, n_blocks), dtype=nl.int32, buffer=nl.sbuf)
-        nisa.dma_copy(v_slots_sb, v_slots[b])
         if T:
             tail_sb = nl.ndarray((T, 1), dtype=nl.int32, buffer=nl.sbuf)
             nisa.dma_copy(tail_sb, tail_slots[b])
@@ -315,10 +328,16 @@ def paged_attention_kernel(q, k_rows, v_rows, k_slots, v_slots, bounds, tail_slo
             l_sum = nl.zeros((R, 1), dtype=nl.float32, buffer=nl.sbuf)
             acc = nl.zeros((R, Dv), dtype=nl.float32, buffer=nl.sbuf)
             for n0 in nl.static_range(0, n_blocks, section_blocks):
-                width = min(section_blocks, n_blocks - n0) * run * PMAX
+                blocks_here = min(section_blocks, n_blocks - n0)
+                width = blocks_here * run * PMAX
+                # the section's slots only: SBUF does not grow with the table's width
+                k_slots_sb = nl.ndarray((PMAX, blocks_here), dtype=nl.int32, buffer=nl.sbuf)
+                nisa.dma_copy(k_slots_sb, k_slots[b, :, n0:n0 + blocks_here])
+                v_slots_sb = nl.ndarray((PMAX, blocks_here), dtype=nl.int32, buffer=nl.sbuf)
+                nisa.dma_copy(v_slots_sb, v_slots[b, :, n0:n0 + blocks_here])
                 tail = T if n0 + section_blocks >= n_blocks else 0  # the last section takes the tail's keys
                 scores = nl.ndarray((R, width + tail), dtype=nl.float32, buffer=nl.sbuf)
-                _section_scores(scores[:, 0:width], qT, k_rows, k_slots_sb, n0, run, HG, h0, D, scale, softcap, dt)
+                _section_scores(scores[:, 0:width], qT, k_rows, k_slots_sb, run, HG, h0, D, scale, softcap, dt)
                 _mask(scores[:, 0:width], key_index, n0 * run * PMAX, bounds_sb, windowed)
                 if tail:
                     hidden = nl.ndarray((R, T), dtype=nl.uint8, buffer=nl.sbuf)
@@ -339,7 +358,7 @@ def paged_attention_kernel(q, k_rows, v_rows, k_slots, v_slots, bounds, tail_slo
                                 reduce_cmd=nisa.reduce_cmd.reset_reduce)
                 nisa.scalar_tensor_tensor(l_sum, data=l_sum, op0=nl.multiply, operand0=alpha, op1=nl.add,
                                           operand1=row_sum)
-                pvT = _section_values(p[:, 0:width], v_rows, v_slots_sb, n0, run, R, HG, h0, Dv, rows_per_head, dt)
+                pvT = _section_values(p[:, 0:width], v_rows, v_slots_sb, run, R, HG, h0, Dv, rows_per_head, dt)
                 if tail:
                     _tail_values(pvT, p[:, width:width + T], v_rows, tail_sb, R, HG, h0, Dv, rows_per_head, dt)
                 _rescaled(acc, pvT, alpha, R, Dv)
@@ -437,7 +456,20 @@ def paged_attention_op(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tens
 
 def paged_attention(q, k_cache, v_cache, block_table, cache_seqlens, *, scale, window=None, softcap=None, sinks=None):
     """``q [B, Sq, Hq, D]`` over ``[pages, page_size, Hkv, D]`` (v: ``Dv``) caches -> (out ``[B, Sq, Hq, Dv]``
-    contiguous, lse ``[B, Hq, Sq]``)."""
+    contiguous, lse ``[B, Hq, Sq]``), in as many launches as the instruction budget needs."""
+    b, sq, hq, d = q.shape
+    per_launch = max(1, runtime.INSTRUCTION_BUDGET // sequence_instructions(
+        block_table.shape[1] * k_cache.shape[1], k_cache.shape[1], sq, hq, k_cache.shape[2], d, v_cache.shape[-1],
+        q.element_size()))
+    parts = [_launch(q[i:i + per_launch], k_cache, v_cache, block_table[i:i + per_launch],
+                     cache_seqlens[i:i + per_launch], scale, window, softcap, sinks) for i in range(0, b, per_launch)]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat(pieces) for pieces in zip(*parts))
+
+
+def _launch(q, k_cache, v_cache, block_table, cache_seqlens, scale, window, softcap, sinks):
+    """One launch of the kernel over every sequence of ``q``."""
     b, sq, hq, _ = q.shape
     page_size, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
     group = hq // hkv
@@ -467,6 +499,14 @@ def paged_attention_supports(call) -> list[str]:
                        f"of one KV head, the head dim in chunks of {PMAX}, must fit one PSUM bank")
     if k_cache.shape[0] * k_cache.shape[1] >= 2 ** 31:
         reasons.append("a pool of 2^31 or more token slots: the NKI kernel's gather indices are int32")
-    if call["block_table"].shape[1] * k_cache.shape[1] > 2 ** 24:
+    positions = call["block_table"].shape[1] * k_cache.shape[1]
+    if positions > 2 ** 24:
         reasons.append("block_table holds over 2^24 positions: the NKI kernel compares positions in float32")
+    elif not reasons:
+        needs = sequence_instructions(positions, k_cache.shape[1], q.shape[1], q.shape[2], k_cache.shape[2],
+                                      q.shape[3], v_cache.shape[3], q.element_size())
+        if needs > runtime.INSTRUCTION_BUDGET:
+            reasons.append(f"one sequence of a block table of {positions} positions takes up to {needs} instructions, "
+                           f"past the Neuron compiler's {runtime.INSTRUCTION_BUDGET} a launch: the NKI kernel issues "
+                           "every block up to the table's width")
     return reasons

@@ -27,6 +27,7 @@ from . import compat
 # backend tensors of no other device type than those it declares, where the @nki.jit kernel runs.
 HOST_DEVICES = ("cpu", "meta")
 NAMESPACE = "portable_ops_nki"  # the custom ops' namespace: torch.ops.portable_ops_nki.<name>
+INSTRUCTION_BUDGET = 5_000_000  # per launch: the Neuron compiler's threshold (XTP002), which the emulator enforces
 
 
 def where(device: torch.device) -> str:
