@@ -829,7 +829,7 @@ def attention_supports(call) -> list[str]:
 def head_reasons(sq, skv, call) -> list[str]:
     """Why a head of ``sq`` queries over ``skv`` keys (with the call's mask) can't run: past the compiler's
     instructions in one launch."""
-    needs = head_instructions(sq, skv, call["causal"], call["window"])
+    needs = head_instructions(sq, skv, call["causal"], call.get("window"))
     if needs <= runtime.INSTRUCTION_BUDGET:
         return []
     return [f"one head of {sq} queries over {skv} keys takes up to {needs} instructions, past the Neuron compiler's "
