@@ -394,13 +394,13 @@ def choose(op: str, call: Call, device: torch.device | None, prefer: str | None 
                     forced=order[0] != FALLBACK or forced_backend() is not None)
     may_defer = eager and prefer is None and forced_backend() is None and not torch.compiler.is_compiling()
     for i, name in enumerate(order):
-        reasons = _reasons(name, op, call, device)
         deferral = _deferral(name, op, call, device) if may_defer and name != FALLBACK else []
         if deferral:  # the next backend is the preferred one for this call
             choice.deferred[name] = deferral
             if choice.preferred == name:
                 choice.preferred = order[i + 1]
             continue
+        reasons = _reasons(name, op, call, device)
         if not reasons:
             choice.backend = name
             break
