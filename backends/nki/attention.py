@@ -73,7 +73,7 @@ RESIDENT_BYTES = 96 * 1024  # SBUF per partition for a section's resident K^T an
 WORKING_BYTES = 48 * 1024  # and for one query tile's scores, P and P^T (the pipeline holds a few such at once)
 
 
-def _chunks(n):
+def partition_chunks(n):
     """``(index, start, size)`` of the pieces of at most 128 that a dimension of ``n`` splits into."""
     return [(c, c0, min(PMAX, n - c0)) for c, c0 in enumerate(range(0, n, PMAX))]
 
@@ -82,7 +82,7 @@ def _matmul_chunked(dst, stationary, moving, contraction):
     """``dst = stationary^T moving`` over a contraction that may exceed the 128 partitions: both
     operands are in :func:`_transposed_rows`' layout, and the chunk matmuls accumulate into the
     one PSUM tile ``dst``."""
-    for c, _, size in _chunks(contraction):
+    for c, _, size in partition_chunks(contraction):
         nisa.nc_matmul(dst, stationary[0:size, c, :], moving[0:size, c, :], accumulate=c > 0)
 
 
@@ -196,7 +196,7 @@ def _section_keys(D, Dv, dtype):
     """Keys per resident section: the most whole score tiles whose K^T and V fit ``RESIDENT_BYTES`` per partition
     and whose one query tile's scores (fp32), P and P^T fit ``WORKING_BYTES``, at least one tile."""
     size = _itemsize(dtype)
-    resident = len(_chunks(D)) * size + (Dv + 1) * size / PMAX  # K^T [D, keys]; V [128 keys, blocks, Dv + 1]
+    resident = len(partition_chunks(D)) * size + (Dv + 1) * size / PMAX  # K^T [D, keys]; V [128 keys, blocks, Dv + 1]
     working = 4 + 2 * size  # scores, P, P^T (bq = 128 columns per 128 keys)
     tiles = min(RESIDENT_BYTES / resident, WORKING_BYTES / working) // SCORE_KEYS
     return SCORE_KEYS * max(1, int(tiles))
@@ -206,11 +206,12 @@ def _transposed_rows_of(sources, n, widths, dt):
     """HBM ``sources`` (each ``[n, width]``) -> ``[min(width, 128), chunks, n]`` each in SBUF by DMA transposes, one
     per 128 columns and score tile of rows, the sources' interleaved (so that the first tile's work waits for no
     more than its own rows)."""
-    dsts = [nl.ndarray((min(width, PMAX), len(_chunks(width)), n), dtype=dt, buffer=nl.sbuf) for width in widths]
+    dsts = [nl.ndarray((min(width, PMAX), len(partition_chunks(width)), n), dtype=dt, buffer=nl.sbuf)
+            for width in widths]
     for r0 in range(0, n, SCORE_KEYS):
         rows = slice(r0, min(n, r0 + SCORE_KEYS))
         for src, dst, width in zip(sources, dsts, widths):
-            for c, c0, size in _chunks(width):
+            for c, c0, size in partition_chunks(width):
                 nisa.dma_transpose(dst[0:size, c, rows], src[rows, c0:c0 + size])
     return dsts
 
@@ -226,7 +227,7 @@ def _rows_from_transposed(xT, n, width, dt, ring, columns=None):
     the Tensor Engine, four 128-column slots per PSUM tile of ``ring``, copied out by the Scalar Engine (the Vector
     Engine has the scores to evacuate): cheaper than DMAing the rows, whose runs per partition are ``width`` elements
     only."""
-    blocks, chunks = _chunks(n), _chunks(width)
+    blocks, chunks = partition_chunks(n), partition_chunks(width)
     rows = nl.ndarray((PMAX, len(blocks), columns or width), dtype=dt, buffer=nl.sbuf)
     per_tile = 4 // len(chunks)  # blocks per PSUM tile: a slot per (block, 128 columns)
     for g0 in range(0, len(blocks), per_tile):
@@ -254,7 +255,7 @@ def _pieces(k_lo, k_hi, q0, bq, shift, left, right):
     tiles = []
     for t0 in range(k_lo, k_hi, SCORE_KEYS):
         pieces = []
-        for _, j0, size in _chunks(min(SCORE_KEYS, k_hi - t0)):
+        for _, j0, size in partition_chunks(min(SCORE_KEYS, k_hi - t0)):
             cut = _cuts(q0, t0 + j0, bq, size, shift, left, right) != (False, False)
             if pieces and not cut and not pieces[-1][2]:
                 pieces[-1] = (pieces[-1][0], pieces[-1][1] + size, False)
@@ -385,13 +386,13 @@ class _Forward:
             nisa.activation(stage["alpha"], op=nl.exp, data=carried[:, Dv + 1:Dv + 2], scale=-1.0, bias=neg_m)
         k_lo = tiles[0][0][0]
         p = nl.ndarray(s.shape, dtype=dt, buffer=nl.sbuf)
-        stage["pT"] = pT = nl.ndarray((PMAX, len(_chunks(s.shape[1])), bq), dtype=dt, buffer=nl.sbuf)
+        stage["pT"] = pT = nl.ndarray((PMAX, len(partition_chunks(s.shape[1])), bq), dtype=dt, buffer=nl.sbuf)
         for (t0, tn), _ in tiles:  # every exponential first: the Scalar Engine's copies below wait on transposes
             nisa.activation(p[:, t0 - k_lo:t0 - k_lo + tn], op=nl.exp, data=s[:, t0 - k_lo:t0 - k_lo + tn],
                             bias=neg_m)
         for i, ((t0, tn), _) in enumerate(tiles):
             keys = slice(t0 - k_lo, t0 - k_lo + tn)
-            blocks, block0 = _chunks(tn), (t0 - k_lo) // PMAX
+            blocks, block0 = partition_chunks(tn), (t0 - k_lo) // PMAX
             on_tensor = blocks[:TENSOR_TRANSPOSED[i % len(TENSOR_TRANSPOSED)]]
             t_ps = self.transposes_ps.take()
             for j, j0, size in on_tensor:
@@ -425,7 +426,7 @@ class _Forward:
         k_lo, pT = tiles[0][0][0], stage["pT"]
         acc = pv = self.pv_ps.take()[0:bq, :]
         for (t0, tn), _ in tiles:
-            for j, j0, size in _chunks(tn):
+            for j, j0, size in partition_chunks(tn):
                 block = (t0 + j0 - k_lo) // PMAX
                 nisa.nc_matmul(pv, pT[0:size, block, :], v_sb[0:size, (t0 + j0 - s0) // PMAX, :],
                                accumulate=block > 0)
@@ -547,8 +548,8 @@ def _backward_sections(D, Dv, dtype):
     """``(query rows, keys)`` per backward section: the query side (Q^T, dO^T, Q, dO, dQ's fp32 sum) and the key side
     (K^T, V^T, K, dK's and dV's fp32 sums) each within ``BACKWARD_SIDE_BYTES`` per partition."""
     size = _itemsize(dtype)
-    query = len(_chunks(D)) * size + len(_chunks(Dv)) * size + (D * (size + 4) + Dv * size) / PMAX
-    key = len(_chunks(D)) * size + len(_chunks(Dv)) * size + (D * (size + 4) + Dv * 4) / PMAX
+    query = len(partition_chunks(D)) * size + len(partition_chunks(Dv)) * size + (D * (size + 4) + Dv * size) / PMAX
+    key = len(partition_chunks(D)) * size + len(partition_chunks(Dv)) * size + (D * (size + 4) + Dv * 4) / PMAX
     return (B_Q * max(1, int(BACKWARD_SIDE_BYTES / query) // B_Q),
             SCORE_KEYS * max(1, int(BACKWARD_SIDE_BYTES / key) // SCORE_KEYS))
 
@@ -556,8 +557,8 @@ def _backward_sections(D, Dv, dtype):
 def _rows_in_blocks(src, n, width, dt):
     """HBM ``src [n, width]`` -> ``[128, blocks, width]`` in SBUF: block ``j`` holds rows ``128 j ..`` on the
     partitions."""
-    dst = nl.ndarray((PMAX, len(_chunks(n)), width), dtype=dt, buffer=nl.sbuf)
-    for j, j0, size in _chunks(n):
+    dst = nl.ndarray((PMAX, len(partition_chunks(n)), width), dtype=dt, buffer=nl.sbuf)
+    for j, j0, size in partition_chunks(n):
         nisa.dma_copy(dst[0:size, j, :], src[j0:j0 + size, :])
     return dst
 
@@ -594,7 +595,7 @@ class _Backward:
         keys = (self.k[b, hkv, s0:s0 + sn, :], self.v[b, hkv, s0:s0 + sn, :])
         kT, vT = (_transposed_rows(x, sn, width, self.dt) for x, width in zip(keys, (self.D, self.Dv)))
         k_rows = _rows_from_transposed(kT, sn, self.D, self.dt, self.transposes_ps)
-        dk_sum, dv_sum = (nl.zeros((PMAX, len(_chunks(sn)), d), dtype=nl.float32, buffer=nl.sbuf)
+        dk_sum, dv_sum = (nl.zeros((PMAX, len(partition_chunks(sn)), d), dtype=nl.float32, buffer=nl.sbuf)
                           for d in (self.D, self.Dv))
         return dict(s0=s0, sn=sn, kT=kT, vT=vT, k_rows=k_rows, dk_sum=dk_sum, dv_sum=dv_sum)
 
@@ -608,7 +609,7 @@ class _Backward:
                                    for x, width in ((self.q, self.D), (self.do, self.Dv)))
         side["q_rows"], side["do_rows"] = (_rows_from_transposed(xT, rn, width, self.dt, self.transposes_ps)
                                            for xT, width in ((side["qT"], self.D), (side["doT"], self.Dv)))
-        tiles = _chunks(rn)
+        tiles = partition_chunks(rn)
         side["neg_lse"], side["neg_delta"] = (nl.ndarray((PMAX, len(tiles)), dtype=nl.float32, buffer=nl.sbuf)
                                               for _ in range(2))
         for t, t0, bq in tiles:
@@ -663,7 +664,7 @@ class _Backward:
                 scores = nl.ndarray((bq, w), dtype=nl.float32, buffer=nl.sbuf)
                 _multiply(scores, capped, self.softcap)
                 nisa.activation(p, op=nl.exp, data=scores, bias=neg_lse)
-        for _, j0, size in _chunks(w):
+        for _, j0, size in partition_chunks(w):
             _mask(p[:, j0:j0 + size], q0, a + j0, bq, size, self.shift, self.left, self.right, fill=0.0)
         dp = nl.ndarray((bq, w), dtype=dt, buffer=nl.sbuf)
         nisa.activation(dp, op=nl.copy, data=dp_ps, bias=neg_delta)
@@ -680,7 +681,7 @@ class _Backward:
         dS^T per block for dQ (the first ``BACKWARD_TENSOR_TRANSPOSED`` on the Tensor Engine into one PSUM tile, one
         copy; the rest by DMA transpose)."""
         t, _, bq, a, z = work
-        blocks = _chunks(z - a)
+        blocks = partition_chunks(z - a)
         on_tensor = blocks[:BACKWARD_TENSOR_TRANSPOSED]
         t_ps = self.transposes_ps.take()
         for j, j0, size in on_tensor:
@@ -705,7 +706,7 @@ class _Backward:
         """Stage three: dQ += dS K over the group's blocks (PSUM), added into the query section's fp32 sum."""
         t, _, bq, a, z = work
         dq = self.dq_ps.take()[0:bq, :]
-        for j, j0, size in _chunks(z - a):
+        for j, j0, size in partition_chunks(z - a):
             nisa.nc_matmul(dq, dsT[0:size, j, :], key["k_rows"][0:size, (a + j0 - key["s0"]) // PMAX, :],
                            accumulate=j > 0)
         dq_sum = side["dq_sum"][0:bq, t, :]
@@ -716,7 +717,7 @@ class _Backward:
         a tile's P and dS, then the previous tile's dV, dK and dS^T, then dQ of the one before, so that no engine
         waits on the step before in the same tile."""
         work = []  # (tile, first row, rows, keys a..z of the group it sees)
-        for t, t0, bq in _chunks(side["rn"]):
+        for t, t0, bq in partition_chunks(side["rn"]):
             k_first, k_stop = _key_blocks(side["r0"] + t0, bq, self.shift, self.Skv, self.left, self.right)
             a, z = max(k_first * B_K, g0), min(k_stop * B_K, self.Skv, g0 + gn)
             if a < z:
@@ -743,7 +744,7 @@ class _Backward:
                                    op=nl.add)
         if last_pass:
             first = (g0 - key["s0"]) // PMAX
-            self.write_key_blocks(b, hkv, key, first, first + len(_chunks(gn)))
+            self.write_key_blocks(b, hkv, key, first, first + len(partition_chunks(gn)))
 
 
     def write_query_tile(self, b, side, t, bq, last):
@@ -764,7 +765,7 @@ class _Backward:
             cast = nl.ndarray((PMAX, stop - first, sums.shape[2]), dtype=self.dt, buffer=nl.sbuf)
             nisa.tensor_scalar(cast, sums[:, first:stop, :], op0=nl.multiply, operand0=factor,
                                engine=nisa.gpsimd_engine)
-            for j, j0, size in _chunks(key["sn"])[first:stop]:
+            for j, j0, size in partition_chunks(key["sn"])[first:stop]:
                 nisa.dma_copy(out[b, hkv, s0 + j0:s0 + j0 + size, :], cast[0:size, j - first, :])
 
 
@@ -800,7 +801,7 @@ def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, dlse=None, scale=1.0, 
                     for g0, gn in _sections(sn, SCORE_KEYS):
                         bwd.group(b, hkv, key, side, s0 + g0, gn, last_pass=(h, r0) == passes[-1][:2],
                                   last_section=s0 + sn == Skv)
-                    for t, _, bq in _chunks(rn):
+                    for t, _, bq in partition_chunks(rn):
                         if t not in side["written"]:
                             bwd.write_query_tile(b, side, t, bq, last=s0 + sn == Skv)
     return outputs[:3] if sinks is None else outputs

@@ -32,6 +32,7 @@ import torch
 
 from .compat import nki, nisa, nl
 from . import runtime
+from .attention import partition_chunks
 from .runtime import kernel_op, launch
 
 PMAX = 128  # partitions: keys per tile, query rows per group, a transpose's largest side
@@ -48,7 +49,7 @@ def groups(hkv: int, rows_per_head: int, d: int, dv: int, itemsize: int) -> list
     """``(first KV head, heads)`` of each group sharing the partitions: at most 128 query rows, whose ``(P V)^T``
     (v's head dim in chunks of 128 on the partitions, the rows on the free axis) fits one PSUM bank, and whose
     gathered K or V block takes at most ``GATHER_BYTES`` of a partition."""
-    per_group = max(1, min(PMAX // rows_per_head, SCORE_COLUMNS // (len(_chunks(dv)) * rows_per_head),
+    per_group = max(1, min(PMAX // rows_per_head, SCORE_COLUMNS // (len(partition_chunks(dv)) * rows_per_head),
                            GATHER_BYTES // (MAX_RUN * max(d, dv) * itemsize)))
     return [(h0, min(per_group, hkv - h0)) for h0 in range(0, hkv, per_group)]
 
@@ -59,7 +60,7 @@ def sequence_instructions(positions, page_size, sq, hq, hkv, d, dv, itemsize) ->
     run = run_of(page_size)
     n_blocks = -(-max(positions, page_size) // (run * PMAX))
     sections = -(-n_blocks // max(1, SECTION_KEYS // (run * PMAX)))
-    nc, ncv = len(_chunks(d)), len(_chunks(dv))
+    nc, ncv = len(partition_chunks(d)), len(partition_chunks(dv))
     total = 2
     for _, heads in groups(hkv, sq * (hq // hkv), d, dv, itemsize):
         per_block = 5 + 2 * run + run * heads * (3 * nc + ncv)  # gathers, K^T, scores, P^T, P V
@@ -67,11 +68,6 @@ def sequence_instructions(positions, page_size, sq, hq, hkv, d, dv, itemsize) ->
         tail = 10 + heads * (3 * nc + ncv)
         total += 40 + 2 * nc + 2 * heads + tail + sections * per_section + n_blocks * per_block
     return total
-
-
-def _chunks(n):
-    """``(index, start, size)`` of the pieces of at most 128 that a dimension of ``n`` splits into."""
-    return [(c, c0, min(PMAX, n - c0)) for c, c0 in enumerate(range(0, n, PMAX))]
 
 
 def _transpose_batches(count, rows, itemsize, multiple=1):
@@ -84,7 +80,7 @@ def _transpose_batches(count, rows, itemsize, multiple=1):
 def _query_columns(q_sb, R, D, HG, rows_per_head, dt):
     """Per KV head of the group, ``Q^T`` in contraction chunks ``[min(D, 128), chunks, R]`` with only that head's
     rows' columns: the stationary operands whose score matmuls accumulate into one tile."""
-    chunks = _chunks(D)
+    chunks = partition_chunks(D)
     qT = nl.ndarray((min(D, PMAX), len(chunks), R), dtype=dt, buffer=nl.sbuf)
     for c, c0, size in chunks:
         qT_ps = nl.ndarray((size, R), dtype=dt, buffer=nl.psum)
@@ -112,7 +108,7 @@ def _gather_into(tile, rows, slot, h0, heads, width, run=1):
 def _scores_of_block(s_ps, qT, k_sb, run, HG, D, dt):
     """``s_ps [R, run * P]``, column ``u * P + p`` = key ``run * p + u`` of the block: ``Q_h K_h^T`` summed over
     the group's heads ``h`` (``k_sb [P, run * HG * D]``, ``run`` keys a partition)."""
-    chunks, keys = _chunks(D), k_sb.shape[0]
+    chunks, keys = partition_chunks(D), k_sb.shape[0]
     pieces = [(u, h, c, u * HG * D + h * D + c0, size) for u in range(run) for h in range(HG)
               for c, c0, size in chunks]
     kT = nl.ndarray((min(D, PMAX), len(pieces), keys), dtype=dt, buffer=nl.sbuf)
@@ -183,7 +179,7 @@ def _values_into(pvT, v_sb, pT, HG, Dv, rows_per_head, accumulate):
     R]``)."""
     for h in range(HG):
         cols = slice(h * rows_per_head, (h + 1) * rows_per_head)
-        for c, c0, size in _chunks(Dv):
+        for c, c0, size in partition_chunks(Dv):
             nisa.nc_matmul(pvT[0:size, c, cols], v_sb[:, h * Dv + c0:h * Dv + c0 + size], pT[:, cols],
                            accumulate=accumulate)
 
@@ -192,7 +188,7 @@ def _section_values(p, v_rows, v_slots, run, R, HG, h0, Dv, rows_per_head, dt):
     """``(P V)^T`` of the section's blocks, ``[min(Dv, 128), Dv chunks, R]`` in PSUM: each head's matmul takes its V
     as the stationary operand and its rows' ``P^T`` columns as the moving one, into those rows' columns. A block's V
     arrives as its K did, ``run`` keys a partition (runs wholly seen; the others are zeros here)."""
-    pvT = nl.ndarray((min(Dv, PMAX), len(_chunks(Dv)), R), dtype=nl.float32, buffer=nl.psum)
+    pvT = nl.ndarray((min(Dv, PMAX), len(partition_chunks(Dv)), R), dtype=nl.float32, buffer=nl.psum)
     tiles = p.shape[1] // PMAX
     for first, count in _transpose_batches(tiles, R, dt.itemsize, run):
         pT_ps = nl.ndarray((PMAX, count, R), dtype=dt, buffer=nl.psum)
@@ -230,7 +226,7 @@ def _rescaled(acc, pvT, alpha, R, Dv):
     dim at a time."""
     pvT_sb = nl.ndarray(pvT.shape, dtype=nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(pvT_sb, pvT)
-    for c, c0, size in _chunks(Dv):
+    for c, c0, size in partition_chunks(Dv):
         pv = nl.ndarray((R, size), dtype=nl.float32, buffer=nl.psum)
         nisa.nc_transpose(pv, pvT_sb[0:size, c, :])
         nisa.scalar_tensor_tensor(acc[:, c0:c0 + size], data=acc[:, c0:c0 + size], op0=nl.multiply, operand0=alpha,
@@ -494,7 +490,7 @@ def paged_attention_supports(call) -> list[str]:
     if rows > PMAX:
         reasons.append(f"{q.shape[1]} new tokens x {q.shape[2] // k_cache.shape[2]} query heads per KV head = {rows} "
                        f"query rows per KV head; the NKI kernel holds them on its {PMAX} partitions")
-    elif rows * len(_chunks(v_cache.shape[-1])) > SCORE_COLUMNS:
+    elif rows * len(partition_chunks(v_cache.shape[-1])) > SCORE_COLUMNS:
         reasons.append(f"{rows} query rows per KV head with v's head dim {v_cache.shape[-1]}: the NKI kernel's (P V)^T "
                        f"of one KV head, the head dim in chunks of {PMAX}, must fit one PSUM bank")
     if k_cache.shape[0] * k_cache.shape[1] >= 2 ** 31:
