@@ -9,10 +9,10 @@ import torch
 
 from . import checks
 from .dispatch import dispatch
-from .distributed import global_norm, local
+from .distributed import global_norm, locals_of
 
 
-_dtype = operator.attrgetter("dtype")
+_dtype, _device = operator.attrgetter("dtype"), operator.attrgetter("device")
 
 
 def grads_of(parameters) -> list[torch.Tensor]:
@@ -84,7 +84,7 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
     """
     checks.check_number("max_norm", max_norm, low=0.0, finite=False)  # inf: measure, never clip
     grads = grads_of(parameters)
-    call = grad_norm_call([local(g) for g in grads], norm_type)
+    call = grad_norm_call(locals_of(grads), norm_type)
     if not grads:
         return torch.zeros(())
     norm = global_norm(grads, call["norm_type"], checked_total_norm)
@@ -107,6 +107,8 @@ def _factor_for(coef, grad):
 
 
 def _by_device_and_dtype(tensors):
+    if len(set(map(_dtype, tensors))) == 1 and len(set(map(_device, tensors))) == 1:  # C-level: the common call
+        return [tensors]
     groups: dict[tuple, list] = {}
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)

@@ -37,6 +37,17 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if is_dtensor(t) else t
 
 
+def any_dtensor(tensors) -> bool:
+    """Whether any of ``tensors`` is a DTensor, in C-level passes over the list (it runs on every step)."""
+    dtensor = _dtensor_type()
+    return bool(dtensor) and any(issubclass(kind, dtensor) for kind in set(map(type, tensors)))
+
+
+def locals_of(tensors) -> list[torch.Tensor]:
+    """:func:`local` of each of ``tensors``."""
+    return list(map(local, tensors)) if any_dtensor(tensors) else list(tensors)
+
+
 _device = operator.attrgetter("device")
 
 
@@ -47,9 +58,7 @@ def global_norm(grads, norm_type: float, local_norm) -> torch.Tensor:
     """
     # The common case, plain tensors on one device, decided by C-level passes over the list: this
     # runs on every clipped optimizer step, over hundreds of grads.
-    dtensor = _dtensor_type()
-    plain = not dtensor or not any(issubclass(kind, dtensor) for kind in set(map(type, grads)))
-    if plain and len(set(map(_device, grads))) == 1:
+    if not any_dtensor(grads) and len(set(map(_device, grads))) == 1:
         return local_norm(list(grads), norm_type)
     groups: dict[tuple, list] = {}
     for g in grads:

@@ -8,22 +8,26 @@ more pass through them. float16 grads are converted: a float16 norm overflows pa
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 
+_dtype = operator.attrgetter("dtype")
+
+
 def grad_norm(grads, norm_type):
     """The ``norm_type``-norm of all of ``grads`` taken together, as a float32 (float64 for float64) scalar;
     a zero-size grad is skipped for the max and min norms, as in the definition."""
-    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    dtype = torch.float64 if torch.float64 in set(map(_dtype, grads)) else torch.float32  # C-level: every step
     if norm_type in (math.inf, -math.inf):
         grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), dtype=dtype)
     norms = [torch.stack(_norms(group, norm_type, dtype)).to(grads[0].device, dtype)
              for [group], _ in _group_tensors_by_device_and_dtype([grads]).values()]
-    return torch.linalg.vector_norm(torch.cat(norms), norm_type)
+    return torch.linalg.vector_norm(norms[0] if len(norms) == 1 else torch.cat(norms), norm_type)
 
 
 def _norms(group, norm_type, dtype):

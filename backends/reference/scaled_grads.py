@@ -38,10 +38,12 @@ def batches(grads, grad_scale, clip_coef, columns, per_tensor=(), *, rounding_ok
         dtype = group_grads[0].dtype
         half = dtype == torch.float16 or (dtype == torch.bfloat16 and not rounding_ok)
         kernel_scale = multiplier.reciprocal().float() if half else None
+        # in bfloat16 for bfloat16 grads, as torch's clip has it: CUDA's foreach fast path takes a factor of their dtype
+        factor = multiplier.to(dtype) if dtype == torch.bfloat16 else multiplier
         limit = CPU_BATCH if device.type == "cpu" else None
         for piece_columns, piece_per_tensor, piece_grads in _pieces(group_grads, group_columns, group_per_tensor,
                                                                     limit):
-            copies = torch._foreach_mul(piece_grads, 1) if half else torch._foreach_mul(piece_grads, multiplier)
+            copies = torch._foreach_mul(piece_grads, 1) if half else torch._foreach_mul(piece_grads, factor)
             yield piece_columns, piece_per_tensor, copies, kernel_scale
 
 
