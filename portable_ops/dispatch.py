@@ -71,6 +71,10 @@ class OpImpl:
     # autograd runs without Python), asked whether or not this backend takes the call. Not a fallback: no warning,
     # and strict mode allows it.
     defer_eager: Callable[[Call], list[str]] | None = None
+    # Optional: reasons this backend leaves a call torch.compile traces (no backend forced) to the next backend in
+    # the order, whose ``autograd`` torch ops the graph then traces in: Inductor generates them and fuses them with
+    # their neighbours. Not a fallback either.
+    defer_traced: Callable[[Call], list[str]] | None = None
     # Optional, for the forward ops whose public function says so: ``autograd(**call)`` returns, for every call of
     # this one's layout, a function of its tensors that computes the public function's result with torch's own
     # differentiable ops (torch's autograd then runs the backward natively), or None where this call can't.
@@ -368,13 +372,15 @@ def _reasons(name: str, op: str, call: Call, device: torch.device | None) -> lis
     return reasons or backend.reasons(op, call)
 
 
-def _deferral(name: str, op: str, call: Call, device: torch.device | None) -> list[str]:
-    """Why backend ``name`` leaves this eager call to the next (``OpImpl.defer_eager``), whether or not it could run
-    it: a call it would leave is the next backend's either way, never its fallback. Empty where it can't run here."""
+def _deferral(name: str, op: str, call: Call, device: torch.device | None, eager: bool) -> list[str]:
+    """Why backend ``name`` leaves this call to the next (``OpImpl.defer_eager``, or ``defer_traced`` for a call a
+    graph is traced for), whether or not it could run it: a call it would leave is the next backend's either way,
+    never its fallback. Empty where it can't run here."""
     impl = _backends[name].ops.get(op)
-    if impl is None or impl.defer_eager is None or _unusable_reasons(name, device):
+    defer = None if impl is None else impl.defer_eager if eager else impl.defer_traced
+    if defer is None or _unusable_reasons(name, device):
         return []
-    return impl.defer_eager(call)
+    return defer(call)
 
 
 def _unusable_reasons(name: str, device: torch.device | None) -> list[str]:
@@ -388,13 +394,13 @@ def _unusable_reasons(name: str, device: torch.device | None) -> list[str]:
 
 def choose(op: str, call: Call, device: torch.device | None, prefer: str | None = None, eager: bool = True) -> Choice:
     """Pick the backend for ``op(**call)``, keeping the reasons of every backend passed over; ``eager=False`` for a
-    call a graph is traced for (no backend defers it: ``OpImpl.defer_eager``)."""
+    call a graph is traced for (``OpImpl.defer_traced`` then says which backends leave it, not ``defer_eager``)."""
     order = preference(device, prefer)
     choice = Choice(op=op, backend=FALLBACK, device=device, preferred=order[0], order=tuple(order),
                     forced=order[0] != FALLBACK or forced_backend() is not None)
-    may_defer = eager and prefer is None and forced_backend() is None and not torch.compiler.is_compiling()
+    may_defer = prefer is None and forced_backend() is None and not (eager and torch.compiler.is_compiling())
     for i, name in enumerate(order):
-        deferral = _deferral(name, op, call, device) if may_defer and name != FALLBACK else []
+        deferral = _deferral(name, op, call, device, eager) if may_defer and name != FALLBACK else []
         if deferral:  # the next backend is the preferred one for this call
             choice.deferred[name] = deferral
             if choice.preferred == name:
@@ -481,17 +487,34 @@ def traced_op(op: str, tensors: tuple, options: tuple, device: torch.device, for
     stand-ins of that shape, and ``options`` as ``(name, value)``; ``forced``, :func:`forced_by_use_backend`, read by
     the caller in traced code, where dynamo guards on it (a graph traced before a backend was forced is traced again
     inside ``use_backend``). ``PORTABLE_OPS_BACKEND`` is read here, when a graph is traced."""
-    call = {name: None if dtype is None else torch.empty(shape, dtype=dtype, device="meta")
-            for name, shape, dtype in tensors}
-    call.update(options)
-    choice = choose(op, call, device, forced, eager=False)  # dynamo runs this outside the traced code
+    choice = _traced_choice(op, tensors, options, device, forced)
     traced = _backends[choice.backend].ops[op].traced
     return None if choice.is_fallback or traced is None else traced()
 
 
+def traced_backend(op: str, tensors: tuple, options: tuple, device: torch.device, forced: str | None) -> str | None:
+    """While torch.compile traces a call of ``op``: the name of the backend :func:`choose` picks (:func:`traced_op`'s
+    arguments), None where the call falls back. A backend with no traced op whose ``OpImpl.autograd`` takes the call
+    is traced as those torch ops."""
+    choice = _traced_choice(op, tensors, options, device, forced)
+    return None if choice.is_fallback else choice.backend
+
+
+def loaded_op(backend: str, op: str) -> OpImpl:
+    """``op`` of ``backend``, which a choice just loaded (no import, no lock: traced code reads it)."""
+    return _backends[backend].ops[op]
+
+
+def _traced_choice(op, tensors, options, device, forced) -> Choice:
+    call = {name: None if dtype is None else torch.empty(shape, dtype=dtype, device="meta")
+            for name, shape, dtype in tensors}
+    call.update(options)
+    return choose(op, call, device, forced, eager=False)  # dynamo runs this outside the traced code
+
+
 # torch.compiler.assume_constant_result's mark, set without it: the decorator imports torch._dynamo, which
 # ``import portable_ops`` does not
-traced_op._dynamo_marked_constant = True
+traced_op._dynamo_marked_constant = traced_backend._dynamo_marked_constant = True
 
 
 def dispatch(op: str, call: Call, device: torch.device | None, prefer: str | None = None) -> OpImpl:

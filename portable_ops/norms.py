@@ -274,24 +274,29 @@ register_gradients(True, _rms_fwd_op, _rms_bwd_op)
 register_gradients(False, _ln_fwd_op, _ln_bwd_op)
 
 
-def _traced_forward(rms, x, residual, weight, bias):
-    """The traced forward op (``OpImpl.traced``, by name) of the backend dispatch chooses for this call while
-    torch.compile traces it, or None: portable_ops' custom op runs, and dispatches when the graph runs. Chosen from
-    the call's device and dtypes and its normalised dim D, a constant of the graph (as the kernels'
-    block is: a symbolic one is specialised, guarded); the rows are the graph's, dynamic, and no backend's choice
-    reads them."""
+def _traced_call(rms, x, residual, weight, bias):
+    """What the backends' choice reads of this call while torch.compile traces it (``dispatch.traced_op``'s
+    arguments): its device and dtypes and its normalised dim D, a constant of the graph (as the kernels' block is: a
+    symbolic one is specialised, guarded); the rows are the graph's, dynamic, and no backend's choice reads them."""
     d = operator.index(x.shape[-1])
     rows, params = (1, d), (d,)
     tensors = (("x", rows, x.dtype), ("residual", rows, _dtype(residual)), ("weight", params, _dtype(weight)))
     if not rms:
         tensors += (("bias", params, _dtype(bias)),)
-    return dispatch.traced_op(_FWD_OP[rms], tensors, (), x.device, dispatch.forced_by_use_backend())
+    return _FWD_OP[rms], tensors, (), x.device, dispatch.forced_by_use_backend()
 
 
 def _compiled(rms, x, residual, weight, bias, eps):
-    """A call while torch.compile traces it: the chosen backend's traced op on x's rows where it has one, else the
-    custom op. Returns what the public function does."""
-    name = _traced_forward(rms, x, residual, weight, bias)
+    """A call while torch.compile traces it: the chosen backend's traced op on x's rows where it has one, else its
+    torch ops (``OpImpl.autograd``, which Inductor fuses with their neighbours), else the custom op (which dispatches
+    when the graph runs). Returns what the public function does."""
+    traced = _traced_call(rms, x, residual, weight, bias)
+    name = dispatch.traced_op(*traced)
+    backend = dispatch.traced_backend(*traced) if name is None else None
+    if backend is not None:
+        inline = _differentiable(rms, dispatch.loaded_op(backend, _FWD_OP[rms]), x, residual, weight, bias, eps)
+        if inline is not None:
+            return _autocast_off(inline, x.device.type)(x, residual, weight, bias)
     if name is None:
         result = _rms_fwd_op(x, residual, weight, eps) if rms else _ln_fwd_op(x, residual, weight, bias, eps)
         out, h = result[0], result[1]

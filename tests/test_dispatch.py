@@ -221,3 +221,21 @@ def test_a_backend_may_leave_eager_calls_to_the_next_without_a_fallback(fake_bac
     assert dispatch.traced_op("rms_norm_fwd", tensors, (("eps", 1e-6),), x.device, None) == "stand_in_fwd"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert dispatch.select("rms_norm_fwd", call, x.device).backend == "triton"
+
+
+def test_a_backend_may_leave_traced_calls_to_the_next_whose_torch_ops_the_graph_traces_in(fake_backend):
+    """``OpImpl.defer_traced``: while torch.compile traces a call, the next backend is chosen (its ``OpImpl.autograd``
+    torch ops are traced in, no traced op of the stand-in); a forced backend and a call it keeps are not deferred."""
+    stand_in = fake_backend("triton", devices=("meta",), ops=("rms_norm_fwd",))
+    stand_in.ops["rms_norm_fwd"] = dataclasses.replace(
+        stand_in.ops["rms_norm_fwd"], traced=lambda: "stand_in_fwd",
+        defer_traced=lambda call: ["Inductor fuses torch's norm"] if call["residual"] is None else [])
+    device, rows, eps = torch.device("meta"), (1, 8), (("eps", 1e-6),)
+    plain = (("x", rows, torch.float32), ("residual", rows, None), ("weight", (8,), torch.float32))
+    with_residual = (("x", rows, torch.float32), ("residual", rows, torch.float32), ("weight", (8,), torch.float32))
+    assert dispatch.traced_op("rms_norm_fwd", plain, eps, device, None) is None
+    assert dispatch.traced_backend("rms_norm_fwd", plain, eps, device, None) == "reference"
+    assert dispatch.traced_op("rms_norm_fwd", plain, eps, device, "triton") == "stand_in_fwd"
+    assert dispatch.traced_op("rms_norm_fwd", with_residual, eps, device, None) == "stand_in_fwd"
+    x, w = torch.empty(4, 8, device="meta"), torch.empty(8, device="meta")
+    assert dispatch.select("rms_norm_fwd", dict(x=x, residual=None, weight=w, eps=1e-6), device).backend == "triton"

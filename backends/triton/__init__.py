@@ -42,7 +42,8 @@ else:
     from .linear_cross_entropy import linear_cross_entropy_bwd, linear_cross_entropy_fwd
     from . import norms, rope
     from .norms import (eager_to_aten, layer_norm_bwd, layer_norm_fwd, norm_supports, prepare_layer_norm_bwd,
-                        prepare_layer_norm_fwd, prepare_rms_norm_bwd, prepare_rms_norm_fwd, rms_norm_bwd, rms_norm_fwd)
+                        prepare_layer_norm_fwd, prepare_rms_norm_bwd, prepare_rms_norm_fwd, rms_norm_bwd, rms_norm_fwd,
+                        traced_to_inductor)
     from .rope import rope_bwd, rope_fwd, rope_inplace, rope_supports
     from .sgd import sgd, sgd_supports
 
@@ -83,12 +84,12 @@ else:
             "paged_kv_append": OpImpl(run=paged_kv_append, supports=paged_kv_append_supports),
             "rms_norm_fwd": OpImpl(run=rms_norm_fwd, supports=norm_supports, prepare=prepare_rms_norm_fwd,
                                    dtypes=DTYPES, traced=lambda: norms.traced_ops()["rms_norm_fwd"],
-                                   defer_eager=eager_to_aten),
+                                   defer_eager=eager_to_aten, defer_traced=traced_to_inductor),
             "rms_norm_bwd": OpImpl(run=rms_norm_bwd, supports=norm_supports, prepare=prepare_rms_norm_bwd,
                                    dtypes=DTYPES),
             "layer_norm_fwd": OpImpl(run=layer_norm_fwd, supports=norm_supports, prepare=prepare_layer_norm_fwd,
                                      dtypes=DTYPES, traced=lambda: norms.traced_ops()["layer_norm_fwd"],
-                                     defer_eager=eager_to_aten),
+                                     defer_eager=eager_to_aten, defer_traced=traced_to_inductor),
             "layer_norm_bwd": OpImpl(run=layer_norm_bwd, supports=norm_supports, prepare=prepare_layer_norm_bwd,
                                      dtypes=DTYPES),
             "linear_cross_entropy_fwd": OpImpl(run=linear_cross_entropy_fwd, dtypes=DTYPES),

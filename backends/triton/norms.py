@@ -131,16 +131,30 @@ def norm_supports(call) -> list[str]:
     return []
 
 
-def eager_to_aten(call) -> list[str]:
-    """``OpImpl.defer_eager``: an eager call with no residual whose tensors share one dtype runs ATen's fused norm
-    (on 'reference'), whose kernels take this backend's device time and whose backward torch's autograd runs
-    without Python; this backend's kernels keep the residual's fused add and the calls torch.compile traces."""
+def _torch_norm_takes(call) -> bool:
+    """No residual, and the tensors of one dtype: what torch's own norm computes as this op does."""
     x = call["x"]
-    if call["residual"] is not None or any(t is not None and t.dtype != x.dtype
-                                           for t in (call["weight"], call.get("bias"))):
+    return call["residual"] is None and all(t is None or t.dtype == x.dtype for t in (call["weight"], call.get("bias")))
+
+
+def eager_to_aten(call) -> list[str]:
+    """``OpImpl.defer_eager``: an eager call torch's norm computes runs ATen's fused norm (on 'reference'), whose
+    kernels take this backend's device time and whose backward torch's autograd runs without Python; this backend's
+    kernels keep the residual's fused add."""
+    if not _torch_norm_takes(call):
         return []
     return ["an eager call with no residual and one dtype runs ATen's fused norm on 'reference' (the same kernel "
-            "time, and a backward without Python); this backend runs it under torch.compile"]
+            "time, and a backward without Python)"]
+
+
+def traced_to_inductor(call) -> list[str]:
+    """``OpImpl.defer_traced``: a call torch.compile traces that torch's norm computes is traced as torch's norm (on
+    'reference'), which Inductor generates and fuses with the ops around it (the casts, the residual stream's add)
+    where this backend's kernel is a call of its own."""
+    if not _torch_norm_takes(call):
+        return []
+    return ["under torch.compile a call with no residual and one dtype is traced as torch's norm on 'reference', "
+            "which Inductor fuses with the ops around it"]
 
 
 def _warps(block: int) -> int:
