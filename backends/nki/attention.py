@@ -554,6 +554,13 @@ def _backward_sections(D, Dv, dtype):
             SCORE_KEYS * max(1, int(BACKWARD_SIDE_BYTES / key) // SCORE_KEYS))
 
 
+def _row_runs(tiles):
+    """``(first tile, rows, tiles)`` of :func:`partition_chunks`' pieces in runs of equal rows (the whole ones, then
+    a short last one), so that one instruction covers a run's columns."""
+    full = len(tiles) - (tiles[-1][2] < PMAX)
+    return [(0, PMAX, full)] * (full > 0) + [(full, tiles[-1][2], 1)] * (full < len(tiles))
+
+
 def _rows_in_blocks(src, n, width, dt):
     """HBM ``src [n, width]`` -> ``[128, blocks, width]`` in SBUF: block ``j`` holds rows ``128 j ..`` on the
     partitions."""
@@ -586,6 +593,9 @@ class _Backward:
         self.dv_ps = [nl.ndarray((PMAX, self.dv_per_bank, self.Dv), dtype=nl.float32, buffer=nl.psum)
                       for _ in range(dv_banks)]
         self.dq_ps = _PsumRing(1, (B_Q, self.D), nl.float32)
+        self.ones = nl.ndarray((min(self.Dv, PMAX), len(partition_chunks(self.Dv)), 1), dtype=nl.float32,
+                               buffer=nl.sbuf)
+        nisa.memset(self.ones, 1.0)
         self.transposes_ps = _PsumRing(1, (PMAX, 4, PMAX), self.dt)
         each = max(1, (8 - dk_banks - dv_banks - 2) // 2)
         self.scores_ps, self.dp_ps = (_PsumRing(each, (B_Q, SCORE_KEYS), nl.float32) for _ in range(2))
@@ -612,27 +622,42 @@ class _Backward:
         tiles = partition_chunks(rn)
         side["neg_lse"], side["neg_delta"] = (nl.ndarray((PMAX, len(tiles)), dtype=nl.float32, buffer=nl.sbuf)
                                               for _ in range(2))
+        # the tiles' delta in the columns of one PSUM tile (free until the groups' scores), negated in one copy
+        delta = self.scores_ps.take()[:, 0:len(tiles)]
         for t, t0, bq in tiles:
-            self.row_terms(b, h, r0 + t0, bq, side["do_rows"][0:bq, t, :], side["neg_lse"][0:bq, t:t + 1],
-                           side["neg_delta"][0:bq, t:t + 1], first)
+            self.lse_column(b, h, r0 + t0, bq, side["neg_lse"][0:bq, t:t + 1])
+            self.delta_column(b, h, r0 + t0, bq, side["doT"][:, :, t0:t0 + bq], delta[0:bq, t:t + 1])
+        for t, bq, n in _row_runs(tiles):
+            nisa.activation(side["neg_delta"][0:bq, t:t + n], op=nl.copy, data=delta[0:bq, t:t + n], scale=-1.0)
+        for t, t0, bq in tiles:
+            self.row_terms(b, h, r0 + t0, bq, side["neg_lse"][0:bq, t:t + 1], side["neg_delta"][0:bq, t:t + 1],
+                           first)
         if first:
             side["dq_sum"] = nl.zeros((PMAX, len(tiles), self.D), dtype=nl.float32, buffer=nl.sbuf)
         else:
             side["dq_sum"] = _rows_in_blocks(self.carried[b, h, rows, :], rn, self.D, nl.float32)
         return side
 
-    def row_terms(self, b, h, q0, bq, do_t, neg_lse, neg_delta, first):
-        """A query tile's ``-lse`` (NEG for rows without keys, unless sinks make their lse the sink's) and
-        ``-delta = -(rowsum(dO * O) - dlse)``; with sinks, on the first key section, ``-p_sink * delta`` per row."""
+    def lse_column(self, b, h, q0, bq, neg_lse):
+        """A query tile's ``-lse``: NEG for rows without keys, unless sinks make their lse the sink's."""
         lse_row = _load(self.lse[b, h, q0:q0 + bq, 0:1], 1, bq, nl.float32)  # one row: a 4-byte run per partition
         nisa.dma_transpose(neg_lse, lse_row)  # would cost as much as a whole tile
         nisa.tensor_scalar(neg_lse, neg_lse, op0=nl.multiply, operand0=-1.0, engine=nisa.gpsimd_engine)
         if self.sinks is None:  # lse = -inf there: P must be 0, not exp(+inf)
             _rows_without_keys(neg_lse, q0, self.shift, self.right, 1, NEG)
-        o_t = _load(self.o[b, h, q0:q0 + bq, :], bq, self.Dv, self.dt)
-        prod = nl.ndarray((bq, self.Dv), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(prod, do_t, o_t, op=nl.multiply, engine=nisa.gpsimd_engine)
-        nisa.tensor_reduce(neg_delta, op=nl.add, data=prod, axis=1, negate=True, keepdims=True)
+
+    def delta_column(self, b, h, q0, bq, doT, delta):
+        """A query tile's ``rowsum(dO * O)`` into ``delta`` (PSUM), taken transposed (``doT``: the tile's dO^T), so
+        that O comes in by DMA transposes, whose runs per partition are long where O's rows are ``2 * Dv`` bytes,
+        and its sum over Dv is a matmul against ones."""
+        oT = _transposed_rows(self.o[b, h, q0:q0 + bq, :], bq, self.Dv, self.dt)
+        prod = nl.ndarray(oT.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(prod, doT, oT, op=nl.multiply, engine=nisa.gpsimd_engine)
+        _matmul_chunked(delta, prod, self.ones, self.Dv)
+
+    def row_terms(self, b, h, q0, bq, neg_lse, neg_delta, first):
+        """``-delta = -(rowsum(dO * O) - dlse)`` from ``-rowsum(dO * O)``; with sinks, on the first key section,
+        ``-p_sink * delta`` per row."""
         if self.dlse is not None:
             nisa.tensor_tensor(neg_delta, neg_delta, _load(self.dlse[b, h, q0:q0 + bq, 0:1], bq, 1, nl.float32),
                                op=nl.add, engine=nisa.gpsimd_engine)
@@ -730,10 +755,10 @@ class _Backward:
                 transposed[index - 1] = self.key_gradients(key, side, work[index - 1],
                                                            *probabilities.pop(index - 1), g0, touched)
             if 0 <= index - 2 < len(work):
-                t, q0, bq, _, z = work[index - 2]
+                t, q0, bq, a, _ = work[index - 2]
                 self.query_gradient(key, side, work[index - 2], transposed.pop(index - 2))
-                if last_section and z == min(_key_blocks(q0, bq, self.shift, self.Skv, self.left, self.right)[1]
-                                             * B_K, self.Skv):  # the tile's last keys: its dQ is whole
+                if last_section and a == max(_key_blocks(q0, bq, self.shift, self.Skv, self.left, self.right)[0]
+                                             * B_K, key["s0"]):  # the tile's first keys here, its last group: dQ whole
                     self.write_query_tile(b, side, t, bq, last=True)
                     side["written"].add(t)
         for i in sorted(touched):  # the group's blocks some query tile reached
@@ -797,8 +822,10 @@ def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, dlse=None, scale=1.0, 
                 passes = [(hkv * G + g, r0, rn) for g in range(G) for r0, rn in row_sections]
                 for h, r0, rn in passes:
                     side = bwd.query_side(b, h, r0, rn, first=s0 == 0)
-                    # the last pass over a group finishes its dK and dV, the last key section each tile's dQ
-                    for g0, gn in _sections(sn, SCORE_KEYS):
+                    # the last pass over a group finishes its dK and dV, the last key section each tile's dQ; the
+                    # groups last to first: under a causal mask the first keys are seen by every query tile, so the
+                    # last group is long and the dQ rows leave while it runs, not all at the end
+                    for g0, gn in reversed(_sections(sn, SCORE_KEYS)):
                         bwd.group(b, hkv, key, side, s0 + g0, gn, last_pass=(h, r0) == passes[-1][:2],
                                   last_section=s0 + sn == Skv)
                     for t, _, bq in partition_chunks(rn):
