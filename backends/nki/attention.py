@@ -64,7 +64,7 @@ PMAX = 128  # partitions: the most a matmul contracts over, and a transpose's la
 SCORE_KEYS = 512  # keys per forward score tile: one PSUM bank of fp32, a matmul's largest moving free size
 # of each score tile's four P blocks, how many the Tensor Engine transposes, tile by tile in turn (the DMA the rest):
 # the Scalar Engine copies those out of PSUM, so this balances its time against the DMA queues'
-TENSOR_TRANSPOSED = (2, 1)
+TENSOR_TRANSPOSED = (1, 2, 1, 1)
 SCORED_AHEAD = 2  # query tiles whose scores are issued before a tile's P V
 BACKWARD_TENSOR_TRANSPOSED = 3  # of a group's four dS blocks, how many the Tensor Engine transposes (the DMA the rest)
 BACKWARD_SIDE_BYTES = 64 * 1024  # SBUF per partition for the backward's query side, and for its key side
@@ -365,10 +365,17 @@ class _Forward:
                     nisa.tensor_scalar_reduce(dst, piece, op0=nl.multiply, operand0=factor, reduce_op=nl.maximum,
                                               reduce_res=peak)
                 column += 1
+        width = maxima.shape[1]
+        while width > 1:  # the maxima halved on GpSimd, off the Vector Engine, which evacuates the scores
+            half = width // 2
+            nisa.tensor_tensor(maxima[:, 0:half], maxima[:, 0:half], maxima[:, width - half:width], op=nl.maximum,
+                               engine=nisa.gpsimd_engine)
+            width -= half
+        # negated, and a max of at least NEG: a row scoring -inf against every key gets exp(-inf - NEG) = 0, not
+        # exp(-inf + inf)
         neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(neg_m, op=nl.maximum, data=maxima, axis=1, negate=True, keepdims=True)
-        # a max of at least NEG: a row scoring -inf against every key gets exp(-inf - NEG) = 0, not exp(-inf + inf)
-        nisa.tensor_scalar(neg_m, neg_m, op0=nl.minimum, operand0=-NEG, engine=nisa.gpsimd_engine)
+        nisa.tensor_scalar(neg_m, maxima[:, 0:1], op0=nl.multiply, operand0=-1.0, op1=nl.minimum, operand1=-NEG,
+                           engine=nisa.gpsimd_engine)
         return s, neg_m
 
     def probabilities_stage(self, stage, b, s0):
@@ -451,7 +458,7 @@ class _Forward:
             neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.memset(neg_m, -NEG)
         else:
-            nisa.tensor_copy(l_sum, acc[:, Dv:Dv + 1])
+            nisa.tensor_copy(l_sum, acc[:, Dv:Dv + 1], engine=nisa.scalar_engine)
         sinks = self.sinks
         decay = None if sinks is None else _neg_max_with_sink(neg_m, l_sum, _sink_column(sinks, h, bq), bq)
         # A real row's sum is >= 1 (its max term, a key's or its sink's, is exp(0)); one that sees nothing sums to
@@ -516,10 +523,9 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
     for b in nl.affine_range(B):
         for hkv in nl.affine_range(Hkv):
             for s0, sn in sections:
-                # the last query tiles first: under a causal mask they see the most keys, so the pipeline fills with
-                # long tiles and drains with short ones
-                jobs = [(hkv * G + g, qi * B_Q, min(B_Q, Sq - qi * B_Q)) for g in range(G)
-                        for qi in reversed(range(n_q))]
+                # the first query tiles first: under a causal mask they see the fewest keys, so the pipeline fills
+                # while the first resident keys arrive, and drains with long tiles that keep the engines busy
+                jobs = [(hkv * G + g, qi * B_Q, min(B_Q, Sq - qi * B_Q)) for g in range(G) for qi in range(n_q)]
                 # the first tiles' Q^T ahead of the resident keys: the DMA queues serve transfers in program order
                 early = [fwd.query_transposed(b, *job) for job in jobs[:SCORED_AHEAD + 1]]
                 kT, v_sb = fwd.resident(b, hkv, s0, sn)
