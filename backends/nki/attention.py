@@ -202,13 +202,14 @@ def _section_keys(D, Dv, dtype):
     return SCORE_KEYS * max(1, int(tiles))
 
 
-def _transposed_rows_of(sources, n, widths, dt):
+def _transposed_rows_of(sources, n, widths, dt, last_first=False):
     """HBM ``sources`` (each ``[n, width]``) -> ``[min(width, 128), chunks, n]`` each in SBUF by DMA transposes, one
     per 128 columns and score tile of rows, the sources' interleaved (so that the first tile's work waits for no
-    more than its own rows)."""
+    more than its own rows), the last rows first where the work starts there (``last_first``)."""
     dsts = [nl.ndarray((min(width, PMAX), len(partition_chunks(width)), n), dtype=dt, buffer=nl.sbuf)
             for width in widths]
-    for r0 in range(0, n, SCORE_KEYS):
+    starts = range(0, n, SCORE_KEYS)
+    for r0 in reversed(starts) if last_first else starts:
         rows = slice(r0, min(n, r0 + SCORE_KEYS))
         for src, dst, width in zip(sources, dsts, widths):
             for c, c0, size in partition_chunks(width):
@@ -221,16 +222,17 @@ def _transposed_rows(src, n, width, dt):
     return _transposed_rows_of((src,), n, (width,), dt)[0]
 
 
-def _rows_from_transposed(xT, n, width, dt, ring, columns=None):
+def _rows_from_transposed(xT, n, width, dt, ring, columns=None, last_first=False, engine=nisa.scalar_engine):
     """``xT`` (:func:`_transposed_rows`' layout of ``[n, width]``) turned back into ``[128, blocks, columns]``
     (block ``j`` holds rows ``128 j ..`` on the partitions; ``columns`` >= ``width``, the rest left unwritten) on
-    the Tensor Engine, four 128-column slots per PSUM tile of ``ring``, copied out by the Scalar Engine (the Vector
-    Engine has the scores to evacuate): cheaper than DMAing the rows, whose runs per partition are ``width`` elements
-    only."""
+    the Tensor Engine, four 128-column slots per PSUM tile of ``ring``, copied out by ``engine`` (the forward's
+    Vector Engine has the scores to evacuate): cheaper than DMAing the rows, whose runs per partition are ``width``
+    elements only. ``last_first``: the last rows first, as :func:`_transposed_rows_of`'s."""
     blocks, chunks = partition_chunks(n), partition_chunks(width)
     rows = nl.ndarray((PMAX, len(blocks), columns or width), dtype=dt, buffer=nl.sbuf)
     per_tile = 4 // len(chunks)  # blocks per PSUM tile: a slot per (block, 128 columns)
-    for g0 in range(0, len(blocks), per_tile):
+    starts = range(0, len(blocks), per_tile)
+    for g0 in reversed(starts) if last_first else starts:
         group = blocks[g0:g0 + per_tile]
         t_ps = ring.take()
         for i, (_, j0, size) in enumerate(group):
@@ -240,12 +242,10 @@ def _rows_from_transposed(xT, n, width, dt, ring, columns=None):
         for c, c0, w in chunks:
             slots = slice(c, len(group) * len(chunks), len(chunks))
             if full:
-                nisa.tensor_copy(rows[:, g0:g0 + full, c0:c0 + w], t_ps[:, slots, 0:w][:, 0:full, :],
-                                 engine=nisa.scalar_engine)
+                nisa.tensor_copy(rows[:, g0:g0 + full, c0:c0 + w], t_ps[:, slots, 0:w][:, 0:full, :], engine=engine)
             if full < len(group):
                 short, slot = group[-1][2], full * len(chunks) + c
-                nisa.tensor_copy(rows[0:short, g0 + full, c0:c0 + w], t_ps[0:short, slot, 0:w],
-                                 engine=nisa.scalar_engine)
+                nisa.tensor_copy(rows[0:short, g0 + full, c0:c0 + w], t_ps[0:short, slot, 0:w], engine=engine)
     return rows
 
 
@@ -560,11 +560,12 @@ def _backward_sections(D, Dv, dtype):
             SCORE_KEYS * max(1, int(BACKWARD_SIDE_BYTES / key) // SCORE_KEYS))
 
 
-def _row_runs(tiles):
-    """``(first tile, rows, tiles)`` of :func:`partition_chunks`' pieces in runs of equal rows (the whole ones, then
-    a short last one), so that one instruction covers a run's columns."""
+def _row_runs(tiles, most):
+    """``(first tile, rows, tiles)`` of :func:`partition_chunks`' pieces in runs of at most ``most`` of equal rows
+    (the whole ones, then a short last one), so that one instruction covers a run's columns."""
     full = len(tiles) - (tiles[-1][2] < PMAX)
-    return [(0, PMAX, full)] * (full > 0) + [(full, tiles[-1][2], 1)] * (full < len(tiles))
+    short = [(full, tiles[-1][2], 1)] if full < len(tiles) else []
+    return [(t, PMAX, min(most, full - t)) for t in range(0, full, most)] + short
 
 
 def _rows_in_blocks(src, n, width, dt):
@@ -608,12 +609,18 @@ class _Backward:
 
     def key_side(self, b, hkv, s0, sn):
         """The key section's resident K^T, V^T and K rows, and zeroed fp32 sums for dK and dV."""
-        keys = (self.k[b, hkv, s0:s0 + sn, :], self.v[b, hkv, s0:s0 + sn, :])
-        kT, vT = (_transposed_rows(x, sn, width, self.dt) for x, width in zip(keys, (self.D, self.Dv)))
-        k_rows = _rows_from_transposed(kT, sn, self.D, self.dt, self.transposes_ps)
+        kT, vT = _transposed_rows_of((self.k[b, hkv, s0:s0 + sn, :], self.v[b, hkv, s0:s0 + sn, :]), sn,
+                                     (self.D, self.Dv), self.dt, last_first=True)
+        k_rows = self.rows_from_transposed(kT, sn, self.D)
         dk_sum, dv_sum = (nl.zeros((PMAX, len(partition_chunks(sn)), d), dtype=nl.float32, buffer=nl.sbuf)
                           for d in (self.D, self.Dv))
         return dict(s0=s0, sn=sn, kT=kT, vT=vT, k_rows=k_rows, dk_sum=dk_sum, dv_sum=dv_sum)
+
+    def rows_from_transposed(self, xT, n, width):
+        """:func:`_rows_from_transposed`, the last rows first (the groups run last to first), copied out by the
+        Vector Engine, idle while a side is set up, where the Scalar Engine has the groups' exponentials."""
+        return _rows_from_transposed(xT, n, width, self.dt, self.transposes_ps, last_first=True,
+                                     engine=nisa.vector_engine)
 
     def query_side(self, b, h, r0, rn, first):
         """The query section's resident Q^T, dO^T, Q and dO rows, per tile ``-lse`` and ``-delta`` columns, and dQ's
@@ -621,19 +628,20 @@ class _Backward:
         their gradient, written on the first key section."""
         rows = slice(r0, r0 + rn)
         side = dict(r0=r0, rn=rn, h=h, written=set())  # the tiles whose dQ has left
-        side["qT"], side["doT"] = (_transposed_rows(x[b, h, rows, :], rn, width, self.dt)
-                                   for x, width in ((self.q, self.D), (self.do, self.Dv)))
-        side["q_rows"], side["do_rows"] = (_rows_from_transposed(xT, rn, width, self.dt, self.transposes_ps)
+        side["qT"], side["doT"] = _transposed_rows_of((self.q[b, h, rows, :], self.do[b, h, rows, :]), rn,
+                                                      (self.D, self.Dv), self.dt, last_first=True)
+        side["q_rows"], side["do_rows"] = (self.rows_from_transposed(xT, rn, width)
                                            for xT, width in ((side["qT"], self.D), (side["doT"], self.Dv)))
         tiles = partition_chunks(rn)
         side["neg_lse"], side["neg_delta"] = (nl.ndarray((PMAX, len(tiles)), dtype=nl.float32, buffer=nl.sbuf)
                                               for _ in range(2))
-        # the tiles' delta in the columns of one PSUM tile (free until the groups' scores), negated in one copy
+        # the tiles' delta in the columns of one PSUM tile (free until the groups' scores), negated a score tile of rows
+        # at a time, the last first as the groups take them
         delta = self.scores_ps.take()[:, 0:len(tiles)]
-        for t, t0, bq in tiles:
+        for t, t0, bq in reversed(tiles):
             self.lse_column(b, h, r0 + t0, bq, side["neg_lse"][0:bq, t:t + 1])
             self.delta_column(b, h, r0 + t0, bq, side["doT"][:, :, t0:t0 + bq], delta[0:bq, t:t + 1])
-        for t, bq, n in _row_runs(tiles):
+        for t, bq, n in reversed(_row_runs(tiles, SCORE_KEYS // B_Q)):
             nisa.activation(side["neg_delta"][0:bq, t:t + n], op=nl.copy, data=delta[0:bq, t:t + n], scale=-1.0)
         for t, t0, bq in tiles:
             self.row_terms(b, h, r0 + t0, bq, side["neg_lse"][0:bq, t:t + 1], side["neg_delta"][0:bq, t:t + 1],
@@ -746,13 +754,19 @@ class _Backward:
     def group(self, b, hkv, key, side, g0, gn, last_pass, last_section):
         """A 512-key group against every query tile of the query section that sees some of it, software-pipelined:
         a tile's P and dS, then the previous tile's dV, dK and dS^T, then dQ of the one before, so that no engine
-        waits on the step before in the same tile."""
-        work = []  # (tile, first row, rows, keys a..z of the group it sees)
-        for t, t0, bq in partition_chunks(side["rn"]):
+        waits on the step before in the same tile. A block's dK and dV leave once the last tile that sees it is done:
+        the last tiles first, under a causal mask the group's last blocks are done before its first."""
+        work = []  # (tile, first row, rows, keys a..z of the group it sees), the last tiles first
+        for t, t0, bq in reversed(partition_chunks(side["rn"])):
             k_first, k_stop = _key_blocks(side["r0"] + t0, bq, self.shift, self.Skv, self.left, self.right)
             a, z = max(k_first * B_K, g0), min(k_stop * B_K, self.Skv, g0 + gn)
             if a < z:
                 work.append((t, side["r0"] + t0, bq, a, z))
+        last_seen = {}  # the group's block -> the last work item that sees it
+        for index, (_, _, _, a, z) in enumerate(work):
+            for i in range((a - g0) // PMAX, (z - 1 - g0) // PMAX + 1):
+                last_seen[i] = index
+        first_block = (g0 - key["s0"]) // PMAX
         touched, probabilities, transposed = set(), {}, {}
         for index in range(len(work) + 2):
             if index < len(work):
@@ -760,6 +774,8 @@ class _Backward:
             if 0 <= index - 1 < len(work):
                 transposed[index - 1] = self.key_gradients(key, side, work[index - 1],
                                                            *probabilities.pop(index - 1), g0, touched)
+                for i in sorted(i for i, seen in last_seen.items() if seen == index - 1):
+                    self.finish_key_block(b, hkv, key, first_block, i, last_pass)
             if 0 <= index - 2 < len(work):
                 t, q0, bq, a, _ = work[index - 2]
                 self.query_gradient(key, side, work[index - 2], transposed.pop(index - 2))
@@ -767,16 +783,21 @@ class _Backward:
                                              * B_K, key["s0"]):  # the tile's first keys here, its last group: dQ whole
                     self.write_query_tile(b, side, t, bq, last=True)
                     side["written"].add(t)
-        for i in sorted(touched):  # the group's blocks some query tile reached
-            block = (g0 - key["s0"]) // PMAX + i
-            for sums, banks, per_bank in ((key["dk_sum"], self.dk_ps, self.dk_per_bank),
-                                          (key["dv_sum"], self.dv_ps, self.dv_per_bank)):
-                nisa.tensor_tensor(sums[:, block, :], sums[:, block, :], banks[i // per_bank][:, i % per_bank, :],
-                                   op=nl.add)
-        if last_pass:
-            first = (g0 - key["s0"]) // PMAX
-            self.write_key_blocks(b, hkv, key, first, first + len(partition_chunks(gn)))
+        if last_pass:  # the blocks no query tile sees: their zeros
+            for i, _, _ in partition_chunks(gn):
+                if i not in last_seen:
+                    self.write_key_blocks(b, hkv, key, first_block + i, first_block + i + 1)
 
+    def finish_key_block(self, b, hkv, key, first_block, i, last_pass):
+        """The group's block ``i``, which no later tile of the group sees: its dK and dV from PSUM added into the
+        section's sums, and written on the last pass."""
+        block = first_block + i
+        for sums, banks, per_bank in ((key["dk_sum"], self.dk_ps, self.dk_per_bank),
+                                      (key["dv_sum"], self.dv_ps, self.dv_per_bank)):
+            nisa.tensor_tensor(sums[:, block, :], sums[:, block, :], banks[i // per_bank][:, i % per_bank, :],
+                               op=nl.add)
+        if last_pass:
+            self.write_key_blocks(b, hkv, key, block, block + 1)
 
     def write_query_tile(self, b, side, t, bq, last):
         """A query tile's dQ sum, scaled, into dq (``last``: the last key section) or carried on in fp32 HBM."""
