@@ -202,18 +202,26 @@ def _section_keys(D, Dv, dtype):
     return SCORE_KEYS * max(1, int(tiles))
 
 
-def _transposed_rows_of(sources, n, widths, dt, last_first=False):
-    """HBM ``sources`` (each ``[n, width]``) -> ``[min(width, 128), chunks, n]`` each in SBUF by DMA transposes, one
-    per 128 columns and score tile of rows, the sources' interleaved (so that the first tile's work waits for no
-    more than its own rows), the last rows first where the work starts there (``last_first``)."""
-    dsts = [nl.ndarray((min(width, PMAX), len(partition_chunks(width)), n), dtype=dt, buffer=nl.sbuf)
+def _transposed_tiles(n, widths, dt):
+    """SBUF for ``[n, width]`` rows transposed, each ``[min(width, 128), chunks, n]``."""
+    return [nl.ndarray((min(width, PMAX), len(partition_chunks(width)), n), dtype=dt, buffer=nl.sbuf)
             for width in widths]
-    starts = range(0, n, SCORE_KEYS)
-    for r0 in reversed(starts) if last_first else starts:
-        rows = slice(r0, min(n, r0 + SCORE_KEYS))
-        for src, dst, width in zip(sources, dsts, widths):
-            for c, c0, size in partition_chunks(width):
-                nisa.dma_transpose(dst[0:size, c, rows], src[rows, c0:c0 + size])
+
+
+def _transpose_rows_into(dsts, sources, widths, rows):
+    """Rows ``rows`` (a slice) of HBM ``sources`` (each ``[n, width]``) into ``dsts`` (:func:`_transposed_tiles`) by
+    DMA transposes, one per 128 columns, the sources' interleaved."""
+    for src, dst, width in zip(sources, dsts, widths):
+        for c, c0, size in partition_chunks(width):
+            nisa.dma_transpose(dst[0:size, c, rows], src[rows, c0:c0 + size])
+
+
+def _transposed_rows_of(sources, n, widths, dt):
+    """HBM ``sources`` (each ``[n, width]``) -> ``[min(width, 128), chunks, n]`` each in SBUF by DMA transposes, a
+    score tile of rows at a time (so that the first tile's work waits for no more than its own rows)."""
+    dsts = _transposed_tiles(n, widths, dt)
+    for r0 in range(0, n, SCORE_KEYS):
+        _transpose_rows_into(dsts, sources, widths, slice(r0, min(n, r0 + SCORE_KEYS)))
     return dsts
 
 
@@ -222,18 +230,25 @@ def _transposed_rows(src, n, width, dt):
     return _transposed_rows_of((src,), n, (width,), dt)[0]
 
 
-def _rows_from_transposed(xT, n, width, dt, ring, columns=None, last_first=False, engine=nisa.scalar_engine):
+def _rows_from_transposed(xT, n, width, dt, ring, columns=None):
     """``xT`` (:func:`_transposed_rows`' layout of ``[n, width]``) turned back into ``[128, blocks, columns]``
-    (block ``j`` holds rows ``128 j ..`` on the partitions; ``columns`` >= ``width``, the rest left unwritten) on
-    the Tensor Engine, four 128-column slots per PSUM tile of ``ring``, copied out by ``engine`` (the forward's
-    Vector Engine has the scores to evacuate): cheaper than DMAing the rows, whose runs per partition are ``width``
-    elements only. ``last_first``: the last rows first, as :func:`_transposed_rows_of`'s."""
-    blocks, chunks = partition_chunks(n), partition_chunks(width)
-    rows = nl.ndarray((PMAX, len(blocks), columns or width), dtype=dt, buffer=nl.sbuf)
+    (block ``j`` holds rows ``128 j ..`` on the partitions; ``columns`` >= ``width``, the rest left unwritten) by
+    :func:`_turn_back`, copied out by the Scalar Engine (the forward's Vector Engine has the scores to evacuate)."""
+    rows = nl.ndarray((PMAX, len(partition_chunks(n)), columns or width), dtype=dt, buffer=nl.sbuf)
+    _turn_back(rows, xT, width, ring, slice(0, n), nisa.scalar_engine)
+    return rows
+
+
+def _turn_back(rows, xT, width, ring, span, engine):
+    """Rows ``span`` (a slice starting on a block) of ``xT`` (:func:`_transposed_rows`' layout) into ``rows``
+    (:func:`_rows_from_transposed`'s) on the Tensor Engine, four 128-column slots per PSUM tile of ``ring``, copied
+    out by ``engine``: cheaper than DMAing the rows, whose runs per partition are ``width`` elements only."""
+    blocks = [block for block in partition_chunks(span.stop) if block[1] >= span.start]
+    chunks = partition_chunks(width)
     per_tile = 4 // len(chunks)  # blocks per PSUM tile: a slot per (block, 128 columns)
-    starts = range(0, len(blocks), per_tile)
-    for g0 in reversed(starts) if last_first else starts:
-        group = blocks[g0:g0 + per_tile]
+    for first in range(0, len(blocks), per_tile):
+        group = blocks[first:first + per_tile]
+        g0 = group[0][0]
         t_ps = ring.take()
         for i, (_, j0, size) in enumerate(group):
             for c, c0, w in chunks:
@@ -246,7 +261,6 @@ def _rows_from_transposed(xT, n, width, dt, ring, columns=None, last_first=False
             if full < len(group):
                 short, slot = group[-1][2], full * len(chunks) + c
                 nisa.tensor_copy(rows[0:short, g0 + full, c0:c0 + w], t_ps[0:short, slot, 0:w], engine=engine)
-    return rows
 
 
 def _pieces(k_lo, k_hi, q0, bq, shift, left, right):
@@ -560,12 +574,11 @@ def _backward_sections(D, Dv, dtype):
             SCORE_KEYS * max(1, int(BACKWARD_SIDE_BYTES / key) // SCORE_KEYS))
 
 
-def _row_runs(tiles, most):
-    """``(first tile, rows, tiles)`` of :func:`partition_chunks`' pieces in runs of at most ``most`` of equal rows
-    (the whole ones, then a short last one), so that one instruction covers a run's columns."""
+def _row_runs(tiles):
+    """``(first, rows, count)`` of :func:`partition_chunks`' pieces ``tiles`` (their positions in the list) in runs of
+    equal rows, the whole ones, then a short last one, so that one instruction covers a run's columns."""
     full = len(tiles) - (tiles[-1][2] < PMAX)
-    short = [(full, tiles[-1][2], 1)] if full < len(tiles) else []
-    return [(t, PMAX, min(most, full - t)) for t in range(0, full, most)] + short
+    return [(0, PMAX, full)] * (full > 0) + [(full, tiles[-1][2], 1)] * (full < len(tiles))
 
 
 def _rows_in_blocks(src, n, width, dt):
@@ -608,49 +621,68 @@ class _Backward:
         self.scores_ps, self.dp_ps = (_PsumRing(each, (B_Q, SCORE_KEYS), nl.float32) for _ in range(2))
 
     def key_side(self, b, hkv, s0, sn):
-        """The key section's resident K^T, V^T and K rows, and zeroed fp32 sums for dK and dV."""
-        kT, vT = _transposed_rows_of((self.k[b, hkv, s0:s0 + sn, :], self.v[b, hkv, s0:s0 + sn, :]), sn,
-                                     (self.D, self.Dv), self.dt, last_first=True)
-        k_rows = self.rows_from_transposed(kT, sn, self.D)
+        """The key section's SBUF for K^T, V^T and K rows, filled a group at a time as the first pass reaches it
+        (:meth:`load_keys`), and zeroed fp32 sums for dK and dV."""
+        kT, vT = _transposed_tiles(sn, (self.D, self.Dv), self.dt)
+        k_rows = nl.ndarray((PMAX, len(partition_chunks(sn)), self.D), dtype=self.dt, buffer=nl.sbuf)
         dk_sum, dv_sum = (nl.zeros((PMAX, len(partition_chunks(sn)), d), dtype=nl.float32, buffer=nl.sbuf)
                           for d in (self.D, self.Dv))
-        return dict(s0=s0, sn=sn, kT=kT, vT=vT, k_rows=k_rows, dk_sum=dk_sum, dv_sum=dv_sum)
+        return dict(s0=s0, sn=sn, kT=kT, vT=vT, k_rows=k_rows, dk_sum=dk_sum, dv_sum=dv_sum, loaded=set(),
+                    sources=(self.k[b, hkv, s0:s0 + sn, :], self.v[b, hkv, s0:s0 + sn, :]))
 
-    def rows_from_transposed(self, xT, n, width):
-        """:func:`_rows_from_transposed`, the last rows first (the groups run last to first), copied out by the
-        Vector Engine, idle while a side is set up, where the Scalar Engine has the groups' exponentials."""
-        return _rows_from_transposed(xT, n, width, self.dt, self.transposes_ps, last_first=True,
-                                     engine=nisa.vector_engine)
+    def load_keys(self, key, g0, gn):
+        """The group's K^T and V^T (DMA transposes) and K rows turned back, unless an earlier pass loaded them. The
+        sides load as the groups reach them, so that the first group waits for its own rows only; the rows are
+        copied out of PSUM by the Vector Engine, where the Scalar Engine has the groups' exponentials."""
+        if g0 in key["loaded"]:
+            return
+        key["loaded"].add(g0)
+        rows = slice(g0 - key["s0"], g0 - key["s0"] + gn)
+        _transpose_rows_into((key["kT"], key["vT"]), key["sources"], (self.D, self.Dv), rows)
+        _turn_back(key["k_rows"], key["kT"], self.D, self.transposes_ps, rows, nisa.vector_engine)
 
     def query_side(self, b, h, r0, rn, first):
-        """The query section's resident Q^T, dO^T, Q and dO rows, per tile ``-lse`` and ``-delta`` columns, and dQ's
-        fp32 sum (zero on the first key section, else as the last one left it); with sinks, each row's share of
-        their gradient, written on the first key section."""
+        """The query section's SBUF for Q^T, dO^T, Q and dO rows and per tile ``-lse`` and ``-delta`` columns, filled
+        a score tile of rows at a time as the groups reach them (:meth:`load_rows`), and dQ's fp32 sum (zero on the
+        first key section, else as the last one left it)."""
         rows = slice(r0, r0 + rn)
-        side = dict(r0=r0, rn=rn, h=h, written=set())  # the tiles whose dQ has left
-        side["qT"], side["doT"] = _transposed_rows_of((self.q[b, h, rows, :], self.do[b, h, rows, :]), rn,
-                                                      (self.D, self.Dv), self.dt, last_first=True)
-        side["q_rows"], side["do_rows"] = (self.rows_from_transposed(xT, rn, width)
-                                           for xT, width in ((side["qT"], self.D), (side["doT"], self.Dv)))
         tiles = partition_chunks(rn)
+        side = dict(b=b, r0=r0, rn=rn, h=h, first=first, written=set(), loaded=set(),  # tiles whose dQ has left
+                    sources=(self.q[b, h, rows, :], self.do[b, h, rows, :]))
+        side["qT"], side["doT"] = _transposed_tiles(rn, (self.D, self.Dv), self.dt)
+        side["q_rows"], side["do_rows"] = (nl.ndarray((PMAX, len(tiles), d), dtype=self.dt, buffer=nl.sbuf)
+                                           for d in (self.D, self.Dv))
         side["neg_lse"], side["neg_delta"] = (nl.ndarray((PMAX, len(tiles)), dtype=nl.float32, buffer=nl.sbuf)
                                               for _ in range(2))
-        # the tiles' delta in the columns of one PSUM tile (free until the groups' scores), negated a score tile of rows
-        # at a time, the last first as the groups take them
-        delta = self.scores_ps.take()[:, 0:len(tiles)]
-        for t, t0, bq in reversed(tiles):
-            self.lse_column(b, h, r0 + t0, bq, side["neg_lse"][0:bq, t:t + 1])
-            self.delta_column(b, h, r0 + t0, bq, side["doT"][:, :, t0:t0 + bq], delta[0:bq, t:t + 1])
-        for t, bq, n in reversed(_row_runs(tiles, SCORE_KEYS // B_Q)):
-            nisa.activation(side["neg_delta"][0:bq, t:t + n], op=nl.copy, data=delta[0:bq, t:t + n], scale=-1.0)
-        for t, t0, bq in tiles:
-            self.row_terms(b, h, r0 + t0, bq, side["neg_lse"][0:bq, t:t + 1], side["neg_delta"][0:bq, t:t + 1],
-                           first)
         if first:
             side["dq_sum"] = nl.zeros((PMAX, len(tiles), self.D), dtype=nl.float32, buffer=nl.sbuf)
         else:
             side["dq_sum"] = _rows_in_blocks(self.carried[b, h, rows, :], rn, self.D, nl.float32)
         return side
+
+    def load_rows(self, side, t):
+        """The score tile of rows holding query tile ``t``, unless loaded: Q^T and dO^T (DMA transposes), Q and dO
+        rows turned back (as :meth:`load_keys`), and its tiles' ``-lse`` and ``-delta``; with sinks, each row's
+        share of their gradient, written on the first key section."""
+        r = t * B_Q // SCORE_KEYS * SCORE_KEYS
+        if r in side["loaded"]:
+            return
+        side["loaded"].add(r)
+        b, h, r0, rows = side["b"], side["h"], side["r0"], slice(r, min(side["rn"], r + SCORE_KEYS))
+        _transpose_rows_into((side["qT"], side["doT"]), side["sources"], (self.D, self.Dv), rows)
+        for xT, width, dst in ((side["qT"], self.D, side["q_rows"]), (side["doT"], self.Dv, side["do_rows"])):
+            _turn_back(dst, xT, width, self.transposes_ps, rows, nisa.vector_engine)
+        tiles = [tile for tile in partition_chunks(rows.stop) if tile[1] >= r]
+        delta = self.scores_ps.take()  # the tiles' sums in its columns, negated in one copy
+        for i, (t, t0, bq) in enumerate(tiles):
+            self.lse_column(b, h, r0 + t0, bq, side["neg_lse"][0:bq, t:t + 1])
+            self.delta_column(b, h, r0 + t0, bq, side["doT"][:, :, t0:t0 + bq], delta[0:bq, i:i + 1])
+        for i, bq, n in _row_runs(tiles):
+            t = tiles[i][0]
+            nisa.activation(side["neg_delta"][0:bq, t:t + n], op=nl.copy, data=delta[0:bq, i:i + n], scale=-1.0)
+        for t, t0, bq in tiles:
+            self.row_terms(b, h, r0 + t0, bq, side["neg_lse"][0:bq, t:t + 1], side["neg_delta"][0:bq, t:t + 1],
+                           side["first"])
 
     def lse_column(self, b, h, q0, bq, neg_lse):
         """A query tile's ``-lse``: NEG for rows without keys, unless sinks make their lse the sink's."""
@@ -767,9 +799,11 @@ class _Backward:
             for i in range((a - g0) // PMAX, (z - 1 - g0) // PMAX + 1):
                 last_seen[i] = index
         first_block = (g0 - key["s0"]) // PMAX
+        self.load_keys(key, g0, gn)
         touched, probabilities, transposed = set(), {}, {}
         for index in range(len(work) + 2):
             if index < len(work):
+                self.load_rows(side, work[index][0])
                 probabilities[index] = self.probabilities(key, side, *work[index])
             if 0 <= index - 1 < len(work):
                 transposed[index - 1] = self.key_gradients(key, side, work[index - 1],
@@ -798,6 +832,15 @@ class _Backward:
                                op=nl.add)
         if last_pass:
             self.write_key_blocks(b, hkv, key, block, block + 1)
+
+    def finish_query_side(self, b, side, last):
+        """After the groups: the sinks' terms of the tiles no group loaded (on the first key section), and the dQ of
+        the tiles not yet written (:meth:`write_query_tile`)."""
+        for t, _, bq in partition_chunks(side["rn"]):
+            if self.sinks is not None and side["first"]:
+                self.load_rows(side, t)
+            if t not in side["written"]:
+                self.write_query_tile(b, side, t, bq, last)
 
     def write_query_tile(self, b, side, t, bq, last):
         """A query tile's dQ sum, scaled, into dq (``last``: the last key section) or carried on in fp32 HBM."""
@@ -855,9 +898,7 @@ def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, dlse=None, scale=1.0, 
                     for g0, gn in reversed(_sections(sn, SCORE_KEYS)):
                         bwd.group(b, hkv, key, side, s0 + g0, gn, last_pass=(h, r0) == passes[-1][:2],
                                   last_section=s0 + sn == Skv)
-                    for t, _, bq in partition_chunks(rn):
-                        if t not in side["written"]:
-                            bwd.write_query_tile(b, side, t, bq, last=s0 + sn == Skv)
+                    bwd.finish_query_side(b, side, last=s0 + sn == Skv)
     return outputs[:3] if sinks is None else outputs
 
 
