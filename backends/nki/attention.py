@@ -581,6 +581,15 @@ def _row_runs(tiles):
     return [(0, PMAX, full)] * (full > 0) + [(full, tiles[-1][2], 1)] * (full < len(tiles))
 
 
+def _add_into(total, part, started):
+    """``total += part``, or ``total = part`` where the sum has not ``started``: a sum needs no zeros written first,
+    and a copy streams one input where an add streams two."""
+    if started:
+        nisa.tensor_tensor(total, total, part, op=nl.add)
+    else:
+        nisa.tensor_copy(total, part)
+
+
 def _rows_in_blocks(src, n, width, dt):
     """HBM ``src [n, width]`` -> ``[128, blocks, width]`` in SBUF: block ``j`` holds rows ``128 j ..`` on the
     partitions."""
@@ -622,13 +631,13 @@ class _Backward:
 
     def key_side(self, b, hkv, s0, sn):
         """The key section's SBUF for K^T, V^T and K rows, filled a group at a time as the first pass reaches it
-        (:meth:`load_keys`), and zeroed fp32 sums for dK and dV."""
+        (:meth:`load_keys`), and fp32 sums for dK and dV, ``summed`` naming the blocks they hold a sum for."""
         kT, vT = _transposed_tiles(sn, (self.D, self.Dv), self.dt)
         k_rows = nl.ndarray((PMAX, len(partition_chunks(sn)), self.D), dtype=self.dt, buffer=nl.sbuf)
-        dk_sum, dv_sum = (nl.zeros((PMAX, len(partition_chunks(sn)), d), dtype=nl.float32, buffer=nl.sbuf)
+        dk_sum, dv_sum = (nl.ndarray((PMAX, len(partition_chunks(sn)), d), dtype=nl.float32, buffer=nl.sbuf)
                           for d in (self.D, self.Dv))
         return dict(s0=s0, sn=sn, kT=kT, vT=vT, k_rows=k_rows, dk_sum=dk_sum, dv_sum=dv_sum, loaded=set(),
-                    sources=(self.k[b, hkv, s0:s0 + sn, :], self.v[b, hkv, s0:s0 + sn, :]))
+                    summed=set(), sources=(self.k[b, hkv, s0:s0 + sn, :], self.v[b, hkv, s0:s0 + sn, :]))
 
     def load_keys(self, key, g0, gn):
         """The group's K^T and V^T (DMA transposes) and K rows turned back, unless an earlier pass loaded them. The
@@ -643,8 +652,8 @@ class _Backward:
 
     def query_side(self, b, h, r0, rn, first):
         """The query section's SBUF for Q^T, dO^T, Q and dO rows and per tile ``-lse`` and ``-delta`` columns, filled
-        a score tile of rows at a time as the groups reach them (:meth:`load_rows`), and dQ's fp32 sum (zero on the
-        first key section, else as the last one left it)."""
+        a score tile of rows at a time as the groups reach them (:meth:`load_rows`), and dQ's fp32 sum (on later key
+        sections as the last one left it), ``summed`` naming the tiles it holds a sum for."""
         rows = slice(r0, r0 + rn)
         tiles = partition_chunks(rn)
         side = dict(b=b, r0=r0, rn=rn, h=h, first=first, written=set(), loaded=set(),  # tiles whose dQ has left
@@ -655,9 +664,11 @@ class _Backward:
         side["neg_lse"], side["neg_delta"] = (nl.ndarray((PMAX, len(tiles)), dtype=nl.float32, buffer=nl.sbuf)
                                               for _ in range(2))
         if first:
-            side["dq_sum"] = nl.zeros((PMAX, len(tiles), self.D), dtype=nl.float32, buffer=nl.sbuf)
+            side["dq_sum"], side["summed"] = nl.ndarray((PMAX, len(tiles), self.D), dtype=nl.float32,
+                                                        buffer=nl.sbuf), set()
         else:
             side["dq_sum"] = _rows_in_blocks(self.carried[b, h, rows, :], rn, self.D, nl.float32)
+            side["summed"] = {t for t, _, _ in tiles}
         return side
 
     def load_rows(self, side, t):
@@ -780,8 +791,8 @@ class _Backward:
         for j, j0, size in partition_chunks(z - a):
             nisa.nc_matmul(dq, dsT[0:size, j, :], key["k_rows"][0:size, (a + j0 - key["s0"]) // PMAX, :],
                            accumulate=j > 0)
-        dq_sum = side["dq_sum"][0:bq, t, :]
-        nisa.tensor_tensor(dq_sum, dq_sum, dq, op=nl.add)
+        _add_into(side["dq_sum"][0:bq, t, :], dq, t in side["summed"])
+        side["summed"].add(t)
 
     def group(self, b, hkv, key, side, g0, gn, last_pass, last_section):
         """A 512-key group against every query tile of the query section that sees some of it, software-pipelined:
@@ -828,8 +839,8 @@ class _Backward:
         block = first_block + i
         for sums, banks, per_bank in ((key["dk_sum"], self.dk_ps, self.dk_per_bank),
                                       (key["dv_sum"], self.dv_ps, self.dv_per_bank)):
-            nisa.tensor_tensor(sums[:, block, :], sums[:, block, :], banks[i // per_bank][:, i % per_bank, :],
-                               op=nl.add)
+            _add_into(sums[:, block, :], banks[i // per_bank][:, i % per_bank, :], block in key["summed"])
+        key["summed"].add(block)
         if last_pass:
             self.write_key_blocks(b, hkv, key, block, block + 1)
 
@@ -845,6 +856,8 @@ class _Backward:
     def write_query_tile(self, b, side, t, bq, last):
         """A query tile's dQ sum, scaled, into dq (``last``: the last key section) or carried on in fp32 HBM."""
         rows = slice(side["r0"] + t * B_Q, side["r0"] + t * B_Q + bq)
+        if t not in side["summed"]:  # no key seen yet
+            nisa.memset(side["dq_sum"][0:bq, t, :], 0.0)
         if not last:
             nisa.dma_copy(self.carried[b, side["h"], rows, :], side["dq_sum"][0:bq, t, :])
             return
@@ -858,8 +871,11 @@ class _Backward:
         s0 = key["s0"]
         for sums, out, factor in ((key["dk_sum"], self.dk, self.scale), (key["dv_sum"], self.dv, 1.0)):
             cast = nl.ndarray((PMAX, stop - first, sums.shape[2]), dtype=self.dt, buffer=nl.sbuf)
-            nisa.tensor_scalar(cast, sums[:, first:stop, :], op0=nl.multiply, operand0=factor,
-                               engine=nisa.gpsimd_engine)
+            if all(block in key["summed"] for block in range(first, stop)):
+                nisa.tensor_scalar(cast, sums[:, first:stop, :], op0=nl.multiply, operand0=factor,
+                                   engine=nisa.gpsimd_engine)
+            else:  # blocks no query sees
+                nisa.memset(cast, 0.0)
             for j, j0, size in partition_chunks(key["sn"])[first:stop]:
                 nisa.dma_copy(out[b, hkv, s0 + j0:s0 + j0 + size, :], cast[0:size, j - first, :])
 
