@@ -392,10 +392,12 @@ class _Forward:
                            engine=nisa.gpsimd_engine)
         return s, neg_m
 
-    def probabilities_stage(self, stage, b, s0):
+    def probabilities_stage(self, stage, b, s0, draining=False):
         """The second: the row max joined with the state carried from earlier sections, ``P = exp(s - m)`` (one
         exponential per score tile) and P^T per 128-key block (the first ``TENSOR_TRANSPOSED`` of a tile's blocks,
-        tile by tile in turn, on the Tensor Engine, copied out of PSUM by the Scalar Engine, the rest by DMA)."""
+        tile by tile in turn, on the Tensor Engine, copied out of PSUM by the Scalar Engine, the rest by DMA; while
+        the pipeline drains, with the scores all evacuated, every block on the Tensor Engine, copied out by the
+        Vector Engine, so that the last tiles wait on no DMA transposes)."""
         tiles, h, q0, bq, Dv, dt = stage["tiles"], stage["h"], stage["q0"], stage["bq"], self.Dv, self.dt
         if tiles is None:
             return stage
@@ -414,13 +416,13 @@ class _Forward:
         for i, ((t0, tn), _) in enumerate(tiles):
             keys = slice(t0 - k_lo, t0 - k_lo + tn)
             blocks, block0 = partition_chunks(tn), (t0 - k_lo) // PMAX
-            on_tensor = blocks[:TENSOR_TRANSPOSED[i % len(TENSOR_TRANSPOSED)]]
+            on_tensor = blocks if draining else blocks[:TENSOR_TRANSPOSED[i % len(TENSOR_TRANSPOSED)]]
             t_ps = self.transposes_ps.take()
             for j, j0, size in on_tensor:
                 nisa.nc_transpose(t_ps[0:size, j, 0:bq], p[:, keys.start + j0:keys.start + j0 + size])
             rows = on_tensor[-1][2] if len(on_tensor) == 1 else PMAX  # only a last block is short
             nisa.tensor_copy(pT[0:rows, block0:block0 + len(on_tensor), :], t_ps[0:rows, 0:len(on_tensor), 0:bq],
-                             engine=nisa.scalar_engine)
+                             engine=nisa.vector_engine if draining else nisa.scalar_engine)
             for j, j0, size in blocks[len(on_tensor):]:
                 nisa.dma_transpose(pT[0:size, block0 + j, :], p[:, keys.start + j0:keys.start + j0 + size])
         return stage
@@ -551,7 +553,9 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
                         qT = early[index] if index < len(early) else None
                         scored.append(fwd.scores_stage(b, *jobs[index], kT, s0, sn, qT))
                     if len(scored) > SCORED_AHEAD or (scored and index >= len(jobs)):
-                        transposed.append(fwd.probabilities_stage(scored.pop(0), b, s0))
+                        # the last tiles' P are made after the last scores: the Vector Engine is free to copy
+                        transposed.append(fwd.probabilities_stage(scored.pop(0), b, s0,
+                                                                  draining=index >= len(jobs)))
                     if len(transposed) > 1:
                         fwd.output_stage(transposed.pop(0), b, v_sb, s0)
                 for stage in transposed:
