@@ -332,9 +332,10 @@ def test_bench_nki_sgd_is_one_launch_at_its_floor_but_nesterov_with_weight_decay
 
 def test_bench_nki_prices_attention_near_its_floor(bench_rows):
     """docs/backends/nki.md, 'Attention kernels': K^T and V resident per KV head, 512-key score tiles and a one-pass
-    backward bring attention to within these factors of the Trn2 floor; the backward is bound by the Tensor Engine,
-    the forward's engines are balanced (none busy for more than 1.75x the floor)."""
-    limits = {"full fwd": 1.9, "causal fwd": 2.4, "full bwd": 1.5, "causal bwd": 1.8}
+    backward bring attention to within these factors of the Trn2 floor, the backward within issue 36's 1.5x; the
+    backward is bound by the Tensor Engine, the forward's engines are balanced (none busy for more than 1.75x the
+    floor)."""
+    limits = {"full fwd": 1.65, "causal fwd": 2.0, "full bwd": 1.4, "causal bwd": 1.5}
     attention = {f"{r['kernel'].split()[1]} {r['kernel'].split()[-1]}": r for r in bench_rows
                  if r["kernel"].startswith("attention")}
     assert set(attention) == set(limits)

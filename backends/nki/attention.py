@@ -64,7 +64,7 @@ PMAX = 128  # partitions: the most a matmul contracts over, and a transpose's la
 SCORE_KEYS = 512  # keys per forward score tile: one PSUM bank of fp32, a matmul's largest moving free size
 # of each score tile's four P blocks, how many the Tensor Engine transposes, tile by tile in turn (the DMA the rest):
 # the Scalar Engine copies those out of PSUM, so this balances its time against the DMA queues'
-TENSOR_TRANSPOSED = (2, 1)
+TENSOR_TRANSPOSED = (1, 2, 1, 1)
 SCORED_AHEAD = 2  # query tiles whose scores are issued before a tile's P V
 BACKWARD_TENSOR_TRANSPOSED = 3  # of a group's four dS blocks, how many the Tensor Engine transposes (the DMA the rest)
 BACKWARD_SIDE_BYTES = 64 * 1024  # SBUF per partition for the backward's query side, and for its key side
@@ -202,17 +202,26 @@ def _section_keys(D, Dv, dtype):
     return SCORE_KEYS * max(1, int(tiles))
 
 
-def _transposed_rows_of(sources, n, widths, dt):
-    """HBM ``sources`` (each ``[n, width]``) -> ``[min(width, 128), chunks, n]`` each in SBUF by DMA transposes, one
-    per 128 columns and score tile of rows, the sources' interleaved (so that the first tile's work waits for no
-    more than its own rows)."""
-    dsts = [nl.ndarray((min(width, PMAX), len(partition_chunks(width)), n), dtype=dt, buffer=nl.sbuf)
+def _transposed_tiles(n, widths, dt):
+    """SBUF for ``[n, width]`` rows transposed, each ``[min(width, 128), chunks, n]``."""
+    return [nl.ndarray((min(width, PMAX), len(partition_chunks(width)), n), dtype=dt, buffer=nl.sbuf)
             for width in widths]
+
+
+def _transpose_rows_into(dsts, sources, widths, rows):
+    """Rows ``rows`` (a slice) of HBM ``sources`` (each ``[n, width]``) into ``dsts`` (:func:`_transposed_tiles`) by
+    DMA transposes, one per 128 columns, the sources' interleaved."""
+    for src, dst, width in zip(sources, dsts, widths):
+        for c, c0, size in partition_chunks(width):
+            nisa.dma_transpose(dst[0:size, c, rows], src[rows, c0:c0 + size])
+
+
+def _transposed_rows_of(sources, n, widths, dt):
+    """HBM ``sources`` (each ``[n, width]``) -> ``[min(width, 128), chunks, n]`` each in SBUF by DMA transposes, a
+    score tile of rows at a time (so that the first tile's work waits for no more than its own rows)."""
+    dsts = _transposed_tiles(n, widths, dt)
     for r0 in range(0, n, SCORE_KEYS):
-        rows = slice(r0, min(n, r0 + SCORE_KEYS))
-        for src, dst, width in zip(sources, dsts, widths):
-            for c, c0, size in partition_chunks(width):
-                nisa.dma_transpose(dst[0:size, c, rows], src[rows, c0:c0 + size])
+        _transpose_rows_into(dsts, sources, widths, slice(r0, min(n, r0 + SCORE_KEYS)))
     return dsts
 
 
@@ -223,15 +232,23 @@ def _transposed_rows(src, n, width, dt):
 
 def _rows_from_transposed(xT, n, width, dt, ring, columns=None):
     """``xT`` (:func:`_transposed_rows`' layout of ``[n, width]``) turned back into ``[128, blocks, columns]``
-    (block ``j`` holds rows ``128 j ..`` on the partitions; ``columns`` >= ``width``, the rest left unwritten) on
-    the Tensor Engine, four 128-column slots per PSUM tile of ``ring``, copied out by the Scalar Engine (the Vector
-    Engine has the scores to evacuate): cheaper than DMAing the rows, whose runs per partition are ``width`` elements
-    only."""
-    blocks, chunks = partition_chunks(n), partition_chunks(width)
-    rows = nl.ndarray((PMAX, len(blocks), columns or width), dtype=dt, buffer=nl.sbuf)
+    (block ``j`` holds rows ``128 j ..`` on the partitions; ``columns`` >= ``width``, the rest left unwritten) by
+    :func:`_turn_back`, copied out by the Scalar Engine (the forward's Vector Engine has the scores to evacuate)."""
+    rows = nl.ndarray((PMAX, len(partition_chunks(n)), columns or width), dtype=dt, buffer=nl.sbuf)
+    _turn_back(rows, xT, width, ring, slice(0, n), nisa.scalar_engine)
+    return rows
+
+
+def _turn_back(rows, xT, width, ring, span, engine):
+    """Rows ``span`` (a slice starting on a block) of ``xT`` (:func:`_transposed_rows`' layout) into ``rows``
+    (:func:`_rows_from_transposed`'s) on the Tensor Engine, four 128-column slots per PSUM tile of ``ring``, copied
+    out by ``engine``: cheaper than DMAing the rows, whose runs per partition are ``width`` elements only."""
+    blocks = [block for block in partition_chunks(span.stop) if block[1] >= span.start]
+    chunks = partition_chunks(width)
     per_tile = 4 // len(chunks)  # blocks per PSUM tile: a slot per (block, 128 columns)
-    for g0 in range(0, len(blocks), per_tile):
-        group = blocks[g0:g0 + per_tile]
+    for first in range(0, len(blocks), per_tile):
+        group = blocks[first:first + per_tile]
+        g0 = group[0][0]
         t_ps = ring.take()
         for i, (_, j0, size) in enumerate(group):
             for c, c0, w in chunks:
@@ -240,13 +257,10 @@ def _rows_from_transposed(xT, n, width, dt, ring, columns=None):
         for c, c0, w in chunks:
             slots = slice(c, len(group) * len(chunks), len(chunks))
             if full:
-                nisa.tensor_copy(rows[:, g0:g0 + full, c0:c0 + w], t_ps[:, slots, 0:w][:, 0:full, :],
-                                 engine=nisa.scalar_engine)
+                nisa.tensor_copy(rows[:, g0:g0 + full, c0:c0 + w], t_ps[:, slots, 0:w][:, 0:full, :], engine=engine)
             if full < len(group):
                 short, slot = group[-1][2], full * len(chunks) + c
-                nisa.tensor_copy(rows[0:short, g0 + full, c0:c0 + w], t_ps[0:short, slot, 0:w],
-                                 engine=nisa.scalar_engine)
-    return rows
+                nisa.tensor_copy(rows[0:short, g0 + full, c0:c0 + w], t_ps[0:short, slot, 0:w], engine=engine)
 
 
 def _pieces(k_lo, k_hi, q0, bq, shift, left, right):
@@ -365,16 +379,25 @@ class _Forward:
                     nisa.tensor_scalar_reduce(dst, piece, op0=nl.multiply, operand0=factor, reduce_op=nl.maximum,
                                               reduce_res=peak)
                 column += 1
+        width = maxima.shape[1]
+        while width > 1:  # the maxima halved on GpSimd, off the Vector Engine, which evacuates the scores
+            half = width // 2
+            nisa.tensor_tensor(maxima[:, 0:half], maxima[:, 0:half], maxima[:, width - half:width], op=nl.maximum,
+                               engine=nisa.gpsimd_engine)
+            width -= half
+        # negated, and a max of at least NEG: a row scoring -inf against every key gets exp(-inf - NEG) = 0, not
+        # exp(-inf + inf)
         neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_reduce(neg_m, op=nl.maximum, data=maxima, axis=1, negate=True, keepdims=True)
-        # a max of at least NEG: a row scoring -inf against every key gets exp(-inf - NEG) = 0, not exp(-inf + inf)
-        nisa.tensor_scalar(neg_m, neg_m, op0=nl.minimum, operand0=-NEG, engine=nisa.gpsimd_engine)
+        nisa.tensor_scalar(neg_m, maxima[:, 0:1], op0=nl.multiply, operand0=-1.0, op1=nl.minimum, operand1=-NEG,
+                           engine=nisa.gpsimd_engine)
         return s, neg_m
 
-    def probabilities_stage(self, stage, b, s0):
+    def probabilities_stage(self, stage, b, s0, draining=False):
         """The second: the row max joined with the state carried from earlier sections, ``P = exp(s - m)`` (one
         exponential per score tile) and P^T per 128-key block (the first ``TENSOR_TRANSPOSED`` of a tile's blocks,
-        tile by tile in turn, on the Tensor Engine, copied out of PSUM by the Scalar Engine, the rest by DMA)."""
+        tile by tile in turn, on the Tensor Engine, copied out of PSUM by the Scalar Engine, the rest by DMA; while
+        the pipeline drains, with the scores all evacuated, every block on the Tensor Engine, copied out by the
+        Vector Engine, so that the last tiles wait on no DMA transposes)."""
         tiles, h, q0, bq, Dv, dt = stage["tiles"], stage["h"], stage["q0"], stage["bq"], self.Dv, self.dt
         if tiles is None:
             return stage
@@ -393,13 +416,13 @@ class _Forward:
         for i, ((t0, tn), _) in enumerate(tiles):
             keys = slice(t0 - k_lo, t0 - k_lo + tn)
             blocks, block0 = partition_chunks(tn), (t0 - k_lo) // PMAX
-            on_tensor = blocks[:TENSOR_TRANSPOSED[i % len(TENSOR_TRANSPOSED)]]
+            on_tensor = blocks if draining else blocks[:TENSOR_TRANSPOSED[i % len(TENSOR_TRANSPOSED)]]
             t_ps = self.transposes_ps.take()
             for j, j0, size in on_tensor:
                 nisa.nc_transpose(t_ps[0:size, j, 0:bq], p[:, keys.start + j0:keys.start + j0 + size])
             rows = on_tensor[-1][2] if len(on_tensor) == 1 else PMAX  # only a last block is short
             nisa.tensor_copy(pT[0:rows, block0:block0 + len(on_tensor), :], t_ps[0:rows, 0:len(on_tensor), 0:bq],
-                             engine=nisa.scalar_engine)
+                             engine=nisa.vector_engine if draining else nisa.scalar_engine)
             for j, j0, size in blocks[len(on_tensor):]:
                 nisa.dma_transpose(pT[0:size, block0 + j, :], p[:, keys.start + j0:keys.start + j0 + size])
         return stage
@@ -451,7 +474,7 @@ class _Forward:
             neg_m = nl.ndarray((bq, 1), dtype=nl.float32, buffer=nl.sbuf)
             nisa.memset(neg_m, -NEG)
         else:
-            nisa.tensor_copy(l_sum, acc[:, Dv:Dv + 1])
+            nisa.tensor_copy(l_sum, acc[:, Dv:Dv + 1], engine=nisa.scalar_engine)
         sinks = self.sinks
         decay = None if sinks is None else _neg_max_with_sink(neg_m, l_sum, _sink_column(sinks, h, bq), bq)
         # A real row's sum is >= 1 (its max term, a key's or its sink's, is exp(0)); one that sees nothing sums to
@@ -516,10 +539,9 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
     for b in nl.affine_range(B):
         for hkv in nl.affine_range(Hkv):
             for s0, sn in sections:
-                # the last query tiles first: under a causal mask they see the most keys, so the pipeline fills with
-                # long tiles and drains with short ones
-                jobs = [(hkv * G + g, qi * B_Q, min(B_Q, Sq - qi * B_Q)) for g in range(G)
-                        for qi in reversed(range(n_q))]
+                # the first query tiles first: under a causal mask they see the fewest keys, so the pipeline fills
+                # while the first resident keys arrive, and drains with long tiles that keep the engines busy
+                jobs = [(hkv * G + g, qi * B_Q, min(B_Q, Sq - qi * B_Q)) for g in range(G) for qi in range(n_q)]
                 # the first tiles' Q^T ahead of the resident keys: the DMA queues serve transfers in program order
                 early = [fwd.query_transposed(b, *job) for job in jobs[:SCORED_AHEAD + 1]]
                 kT, v_sb = fwd.resident(b, hkv, s0, sn)
@@ -531,7 +553,9 @@ def attention_fwd_kernel(q, k, v, sinks=None, scale=1.0, causal=False, window_le
                         qT = early[index] if index < len(early) else None
                         scored.append(fwd.scores_stage(b, *jobs[index], kT, s0, sn, qT))
                     if len(scored) > SCORED_AHEAD or (scored and index >= len(jobs)):
-                        transposed.append(fwd.probabilities_stage(scored.pop(0), b, s0))
+                        # the last tiles' P are made after the last scores: the Vector Engine is free to copy
+                        transposed.append(fwd.probabilities_stage(scored.pop(0), b, s0,
+                                                                  draining=index >= len(jobs)))
                     if len(transposed) > 1:
                         fwd.output_stage(transposed.pop(0), b, v_sb, s0)
                 for stage in transposed:
@@ -552,6 +576,22 @@ def _backward_sections(D, Dv, dtype):
     key = len(partition_chunks(D)) * size + len(partition_chunks(Dv)) * size + (D * (size + 4) + Dv * 4) / PMAX
     return (B_Q * max(1, int(BACKWARD_SIDE_BYTES / query) // B_Q),
             SCORE_KEYS * max(1, int(BACKWARD_SIDE_BYTES / key) // SCORE_KEYS))
+
+
+def _row_runs(tiles):
+    """``(first, rows, count)`` of :func:`partition_chunks`' pieces ``tiles`` (their positions in the list) in runs of
+    equal rows, the whole ones, then a short last one, so that one instruction covers a run's columns."""
+    full = len(tiles) - (tiles[-1][2] < PMAX)
+    return [(0, PMAX, full)] * (full > 0) + [(full, tiles[-1][2], 1)] * (full < len(tiles))
+
+
+def _add_into(total, part, started):
+    """``total += part``, or ``total = part`` where the sum has not ``started``: a sum needs no zeros written first,
+    and a copy streams one input where an add streams two."""
+    if started:
+        nisa.tensor_tensor(total, total, part, op=nl.add)
+    else:
+        nisa.tensor_copy(total, part)
 
 
 def _rows_in_blocks(src, n, width, dt):
@@ -586,53 +626,99 @@ class _Backward:
         self.dv_ps = [nl.ndarray((PMAX, self.dv_per_bank, self.Dv), dtype=nl.float32, buffer=nl.psum)
                       for _ in range(dv_banks)]
         self.dq_ps = _PsumRing(1, (B_Q, self.D), nl.float32)
+        self.ones = nl.ndarray((min(self.Dv, PMAX), len(partition_chunks(self.Dv)), 1), dtype=nl.float32,
+                               buffer=nl.sbuf)
+        nisa.memset(self.ones, 1.0)
         self.transposes_ps = _PsumRing(1, (PMAX, 4, PMAX), self.dt)
         each = max(1, (8 - dk_banks - dv_banks - 2) // 2)
         self.scores_ps, self.dp_ps = (_PsumRing(each, (B_Q, SCORE_KEYS), nl.float32) for _ in range(2))
 
     def key_side(self, b, hkv, s0, sn):
-        """The key section's resident K^T, V^T and K rows, and zeroed fp32 sums for dK and dV."""
-        keys = (self.k[b, hkv, s0:s0 + sn, :], self.v[b, hkv, s0:s0 + sn, :])
-        kT, vT = (_transposed_rows(x, sn, width, self.dt) for x, width in zip(keys, (self.D, self.Dv)))
-        k_rows = _rows_from_transposed(kT, sn, self.D, self.dt, self.transposes_ps)
-        dk_sum, dv_sum = (nl.zeros((PMAX, len(partition_chunks(sn)), d), dtype=nl.float32, buffer=nl.sbuf)
+        """The key section's SBUF for K^T, V^T and K rows, filled a group at a time as the first pass reaches it
+        (:meth:`load_keys`), and fp32 sums for dK and dV, ``summed`` naming the blocks they hold a sum for."""
+        kT, vT = _transposed_tiles(sn, (self.D, self.Dv), self.dt)
+        k_rows = nl.ndarray((PMAX, len(partition_chunks(sn)), self.D), dtype=self.dt, buffer=nl.sbuf)
+        dk_sum, dv_sum = (nl.ndarray((PMAX, len(partition_chunks(sn)), d), dtype=nl.float32, buffer=nl.sbuf)
                           for d in (self.D, self.Dv))
-        return dict(s0=s0, sn=sn, kT=kT, vT=vT, k_rows=k_rows, dk_sum=dk_sum, dv_sum=dv_sum)
+        return dict(s0=s0, sn=sn, kT=kT, vT=vT, k_rows=k_rows, dk_sum=dk_sum, dv_sum=dv_sum, loaded=set(),
+                    summed=set(), sources=(self.k[b, hkv, s0:s0 + sn, :], self.v[b, hkv, s0:s0 + sn, :]))
+
+    def load_keys(self, key, g0, gn):
+        """The group's K^T and V^T (DMA transposes) and K rows turned back, unless an earlier pass loaded them. The
+        sides load as the groups reach them, so that the first group waits for its own rows only; the rows are
+        copied out of PSUM by the Vector Engine, where the Scalar Engine has the groups' exponentials."""
+        if g0 in key["loaded"]:
+            return
+        key["loaded"].add(g0)
+        rows = slice(g0 - key["s0"], g0 - key["s0"] + gn)
+        _transpose_rows_into((key["kT"], key["vT"]), key["sources"], (self.D, self.Dv), rows)
+        _turn_back(key["k_rows"], key["kT"], self.D, self.transposes_ps, rows, nisa.vector_engine)
 
     def query_side(self, b, h, r0, rn, first):
-        """The query section's resident Q^T, dO^T, Q and dO rows, per tile ``-lse`` and ``-delta`` columns, and dQ's
-        fp32 sum (zero on the first key section, else as the last one left it); with sinks, each row's share of
-        their gradient, written on the first key section."""
+        """The query section's SBUF for Q^T, dO^T, Q and dO rows and per tile ``-lse`` and ``-delta`` columns, filled
+        a score tile of rows at a time as the groups reach them (:meth:`load_rows`), and dQ's fp32 sum (on later key
+        sections as the last one left it), ``summed`` naming the tiles it holds a sum for."""
         rows = slice(r0, r0 + rn)
-        side = dict(r0=r0, rn=rn, h=h, written=set())  # the tiles whose dQ has left
-        side["qT"], side["doT"] = (_transposed_rows(x[b, h, rows, :], rn, width, self.dt)
-                                   for x, width in ((self.q, self.D), (self.do, self.Dv)))
-        side["q_rows"], side["do_rows"] = (_rows_from_transposed(xT, rn, width, self.dt, self.transposes_ps)
-                                           for xT, width in ((side["qT"], self.D), (side["doT"], self.Dv)))
         tiles = partition_chunks(rn)
+        side = dict(b=b, r0=r0, rn=rn, h=h, first=first, written=set(), loaded=set(),  # tiles whose dQ has left
+                    sources=(self.q[b, h, rows, :], self.do[b, h, rows, :]))
+        side["qT"], side["doT"] = _transposed_tiles(rn, (self.D, self.Dv), self.dt)
+        side["q_rows"], side["do_rows"] = (nl.ndarray((PMAX, len(tiles), d), dtype=self.dt, buffer=nl.sbuf)
+                                           for d in (self.D, self.Dv))
         side["neg_lse"], side["neg_delta"] = (nl.ndarray((PMAX, len(tiles)), dtype=nl.float32, buffer=nl.sbuf)
                                               for _ in range(2))
-        for t, t0, bq in tiles:
-            self.row_terms(b, h, r0 + t0, bq, side["do_rows"][0:bq, t, :], side["neg_lse"][0:bq, t:t + 1],
-                           side["neg_delta"][0:bq, t:t + 1], first)
         if first:
-            side["dq_sum"] = nl.zeros((PMAX, len(tiles), self.D), dtype=nl.float32, buffer=nl.sbuf)
+            side["dq_sum"], side["summed"] = nl.ndarray((PMAX, len(tiles), self.D), dtype=nl.float32,
+                                                        buffer=nl.sbuf), set()
         else:
             side["dq_sum"] = _rows_in_blocks(self.carried[b, h, rows, :], rn, self.D, nl.float32)
+            side["summed"] = {t for t, _, _ in tiles}
         return side
 
-    def row_terms(self, b, h, q0, bq, do_t, neg_lse, neg_delta, first):
-        """A query tile's ``-lse`` (NEG for rows without keys, unless sinks make their lse the sink's) and
-        ``-delta = -(rowsum(dO * O) - dlse)``; with sinks, on the first key section, ``-p_sink * delta`` per row."""
+    def load_rows(self, side, t):
+        """The score tile of rows holding query tile ``t``, unless loaded: Q^T and dO^T (DMA transposes), Q and dO
+        rows turned back (as :meth:`load_keys`), and its tiles' ``-lse`` and ``-delta``; with sinks, each row's
+        share of their gradient, written on the first key section."""
+        r = t * B_Q // SCORE_KEYS * SCORE_KEYS
+        if r in side["loaded"]:
+            return
+        side["loaded"].add(r)
+        b, h, r0, rows = side["b"], side["h"], side["r0"], slice(r, min(side["rn"], r + SCORE_KEYS))
+        _transpose_rows_into((side["qT"], side["doT"]), side["sources"], (self.D, self.Dv), rows)
+        for xT, width, dst in ((side["qT"], self.D, side["q_rows"]), (side["doT"], self.Dv, side["do_rows"])):
+            _turn_back(dst, xT, width, self.transposes_ps, rows, nisa.vector_engine)
+        tiles = [tile for tile in partition_chunks(rows.stop) if tile[1] >= r]
+        delta = self.scores_ps.take()  # the tiles' sums in its columns, negated in one copy
+        for i, (t, t0, bq) in enumerate(tiles):
+            self.lse_column(b, h, r0 + t0, bq, side["neg_lse"][0:bq, t:t + 1])
+            self.delta_column(b, h, r0 + t0, bq, side["doT"][:, :, t0:t0 + bq], delta[0:bq, i:i + 1])
+        for i, bq, n in _row_runs(tiles):
+            t = tiles[i][0]
+            nisa.activation(side["neg_delta"][0:bq, t:t + n], op=nl.copy, data=delta[0:bq, i:i + n], scale=-1.0)
+        for t, t0, bq in tiles:
+            self.row_terms(b, h, r0 + t0, bq, side["neg_lse"][0:bq, t:t + 1], side["neg_delta"][0:bq, t:t + 1],
+                           side["first"])
+
+    def lse_column(self, b, h, q0, bq, neg_lse):
+        """A query tile's ``-lse``: NEG for rows without keys, unless sinks make their lse the sink's."""
         lse_row = _load(self.lse[b, h, q0:q0 + bq, 0:1], 1, bq, nl.float32)  # one row: a 4-byte run per partition
         nisa.dma_transpose(neg_lse, lse_row)  # would cost as much as a whole tile
         nisa.tensor_scalar(neg_lse, neg_lse, op0=nl.multiply, operand0=-1.0, engine=nisa.gpsimd_engine)
         if self.sinks is None:  # lse = -inf there: P must be 0, not exp(+inf)
             _rows_without_keys(neg_lse, q0, self.shift, self.right, 1, NEG)
-        o_t = _load(self.o[b, h, q0:q0 + bq, :], bq, self.Dv, self.dt)
-        prod = nl.ndarray((bq, self.Dv), dtype=nl.float32, buffer=nl.sbuf)
-        nisa.tensor_tensor(prod, do_t, o_t, op=nl.multiply, engine=nisa.gpsimd_engine)
-        nisa.tensor_reduce(neg_delta, op=nl.add, data=prod, axis=1, negate=True, keepdims=True)
+
+    def delta_column(self, b, h, q0, bq, doT, delta):
+        """A query tile's ``rowsum(dO * O)`` into ``delta`` (PSUM), taken transposed (``doT``: the tile's dO^T), so
+        that O comes in by DMA transposes, whose runs per partition are long where O's rows are ``2 * Dv`` bytes,
+        and its sum over Dv is a matmul against ones."""
+        oT = _transposed_rows(self.o[b, h, q0:q0 + bq, :], bq, self.Dv, self.dt)
+        prod = nl.ndarray(oT.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor(prod, doT, oT, op=nl.multiply, engine=nisa.gpsimd_engine)
+        _matmul_chunked(delta, prod, self.ones, self.Dv)
+
+    def row_terms(self, b, h, q0, bq, neg_lse, neg_delta, first):
+        """``-delta = -(rowsum(dO * O) - dlse)`` from ``-rowsum(dO * O)``; with sinks, on the first key section,
+        ``-p_sink * delta`` per row."""
         if self.dlse is not None:
             nisa.tensor_tensor(neg_delta, neg_delta, _load(self.dlse[b, h, q0:q0 + bq, 0:1], bq, 1, nl.float32),
                                op=nl.add, engine=nisa.gpsimd_engine)
@@ -709,47 +795,73 @@ class _Backward:
         for j, j0, size in partition_chunks(z - a):
             nisa.nc_matmul(dq, dsT[0:size, j, :], key["k_rows"][0:size, (a + j0 - key["s0"]) // PMAX, :],
                            accumulate=j > 0)
-        dq_sum = side["dq_sum"][0:bq, t, :]
-        nisa.tensor_tensor(dq_sum, dq_sum, dq, op=nl.add)
+        _add_into(side["dq_sum"][0:bq, t, :], dq, t in side["summed"])
+        side["summed"].add(t)
 
     def group(self, b, hkv, key, side, g0, gn, last_pass, last_section):
         """A 512-key group against every query tile of the query section that sees some of it, software-pipelined:
         a tile's P and dS, then the previous tile's dV, dK and dS^T, then dQ of the one before, so that no engine
-        waits on the step before in the same tile."""
-        work = []  # (tile, first row, rows, keys a..z of the group it sees)
-        for t, t0, bq in partition_chunks(side["rn"]):
+        waits on the step before in the same tile. A block's dK and dV leave once the last tile that sees it is done:
+        the last tiles first, under a causal mask the group's last blocks are done before its first."""
+        work = []  # (tile, first row, rows, keys a..z of the group it sees), the last tiles first
+        for t, t0, bq in reversed(partition_chunks(side["rn"])):
             k_first, k_stop = _key_blocks(side["r0"] + t0, bq, self.shift, self.Skv, self.left, self.right)
             a, z = max(k_first * B_K, g0), min(k_stop * B_K, self.Skv, g0 + gn)
             if a < z:
                 work.append((t, side["r0"] + t0, bq, a, z))
+        last_seen = {}  # the group's block -> the last work item that sees it
+        for index, (_, _, _, a, z) in enumerate(work):
+            for i in range((a - g0) // PMAX, (z - 1 - g0) // PMAX + 1):
+                last_seen[i] = index
+        first_block = (g0 - key["s0"]) // PMAX
+        self.load_keys(key, g0, gn)
         touched, probabilities, transposed = set(), {}, {}
         for index in range(len(work) + 2):
             if index < len(work):
+                self.load_rows(side, work[index][0])
                 probabilities[index] = self.probabilities(key, side, *work[index])
             if 0 <= index - 1 < len(work):
                 transposed[index - 1] = self.key_gradients(key, side, work[index - 1],
                                                            *probabilities.pop(index - 1), g0, touched)
+                for i in sorted(i for i, seen in last_seen.items() if seen == index - 1):
+                    self.finish_key_block(b, hkv, key, first_block, i, last_pass)
             if 0 <= index - 2 < len(work):
-                t, q0, bq, _, z = work[index - 2]
+                t, q0, bq, a, _ = work[index - 2]
                 self.query_gradient(key, side, work[index - 2], transposed.pop(index - 2))
-                if last_section and z == min(_key_blocks(q0, bq, self.shift, self.Skv, self.left, self.right)[1]
-                                             * B_K, self.Skv):  # the tile's last keys: its dQ is whole
+                if last_section and a == max(_key_blocks(q0, bq, self.shift, self.Skv, self.left, self.right)[0]
+                                             * B_K, key["s0"]):  # the tile's first keys here, its last group: dQ whole
                     self.write_query_tile(b, side, t, bq, last=True)
                     side["written"].add(t)
-        for i in sorted(touched):  # the group's blocks some query tile reached
-            block = (g0 - key["s0"]) // PMAX + i
-            for sums, banks, per_bank in ((key["dk_sum"], self.dk_ps, self.dk_per_bank),
-                                          (key["dv_sum"], self.dv_ps, self.dv_per_bank)):
-                nisa.tensor_tensor(sums[:, block, :], sums[:, block, :], banks[i // per_bank][:, i % per_bank, :],
-                                   op=nl.add)
-        if last_pass:
-            first = (g0 - key["s0"]) // PMAX
-            self.write_key_blocks(b, hkv, key, first, first + len(partition_chunks(gn)))
+        if last_pass:  # the blocks no query tile sees: their zeros
+            for i, _, _ in partition_chunks(gn):
+                if i not in last_seen:
+                    self.write_key_blocks(b, hkv, key, first_block + i, first_block + i + 1)
 
+    def finish_key_block(self, b, hkv, key, first_block, i, last_pass):
+        """The group's block ``i``, which no later tile of the group sees: its dK and dV from PSUM added into the
+        section's sums, and written on the last pass."""
+        block = first_block + i
+        for sums, banks, per_bank in ((key["dk_sum"], self.dk_ps, self.dk_per_bank),
+                                      (key["dv_sum"], self.dv_ps, self.dv_per_bank)):
+            _add_into(sums[:, block, :], banks[i // per_bank][:, i % per_bank, :], block in key["summed"])
+        key["summed"].add(block)
+        if last_pass:
+            self.write_key_blocks(b, hkv, key, block, block + 1)
+
+    def finish_query_side(self, b, side, last):
+        """After the groups: the sinks' terms of the tiles no group loaded (on the first key section), and the dQ of
+        the tiles not yet written (:meth:`write_query_tile`)."""
+        for t, _, bq in partition_chunks(side["rn"]):
+            if self.sinks is not None and side["first"]:
+                self.load_rows(side, t)
+            if t not in side["written"]:
+                self.write_query_tile(b, side, t, bq, last)
 
     def write_query_tile(self, b, side, t, bq, last):
         """A query tile's dQ sum, scaled, into dq (``last``: the last key section) or carried on in fp32 HBM."""
         rows = slice(side["r0"] + t * B_Q, side["r0"] + t * B_Q + bq)
+        if t not in side["summed"]:  # no key seen yet
+            nisa.memset(side["dq_sum"][0:bq, t, :], 0.0)
         if not last:
             nisa.dma_copy(self.carried[b, side["h"], rows, :], side["dq_sum"][0:bq, t, :])
             return
@@ -763,8 +875,11 @@ class _Backward:
         s0 = key["s0"]
         for sums, out, factor in ((key["dk_sum"], self.dk, self.scale), (key["dv_sum"], self.dv, 1.0)):
             cast = nl.ndarray((PMAX, stop - first, sums.shape[2]), dtype=self.dt, buffer=nl.sbuf)
-            nisa.tensor_scalar(cast, sums[:, first:stop, :], op0=nl.multiply, operand0=factor,
-                               engine=nisa.gpsimd_engine)
+            if all(block in key["summed"] for block in range(first, stop)):
+                nisa.tensor_scalar(cast, sums[:, first:stop, :], op0=nl.multiply, operand0=factor,
+                                   engine=nisa.gpsimd_engine)
+            else:  # blocks no query sees
+                nisa.memset(cast, 0.0)
             for j, j0, size in partition_chunks(key["sn"])[first:stop]:
                 nisa.dma_copy(out[b, hkv, s0 + j0:s0 + j0 + size, :], cast[0:size, j - first, :])
 
@@ -797,13 +912,13 @@ def attention_bwd_kernel(q, k, v, o, lse, do, sinks=None, dlse=None, scale=1.0, 
                 passes = [(hkv * G + g, r0, rn) for g in range(G) for r0, rn in row_sections]
                 for h, r0, rn in passes:
                     side = bwd.query_side(b, h, r0, rn, first=s0 == 0)
-                    # the last pass over a group finishes its dK and dV, the last key section each tile's dQ
-                    for g0, gn in _sections(sn, SCORE_KEYS):
+                    # the last pass over a group finishes its dK and dV, the last key section each tile's dQ; the
+                    # groups last to first: under a causal mask the first keys are seen by every query tile, so the
+                    # last group is long and the dQ rows leave while it runs, not all at the end
+                    for g0, gn in reversed(_sections(sn, SCORE_KEYS)):
                         bwd.group(b, hkv, key, side, s0 + g0, gn, last_pass=(h, r0) == passes[-1][:2],
                                   last_section=s0 + sn == Skv)
-                    for t, _, bq in partition_chunks(rn):
-                        if t not in side["written"]:
-                            bwd.write_query_tile(b, side, t, bq, last=s0 + sn == Skv)
+                    bwd.finish_query_side(b, side, last=s0 + sn == Skv)
     return outputs[:3] if sinks is None else outputs
 
 
