@@ -2,7 +2,8 @@
 
 They run before any backend is chosen, and name the argument at fault; the targets' values are read once per
 tensor version (``index_values``), where values can be read (not while torch.compile traces: the custom op reads
-them when the graph runs).
+them when the graph runs). CUDA targets are checked on the device instead, as ``F.cross_entropy``'s kernel
+asserts: a fresh target tensor every step, read on the host, would make every step wait for the device.
 """
 
 from __future__ import annotations
@@ -86,8 +87,15 @@ def options(ignore_index, label_smoothing, reduction, softcap) -> tuple[int, flo
 
 
 def check_target_values(target, classes: int, ignore_index: int) -> None:
-    """Every target in ``[0, classes)`` or ``ignore_index``; read once per version of ``target``."""
+    """Every target in ``[0, classes)`` or ``ignore_index``; read once per version of ``target``, or on CUDA asserted
+    on the device (``torch._assert_async``, queued before the op's kernels, which then never run on a bad target)."""
     if target.numel() == 0:
+        return
+    if target.is_cuda:
+        if not torch.compiler.is_compiling():  # traced: the custom op asserts when the graph runs
+            seen = ((target >= 0) & (target < classes)) | (target == ignore_index)
+            torch._assert_async(seen.all(), f"{OP}: a target is outside [0, {classes}) and not ignore_index "
+                                            f"({ignore_index})")
         return
 
     def check(values):

@@ -9,6 +9,8 @@ counts; autocast; torch.func; and the reference path holding no ``[tokens, V]`` 
 """
 
 import importlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -149,6 +151,28 @@ def test_bad_input_is_refused_by_name_before_anything_runs(case, monkeypatch):
     assert_bit_identical(before, tensors)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_targets_are_checked_on_the_device_without_a_synchronisation():
+    """A good CUDA target costs no device-to-host read (sync debug mode raises on one); a bad one fails the device
+    assert queued before the kernels (in a child process: a device-side assert loses the CUDA context)."""
+    hidden, weight, bias, target = (t.detach().cuda() for t in _inputs(torch.device("cpu")))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = portable_ops.linear_cross_entropy(hidden, weight, target, bias=bias)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    expected = F.cross_entropy(F.linear(hidden, weight, bias).float().flatten(0, -2), target.reshape(-1))
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
+    code = ("import torch, portable_ops\n"
+            "h, w = torch.randn(4, 8, device='cuda'), torch.randn(16, 8, device='cuda')\n"
+            "t = torch.tensor([0, 3, 16, 1], device='cuda')\n"
+            "portable_ops.linear_cross_entropy(h, w, t)\n"
+            "torch.cuda.synchronize()\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert child.returncode != 0 and "device-side assert" in child.stderr, child.stderr[-2000:]
+
+
 def test_a_backend_declines_what_it_cant_take_with_a_reason():
     hidden, weight, bias, target = (t.detach() for t in _inputs(torch.device("cpu")))
     for backend in (b for b in BACKENDS if b != "reference"):
@@ -209,9 +233,10 @@ def test_compiled_forward_and_backward_without_breaks_or_recompiles(backend):
             torch.testing.assert_close(loss, expected)
             for a, b in zip(grads, torch.autograd.grad(expected, (x, *params))):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-        target[0, 0] = 23
-        with pytest.raises(ValueError, match=r"target\[0\] \(flattened\) is 23"):
-            compiled(x, *params, target)  # refused by the custom op, when the graph runs
+        if not target.is_cuda:  # CUDA asserts on the device (its own test, in a child process)
+            target[0, 0] = 23
+            with pytest.raises(ValueError, match=r"target\[0\] \(flattened\) is 23"):
+                compiled(x, *params, target)  # refused by the custom op, when the graph runs
     assert sum(counters["graph_break"].values()) == 0
     assert counters["stats"]["unique_graphs"] == 1
 
