@@ -20,7 +20,7 @@ def _check_timed(row):
         assert isinstance(row[field], float) and math.isfinite(row[field]) and row[field] > 0, (field, row)
     assert row["ratio min"] <= row["ratio"] <= row["ratio max"]
     assert row["spread"] == fallback.spread(row["ratio min"], row["ratio max"])
-    assert isinstance(row["met"], bool) and row["torch"]
+    assert (row["met"] is None if row["target"] is None else isinstance(row["met"], bool)) and row["torch"]
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +37,17 @@ def test_tiny_run_covers_every_op_with_finite_positive_ratios(rows):
     for row in rows:
         _check_timed(row)
     ops = {row["op"] for row in rows}
-    assert ops == {"attention fwd", "attention fwd+bwd", "AdamW step", "clip", "clip + AdamW step", "gpt2_tiny train"}
+    assert ops == {"attention fwd", "attention fwd+bwd", "AdamW step", "clip", "clip + AdamW step", "gpt2_tiny train",
+                   "AdamW step, torch against itself"}
     assert {row["dtype"] for row in rows} == {"float32", "bfloat16"}
     cases = " ".join(row["case"] for row in rows)
     for label in ("causal", "non-causal", "decode", "views of one qkv"):
         assert label in cases
     gpt2 = next(row for row in rows if row["op"] == "gpt2_tiny train")
     assert gpt2["target"] == f">= {fallback.THROUGHPUT_TARGET}x" and gpt2["ours tokens/s"] > 0
-    assert all(row["target"] == f"<= {fallback.TIME_TARGET}x" for row in rows if row is not gpt2)
+    noise = next(row for row in rows if row["op"] == "AdamW step, torch against itself")
+    assert noise["target"] is None and noise["met"] is None
+    assert all(row["target"] == f"<= {fallback.TIME_TARGET}x" for row in rows if row not in (gpt2, noise))
 
 
 def test_missing_example_is_a_skipped_row(tmp_path):
