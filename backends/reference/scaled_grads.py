@@ -89,7 +89,10 @@ def _pieces(grads, columns, per_tensor, limit):
     """Batches of at most ``limit`` elements in all (None: one batch of the whole tensors): tensors within the
     limit whole, larger ones as flat pieces of at most ``limit`` elements."""
     if limit is None:
-        yield columns, per_tensor, grads
+        if all(map(torch.Tensor.dim, grads)):  # C-level: no 0-d grad to view as [1]
+            yield columns, per_tensor, grads
+        else:
+            yield _cut([(i, None) for i in range(len(grads))], grads, columns, per_tensor)
         return
     batch: list[tuple] = []  # (index, a slice of its flat elements, or None for the whole tensor)
     size = 0
@@ -108,7 +111,7 @@ def _pieces(grads, columns, per_tensor, limit):
 
 def _cut(batch, grads, columns, per_tensor):
     def piece(t, part):
-        if part is None:  # a 0-d grad times the 0-d multiplier would promote to float32
+        if part is None:  # a 0-d grad times the 0-d multiplier would take its dtype (a float32 grad a float64 clip's)
             return t if t.dim() else t.view(1)
         return t.view(-1)[part]
     return ([[piece(c[i], part) for i, part in batch] if c else c for c in columns],
