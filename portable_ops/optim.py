@@ -119,7 +119,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _clip_coefficient(self, grads, max_grad_norm, grad_scale):
         norm = global_norm(grads, 2.0, checked_total_norm)
         if grad_scale is not None:
-            norm = norm / grad_scale.to(norm.device)
+            # 0-d as the calls hold it: a [1] scale (older GradScalers') would make the coefficient [1]
+            norm = norm / grad_scale.to(norm.device).reshape(())
         self.last_grad_norm = norm
         return clip_coefficient(norm, max_grad_norm)
 

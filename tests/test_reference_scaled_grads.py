@@ -179,3 +179,31 @@ def test_a_bfloat16_clip_is_computed_in_float32_where_weight_decay_nearly_cancel
               "clip_coef": 0.01}
     row = run_case(Case("property_adam", "adam", torch.bfloat16, params), "reference")
     assert row.status == "pass", row.detail
+
+
+@pytest.mark.parametrize("name", ["adamw_clip", "sgd_momentum_clip"])
+def test_a_one_element_grad_scale_under_a_clip_steps_as_a_0d_one(name):
+    """GradScaler's scale is [1] in older torch releases (docs/api.md takes any one-element tensor): the clip's
+    coefficient divided by it was [1] too, which the step's multiply refused ('scalar tensor expected to be 0 dim')."""
+    results = []
+    for scale in (torch.tensor(4.0), torch.tensor([4.0])):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 6))
+        p.grad = torch.linspace(8, -4, 6)
+        opt = OPTIMIZERS[name]([p])
+        opt.grad_scale = scale
+        with portable_ops.use_backend("reference"):
+            opt.step()
+        assert opt.last_grad_norm.dim() == 0
+        results.append(p.detach())
+    assert torch.equal(*results)
+
+
+def test_0d_grads_keep_their_dtype_under_a_float64_clip_off_the_cpu():
+    """Off the CPU the grads go whole (no batches): a 0-d float32 grad times a float64 clip's 0-d coefficient (a
+    float64 param in the step) came out float64, which the fused kernel refuses beside a float32 param."""
+    grads = [torch.ones((), device="meta"), torch.ones(3, device="meta", dtype=torch.float64)]
+    params = [torch.empty_like(g) for g in grads]
+    clip = torch.tensor(0.5, dtype=torch.float64, device="meta")
+    for (piece_params,), _, copies, _ in scaled_grads.batches(grads, None, clip, (params,)):
+        assert [c.dtype for c in copies] == [p.dtype for p in piece_params]
+        assert [c.shape for c in copies] == [p.shape for p in piece_params]
