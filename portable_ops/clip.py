@@ -64,8 +64,9 @@ def _real_for_norm(grad, norm_type):
 
 def clip_coefficient(norm: torch.Tensor, max_norm) -> torch.Tensor:
     """min(1, max_norm / (norm + 1e-6)) as a device scalar: torch's clip_grad_norm_ factor (1 for an
-    infinite ``max_norm``, NaN for a NaN norm). A one-element tensor ``max_norm`` is the number it holds, as
-    torch's ``float(max_norm)`` reads it, in the norm's dtype and place (no host synchronisation)."""
+    infinite ``max_norm`` and a finite norm, NaN for a NaN norm or both infinite). A one-element tensor
+    ``max_norm`` is the number it holds, as torch's ``float(max_norm)`` reads it, in the norm's dtype and place (no
+    host synchronisation)."""
     max_norm = checks.as_number(max_norm)
     if isinstance(max_norm, torch.Tensor):
         max_norm = max_norm.to(norm.device, norm.dtype).reshape(())

@@ -11,6 +11,7 @@ keeps the moments of float16/bfloat16 params in float32.
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 import re
 from itertools import repeat
@@ -96,12 +97,14 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _kernels(self, op, calls, max_grad_norm, grad_scale) -> list:
         """The backend kernel of ``op`` for each ``(params, call)``, chosen before anything is written (strict mode
-        may refuse one), with the global clip's coefficient set in every call when ``max_grad_norm`` is not None."""
+        may refuse one), with the global clip's coefficient set in every call when ``max_grad_norm`` is finite (the
+        norm is measured when it is not None)."""
         kernels = [dispatch(op, call, call["params"][0].device) for _, call in calls]
         if max_grad_norm is not None and calls:
             coef = self._clip_coefficient([p.grad for keys, _ in calls for p in keys], max_grad_norm, grad_scale)
-            for _, call in calls:
-                call["clip_coef"] = coef.to(call["params"][0].device)
+            if coef is not None:
+                for _, call in calls:
+                    call["clip_coef"] = coef.to(call["params"][0].device)
         return kernels
 
     def _max_grad_norm(self) -> float | None:
@@ -119,9 +122,11 @@ class _FusedOptimizer(torch.optim.Optimizer):
     def _clip_coefficient(self, grads, max_grad_norm, grad_scale):
         norm = global_norm(grads, 2.0, checked_total_norm)
         if grad_scale is not None:
-            norm = norm / grad_scale.to(norm.device)
+            # 0-d as the calls hold it: a [1] scale (older GradScalers') would make the coefficient [1]
+            norm = norm / grad_scale.to(norm.device).reshape(())
         self.last_grad_norm = norm
-        return clip_coefficient(norm, max_grad_norm)
+        # an infinite max_grad_norm measures, never clips: its coefficient inf / inf of an overflowed norm is NaN
+        return None if max_grad_norm == math.inf else clip_coefficient(norm, max_grad_norm)
 
 
 class Adam(_FusedOptimizer):

@@ -168,14 +168,58 @@ def test_a_step_interrupted_between_batches_counts_the_params_it_stepped(monkeyp
     assert [float(opt.state[p]["step"]) for p in params] == [2.0, 1.0, 1.0]
 
 
-def test_a_bfloat16_clip_is_computed_in_float32_where_weight_decay_nearly_cancels_it():
-    """Found by tests/test_properties.py: with L2 weight decay nearly cancelling a clipped bf16 grad, a clip
-    multiplied out in bfloat16 missed the float64 step by 17%; the kernel's float32 division does not."""
+BF16_CANCELLATIONS = {
+    # found by tests/test_properties.py: L2 weight decay nearly cancelling a clipped grad (17% off float64)
+    "l2_decay": ({"shapes": [(12,)], "steps": 3, "lr": 0.080078125, "betas": (0.0, 0.0),
+                  "eps": 0.00026134489411392835, "weight_decay": 0.09375, "decoupled": False, "amsgrad": False,
+                  "maximize": False, "lr_tensor": False, "clip_coef": 0.01}, 0),
+    # the first moment's decay and an eps of the grad's size cancel with no weight decay at all (Adam and AdamW)
+    "adam_no_decay": ({"shapes": [(12,)], "steps": 2, "lr": 0.0806363522352242, "betas": (0.9, 0.0),
+                       "eps": 0.00018151676807743285, "weight_decay": 0.0, "decoupled": False, "amsgrad": False,
+                       "maximize": False, "lr_tensor": False, "clip_coef": 0.5161619741549225, "grad_scale": 1024.0},
+                      0),
+    "adamw": ({"shapes": [(40,)], "steps": 2, "lr": 0.06881085234157915, "betas": (0.9, 0.0),
+               "eps": 0.000519540430991103, "weight_decay": 0.1, "decoupled": True, "amsgrad": False,
+               "maximize": False, "lr_tensor": False, "clip_coef": 0.7510010223856106}, 22),
+}
+
+
+@pytest.mark.parametrize("name", BF16_CANCELLATIONS)
+def test_a_bfloat16_clip_is_computed_in_float32_where_the_step_nearly_cancels_it(name):
+    """A clip (or grad scale) multiplied out in bfloat16 rounds the grad; wherever the step nearly cancels it (L2
+    weight decay, the first moment's decay, eps) that rounding missed the float64 step by several percent, past the
+    tolerance; the kernel's float32 division does not."""
     from portable_ops.conformance.cases import Case
     from portable_ops.conformance.runner import run_case
 
-    params = {"shapes": [(12,)], "steps": 3, "lr": 0.080078125, "betas": (0.0, 0.0), "eps": 0.00026134489411392835,
-              "weight_decay": 0.09375, "decoupled": False, "amsgrad": False, "maximize": False, "lr_tensor": False,
-              "clip_coef": 0.01}
-    row = run_case(Case("property_adam", "adam", torch.bfloat16, params), "reference")
+    params, seed = BF16_CANCELLATIONS[name]
+    row = run_case(Case("property_adam", "adam", torch.bfloat16, params, seed=seed), "reference")
     assert row.status == "pass", row.detail
+
+
+@pytest.mark.parametrize("name", ["adamw_clip", "sgd_momentum_clip"])
+def test_a_one_element_grad_scale_under_a_clip_steps_as_a_0d_one(name):
+    """GradScaler's scale is [1] in older torch releases (docs/api.md takes any one-element tensor): the clip's
+    coefficient divided by it was [1] too, which the step's multiply refused ('scalar tensor expected to be 0 dim')."""
+    results = []
+    for scale in (torch.tensor(4.0), torch.tensor([4.0])):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 6))
+        p.grad = torch.linspace(8, -4, 6)
+        opt = OPTIMIZERS[name]([p])
+        opt.grad_scale = scale
+        with portable_ops.use_backend("reference"):
+            opt.step()
+        assert opt.last_grad_norm.dim() == 0
+        results.append(p.detach())
+    assert torch.equal(*results)
+
+
+def test_0d_grads_keep_their_dtype_under_a_float64_clip_off_the_cpu():
+    """Off the CPU the grads go whole (no batches): a 0-d float32 grad times a float64 clip's 0-d coefficient (a
+    float64 param in the step) came out float64, which the fused kernel refuses beside a float32 param."""
+    grads = [torch.ones((), device="meta"), torch.ones(3, device="meta", dtype=torch.float64)]
+    params = [torch.empty_like(g) for g in grads]
+    clip = torch.tensor(0.5, dtype=torch.float64, device="meta")
+    for (piece_params,), _, copies, _ in scaled_grads.batches(grads, None, clip, (params,)):
+        assert [c.dtype for c in copies] == [p.dtype for p in piece_params]
+        assert [c.shape for c in copies] == [p.shape for p in piece_params]

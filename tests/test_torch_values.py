@@ -302,3 +302,17 @@ def test_functional_adam_refuses_differentiable():
     with pytest.raises(ValueError, match="differentiable=True is not supported"):
         portable_ops.functional.adam(*lists, [torch.tensor(0.0)], differentiable=True)
     assert_bit_identical(before, snapshot([t for ts in lists for t in ts]))
+
+
+def test_an_infinite_max_grad_norm_leaves_the_grads_of_an_overflowed_norm_unclipped():
+    """An infinite max_grad_norm never clips (docs/api.md), even where the norm itself overflows: its coefficient
+    was inf / inf = NaN, which made every param NaN, those with finite grads too."""
+    theirs, ours = (torch.nn.Parameter(torch.linspace(-1, 1, 4)) for _ in range(2))
+    for p in (theirs, ours):
+        p.grad = torch.full((4,), 1e30)  # finite, but their squares' sum overflows float32
+    torch.optim.AdamW([theirs], lr=1e-2).step()
+    opt = portable_ops.optim.AdamW([ours], lr=1e-2, max_grad_norm=math.inf)
+    with portable_ops.use_backend("reference"):
+        opt.step()
+    assert opt.last_grad_norm == math.inf
+    torch.testing.assert_close(ours, theirs)

@@ -69,13 +69,12 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     max_exp_avg_sqs = max_exp_avg_sqs if amsgrad else []
     increment = 1 if found_inf is None else 1 - found_inf  # a skipped step is not counted
     counted = None
-    rounding_ok = decoupled_weight_decay or not weight_decay  # no decay added to the grads it could cancel
     # Each batch counts the steps of the tensors it starts (one cut into pieces goes on at the next batch's head) and
     # bumps the versions of those it writes, which the fused kernel doesn't: a step cut short between batches (an
     # interrupt) leaves the params it stepped counted, autograd told, and the others as they were.
     for (p, m, v, vmax), (steps,), g, kernel_scale in batches(grads, grad_scale, clip_coef,
                                                               (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs),
-                                                              (state_steps,), rounding_ok=rounding_ok):
+                                                              (state_steps,)):
         starting = steps[1:] if steps[0] is counted else steps
         if starting:
             torch._foreach_add_(starting, increment)

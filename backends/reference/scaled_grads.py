@@ -1,12 +1,11 @@
 """The grads torch's fused optimizer kernels step on, one launch per dtype, and the scalars they read. The
 kernels unscale the grads they are handed in place, and the caller's grads must stay as they were, so a call that
 scales them (a GradScaler's scale, a clip) hands the kernels scaled copies: ``grad * clip_coef / grad_scale`` for
-float32 and float64 grads (one rounding, as the kernel's own division has), and for bfloat16 grads of a step that
-adds no weight decay to its grads (``rounding_ok``: AdamW's decoupled decay, or none), as torch's clip leaves them.
-Otherwise float16 and bfloat16 copies keep the grads' values and the kernel divides them by the scale in float32:
-that product rounded to 16 bits would flush tiny float16 grads to zero (what a GradScaler is for), and where L2
-weight decay nearly cancels a clipped grad its rounding error is the whole step. Those copies cost the kernel a
-write of each unscaled grad.
+float32 and float64 grads (one rounding, as the kernel's own division has). float16 and bfloat16 copies keep the
+grads' values and the kernel divides them by the scale in float32: that product rounded to 16 bits would flush tiny
+float16 grads to zero (what a GradScaler is for), and wherever the step nearly cancels a scaled grad (L2 weight
+decay, the first moment's decay, eps beside a grad of its size) its rounding error is a large part of the step.
+Those copies cost the kernel a write of each unscaled grad.
 
 On the CPU such a call goes in batches of at most ``CPU_BATCH`` elements, so that each batch's copies are
 still in cache when the kernel reads them; a whole model's copies at once would be one more pass through
@@ -23,27 +22,23 @@ CPU_BATCH = 1 << 20
 _dtype = operator.attrgetter("dtype")
 
 
-def batches(grads, grad_scale, clip_coef, columns, per_tensor=(), *, rounding_ok=False):
+def batches(grads, grad_scale, clip_coef, columns, per_tensor=()):
     """Yields ``(columns, per_tensor, grads, grad_scale)`` for each kernel launch: pieces of ``columns`` (lists of
     tensors shaped like ``grads``: params, moments; an empty list stays empty), ``per_tensor`` lists' entries
     (step counts) repeated for each piece of their tensor, the grads to step on and the scale the kernel divides
-    them by (a float32 device scalar, or None). ``rounding_ok``: the step adds no weight decay to its grads, so
-    bfloat16 grads may be multiplied out."""
+    them by (a float32 device scalar, or None)."""
     device = grads[0].device
     multiplier = _multiplier(grad_scale, clip_coef, device)
     for group_grads, group_columns, group_per_tensor in _by_dtype(grads, columns, per_tensor):
         if multiplier is None:
             yield group_columns, group_per_tensor, group_grads, None
             continue
-        dtype = group_grads[0].dtype
-        half = dtype == torch.float16 or (dtype == torch.bfloat16 and not rounding_ok)
+        half = group_grads[0].dtype in (torch.float16, torch.bfloat16)
         kernel_scale = multiplier.reciprocal().float() if half else None
-        # in bfloat16 for bfloat16 grads, as torch's clip has it: CUDA's foreach fast path takes a factor of their dtype
-        factor = multiplier.to(dtype) if dtype == torch.bfloat16 else multiplier
         limit = CPU_BATCH if device.type == "cpu" else None
         for piece_columns, piece_per_tensor, piece_grads in _pieces(group_grads, group_columns, group_per_tensor,
                                                                     limit):
-            copies = torch._foreach_mul(piece_grads, 1) if half else torch._foreach_mul(piece_grads, factor)
+            copies = torch._foreach_mul(piece_grads, 1) if half else torch._foreach_mul(piece_grads, multiplier)
             yield piece_columns, piece_per_tensor, copies, kernel_scale
 
 
@@ -89,7 +84,10 @@ def _pieces(grads, columns, per_tensor, limit):
     """Batches of at most ``limit`` elements in all (None: one batch of the whole tensors): tensors within the
     limit whole, larger ones as flat pieces of at most ``limit`` elements."""
     if limit is None:
-        yield columns, per_tensor, grads
+        if all(map(torch.Tensor.dim, grads)):  # C-level: no 0-d grad to view as [1]
+            yield columns, per_tensor, grads
+        else:
+            yield _cut([(i, None) for i in range(len(grads))], grads, columns, per_tensor)
         return
     batch: list[tuple] = []  # (index, a slice of its flat elements, or None for the whole tensor)
     size = 0
@@ -108,7 +106,7 @@ def _pieces(grads, columns, per_tensor, limit):
 
 def _cut(batch, grads, columns, per_tensor):
     def piece(t, part):
-        if part is None:  # a 0-d grad times the 0-d multiplier would promote to float32
+        if part is None:  # a 0-d grad times the 0-d multiplier would take its dtype (a float32 grad a float64 clip's)
             return t if t.dim() else t.view(1)
         return t.view(-1)[part]
     return ([[piece(c[i], part) for i, part in batch] if c else c for c in columns],
