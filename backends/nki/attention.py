@@ -6,11 +6,8 @@ transposes, PSUM rings): ``attention_tiles.py``.
 Here: what the kernels take (:func:`attention_supports`), the launches (every (batch, head) of a call in one, split
 where a launch would pass the compiler's instruction budget: :func:`head_instructions`), and the custom ops
 ``portable_ops_nki::attention_fwd`` / ``attention_bwd`` with the backward registered as the forward's autograd.
-GQA reads K/V head ``h // (Hq // Hkv)`` in place, never a repeated copy; sinks go down as ``[Hq, 128, 1]``.
-
-The forward returns ``out`` and ``lse`` (float32, natural log; ``-inf`` and zero output for rows that see no key;
-with sinks their lse is the sink). The backward recomputes P from ``lse`` and also gives the sinks' gradient, each
-row's ``-p_sink * delta`` summed here. Semantics: ``backends/reference/attention.py``.
+GQA reads K/V head ``h // (Hq // Hkv)`` in place, never a repeated copy; sinks go down as ``[Hq, 128, 1]``, and
+the backward's per-row shares of their gradient are summed here. Semantics: ``backends/reference/attention.py``.
 """
 from __future__ import annotations
 
