@@ -25,8 +25,9 @@ from portable_ops.backends.nki.emulator import torch_neuronx as emulated_torch_n
 
 API = aws_signatures.API
 KERNEL_DIR = pathlib.Path(__file__).resolve().parents[1] / "backends" / "nki"
-KERNEL_FILES = ("adam.py", "sgd.py", "grad_norm.py", "attention.py", "norms.py", "linear_cross_entropy.py", "rope.py",
-                "paged_attention.py", "paged_kv_append.py")
+KERNEL_FILES = ("adam.py", "sgd.py", "grad_norm.py", "attention_tiles.py", "attention_forward.py",
+                "attention_backward.py", "norms.py", "linear_cross_entropy.py", "rope.py", "paged_attention.py",
+                "paged_kv_append.py")
 EMULATED = {"nki": emulator, "nki.language": emulated_language, "nki.isa": emulated_isa}
 
 

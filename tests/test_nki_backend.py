@@ -294,16 +294,17 @@ def test_attention_over_several_resident_sections_matches_the_reference(features
     gradients (the sink's included) agree with the reference, with GQA, ragged lengths and a sink (three key
     sections here, where the defaults would hold every key and row in one)."""
     from portable_ops.backends.nki import attention as nki_attention
+    from portable_ops.backends.nki.attention_backward import attention_bwd_kernel
+    from portable_ops.backends.nki.attention_forward import attention_fwd_kernel
     g = torch.Generator().manual_seed(7)
     q, do = (torch.randn(1, 2, 140, 32, generator=g) for _ in range(2))
     k, v = (3.0 * torch.randn(1, 1, 1100, 32, generator=g) for _ in range(2))
     sinks = torch.randn(2, generator=g)
     static = nki_attention._static(features.get("causal"), 0.2, features.get("window"), features.get("softcap"))
     sink_rows = nki_attention._sinks_down_partitions(sinks)
-    out, lse = runtime.launch(nki_attention.attention_fwd_kernel, q, k, v, sinks=sink_rows, section_keys=512,
-                              **static)
-    grads = runtime.launch(nki_attention.attention_bwd_kernel, q, k, v, out, lse, do, sinks=sink_rows,
-                           section_rows=128, section_keys=512, **static)
+    out, lse = runtime.launch(attention_fwd_kernel, q, k, v, sinks=sink_rows, section_keys=512, **static)
+    grads = runtime.launch(attention_bwd_kernel, q, k, v, out, lse, do, sinks=sink_rows, section_rows=128,
+                           section_keys=512, **static)
     options = dict(scale=0.2, sinks=sinks.double(), **features)
     r_out, r_lse = reference_fwd(q.double(), k.double(), v.double(), **options)
     close(out, r_out, tolerance("attention", F32))
@@ -352,7 +353,7 @@ def test_window_skips_invisible_blocks_and_masks_only_the_edge_blocks(monkeypatc
     added to the scores in PSUM), in the backward by one affine_select on P per edge. Counted on the matmuls whose
     moving operand is the pair's V block with its ones column (forward: one per pair), a [rows, D] tile (backward:
     dV, dK and dQ, three per pair) or a mask (accumulating onto the scores), and on affine_select calls."""
-    from portable_ops.backends.nki import attention as nki_attention
+    from portable_ops.backends.nki.compat import nisa
     B, H, Sq, Skv, D = 1, 1, 300, 520, 32
     cases = [(False, (100, 30)), (True, (150, None)), (False, (None, 7)), (False, (3, None)), (True, None)]
     for causal, window in cases:
@@ -373,16 +374,16 @@ def test_window_skips_invisible_blocks_and_masks_only_the_edge_blocks(monkeypatc
         selects, moving = [], []  # each affine_select's first pattern step (-1: a mask; 0: a row fix-up), each
         # matmul's moving free size
 
-        def select(dst, pattern, real=nki_attention.nisa.affine_select, **kwargs):
+        def select(dst, pattern, real=nisa.affine_select, **kwargs):
             selects.append(pattern[0][0])
             return real(dst, pattern, **kwargs)
 
-        def matmul(dst, stationary, mover, real=nki_attention.nisa.nc_matmul, **kwargs):
+        def matmul(dst, stationary, mover, real=nisa.nc_matmul, **kwargs):
             moving.append((mover.shape[-1], kwargs.get("accumulate")))
             return real(dst, stationary, mover, **kwargs)
 
-        monkeypatch.setattr(nki_attention.nisa, "affine_select", select)
-        monkeypatch.setattr(nki_attention.nisa, "nc_matmul", matmul)
+        monkeypatch.setattr(nisa, "affine_select", select)
+        monkeypatch.setattr(nisa, "nc_matmul", matmul)
         q, do = torch.randn(B, H, Sq, D), torch.randn(B, H, Sq, D)
         k, v = torch.randn(B, H, Skv, D), torch.randn(B, H, Skv, D)
         options = dict(causal=causal, scale=0.2, window=window)

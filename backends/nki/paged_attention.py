@@ -22,8 +22,8 @@ at that position (0 * inf). ``P V`` is computed transposed: each head's V is the
 Softmax by sections of keys: the section's scores go to SBUF (scaled, capped, then masked by each row's bounds,
 from the host: the row at position ``p`` sees key ``j`` iff ``p - left <= j <= p``), then its row max, the exps and
 their sums once, and ``P V`` accumulates in PSUM over its blocks: the accumulator is rescaled once per section, not
-per tile. Rows end as in ``attention.py`` (sinks join the denominator last; rows that see no key give 0 and -inf,
-or their sink). Semantics: ``portable_ops/definitions/paged.py``.
+per tile. Rows end as in ``attention_forward.py`` (sinks join the denominator last; rows that see no key give 0 and
+-inf, or their sink). Semantics: ``portable_ops/definitions/paged.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 
 from .compat import nki, nisa, nl
 from . import runtime
-from .attention import partition_chunks
+from .attention_tiles import partition_chunks
 from .runtime import kernel_op, launch
 
 PMAX = 128  # partitions: keys per tile, query rows per group, a transpose's largest side
@@ -241,7 +241,8 @@ def _column(src, R):
 
 
 def _finish(acc, m, l_sum, position, sink, R, width, dt):
-    """``(out [R, width] in dt, lse [R, 1])`` from the running max, sum and accumulator (``attention.py``'s end)."""
+    """``(out [R, width] in dt, lse [R, 1])`` from the running max, sum and accumulator (as
+    ``attention_forward.py``'s tiles end)."""
     decay = None
     if sink is not None:
         m_all = nl.ndarray((R, 1), dtype=nl.float32, buffer=nl.sbuf)
