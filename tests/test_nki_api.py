@@ -18,7 +18,7 @@ import pathlib
 import pytest
 
 from portable_ops.backends.nki import aws_signatures, emulator
-from portable_ops.backends.nki.emulator import core
+from portable_ops.backends.nki.emulator import tensors
 from portable_ops.backends.nki.emulator import isa as emulated_isa
 from portable_ops.backends.nki.emulator import language as emulated_language
 from portable_ops.backends.nki.emulator import torch_neuronx as emulated_torch_neuronx
@@ -160,10 +160,10 @@ def test_the_emulators_enums_and_tensor_methods_are_the_published_ones():
         if hasattr(emulated_isa, name):
             assert [m.name for m in getattr(emulated_isa, name)] == members, name
     for name, params in API["nki.language"]["methods"]["NkiTensor"].items():
-        if hasattr(core.Tensor, name):
-            mine = list(inspect.signature(getattr(core.Tensor, name)).parameters)[1:]
+        if hasattr(tensors.Tensor, name):
+            mine = list(inspect.signature(getattr(tensors.Tensor, name)).parameters)[1:]
             assert mine == [p for p, _, _ in params], f"NkiTensor.{name}"
-    assert hasattr(core.Tensor, "reshape")
+    assert hasattr(tensors.Tensor, "reshape")
 
 
 def test_every_name_the_kernels_use_exists_in_the_emulator():

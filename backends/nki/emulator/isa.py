@@ -15,9 +15,10 @@ import math
 
 import torch
 
-from . import core, cost, indirect
+from . import core, cost, indirect, trace
 from . import language as nl
-from .core import Tensor, psum, reject, sbuf
+from .core import psum, reject, sbuf
+from .tensors import Tensor
 
 
 class engine(enum.Enum):  # noqa: N801  (nki.isa.engine; values as AWS's)
@@ -201,7 +202,7 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
         dst.assign(lambda: (src.read() if src.dtype != dst.dtype else src.data).reshape(dst.shape))
     hbm_side = src if not src.buffer.on_chip else dst
     descriptor = min(_contiguous_bytes(src), _contiguous_bytes(dst))
-    core.record_dma(hbm_side.size * hbm_side.dtype.itemsize, src, dst, descriptor,
+    trace.record_dma(hbm_side.size * hbm_side.dtype.itemsize, src, dst, descriptor,
                     index=None if view is None else view.index)
 
 
@@ -239,7 +240,7 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     if not src.buffer.on_chip:
         core.launch.access(src, False)
     dst.assign(lambda: src.data.T)
-    core.record_dma(src.size * src.dtype.itemsize, src, dst, 0, transpose=True)
+    trace.record_dma(src.size * src.dtype.itemsize, src, dst, 0, transpose=True)
 
 
 def _dma_options(priority, dge, sequencer):
@@ -264,7 +265,7 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
         _gpsimd_psum("tensor_copy on gpsimd", dst, src)
     # bit-accurate when the dtypes match, else through float32
     dst.assign(lambda: (src.data if src.dtype == dst.dtype else src.read()).reshape(dst.shape))
-    core.record(eng, _one_input_cost(eng, dst, src), src.free_size, reads=(src,), writes=(dst,))
+    trace.record(eng, _one_input_cost(eng, dst, src), src.free_size, reads=(src,), writes=(dst,))
 
 
 def memset(dst, value, engine=engine.unknown, name=None):
@@ -278,7 +279,7 @@ def memset(dst, value, engine=engine.unknown, name=None):
     if eng == "gpsimd":
         _gpsimd_psum("memset on gpsimd", dst)
     dst.assign(lambda: torch.full((), float(value)))
-    core.record(eng, "stream", dst.free_size, writes=(dst,))
+    trace.record(eng, "stream", dst.free_size, writes=(dst,))
 
 
 def _memset_value(value, dtype):
@@ -321,7 +322,7 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
         return torch.where(keep, new, dst.data)
 
     dst.assign(value)
-    core.record("vector", "stream2", dst.free_size, inputs=2, reads=(src, predicate, dst), writes=(dst,))
+    trace.record("vector", "stream2", dst.free_size, inputs=2, reads=(src, predicate, dst), writes=(dst,))
 
 
 # ----------------------------------------------------------------------------- elementwise
@@ -339,7 +340,7 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     fn = _alu(op, "tensor_tensor")
     dst.assign(lambda: fn(data1.read(), data2.read().reshape(data1.shape)).reshape(dst.shape))
     perf = eng == "vector" and _packed16(data1, data2) and dst.dtype.name in _SIXTEEN_BIT
-    core.record(eng, "stream" if perf else "stream2", data1.free_size, inputs=2, reads=(data1, data2),
+    trace.record(eng, "stream" if perf else "stream2", data1.free_size, inputs=2, reads=(data1, data2),
                 writes=(dst,))
 
 
@@ -372,7 +373,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
         return torch.as_tensor(x).expand(data.shape).reshape(dst.shape)
 
     dst.assign(value)
-    core.record(eng, _one_input_cost(eng, dst, data), data.free_size,
+    trace.record(eng, _one_input_cost(eng, dst, data), data.free_size,
                 reads=(data, operand0, operand1), writes=(dst,))
 
 
@@ -411,7 +412,7 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     dst.assign(value)
     reduce_res.assign(reduced)
     # its reference page's cost, max(MIN_II, N) + MIN_II Vector cycles, as one streaming instruction
-    core.record("vector", "stream", max(cost.MIN_II, data.free_size) + cost.MIN_II,
+    trace.record("vector", "stream", max(cost.MIN_II, data.free_size) + cost.MIN_II,
                 reads=(data, operand0), writes=(dst, reduce_res))
 
 
@@ -433,7 +434,7 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
                        "scalar_tensor_tensor").reshape(dst.shape)
 
     dst.assign(value)
-    core.record("vector", "stream2", data.free_size, inputs=2, reads=(data, operand0, operand1), writes=(dst,))
+    trace.record("vector", "stream2", data.free_size, inputs=2, reads=(data, operand0, operand1), writes=(dst,))
 
 
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
@@ -472,10 +473,10 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
 
     dst.assign(value)
     registers = (_REDUCE_REGS[core.launch.core],) if cmd is not type(cmd).idle else ()
-    core.record("scalar", "stream", data.free_size, reads=(data, scale, bias) + registers, writes=(dst,) + registers)
+    trace.record("scalar", "stream", data.free_size, reads=(data, scale, bias) + registers, writes=(dst,) + registers)
     if reduce_res is not None:
         reduce_res.assign(lambda: _reduce_regs[:p].clone().reshape(reduce_res.shape))
-        core.record("scalar", "accumulator_read", 1, reads=(_REDUCE_REGS[core.launch.core],),  # ActReadAccumulator:
+        trace.record("scalar", "accumulator_read", 1, reads=(_REDUCE_REGS[core.launch.core],),  # ActReadAccumulator:
                     writes=(reduce_res,))  # a second instruction
 
 
@@ -516,7 +517,7 @@ def reciprocal(dst, data, name=None):
     _tile("dst", dst, "reciprocal"), _tile("data", data, "reciprocal")
     _same_layout(dst, data, "reciprocal", "dst and data")
     dst.assign(lambda: (1.0 / data.read()).reshape(dst.shape))
-    core.record("vector", "reciprocal", data.free_size, reads=(data,), writes=(dst,))
+    trace.record("vector", "reciprocal", data.free_size, reads=(data,), writes=(dst,))
 
 
 def _affine(dst, pattern, offset, channel_multiplier, instr: str):
@@ -558,7 +559,7 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
         return torch.where(keep, on_true_tile.read().reshape(dst.shape), torch.tensor(float(on_false_value)))
 
     dst.assign(value)
-    core.record("gpsimd", "stream", dst.free_size, reads=(on_true_tile,), writes=(dst,))
+    trace.record("gpsimd", "stream", dst.free_size, reads=(on_true_tile,), writes=(dst,))
 
 
 def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
@@ -572,7 +573,7 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     if low < -2 ** 31 or high >= 2 ** 31:
         reject("iota-range", f"iota: the pattern's values span [{low}, {high}]; they are computed in int32")
     dst.assign(affine)
-    core.record("gpsimd", "stream", dst.free_size, writes=(dst,))
+    trace.record("gpsimd", "stream", dst.free_size, writes=(dst,))
 
 
 # ----------------------------------------------------------------------------- reductions
@@ -592,7 +593,7 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     if dst.shape[0] != data.shape[0] or dst.free_size != kept:
         reject("tile-shape", f"tensor_reduce: dst {dst.shape} does not hold the reduction of {data.shape} over {axes}")
     dst.assign(lambda: ((-1 if negate else 1) * nl.REDUCE[op](data.read(), axes)).reshape(dst.shape))
-    core.record("vector", "stream", data.free_size, reads=(data,), writes=(dst,))
+    trace.record("vector", "stream", data.free_size, reads=(data,), writes=(dst,))
 
 
 def tensor_partition_reduce(dst, op, data, name=None):
@@ -605,7 +606,7 @@ def tensor_partition_reduce(dst, op, data, name=None):
         reject("tile-shape", f"tensor_partition_reduce: dst must be (1, {data.free_size}); got {dst.shape}")
     # the partitions, seen as a free axis
     dst.assign(lambda: nl.REDUCE[op](data.read().reshape(data.shape[0], -1).T, [1]).T.reshape(dst.shape))
-    core.record("gpsimd", "stream", data.free_size, reads=(data,), writes=(dst,))
+    trace.record("gpsimd", "stream", data.free_size, reads=(data,), writes=(dst,))
 
 
 # ----------------------------------------------------------------------------- Tensor Engine
@@ -657,7 +658,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
                f"behaviour (last written by: {previous or 'nothing'}); start with accumulate=False")
     dst.assign(lambda: stationary.read().T @ moving.read() + (dst.read() if accumulate else 0))
     dst.root.last_writer = "matmul"
-    core.record("tensor", "matmul_fp32" if wide else "matmul", n, flops=2 * k * m * n, reads=(stationary, moving),
+    trace.record("tensor", "matmul_fp32" if wide else "matmul", n, flops=2 * k * m * n, reads=(stationary, moving),
                 writes=(dst,), stationary=stationary)  # accumulating onto dst is PSUM's, not a read
 
 
@@ -681,7 +682,7 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
         reject("matmul-memory", "nc_transpose on the Tensor Engine reads SBUF and writes PSUM")
     dst.assign(lambda: data.data.T)
     if eng == "tensor":  # a matmul against an identity: the moving free size is data's partition count
-        core.record("tensor", "transpose_fp32" if data.dtype.itemsize == 4 else "transpose", p, reads=(data,),
+        trace.record("tensor", "transpose_fp32" if data.dtype.itemsize == 4 else "transpose", p, reads=(data,),
                     writes=(dst,), stationary=data)
     else:
-        core.record("vector", "stream", f, reads=(data,), writes=(dst,))
+        trace.record("vector", "stream", f, reads=(data,), writes=(dst,))
