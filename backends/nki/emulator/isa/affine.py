@@ -13,6 +13,7 @@ from .. import trace
 from ..core import reject, sbuf
 from .operands import alu, gpsimd_psum, same_layout, tile
 
+
 def _affine(dst, pattern, offset, channel_multiplier, instr: str):
     """The values ``offset + p * channel_multiplier + sum(i_k * step_k)`` over ``dst``'s partitions ``p`` and
     ``pattern``'s ``[[step, num], ...]`` free axes: ``(low, high, values)``, the extremes and a function computing

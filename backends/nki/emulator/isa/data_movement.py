@@ -14,6 +14,7 @@ from ..tensors import Tensor
 from .enums import dge_mode, engine, oob_mode
 from .operands import engine_name, gpsimd_psum, one_input_cost, same_layout, tile
 
+
 def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, engine=engine.unknown,
              name=None):
     """``dst = src`` between HBM and SBUF; a dtype conversion goes through float32 ('The DMA engines

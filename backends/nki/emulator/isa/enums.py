@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 
+
 class engine(enum.Enum):  # noqa: N801  (nki.isa.engine; values as AWS's)
     tensor = 1
     vector = 5

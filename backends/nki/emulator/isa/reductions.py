@@ -10,6 +10,7 @@ from .. import trace
 from ..core import reject
 from .operands import gpsimd_psum, op_name, tile
 
+
 def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     """Reduce the last free axes of ``data`` with ``op``, Vector Engine."""
     tile("dst", dst, "tensor_reduce"), tile("data", data, "tensor_reduce")
