@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from portable_ops.backends.nki import emulator
-from portable_ops.backends.nki.emulator import core, cost
+from portable_ops.backends.nki.emulator import cost, trace
 from portable_ops.backends.nki.emulator import language as nl
 
 S_TILE, K_TILE, LARGE_TILE, Q_GROUPS_PER_LOAD = 128, 512, 2048, 8  # _Q_GRP_SZ/_V_TILE_SZ, _K_TILE_SZ, ...
@@ -109,9 +109,9 @@ def _issue(steps, views: dict):
     for step in steps:
         reads, writes = [views[n] for n in step.reads], [views[n] for n in step.writes]
         if step.engine == "dma":
-            core.record_dma(step.size, reads[0], writes[0], step.descriptor, transpose=step.rule != "copy")
+            trace.record_dma(step.size, reads[0], writes[0], step.descriptor, transpose=step.rule != "copy")
         else:
-            core.record(step.engine, step.rule, step.size, reads=reads, writes=writes,
+            trace.record(step.engine, step.rule, step.size, reads=reads, writes=writes,
                         stationary=reads[0] if step.instruction == "nc_matmul" else None)
 
 

@@ -37,16 +37,17 @@ import functools
 
 import torch
 
-from . import core, isa, language  # noqa: F401
-from .core import (EmulatorError, Stats, count_instructions, count_only, dma_casting, domain_policy,  # noqa: F401
-                   instruction_budget, max_nan_semantics, use_target)
+from . import allocation, core, isa, language, tensors, trace  # noqa: F401
+from .core import (EmulatorError, count_only, dma_casting, domain_policy, instruction_budget,  # noqa: F401
+                   max_nan_semantics, use_target)
+from .trace import Stats, count_instructions  # noqa: F401
 
 __version__ = "0.7.0-emulated"
 IS_EMULATOR = True
 
 
 def _to_torch(value):
-    if isinstance(value, core.Tensor):
+    if isinstance(value, tensors.Tensor):
         if value.buffer.on_chip:
             core.reject("kernel-return", "a kernel returns HBM tensors (nl.shared_hbm), not on-chip tiles")
         if value.buffer is not core.shared_hbm and core.launch.cores > 1:
@@ -61,7 +62,7 @@ def _to_torch(value):
 def _to_hbm(value):
     """Kernel arguments: torch tensors, also inside lists and tuples, become HBM tensors."""
     if isinstance(value, torch.Tensor):
-        return core.wrap_hbm(value)
+        return allocation.wrap_hbm(value)
     if isinstance(value, (tuple, list)):
         return type(value)(_to_hbm(v) for v in value)
     return value
@@ -87,13 +88,13 @@ class EmulatedKernel:
 
     def __call__(self, *args, **kwargs):
         args, kwargs = _to_hbm(args), {k: _to_hbm(v) for k, v in kwargs.items()}
-        saved = core.memory.tiles, core.memory.scopes, core.launch
+        saved = allocation.memory.tiles, allocation.memory.scopes, core.launch
         core.launch = core.Launch(self.cores)
-        core.record_launch(self.cores)
+        trace.record_launch(self.cores)
         try:
             results = []
             for index in range(self.cores):
-                core.memory.reset()
+                allocation.memory.reset()
                 core.launch.start_core(index)
                 results.append(self.fn(*args, **kwargs))
             out, first = _to_torch(results[0]), _flat(results[0])
@@ -102,7 +103,7 @@ class EmulatedKernel:
                             "shared HBM tensors every core declared")
             return out
         finally:
-            core.memory.tiles, core.memory.scopes, core.launch = saved
+            allocation.memory.tiles, allocation.memory.scopes, core.launch = saved
 
     def __getitem__(self, grid):
         """``kernel[cores]``: one number, 1 or 2 (lnc.rst: "The bracket syntax must contain only one number";

@@ -1,4 +1,4 @@
-"""Cost model: a kernel's time on its NeuronCores, from the instructions the emulator traced (:class:`core.Stats`).
+"""Cost model: a kernel's time on its NeuronCores, from the instructions the emulator traced (:class:`trace.Stats`).
 
 An estimate from AWS's documented rates and a schedule of the trace, not a measurement:
 
@@ -15,7 +15,7 @@ An estimate from AWS's documented rates and a schedule of the trace, not a measu
   bandwidth; a transfer starts ``DMA_LATENCY_S`` after what it waits on. A launch starts when the previous one
   has ended.
 * **What earns overlap.** Engines overlap where tiles let them: a dead tile's buffer is reused only when SBUF
-  (PSUM) needs the space (:class:`core._Memory`), so a tile declared inside a loop gets several copies and its
+  (PSUM) needs the space (:class:`allocation._Memory`), so a tile declared inside a loop gets several copies and its
   iterations overlap (multi-buffering), while a tile declared outside and rewritten every iteration serialises
   them (nki/migration/index.rst, 'Removing block dimensions').
 * **Per NeuronCore.** The time is the schedule's length on the launch's cores: a launch on two cores (LNC=2) runs
@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from .core import ENGINES, Instruction, Stats
+from .trace import ENGINES, Instruction, Stats
 
 MIN_II = 64  # nki/api/nki.api.shared.rst, 'NKI Engine Selection': the minimum initiation interval, cycles
 RESULT_LATENCY = 264 - MIN_II  # nki/deep-dives/nki_perf_guide.rst, Opt #5: dependent one-element ops 264 cycles apart

@@ -17,16 +17,17 @@ from __future__ import annotations
 import torch
 
 from . import core
+from .tensors import Tensor
 
 INDEX_DTYPES = ("int32", "uint32")
 
 
-class IndirectView(core.Tensor):
+class IndirectView(Tensor):
     """``base.ap(pattern, offset, vector_offset=index, indirect_dim=dim)``: what ``dma_copy`` gathers from or
     scatters to. Its ``data`` has the pattern's shape and steps with rows ``0..P-1``, for shapes and descriptor
     sizes; the values go through :meth:`gather` and :meth:`scatter`."""
 
-    def __init__(self, base: core.Tensor, pattern, offset: int, index, dim: int):
+    def __init__(self, base: Tensor, pattern, offset: int, index, dim: int):
         if base.buffer.on_chip:
             core.reject("api-subset", "NkiTensor.ap(vector_offset=...) indexes an HBM tensor (dma_copy reference: "
                         "'The tensor being indexed ... must be in HBM')")
@@ -42,7 +43,7 @@ class IndirectView(core.Tensor):
         if steps[0] != row_stride:
             core.reject("api-subset", f"NkiTensor.ap(vector_offset=...): the pattern's partition step {steps[0]} must "
                         f"be the stride of axis {dim} ({row_stride}), which scales each partition's index")
-        if not isinstance(index, core.Tensor) or index.buffer is not core.sbuf or index.shape != (counts[0], 1):
+        if not isinstance(index, Tensor) or index.buffer is not core.sbuf or index.shape != (counts[0], 1):
             core.reject("indirect-index", f"NkiTensor.ap: vector_offset must be an SBUF tile of shape "
                         f"({counts[0]}, 1), one index per partition; got {index!r}")
         if index.dtype.name not in INDEX_DTYPES:
@@ -95,7 +96,7 @@ class IndirectView(core.Tensor):
         self._storage()[self._addresses()[inside]] = values.reshape(self.shape)[inside].to(self.base.data.dtype)
 
 
-def copy(dst: core.Tensor, src: core.Tensor, oob, dge) -> None:
+def copy(dst: Tensor, src: Tensor, oob, dge) -> None:
     """``dma_copy``'s values where ``dst`` or ``src`` is an :class:`IndirectView` (checked like any DMA before)."""
     if isinstance(dst, IndirectView) and isinstance(src, IndirectView):
         core.reject("api-subset", "dma_copy: only one of dst and src may be indirect")

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from . import core
-from .core import (DType, EmulatorError, Tensor, bfloat16, float16, float32, hbm, int8, int16, int32,  # noqa: F401
+from . import allocation, core, trace
+from .core import (DType, EmulatorError, bfloat16, float16, float32, hbm, int8, int16, int32,  # noqa: F401
                    private_hbm, psum, sbuf, shared_hbm, tfloat32, uint8, uint16, uint32)
+from .tensors import Tensor
 
 NkiTensor = Tensor
 
@@ -199,15 +200,15 @@ def ndarray(shape, dtype, buffer=sbuf, name='', address=None) -> Tensor:
     """nl.ndarray: a new tensor; on chip the first axis is the partition axis."""
     if address is not None:
         core.reject("api-subset", "nl.ndarray(address=...) (manual allocation) is outside the emulated subset")
-    return core.allocate(shape, dtype, buffer)
+    return allocation.allocate(shape, dtype, buffer)
 
 
 def zeros(shape, dtype, buffer=sbuf, name='') -> Tensor:
     """nl.zeros: a new tensor filled with zeros (on chip, a memset instruction)."""
-    tensor = core.allocate(shape, dtype, buffer)
+    tensor = allocation.allocate(shape, dtype, buffer)
     tensor.assign(lambda: torch.zeros(()))
     if tensor.buffer.on_chip:
-        core.record("vector" if tensor.buffer is psum else "gpsimd", "stream", tensor.free_size,  # a memset
+        trace.record("vector" if tensor.buffer is psum else "gpsimd", "stream", tensor.free_size,  # a memset
                     writes=(tensor,))
     return tensor
 
@@ -217,7 +218,7 @@ def _range(start, stop, step):
     if stop is None:
         start, stop = 0, start
     for i in range(start, stop, step):
-        with core.memory.scope():  # tiles declared in an iteration live for that iteration
+        with allocation.memory.scope():  # tiles declared in an iteration live for that iteration
             yield i
 
 
