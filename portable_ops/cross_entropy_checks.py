@@ -91,18 +91,20 @@ def check_target_values(target, classes: int, ignore_index: int) -> None:
     on the device (``torch._assert_async``, queued before the op's kernels, which then never run on a bad target)."""
     if target.numel() == 0:
         return
+    allowed = f"outside [0, {classes}) and not ignore_index ({ignore_index})"
+
+    def bad(values):  # a tensor's or a numpy array's
+        return (values != ignore_index) & ((values < 0) | (values >= classes))
+
     if target.is_cuda:
         if not torch.compiler.is_compiling():  # traced: the custom op asserts when the graph runs
-            seen = ((target >= 0) & (target < classes)) | (target == ignore_index)
-            torch._assert_async(seen.all(), f"{OP}: a target is outside [0, {classes}) and not ignore_index "
-                                            f"({ignore_index})")
+            torch._assert_async(~bad(target).any(), f"{OP}: a target is {allowed}")
         return
 
     def check(values):
-        bad = (values != ignore_index) & ((values < 0) | (values >= classes))
-        if bad.any():
-            i = int(np.flatnonzero(bad.reshape(-1))[0])
-            raise ValueError(f"{OP}: target[{i}] (flattened) is {int(values.reshape(-1)[i])}, outside [0, {classes}) "
-                             f"and not ignore_index ({ignore_index})")
+        found = bad(values)
+        if found.any():
+            i = int(np.flatnonzero(found.reshape(-1))[0])
+            raise ValueError(f"{OP}: target[{i}] (flattened) is {int(values.reshape(-1)[i])}, {allowed}")
 
     check_values_once((target,), (classes, ignore_index), check)
