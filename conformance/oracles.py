@@ -21,14 +21,17 @@ F64 = torch.float64
 
 
 def adam_oracle(oracle, state, grads, kw):
-    """One step of the oracle on float64 CPU copies of ``state`` (params, exp_avgs, exp_avg_sqs, maxs, steps)."""
+    """One step of the oracle on float64 CPU copies of ``state`` (params, exp_avgs, exp_avg_sqs, maxs, steps) and
+    ``grads``, which it leaves as the step must leave the caller's (scaled, where the step scales them)."""
     params, exp_avgs, exp_avg_sqs, maxs, steps = state
     if oracle == "float64":
         reference_adam(params, grads, exp_avgs, exp_avg_sqs, maxs, steps, **kw)
         return
-    # torch's functional adam (its fused CPU kernel takes grad_scale/found_inf); clip_coef is ours alone.
-    clip = kw["clip_coef"]
-    grads = [g * clip.item() for g in grads] if clip is not None else grads
+    # torch's functional adam (its fused CPU kernel takes grad_scale/found_inf and unscales the grads in place);
+    # clip_coef is ours alone: the grads clipped in place first, as torch's clip_grad_norm_, unless the step is skipped
+    clip, found_inf = kw["clip_coef"], kw["found_inf"]
+    if clip is not None and (found_inf is None or found_inf.item() == 0):
+        torch._foreach_mul_(grads, clip.item())
     steps32 = [s.float() for s in steps]
     torch_adam(params, grads, exp_avgs, exp_avg_sqs, maxs, steps32, fused=True,
                grad_scale=None if kw["grad_scale"] is None else kw["grad_scale"].float(),
@@ -147,8 +150,9 @@ def _given(tensor) -> tuple:
 def sgd_oracle(oracle, params, buffers, grads, kw):
     """One SGD step of the oracle on float64 CPU copies: ``buffers`` holds None where a momentum buffer is not
     made yet, and takes the new ones. ``float64``: the definition. ``torch``: ``torch.optim``'s functional SGD,
-    its single-tensor path, on grads unscaled and clipped beforehand (grad_scale and clip_coef are the fused
-    step's), and a step found_inf skips is not taken, as torch's GradScaler skips ``step()``."""
+    its single-tensor path, on grads unscaled and clipped in place beforehand (grad_scale and clip_coef are the
+    fused step's), and a step found_inf skips is not taken, as torch's GradScaler skips ``step()``. Both leave
+    ``grads`` as the step must leave the caller's."""
     if kw["found_inf"] is not None and kw["found_inf"].item() != 0:
         return
     options = {k: kw[k] for k in ("momentum", "dampening", "weight_decay", "nesterov", "maximize")}
@@ -160,8 +164,8 @@ def sgd_oracle(oracle, params, buffers, grads, kw):
                       **options)
         buffers[:] = made or buffers
         return
-    if kw["grad_scale"] is not None:
-        grads = [g / kw["grad_scale"].item() for g in grads]
+    if kw["grad_scale"] is not None:  # in place: a scaled step leaves the grads unscaled and clipped
+        torch._foreach_div_(grads, kw["grad_scale"].item())
     if kw["clip_coef"] is not None:
-        grads = [g * kw["clip_coef"].item() for g in grads]
+        torch._foreach_mul_(grads, kw["clip_coef"].item())
     torch_sgd(params, grads, buffers, foreach=False, fused=False, lr=lr, **options)

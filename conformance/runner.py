@@ -206,6 +206,8 @@ def run_adam(case: Case, backend: str, device: torch.device, oracles: list[str],
               grad_scale=_scalar(p.get("grad_scale"), device), clip_coef=_scalar(p.get("clip_coef"), device))
     tolerances = {"param": case.tolerance, "step": case.tolerance, "exp_avg": case.state_tolerance,
                   "exp_avg_sq": case.state_tolerance, "max_exp_avg_sq": case.state_tolerance}
+    if "grad_scale" in p or "clip_coef" in p:  # a scaled step writes the grads back scaled, rounded once
+        tolerances["grad"] = case.tolerance
     for step in range(p["steps"]):
         grads = [(torch.randn(s, generator=gen) * scale).to(device, dtype) for s in shapes]
         if step in p.get("nonfinite_steps", ()) and grads:
@@ -213,7 +215,7 @@ def run_adam(case: Case, backend: str, device: torch.device, oracles: list[str],
             grads[-1].view(-1)[-1] = math.nan
         skip = step in p.get("found_inf_steps", ())
         kw["found_inf"] = _scalar(float(skip), device) if "found_inf_steps" in p else None
-        state = (params, exp_avgs, exp_avg_sqs, maxs, steps)
+        state = (params, exp_avgs, exp_avg_sqs, maxs, steps, grads)
         before = [_f64(ts) for ts in state]
         with forced_strict(backend):
             portable_ops.functional.adam(params, grads, exp_avgs, exp_avg_sqs, maxs, steps, state_dtype=state_dtype,
@@ -221,9 +223,10 @@ def run_adam(case: Case, backend: str, device: torch.device, oracles: list[str],
         kw64 = {k: (v.to("cpu", F64) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
         for oracle in oracles:
             expected = [[t.clone() for t in ts] for ts in before]
-            adam_oracle(oracle, expected, _f64(grads), kw64)
-            for label, outs, refs in zip(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"), state, expected):
-                tol = (0.0, 0.0) if skip else tolerances[label]  # a skipped step must leave every bit as it was
+            adam_oracle(oracle, expected[:5], expected[5], kw64)
+            for label, outs, refs in zip(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step", "grad"), state,
+                                         expected):
+                tol = (0.0, 0.0) if skip or label not in tolerances else tolerances[label]  # read-only: every bit
                 for i, (out, ref) in enumerate(zip(outs, refs)):
                     slack = 0.0
                     if label == "param" and not skip:
@@ -305,8 +308,9 @@ def _run_fused_clip_step(case, backend, device, oracles, result, gen):
             with torch.no_grad():
                 adam_oracle(oracle, state, [l.grad for l in leaves], kw)
             result.check(oracle, f"step {step + 1} grad norm", opt.last_grad_norm, norm, atol, rtol)
-            for i, (t, ref) in enumerate(zip(params, state[0])):
+            for i, (t, ref, leaf) in enumerate(zip(params, state[0], leaves)):
                 result.check(oracle, f"step {step + 1} param[{i}]", t, ref, atol, rtol)
+                result.check(oracle, f"step {step + 1} grad[{i}] (clipped)", t.grad, leaf.grad, atol, rtol)
 
 
 # ----------------------------------------------------------------------------- attention

@@ -82,7 +82,8 @@ def run_sgd(case: Case, backend: str, device: torch.device, oracles: list[str], 
         kw64 = {k: (v.to("cpu", F64) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
         for oracle in oracles:
             ref_p, ref_b = [t.clone() for t in before_p], [None if b is None else b.clone() for b in before_b]
-            sgd_oracle(oracle, ref_p, ref_b, [g.clone() for g in before_g], kw64)
+            ref_g = [g.clone() for g in before_g]
+            sgd_oracle(oracle, ref_p, ref_b, ref_g, kw64)
             for j, i in enumerate(taking):
                 tol = (0.0, 0.0) if skip else tolerance("sgd", params[i].dtype)  # a skip leaves every bit
                 result.check(oracle, f"step {step + 1} param[{i}]", params[i], ref_p[j], *tol)
@@ -92,8 +93,10 @@ def run_sgd(case: Case, backend: str, device: torch.device, oracles: list[str], 
                                                         f"{'None' if ref_b[j] is None else 'made'}")
                 elif listed[j] is not None:
                     result.check(oracle, f"step {step + 1} momentum_buffer[{i}]", listed[j], ref_b[j], *tol)
-            for j, i in enumerate(taking):
-                result.check(oracle, f"step {step + 1} grad[{i}] (read only)", grads[i], before_g[j], 0.0, 0.0)
+            scaled = kw["grad_scale"] is not None or kw["clip_coef"] is not None
+            for j, i in enumerate(taking):  # written back scaled by a scaled step, else read only: every bit
+                tol = tolerance("sgd", params[i].dtype) if scaled and not skip else (0.0, 0.0)
+                result.check(oracle, f"step {step + 1} grad[{i}]", grads[i], ref_g[j], *tol)
 
 
 def _run_optimizer_clip(case, backend, device, oracles, result):
@@ -125,8 +128,9 @@ def _run_optimizer_clip(case, backend, device, oracles, result):
                 sgd_oracle(oracle, refs, ref_b, [leaf.grad for leaf in leaves], kw)
             tol = tolerance("sgd", case.dtype)
             result.check(oracle, f"step {step + 1} grad norm", opt.last_grad_norm, norm, *tol)
-            for i, (t, ref) in enumerate(zip(params, refs)):
+            for i, (t, ref, leaf) in enumerate(zip(params, refs, leaves)):
                 result.check(oracle, f"step {step + 1} param[{i}]", t, ref, *tol)
+                result.check(oracle, f"step {step + 1} grad[{i}] (clipped)", t.grad, leaf.grad, *tol)
                 if ref_b[i] is not None:
                     result.check(oracle, f"step {step + 1} momentum_buffer[{i}]", opt.state[t]["momentum_buffer"],
                                  ref_b[i], *tol)

@@ -40,6 +40,8 @@ def adam_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
     device = params[0].device if params else None
     scalars = (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef))
     grad_scale, found_inf, clip_coef = (checks.check_scalar_tensor(arg, t, device) for arg, t in scalars)
+    if grad_scale is not None or clip_coef is not None:  # the step writes the scaled grads back
+        checks.check_distinct("grads", grads)
     if isinstance(lr, torch.Tensor):
         lr = checks.check_scalar_tensor("lr", lr, device)
     max_exp_avg_sqs = max_exp_avg_sqs if amsgrad else []
@@ -63,14 +65,16 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, for
 
     ``torch.optim.adam.adam``'s signature, positionally and by keyword, and its meaning:
     ``state_steps`` are one-element float tensors incremented here; ``grad_scale`` divides every
-    grad first (AMP); a non-zero ``found_inf`` makes the step change nothing; complex tensors are
+    grad first (AMP), and the grads are left so divided, as torch's fused kernel leaves them; a non-zero
+    ``found_inf`` makes the step change nothing, grads included; complex tensors are
     stepped as (real, imaginary) pairs. ``foreach``, ``fused`` and ``capturable`` are accepted and
     change nothing (the step is always the fused multi-tensor path, with ``state_steps`` on the
     params' device); ``has_complex`` is accepted and not needed (complex tensors are found by their
     dtype); ``differentiable=True`` is refused: the fused step is not differentiable.
 
     Beyond torch's, keyword-only: ``clip_coef`` (a device scalar, from global-norm clipping)
-    multiplies every grad, so clipping fuses into the step without rewriting the grads.
+    multiplies every grad, so clipping fuses into the step: the grads are left clipped, as
+    ``clip_grad_norm_`` leaves them, read once and written once.
     ``state_dtype`` says what the caller's moment tensors hold: None, the param's dtype (as
     torch); ``torch.float32``, float32 for float16/bfloat16 params (and the param's dtype for
     float32/float64 ones). The step is then computed in float32 from the float32 state and the
@@ -109,6 +113,8 @@ def sgd_call(params, grads, momentum_buffer_list, *, lr=1e-3, momentum=0.0, damp
     device = params[0].device if params else None
     scalars = (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef))
     grad_scale, found_inf, clip_coef = (checks.check_scalar_tensor(arg, t, device) for arg, t in scalars)
+    if grad_scale is not None or clip_coef is not None:  # the step writes the scaled grads back
+        checks.check_distinct("grads", grads)
     if isinstance(lr, torch.Tensor):
         lr = checks.check_scalar_tensor("lr", lr, device)
     buffers, first_steps = [], ()
@@ -138,12 +144,13 @@ def sgd(params, d_p_list, momentum_buffer_list, has_sparse_grad=False, foreach=N
 
     ``torch.optim.sgd.sgd``'s signature, positionally and by keyword, and its meaning: under momentum, each
     None of ``momentum_buffer_list`` is replaced, in the list, by a new buffer holding the grad (after weight
-    decay), as torch's clone; ``grad_scale`` divides every grad first (AMP); a non-zero ``found_inf`` makes the
-    step change nothing. ``foreach``, ``fused`` and ``has_sparse_grad`` are accepted and change nothing (the
-    step is always the fused multi-tensor path; sparse grads are refused).
+    decay), as torch's clone; ``grad_scale`` divides every grad first (AMP), and the grads are left so divided,
+    as torch's fused kernel leaves them; a non-zero ``found_inf`` makes the step change nothing, grads included.
+    ``foreach``, ``fused`` and ``has_sparse_grad`` are accepted and change nothing (the step is always the fused
+    multi-tensor path; sparse grads are refused).
 
     Beyond torch's, keyword-only: ``clip_coef`` (a device scalar, from global-norm clipping) multiplies every
-    grad, so clipping fuses into the step without rewriting the grads.
+    grad, so clipping fuses into the step: the grads are left clipped, as ``clip_grad_norm_`` leaves them.
     """
     call = sgd_call(params, d_p_list, momentum_buffer_list, lr=lr, momentum=momentum, dampening=dampening,
                     weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, grad_scale=grad_scale,

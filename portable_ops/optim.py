@@ -4,7 +4,8 @@ Constructor arguments, defaults and ``state_dict`` layout are torch's
 (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``; SGD's ``momentum_buffer``), so checkpoints move
 between ``torch.optim.Adam/AdamW/SGD`` and these classes in both directions.
 ``max_grad_norm`` fuses global-norm clipping into the step: the grads are read
-once for the norm and once for the step, and are not rewritten. ``state_dtype=torch.float32``
+once for the norm and once for the step, which writes them back clipped, as torch's
+``clip_grad_norm_`` leaves them. ``state_dtype=torch.float32``
 keeps the moments of float16/bfloat16 params in float32.
 """
 
@@ -103,6 +104,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
         if max_grad_norm is not None and calls:
             coef = self._clip_coefficient([p.grad for keys, _ in calls for p in keys], max_grad_norm, grad_scale)
             if coef is not None:
+                for _, call in calls:  # the step writes the clipped grads back
+                    checks.check_distinct("grads", call["grads"])
                 for _, call in calls:
                     call["clip_coef"] = coef.to(call["params"][0].device)
         return kernels

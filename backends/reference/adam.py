@@ -5,9 +5,9 @@ is not part of the contract (docs/api.md).
 
 The kernel takes a call whose tensors agree, index by index, in device and dtype (the optimizer's
 state in the param's dtype), all contiguous, with float32 step counts beside the params; the steps are
-counted here, as torch's ``adam`` does around it. It leaves the caller's grads as they were: a call that
-scales them (a clip, a GradScaler's scale) steps on scaled copies (``scaled_grads.py``). A call the kernel
-doesn't take (a ``state_dtype`` unlike the param's, say) runs the definition."""
+counted here, as torch's ``adam`` does around it. A call that scales the grads (a clip, a GradScaler's
+scale) hands the kernel a divisor, which it applies to the grads in place (``kernel_scalars.py``). A call the
+kernel doesn't take (a ``state_dtype`` unlike the param's, say) runs the definition."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 from portable_ops.definitions.adam import adam as definition
 from portable_ops.sgd_checks import check_no_internal_overlap
 
-from .scaled_grads import batches, kernel_scalars
+from .kernel_scalars import by_dtype, grad_multiplier, kernel_grad_scale, kernel_scalars
 
 KERNEL_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 KERNEL_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
@@ -58,30 +58,25 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
         # the definition writes tensor after tensor: one whose elements share memory (a param's .data swapped for
         # an expanded view since the optimizer checked it; the kernel takes contiguous tensors only) is refused first
         for arg, tensors in (("params", params), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs),
-                             ("max_exp_avg_sqs", max_exp_avg_sqs if amsgrad else [])):
+                             ("max_exp_avg_sqs", max_exp_avg_sqs if amsgrad else []),
+                             ("grads", grads if grad_scale is not None or clip_coef is not None else [])):
             check_no_internal_overlap(arg, tensors)
         definition(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, grad_scale=grad_scale,
                    found_inf=found_inf, clip_coef=clip_coef, **options)
         return
     device = params[0].device
     lr, found_inf = kernel_scalars(lr, found_inf, device)
+    multiplier = grad_multiplier(grad_scale, clip_coef, device)
     kernel = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
     max_exp_avg_sqs = max_exp_avg_sqs if amsgrad else []
-    increment = 1 if found_inf is None else 1 - found_inf  # a skipped step is not counted
-    counted = None
-    # Each batch counts the steps of the tensors it starts (one cut into pieces goes on at the next batch's head) and
-    # bumps the versions of those it writes, which the fused kernel doesn't: a step cut short between batches (an
-    # interrupt) leaves the params it stepped counted, autograd told, and the others as they were.
-    for (p, m, v, vmax), (steps,), g, kernel_scale in batches(grads, grad_scale, clip_coef,
-                                                              (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs),
-                                                              (state_steps,)):
-        starting = steps[1:] if steps[0] is counted else steps
-        if starting:
-            torch._foreach_add_(starting, increment)
-        counted = steps[-1]
-        kernel(p, g, m, v, vmax, steps, amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2,
-               weight_decay=weight_decay, eps=eps, maximize=maximize, grad_scale=kernel_scale, found_inf=found_inf)
-        torch.autograd.graph.increment_version([*p, *m, *v, *vmax])
+    torch._foreach_add_(state_steps, 1 if found_inf is None else 1 - found_inf)  # a skipped step is not counted
+    for g, (p, m, v, vmax, steps) in by_dtype(grads, (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps)):
+        kernel(p, g, m, v, vmax, steps, amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+               eps=eps, maximize=maximize, grad_scale=kernel_grad_scale(g, multiplier, found_inf),
+               found_inf=found_inf)
+    # the fused kernel writes without bumping version counters; autograd must see a saved tensor change
+    torch.autograd.graph.increment_version([*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs,
+                                            *(grads if multiplier is not None else ())])
 
 
 def _as_0d(t):

@@ -8,8 +8,8 @@ so half-precision calls they would take run the definition; so do those on the C
 
 The fused kernel's ``is_first_step`` (set the momentum buffer to the
 grad) is one flag per launch, so a call whose new and old buffers are mixed (params that got their first grad
-later) is two launches. The caller's grads stay as they were: the fused kernel unscales its grads in place, so
-a call with a ``grad_scale`` or a clip steps on scaled copies (``scaled_grads.py``). The
+later) is two launches. A call with a ``grad_scale`` or a clip hands the fused kernel a divisor, which it
+applies to the grads in place (``kernel_scalars.py``); the foreach path clips the grads in place first. The
 foreach path has no ``grad_scale`` or ``found_inf`` and reads a tensor ``lr`` on the host: such calls off the
 fused kernel's devices run the definition, as do calls whose tensors aren't contiguous.
 """
@@ -25,7 +25,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from portable_ops.definitions.sgd import sgd as definition
 from portable_ops.sgd_checks import check_no_internal_overlap
 
-from .scaled_grads import batches, kernel_scalars
+from .kernel_scalars import grad_multiplier, kernel_grad_scale, kernel_scalars
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FUSED_DEVICE_TYPES = tuple(_get_fused_kernels_supported_devices())
@@ -68,6 +68,8 @@ def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening
         # an expanded view since the optimizer checked it) would fail after those before it were written
         check_no_internal_overlap("params", params)
         check_no_internal_overlap("momentum_buffers", momentum_buffers)
+        if grad_scale is not None or clip_coef is not None:
+            check_no_internal_overlap("grads", grads)
         definition(params, grads, momentum_buffers, first_steps, grad_scale=grad_scale, found_inf=found_inf,
                    clip_coef=clip_coef, **options)
         return
@@ -75,27 +77,27 @@ def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening
         _foreach(params, grads, momentum_buffers, first_steps, clip_coef, options)
     else:
         _fused(params, grads, momentum_buffers, first_steps, grad_scale, found_inf, clip_coef, options)
-    # the fused kernel writes without bumping version counters; autograd must see a saved param change
-    torch.autograd.graph.increment_version([*params, *momentum_buffers])
-
+    # the fused kernel writes without bumping version counters; autograd must see a saved tensor change
+    scaled = grad_scale is not None or clip_coef is not None
+    torch.autograd.graph.increment_version([*params, *momentum_buffers, *(grads if scaled else ())])
 
 def _fused(params, grads, momentum_buffers, first_steps, grad_scale, found_inf, clip_coef, options):
     device = params[0].device
     lr, found_inf = kernel_scalars(options["lr"], found_inf, device)
+    multiplier = grad_multiplier(grad_scale, clip_coef, device)
     for (_, first), idx in _groups(params, first_steps):
-        for (p, bufs), _, g, kernel_scale in batches([grads[i] for i in idx], grad_scale, clip_coef,
-                                                     ([params[i] for i in idx],
-                                                      [momentum_buffers[i] for i in idx] if momentum_buffers else [])):
-            torch._fused_sgd_(p, g, bufs, weight_decay=options["weight_decay"], momentum=options["momentum"], lr=lr,
-                              dampening=options["dampening"], nesterov=options["nesterov"],
-                              maximize=options["maximize"], is_first_step=first, grad_scale=kernel_scale,
-                              found_inf=found_inf)
+        g = [grads[i] for i in idx]
+        torch._fused_sgd_([params[i] for i in idx], g, [momentum_buffers[i] for i in idx] if momentum_buffers else [],
+                          weight_decay=options["weight_decay"], momentum=options["momentum"], lr=lr,
+                          dampening=options["dampening"], nesterov=options["nesterov"], maximize=options["maximize"],
+                          is_first_step=first, grad_scale=kernel_grad_scale(g, multiplier, found_inf),
+                          found_inf=found_inf)
 
 
 def _foreach(params, grads, momentum_buffers, first_steps, clip_coef, options):
-    if clip_coef is not None:  # the foreach kernels take no grad scale: scale copies
-        grads = torch._foreach_mul(grads, clip_coef.to(params[0].device))
-    elif options["nesterov"] and not options["maximize"] and not options["weight_decay"]:
+    if clip_coef is not None:  # the foreach kernels take no grad scale
+        torch._foreach_mul_(grads, clip_coef.to(params[0].device))
+    if options["nesterov"] and not options["maximize"] and not options["weight_decay"]:
         grads = [g.clone() for g in grads]  # torch's foreach Nesterov adds the buffer to the grads it was handed
     # torch clones the grad into a None buffer: hand it Nones there, and keep its clones in the call's buffers
     buffers = [None if first else b for b, first in zip(momentum_buffers, first_steps)]

@@ -4,15 +4,16 @@
 Arithmetic is done in float32 for half-precision tensors, as torch's fused kernel does, and each
 result is rounded once, on the store. ``first_steps[i]`` says that ``momentum_buffers[i]`` is new
 (torch's ``momentum_buffer`` was None): it is then set to the grad, as torch's clone of the grad does,
-instead of being decayed. ``found_inf`` selects the old values with ``torch.where`` instead of branching
-on the host.
+instead of being decayed. A step that scales its grads (``grad_scale``, ``clip_coef``) writes them back
+scaled, as torch's fused kernel does. ``found_inf`` selects the old values with ``torch.where`` instead of
+branching on the host.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .adam import opmath
+from .adam import opmath, scaled_grad
 
 
 def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening, weight_decay, nesterov, maximize,
@@ -20,17 +21,13 @@ def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening
     for i, param in enumerate(params):
         dtype = opmath(param.dtype)
         skip = None if found_inf is None else _scalar(found_inf, param.device, torch.bool)
-        grad = grads[i].to(dtype)
-        if grad_scale is not None:
-            grad = grad / _scalar(grad_scale, grad.device, dtype)
-        if clip_coef is not None:
-            grad = grad * _scalar(clip_coef, grad.device, dtype)
+        grad = scaled_grad(grads[i], grad_scale, clip_coef, dtype)
+        updates = [] if grad_scale is None and clip_coef is None else [(grads[i], grad)]
         if maximize:
             grad = -grad
         p = param.to(dtype)
         if weight_decay != 0:  # skipped when zero, as in torch: 0 * a NaN param would poison the grad
             grad = grad + weight_decay * p
-        updates = []
         if momentum != 0:
             if first_steps[i]:  # torch clones the grad into a new buffer
                 buf = grad
