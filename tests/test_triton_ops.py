@@ -381,14 +381,15 @@ def test_cuda_graph_step_follows_lr_tensor_and_clip():
         lr.fill_(lr_value)
         for g in ref.param_groups:
             g["lr"] = lr_value
-        graph.replay()
-        for r, p in zip(ref_params, params):
+        for r, p in zip(ref_params, params):  # before the replay: the clipped step writes the grads it clips
             r.grad = p.grad.clone()
+        graph.replay()
         torch.nn.utils.clip_grad_norm_(ref_params, 0.5)
         ref.step()
     torch.cuda.synchronize()
     for p, r in zip(params, ref_params):
         torch.testing.assert_close(p, r, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(p.grad, r.grad, atol=1e-6, rtol=1e-5)  # left clipped, as clip_grad_norm_ leaves them
     assert opt.state[params[0]]["step"].item() == 4
 
 
