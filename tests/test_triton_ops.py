@@ -46,9 +46,14 @@ def _adam_state(sizes, dtype, amsgrad, seed=0, steps_at=0.0):
 
 
 def _step_both(state, n_steps=1, **kw):
-    """Run ``n_steps`` on triton (forced) and on the float64 reference; return both states."""
+    """Run ``n_steps`` on triton (forced) and on the float64 reference, each from the grads ``state`` starts with (a
+    backward hands each step new ones: a scaled step writes its grads back); return both states."""
     ref = [[t.double().cpu() for t in ts] for ts in state[:5]] + [[s.clone().cpu() for s in state[5]]]
+    grads = [g.clone() for g in state[1]]
     for _ in range(n_steps):
+        for ours, theirs, g in zip(state[1], ref[1], grads):
+            ours.copy_(g)
+            theirs.copy_(g)
         with portable_ops.use_backend("triton"):
             portable_ops.functional.adam(*state, **kw)
         ref_adam_mod.adam(*ref, **{k: (v.double().cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
@@ -84,7 +89,7 @@ def test_adam_lr_tensor_grad_scale_clip_coef():
               lr=torch.tensor(3e-3, device=DEVICE), grad_scale=torch.tensor(64.0, device=DEVICE),
               found_inf=torch.tensor(0.0, device=DEVICE), clip_coef=torch.tensor(0.25, device=DEVICE))
     got, want = _step_both(state, n_steps=3, **kw)
-    for i in range(4):
+    for i in (0, 2, 3):  # the grads written back: tests/test_triton_scaled_grads.py
         _close(got[i], want[i], tolerance("adam", torch.float32))
     assert all(s.item() == 3.0 for s in got[5])
 
@@ -376,14 +381,15 @@ def test_cuda_graph_step_follows_lr_tensor_and_clip():
         lr.fill_(lr_value)
         for g in ref.param_groups:
             g["lr"] = lr_value
-        graph.replay()
-        for r, p in zip(ref_params, params):
+        for r, p in zip(ref_params, params):  # before the replay: the clipped step writes the grads it clips
             r.grad = p.grad.clone()
+        graph.replay()
         torch.nn.utils.clip_grad_norm_(ref_params, 0.5)
         ref.step()
     torch.cuda.synchronize()
     for p, r in zip(params, ref_params):
         torch.testing.assert_close(p, r, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(p.grad, r.grad, atol=1e-6, rtol=1e-5)  # left clipped, as clip_grad_norm_ leaves them
     assert opt.state[params[0]]["step"].item() == 4
 
 

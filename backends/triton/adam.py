@@ -35,8 +35,9 @@ def _adam_block(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, offs, mask, st
                 FULL: tl.constexpr, STORE_MASKED: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
                 WEIGHT_DECAY: tl.constexpr, DECOUPLED: tl.constexpr, SCALE_GRAD: tl.constexpr):
     g = load_f32(grad, offs, mask, FULL)
-    if SCALE_GRAD:
+    if SCALE_GRAD:  # written back unscaled and clipped, as torch's fused kernels unscale their grads in place
         g = g * grad_factor
+        store_as(grad, offs, g, store, STORE_MASKED)
     if MAXIMIZE:
         g = -g
     p = load_f32(param, offs, mask, FULL)
@@ -211,4 +212,5 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
             mt.forget(written)
         raise
     # the kernel writes through raw pointers: tell autograd, as torch's in-place ops would
-    torch.autograd.graph.increment_version([*params, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs])
+    scaled_grads = grads if grad_scale is not None or clip_coef is not None else []
+    torch.autograd.graph.increment_version([*params, *scaled_grads, *exp_avgs, *exp_avg_sqs, *max_exp_avg_sqs])

@@ -31,8 +31,9 @@ def _sgd_block(param, grad, buf, offs, mask, store, lr, grad_factor, momentum, d
                NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, WEIGHT_DECAY: tl.constexpr,
                SCALE_GRAD: tl.constexpr):
     g = load_f32(grad, offs, mask, FULL)
-    if SCALE_GRAD:
+    if SCALE_GRAD:  # written back unscaled and clipped, as torch's fused kernel unscales its grads in place
         g = g * grad_factor
+        store_as(grad, offs, g, store, STORE_MASKED)
     if MAXIMIZE:
         g = -g
     p = load_f32(param, offs, mask, FULL)
@@ -130,4 +131,5 @@ def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening
             mt.forget(written)
         raise
     # the kernel writes through raw pointers: tell autograd, as torch's in-place ops would
-    torch.autograd.graph.increment_version([*params, *momentum_buffers])
+    scaled_grads = grads if grad_scale is not None or clip_coef is not None else []
+    torch.autograd.graph.increment_version([*params, *scaled_grads, *momentum_buffers])
