@@ -31,7 +31,8 @@ def adam_oracle(oracle, state, grads, kw):
     # clip_coef is ours alone: the grads clipped in place first, as torch's clip_grad_norm_, unless the step is skipped
     clip, found_inf = kw["clip_coef"], kw["found_inf"]
     if clip is not None and (found_inf is None or found_inf.item() == 0):
-        torch._foreach_mul_(grads, clip.item())
+        for g in grads:
+            g.mul_(clip.item())
     steps32 = [s.float() for s in steps]
     torch_adam(params, grads, exp_avgs, exp_avg_sqs, maxs, steps32, fused=True,
                grad_scale=None if kw["grad_scale"] is None else kw["grad_scale"].float(),
@@ -164,8 +165,9 @@ def sgd_oracle(oracle, params, buffers, grads, kw):
                       **options)
         buffers[:] = made or buffers
         return
-    if kw["grad_scale"] is not None:  # in place: a scaled step leaves the grads unscaled and clipped
-        torch._foreach_div_(grads, kw["grad_scale"].item())
-    if kw["clip_coef"] is not None:
-        torch._foreach_mul_(grads, kw["clip_coef"].item())
+    for g in grads:  # in place: a scaled step leaves the grads unscaled and clipped
+        if kw["grad_scale"] is not None:
+            g.div_(kw["grad_scale"].item())
+        if kw["clip_coef"] is not None:
+            g.mul_(kw["clip_coef"].item())
     torch_sgd(params, grads, buffers, foreach=False, fused=False, lr=lr, **options)
