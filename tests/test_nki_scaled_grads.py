@@ -9,6 +9,7 @@ from conftest import assert_bit_identical, snapshot
 
 from portable_ops.backends import nki as nki_backend
 from portable_ops.backends.nki import emulator
+from portable_ops.backends.nki.emulator import cost
 
 OPS = nki_backend.BACKEND.ops
 SHAPES = [(130,), (3, 5)]  # a [128, 1] body with a tail row, and a tail row alone
@@ -80,3 +81,29 @@ def test_a_noncontiguous_grad_is_declined_only_when_the_step_writes_grads(op):
     assert OPS[op].supports(call) == []
     reasons = OPS[op].supports(dict(call, clip_coef=torch.tensor(0.5)))
     assert len(reasons) == 1 and reasons[0].startswith("grads[1] is not contiguous")
+
+
+@pytest.mark.parametrize("op", ["adam", "sgd"])
+def test_a_clipped_step_stores_the_grads_once_and_momentum_sgd_stays_bound_by_its_dma(op):
+    """The grads' store is traffic the cost model prices (bf16 params and grads; Adam's moments float32), and
+    momentum SGD stays bound by its DMA with it (docs/backends/nki.md, "SGD")."""
+    n = 128 * 2048 * 8
+
+    def meta(dtype=torch.bfloat16):
+        return [torch.empty(n, dtype=dtype, device="meta")]
+
+    if op == "adam":
+        state = dict(exp_avgs=meta(torch.float32), exp_avg_sqs=meta(torch.float32), max_exp_avg_sqs=[],
+                     state_steps=[torch.zeros(())])
+        options = VARIANTS["adamw"][1]
+    else:
+        state = dict(momentum_buffers=meta(), first_steps=(False,))
+        options = dict(SGD, nesterov=False, maximize=False, weight_decay=0.0, dampening=0.0)  # torch's defaults
+    call = dict(params=meta(), grads=meta(), **state, **options, grad_scale=None, found_inf=None,
+                clip_coef=torch.tensor(0.5))
+    with emulator.count_only(), emulator.count_instructions() as stats:
+        OPS[op].run(**call)
+    stored = ("params", "grads", "exp_avgs", "exp_avg_sqs", "momentum_buffers")  # each once, the grads included
+    assert stats.dma_bytes_out == sum(t.numel() * t.element_size() for key in stored for t in call.get(key, []))
+    for machine in cost.MACHINES if op == "sgd" else ():
+        assert cost.estimate(stats, machine).bound == "dma", machine.name
