@@ -94,8 +94,8 @@ def test_adam_matches_float64_reference(variant, dtype):
     OPS["adam"].run(*state, **kw)
     ref_kw = dict(kw, lr=kw["lr"].double() if isinstance(kw["lr"], torch.Tensor) else kw["lr"])
     reference_adam(*oracle, **ref_kw)
-    for mine, ref in zip(state[:5], oracle[:5]):
-        for a, b in zip(mine, ref):
+    for k in (0, 2, 3, 4):  # params and moments; the grads a scaled step writes: tests/test_nki_scaled_grads.py
+        for a, b in zip(state[k], oracle[k]):
             assert a.dtype == dtype
             # the oracle rounds once to the stored dtype, like the kernel
             close(a, b.to(dtype), tolerance("adam", dtype))

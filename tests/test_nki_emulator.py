@@ -318,7 +318,7 @@ def test_instruction_counts_per_engine():
     hp[:, EPS] = 1e-8  # the reciprocal's domain takes no eps of 0
     p = torch.zeros(128 * 1500)
     with emulator.count_instructions() as stats:
-        adam_kernel([p], [p], [p], [p], [p], hp, amsgrad=False, decay_mode=0, gated=False, scale_grad=False)
+        adam_kernel([p], [p], [p], [p], [p], hp, amsgrad=False, decay_mode=0, gated=False, scale_grads=False)
     counts = stats.instructions
     # one [128, 1500] body in two tiles (1024 + 476): 4 loads + 3 stores each, plus the hyperparameters
     assert stats.launches == 1

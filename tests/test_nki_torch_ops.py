@@ -33,14 +33,19 @@ OPS = {"adam": adam.adam_step, "sgd": sgd.sgd_step, "grad_norm": grad_norm.norm_
        "norm_fwd": norms.norm_fwd_op, "norm_bwd": norms.norm_bwd_op,
        "linear_cross_entropy_rows": linear_cross_entropy.rows_op, "rope": rope.rope_op, "rope_": rope.rope_inplace_op,
        "paged_attention": paged_attention.paged_attention_op, "paged_kv_append": paged_kv_append.paged_kv_append_op}
-# What each kernel writes of what it is given: the optimizers update params and state in place, rope_ q and k, the
-# append the caches' token rows.
-WRITES = {"adam": {"params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"}, "sgd": {"params", "momentum_buffers"},
+# What each kernel writes of what it is given: the optimizers update params and state in place (and their grads
+# under a grad scale or clip), rope_ q and k, the append the caches' token rows.
+WRITES = {"adam": {"params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"},
+          "sgd": {"params", "grads", "momentum_buffers"},
           "rope_": {"q", "k"}, "paged_kv_append": {"k_rows", "v_rows"}}
 
 
 def _randn(*shape, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+# A step under a grad scale: the optimizer ops then write their grads back too (unscaled).
+GRAD_SCALE = torch.tensor(1024.0)
 
 
 def _adam_args():
@@ -51,15 +56,15 @@ def _adam_args():
     blocks = tensor_table.tail_blocks(sizes, [torch.float32] * len(sizes))
     hyper = adam.hyperparameters([torch.tensor(3.0)] * len(sizes), blocks, device=torch.device("cpu"), beta1=0.9,
                                  beta2=0.999, lr=1e-2, weight_decay=0.0, eps=1e-8, maximize=False,
-                                 decoupled_weight_decay=False, grad_scale=None, found_inf=None, clip_coef=None)
-    return [params, grads, exp_avgs, exp_avg_sqs, maxes, hyper, True, adam.DECAY_NONE, False, False]
+                                 decoupled_weight_decay=False, grad_scale=GRAD_SCALE, found_inf=None, clip_coef=None)
+    return [params, grads, exp_avgs, exp_avg_sqs, maxes, hyper, True, adam.DECAY_NONE, False, True, False]
 
 
 def _sgd_args():
     params, grads, buffers = ([_randn(n, seed=10 * kind + n) for n in (130, 5)] for kind in range(3))
     hyper = sgd.hyperparameters(device=torch.device("cpu"), lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.0,
-                                maximize=False, grad_scale=None, found_inf=None, clip_coef=None)
-    return [params, grads, buffers, hyper, True, False, False, False, False, False, False]
+                                maximize=False, grad_scale=GRAD_SCALE, found_inf=None, clip_coef=None)
+    return [params, grads, buffers, hyper, True, False, False, False, False, False, True, False]
 
 
 ATTENTION_OPTIONS = [0.35, True, 3, None, None]  # scale, causal, a window's left side, no right side, no softcap
@@ -165,10 +170,10 @@ def test_an_op_writes_every_argument_it_declares_and_nothing_else(name):
 
 
 def test_the_double_refuses_a_kernel_writing_an_argument_mutates_args_omits():
-    # Adam's launch, declared as writing its params only: the kernel also writes the moments
-    undeclared = double.nki_op("portable_ops_nki_test::adam_params_only", adam.adam_step.launch_fn,
-                               mutates_args=("params",))
-    with pytest.raises(double.UndeclaredWrite, match=r"wrote its argument exp_avgs\[0\]"):
+    # Adam's launch, declared as writing all it writes but the grads, which a scaled step writes back
+    undeclared = double.nki_op("portable_ops_nki_test::adam_but_grads", adam.adam_step.launch_fn,
+                               mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"))
+    with pytest.raises(double.UndeclaredWrite, match=r"wrote its argument grads\[0\]"):
         undeclared(*_adam_args())
     with pytest.raises(ValueError, match="expected 'namespace::name'"):
         double.nki_op("adam_without_namespace", adam.adam_step.launch_fn, mutates_args=("params",))

@@ -12,16 +12,18 @@ of hyperparameters computed on the device with a few torch ops (no host synchron
 compiled kernel serves every step and every learning-rate schedule. Columns: the shared ones
 (:data:`SHARED`), then per tensor ``-lr / bias_correction1`` and ``1 / bias_correction2`` (steps
 may differ between tensors), then the same pair per tail tile, one row per tensor of that tile.
-Only structural flags (amsgrad, decay mode, whether there is a gate or a grad multiplier) and the
-tensors' shapes and dtypes select a compiled variant.
+Only structural flags (amsgrad, decay mode, whether there is a gate, whether the grads are scaled, maximize) and
+the tensors' shapes and dtypes select a compiled variant.
 
 Semantics are ``backends/reference/adam.py``: tiles are loaded in their tensors' dtypes (DMAs do not
 convert), the engines read them and compute in float32, and each new value is rounded once to its
 tensor's dtype on an engine before the DMA stores it, so float32 moments under bf16/fp16 params need no
 variant. The first moment is ``beta1 m + (1 - beta1) g`` (one VectorE pass; where a grad is infinite its
 kind of non-finite value may differ from torch's lerp, which the contract leaves open, and the param is
-NaN as torch's). A non-zero ``found_inf`` keeps every old value (predicated copies of the new values onto
-the old tiles, so NaN/inf grads cannot leak) and the step counts.
+NaN as torch's). With ``grad_scale`` or ``clip_coef`` set, each grad is stored back as ``grad / grad_scale *
+clip_coef`` (before maximize's negation), rounded once to its dtype, as torch's fused kernels unscale grads in
+place; otherwise grads are only read. A non-zero ``found_inf`` keeps every old value, grads included (predicated
+copies of the new values onto the old tiles, so NaN/inf grads cannot leak), and the step counts.
 
 ``1 / (sqrt(v / bias_correction2) + eps)`` runs on the Scalar Engine, whose sqrt is valid on
 [2^-116, 2^118] and reciprocal on +-[2^-42, 2^42] only (AWS's 'Supported Activation Functions'; the
@@ -61,10 +63,10 @@ EPS_RANGE = (2.0 ** -42, 2.0 ** 16)  # eps that keeps sqrt(x) + eps within the r
 
 
 def _update(p, g, m, v, vmax, hp, neg_step, inv_bc2, shape, param_dtype, flags):
-    """New ``(p, m, v, vmax)`` SBUF tiles from the loaded ones (each in its tensor's dtype): p in
-    ``param_dtype``, the moments float32. ``neg_step`` / ``inv_bc2`` are the ``[rows, 1]`` columns of the
-    tensor (or tail tile) at hand."""
-    amsgrad, decay_mode, scale_grad = flags
+    """New ``(p, g, m, v, vmax)`` SBUF tiles from the loaded ones (each in its tensor's dtype): p in
+    ``param_dtype``, g (the scaled grad to store; None when grads are only read) in the grad's, the moments
+    float32. ``neg_step`` / ``inv_bc2`` are the ``[rows, 1]`` columns of the tensor (or tail tile) at hand."""
+    amsgrad, decay_mode, scale_grads, maximize = flags
     rows = shape[0]
 
     def col(i):
@@ -74,9 +76,11 @@ def _update(p, g, m, v, vmax, hp, neg_step, inv_bc2, shape, param_dtype, flags):
         return nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
 
     grad = g
-    if scale_grad:  # g / grad_scale * clip_coef, negated under maximize
+    if scale_grads or maximize:  # g / grad_scale * clip_coef, negated under maximize
         grad = tile()
         nisa.activation(grad, op=nl.copy, data=g, scale=col(MULT))
+    # the grad to store, maximize's negation undone, on GpSimd: ScalarE scales it, VectorE takes the gate's copies
+    g_new = tensor_table.as_dtype(grad, g.dtype, negate=maximize, engine=nisa.engine.gpsimd) if scale_grads else None
     if decay_mode == DECAY_L2:  # + wd * p
         with_decay = tile()
         nisa.scalar_tensor_tensor(with_decay, data=p, op0=nl.multiply, operand0=col(DECAY), op1=nl.add, operand1=grad)
@@ -114,38 +118,40 @@ def _update(p, g, m, v, vmax, hp, neg_step, inv_bc2, shape, param_dtype, flags):
         nisa.activation(decayed, op=nl.copy, data=p, scale=col(DECAY))
     p_new = tile(param_dtype)
     nisa.tensor_tensor(p_new, decayed, step, op=nl.add, engine=nisa.engine.gpsimd)
-    return p_new, m_new, v_new, vmax_new
+    return p_new, g_new, m_new, v_new, vmax_new
 
 
 def _step_tiles(views, dtypes, hp, c0, pred, shape, flags):
     """Load, update and store one tile's worth. ``views[k]`` / ``dtypes[k]`` (k: 0 param, 1 grad, 2 exp_avg,
     3 exp_avg_sq, 4 max_exp_avg_sq): where the HBM views land in the tile (tensor_table) and their dtype.
     ``c0`` is the first of this tile's NEG_STEP / INV_BC2 columns."""
-    amsgrad, decay_mode, gated, scale_grad = flags
+    amsgrad, decay_mode, gated, scale_grads, maximize = flags
     rows = shape[0]
     loaded = [tensor_table.load(views[k], dtypes[k], shape) for k in range(5 if amsgrad else 4)]
     p, g, m, v = loaded[:4]
     vmax = loaded[4] if amsgrad else None
     new = _update(p, g, m, v, vmax, hp, hp[0:rows, c0 + NEG_STEP:c0 + NEG_STEP + 1],
-                  hp[0:rows, c0 + INV_BC2:c0 + INV_BC2 + 1], shape, dtypes[0], (amsgrad, decay_mode, scale_grad))
-    for k, old, fresh in ((0, p, new[0]), (2, m, new[1]), (3, v, new[2]), (4, vmax, new[3])):
+                  hp[0:rows, c0 + INV_BC2:c0 + INV_BC2 + 1], shape, dtypes[0],
+                  (amsgrad, decay_mode, scale_grads, maximize))
+    for k, fresh in enumerate(new):
         if fresh is None:
             continue
         fresh = tensor_table.as_dtype(fresh, dtypes[k])
         if gated:  # keep the old values where found_inf is set
-            nisa.tensor_copy_predicated(dst=old, src=fresh, predicate=pred[0:rows, 0:shape[1]])
-            fresh = old
+            nisa.tensor_copy_predicated(dst=loaded[k], src=fresh, predicate=pred[0:rows, 0:shape[1]])
+            fresh = loaded[k]
         tensor_table.store(fresh, views[k])
 
 
 @nki.jit
 def adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, hyper, amsgrad=False,
-                decay_mode=DECAY_NONE, gated=False, scale_grad=False):
+                decay_mode=DECAY_NONE, gated=False, scale_grads=False, maximize=False):
     """One Adam step, in place, over lists of 1-D HBM tensors (the flat views of each parameter,
-    its grad and moments; ``max_exp_avg_sqs`` is read only under ``amsgrad``)."""
+    its grad and moments; ``max_exp_avg_sqs`` is read only under ``amsgrad``, ``grads`` written only under
+    ``scale_grads``: grad_scale or clip_coef set)."""
     n = len(params)
     state = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)
-    flags = (amsgrad, decay_mode, gated, scale_grad)
+    flags = (amsgrad, decay_mode, gated, scale_grads, maximize)
     hp = nl.ndarray((PMAX, hyper.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=hp, src=hyper)
     pred = None
@@ -167,14 +173,16 @@ def adam_kernel(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, hyper, am
         _step_tiles(views, dtypes(block[0]), hp, len(SHARED) + PAIR * (n + b), pred, shape, flags)
 
 
-@kernel_op("adam", no_outputs, mutates_args=("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"))
+# grads are declared written, scaled or not, as torch's _fused_adamw_ declares its grads (a schema is per op)
+@kernel_op("adam", no_outputs, mutates_args=("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"))
 def adam_step(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
               exp_avg_sqs: list[torch.Tensor], max_exp_avg_sqs: list[torch.Tensor], hyper: torch.Tensor, amsgrad: bool,
-              decay_mode: int, gated: bool, scale_grad: bool) -> None:
+              decay_mode: int, gated: bool, scale_grads: bool, maximize: bool) -> None:
     """The kernel's launch as the op ``portable_ops_nki::adam``: writes params and moments (``max_exp_avg_sqs`` only
-    under ``amsgrad``, empty otherwise, as the op's arguments may not alias one another)."""
+    under ``amsgrad``, empty otherwise, as the op's arguments may not alias one another), and the grads under
+    ``scale_grads``."""
     launch(adam_kernel, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else exp_avg_sqs, hyper,
-           amsgrad=amsgrad, decay_mode=decay_mode, gated=gated, scale_grad=scale_grad)
+           amsgrad=amsgrad, decay_mode=decay_mode, gated=gated, scale_grads=scale_grads, maximize=maximize)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -209,18 +217,16 @@ def hyperparameters(steps, tail_blocks, *, device, beta1, beta2, lr, weight_deca
 
 
 def adam_supports(call) -> list[str]:
-    """Dtypes are declared (``BACKEND``); the kernel updates flat views of the state in place, and ``eps`` keeps
-    the Scalar Engine's reciprocal in its domain."""
+    """Dtypes are declared (``BACKEND``); the kernel updates flat views of the state (and of scaled grads) in
+    place, and ``eps`` keeps the Scalar Engine's reciprocal in its domain."""
     reasons = []
     low, high = EPS_RANGE
     if not low <= call["eps"] <= high:
         reasons.append(f"eps is {call['eps']!r}, outside [2^-42, 2^16]: the NKI Adam kernel takes 1 / (sqrt(v) + eps) "
                        "on the Scalar Engine, whose reciprocal is valid on +-[2^-42, 2^42] only")
-    for key in ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"):
-        if not all(map(torch.Tensor.is_contiguous, call[key])):
-            i = next(i for i, t in enumerate(call[key]) if not t.is_contiguous())
-            reasons.append(f"{key}[{i}] is not contiguous (the NKI Adam kernel updates flat views in place)")
-            break
+    noncontiguous = tensor_table.first_noncontiguous(call, ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"))
+    if noncontiguous:
+        reasons.append(f"{noncontiguous} is not contiguous (the NKI Adam kernel updates flat views in place)")
     return reasons
 
 
@@ -228,12 +234,13 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
          weight_decay, eps, maximize, decoupled_weight_decay, grad_scale=None, found_inf=None, clip_coef=None):
     decay_mode = DECAY_NONE if weight_decay == 0 else (DECAY_DECOUPLED if decoupled_weight_decay else DECAY_L2)
     flags = dict(amsgrad=amsgrad, decay_mode=decay_mode, gated=found_inf is not None,
-                 scale_grad=grad_scale is not None or clip_coef is not None or maximize)
+                 scale_grads=grad_scale is not None or clip_coef is not None, maximize=maximize)
     live = [i for i, p in enumerate(params) if p.numel()]
     for start in range(0, len(live), MAX_TENSORS):
         chosen = live[start:start + MAX_TENSORS]
         lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)  # the last empty unless amsgrad
-        flat = [[lst[i].reshape(-1) for i in chosen] if lst else [] for lst in lists]  # views (grads may be copies)
+        # views, the kernel writing through them (a grad only read, not scaled, may be a copy)
+        flat = [[lst[i].reshape(-1) for i in chosen] if lst else [] for lst in lists]
         blocks = tensor_table.tail_blocks([p.numel() for p in flat[0]],
                                           [tuple(lst[j].dtype for lst in flat if lst) for j in range(len(chosen))])
         hyper = hyperparameters([state_steps[i] for i in chosen], blocks, device=params[chosen[0]].device,

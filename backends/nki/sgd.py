@@ -9,15 +9,17 @@ Everything that changes from step to step is data: a ``[128, 6]`` float32 HBM te
 (:data:`COLUMNS`) computed on the device with a few torch ops (no host synchronisation), so one compiled
 kernel serves every step and every learning-rate schedule. Only structural flags select a variant: momentum
 or not, whether the buffers are new (set to the grad instead of decayed: a step whose params mix new and old
-buffers is two launches), dampening, Nesterov, weight decay, a grad multiplier, a found_inf gate.
+buffers is two launches), dampening, Nesterov, weight decay, scaled grads, maximize, a found_inf gate.
 
 Semantics are the definition's (``portable_ops/definitions/sgd.py``): tiles are loaded in their tensors' dtypes
 (DMAs do not convert), the engines read them and compute in float32, and each new value is rounded once to its
-tensor's dtype on an engine before the DMA stores it. A non-zero ``found_inf`` keeps every old value (predicated
-copies of the new values onto the old tiles). The work is spread over the engines (docs/backends/nki.md, cost
-model): the Scalar Engine does every product by a hyperparameter and a 16-bit buffer's rounding, the Vector
-Engine the weight decay and the buffer's update (``scalar_tensor_tensor``, a product and a sum in one pass),
-GpSimd the Nesterov and param sums.
+tensor's dtype on an engine before the DMA stores it. With ``grad_scale`` or ``clip_coef`` set, each grad is stored
+back as ``grad / grad_scale * clip_coef`` (before maximize's negation and the weight decay), rounded once to its
+dtype, as torch's fused kernels unscale grads in place; otherwise grads are only read. A non-zero ``found_inf`` keeps
+every old value, grads included (predicated copies of the new values onto the old tiles). The work is spread over
+the engines (docs/backends/nki.md, cost model): the Scalar Engine does every product by a hyperparameter and a
+16-bit buffer's rounding, the Vector Engine the weight decay and the buffer's update (``scalar_tensor_tensor``, a
+product and a sum in one pass), GpSimd the Nesterov and param sums and the stored grad's rounding.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ COLUMNS = (MULT, WEIGHT_DECAY, MOMENTUM, DAMPENING_KEEP, NEG_LR, APPLY) = tuple(
 
 
 def _update(p, g, buf, hp, shape, param_dtype, flags):
-    """New ``(p, buf)`` SBUF tiles from the loaded ones (each in its tensor's dtype): p in ``param_dtype``, buf
-    float32 (None without momentum; ``buf`` is not read when the buffers are new)."""
-    momentum, first, dampened, nesterov, weight_decay, scale_grad = flags
+    """New ``(p, g, buf)`` SBUF tiles from the loaded ones (each in its tensor's dtype): p in ``param_dtype``, g (the
+    scaled grad to store; None when grads are only read) in the grad's, buf float32 (None without momentum; ``buf``
+    is not read when the buffers are new)."""
+    momentum, first, dampened, nesterov, weight_decay, scale_grads, maximize = flags
     rows = shape[0]
 
     def col(i):
@@ -49,9 +52,11 @@ def _update(p, g, buf, hp, shape, param_dtype, flags):
         return nl.ndarray(shape, dtype=dtype, buffer=nl.sbuf)
 
     grad = g
-    if scale_grad:
+    if scale_grads or maximize:  # g / grad_scale * clip_coef, negated under maximize
         grad = tile()
         nisa.activation(grad, op=nl.copy, data=g, scale=col(MULT))
+    # the grad to store, maximize's negation undone, on GpSimd: ScalarE scales it, VectorE takes the gate's copies
+    g_new = tensor_table.as_dtype(grad, g.dtype, negate=maximize, engine=nisa.engine.gpsimd) if scale_grads else None
     if weight_decay:  # + wd * p
         with_decay = tile()
         nisa.scalar_tensor_tensor(with_decay, data=p, op0=nl.multiply, operand0=col(WEIGHT_DECAY), op1=nl.add,
@@ -80,7 +85,7 @@ def _update(p, g, buf, hp, shape, param_dtype, flags):
     step, p_new = tile(), tile(param_dtype)
     nisa.activation(step, op=nl.copy, data=direction, scale=col(NEG_LR))
     nisa.tensor_tensor(p_new, p, step, op=nl.add, engine=nisa.engine.gpsimd)
-    return p_new, buf_new
+    return p_new, g_new, buf_new
 
 
 def _step_tiles(views, dtypes, hp, pred, shape, flags, gated):
@@ -90,27 +95,27 @@ def _step_tiles(views, dtypes, hp, pred, shape, flags, gated):
     loaded = [tensor_table.load(views[k], dtypes[k], shape) for k in range(3 if momentum and not first else 2)]
     p, g = loaded[:2]
     buf = loaded[2] if len(loaded) > 2 else None
-    p_new, buf_new = _update(p, g, buf, hp, shape, dtypes[0], flags)
-    for k, old, fresh in ((0, p, p_new), (2, buf, buf_new)):
+    for k, fresh in enumerate(_update(p, g, buf, hp, shape, dtypes[0], flags)):
         if fresh is None:
             continue
         fresh = tensor_table.as_dtype(fresh, dtypes[k])
-        if gated and old is not None:  # keep the old values where found_inf is set
-            nisa.tensor_copy_predicated(dst=old, src=fresh, predicate=pred[0:shape[0], 0:shape[1]])
-            fresh = old
+        if gated and k < len(loaded):  # keep the old values where found_inf is set (a new buffer has none)
+            nisa.tensor_copy_predicated(dst=loaded[k], src=fresh, predicate=pred[0:shape[0], 0:shape[1]])
+            fresh = loaded[k]
         tensor_table.store(fresh, views[k])
 
 
 @nki.jit
 def sgd_kernel(params, grads, momentum_buffers, hyper, momentum=False, first=False, dampened=False,
-               nesterov=False, weight_decay=False, gated=False, scale_grad=False):
+               nesterov=False, weight_decay=False, gated=False, scale_grads=False, maximize=False):
     """One SGD step, in place, over lists of 1-D HBM tensors (the flat views of each parameter, its grad and
     momentum buffer; ``momentum_buffers`` is read only under ``momentum`` and not ``first``, written only
-    under ``momentum``). Under ``first`` the new buffers are written ungated: the public API takes no first step
-    under a set found_inf (it reads found_inf on the host for such a step)."""
+    under ``momentum``; ``grads`` written only under ``scale_grads``: grad_scale or clip_coef set). Under ``first``
+    the new buffers are written ungated: the public API takes no first step under a set found_inf (it reads
+    found_inf on the host for such a step)."""
     n = len(params)
     state = (params, grads, momentum_buffers)
-    flags = (momentum, first, dampened, nesterov, weight_decay, scale_grad)
+    flags = (momentum, first, dampened, nesterov, weight_decay, scale_grads, maximize)
     hp = nl.ndarray((PMAX, hyper.shape[1]), dtype=nl.float32, buffer=nl.sbuf)
     nisa.dma_copy(dst=hp, src=hyper)
     pred = None
@@ -131,14 +136,16 @@ def sgd_kernel(params, grads, momentum_buffers, hyper, momentum=False, first=Fal
         _step_tiles(views, dtypes(block[0]), hp, pred, shape, flags, gated)
 
 
-@kernel_op("sgd", no_outputs, mutates_args=("params", "momentum_buffers"))
+# grads are declared written, scaled or not, as torch's _fused_sgd_ declares its grads (a schema is per op)
+@kernel_op("sgd", no_outputs, mutates_args=("params", "grads", "momentum_buffers"))
 def sgd_step(params: list[torch.Tensor], grads: list[torch.Tensor], momentum_buffers: list[torch.Tensor],
              hyper: torch.Tensor, momentum: bool, first: bool, dampened: bool, nesterov: bool, weight_decay: bool,
-             gated: bool, scale_grad: bool) -> None:
-    """The kernel's launch as the op ``portable_ops_nki::sgd``: writes params and, under ``momentum``, the buffers
-    (empty otherwise, as the op's arguments may not alias one another)."""
+             gated: bool, scale_grads: bool, maximize: bool) -> None:
+    """The kernel's launch as the op ``portable_ops_nki::sgd``: writes params, under ``momentum`` the buffers (empty
+    otherwise, as the op's arguments may not alias one another), and under ``scale_grads`` the grads."""
     launch(sgd_kernel, params, grads, momentum_buffers if momentum else params, hyper, momentum=momentum, first=first,
-           dampened=dampened, nesterov=nesterov, weight_decay=weight_decay, gated=gated, scale_grad=scale_grad)
+           dampened=dampened, nesterov=nesterov, weight_decay=weight_decay, gated=gated, scale_grads=scale_grads,
+           maximize=maximize)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -162,11 +169,11 @@ def hyperparameters(*, device, lr, momentum, dampening, weight_decay, maximize, 
 
 
 def sgd_supports(call) -> list[str]:
-    """Dtypes are declared (``BACKEND``); the kernel updates flat views of the params and buffers in place."""
-    for key in ("params", "momentum_buffers"):
-        if not all(map(torch.Tensor.is_contiguous, call[key])):
-            i = next(i for i, t in enumerate(call[key]) if not t.is_contiguous())
-            return [f"{key}[{i}] is not contiguous (the NKI SGD kernel updates flat views in place)"]
+    """Dtypes are declared (``BACKEND``); the kernel updates flat views of the params, buffers (and scaled grads)
+    in place."""
+    noncontiguous = tensor_table.first_noncontiguous(call, ("params", "momentum_buffers"))
+    if noncontiguous:
+        return [f"{noncontiguous} is not contiguous (the NKI SGD kernel updates flat views in place)"]
     return []
 
 
@@ -181,7 +188,8 @@ def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening
                             found_inf=found_inf, clip_coef=clip_coef)
     with_momentum = bool(momentum_buffers)
     flags = dict(momentum=with_momentum, dampened=dampening != 0, nesterov=nesterov, weight_decay=weight_decay != 0,
-                 gated=found_inf is not None, scale_grad=grad_scale is not None or clip_coef is not None or maximize)
+                 gated=found_inf is not None, scale_grads=grad_scale is not None or clip_coef is not None,
+                 maximize=maximize)
     for first in (False, True) if with_momentum else (False,):
         chosen = [i for i in live if not with_momentum or bool(first_steps[i]) == first]
         for start in range(0, len(chosen), MAX_TENSORS):

@@ -70,10 +70,22 @@ def store(tile, views):
         nisa.dma_copy(dst=view, src=_part(tile, row, count))
 
 
-def as_dtype(tile, dtype):
-    """``tile``, or a copy in ``dtype`` (one rounding, on the Scalar Engine) when its dtype differs."""
-    if tile.dtype == dtype:
+def as_dtype(tile, dtype, negate=False, engine=nisa.engine.scalar):
+    """``tile``, or a copy in ``dtype`` (one rounding, on ``engine``) when its dtype differs or ``negate`` asks for
+    ``-tile`` (exact)."""
+    if tile.dtype == dtype and not negate:
         return tile
     out = nl.ndarray(tile.shape, dtype=dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(dst=out, src=tile, engine=nisa.engine.scalar)
+    if negate:
+        nisa.tensor_scalar(dst=out, data=tile, op0=nl.multiply, operand0=-1.0, engine=engine)
+    else:
+        nisa.tensor_copy(dst=out, src=tile, engine=engine)
     return out
+
+
+def first_noncontiguous(call, keys) -> str | None:
+    """``"key[i]"`` naming the first non-contiguous tensor of an optimizer call's lists ``keys``, and of its grads
+    when the step scales them (``grad_scale`` or ``clip_coef`` set: the kernels write them back); None if none."""
+    if call.get("grad_scale") is not None or call.get("clip_coef") is not None:
+        keys = ("grads", *keys)
+    return next((f"{key}[{i}]" for key in keys for i, t in enumerate(call[key]) if not t.is_contiguous()), None)
