@@ -139,6 +139,9 @@ class _Launches:
             return self.kernel[grid](*args, **kw)
         return launch
 
+    def __getattr__(self, name):  # what launch.Launch reads of a kernel on CUDA (fn, pre_run_hooks)
+        return getattr(self.kernel, name)
+
 
 @pytest.mark.parametrize("state_dtype", [None, torch.float32])
 def test_adam_one_launch_per_param_and_state_dtype(state_dtype, monkeypatch):
