@@ -65,3 +65,32 @@ def test_cuda_attention_matches_sdpa_under_each_kernel_sdpa_can_pick(kernel, dty
     torch.testing.assert_close(out, expected)
     for got, want in zip(grads, torch.autograd.grad(expected, (q, k, v), dout)):
         torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+DECODE_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DECODE_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mask", ["causal", "none", "window"])
+def test_gqa_decode_runs_each_kv_head_once_for_its_query_heads(device, dtype, mask, monkeypatch):
+    """One query of 8 heads over 2 KV heads runs as 4 rows of each KV head ([B, 2, 4, D]), q contiguous or a
+    transposed view of a [B, S, H, D] projection: SDPA's result (the window's keys sliced), out in q's layout."""
+    from portable_ops.backends.reference import attention as reference_attention
+
+    seen = []
+    kernels = reference_attention.FUSED_KERNELS
+    kernel = kernels[device]
+    monkeypatch.setitem(kernels, device, kernel._replace(pick=lambda q, *a: seen.append(q.shape) or kernel.pick(q, *a)))
+    g = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(3, 2, 300, 64, generator=g).to(device, dtype) for _ in range(2))
+    for q in (torch.randn(3, 8, 1, 64, generator=g), torch.randn(3, 1, 8, 64, generator=g).transpose(1, 2)):
+        q = q.to(device, dtype)
+        window, keys = ((100, 0), slice(199, 300)) if mask == "window" else (None, slice(0, 300))
+        with portable_ops.use_backend("reference"), torch.no_grad():
+            out = portable_ops.attention(q, k, v, causal=mask == "causal", window=window)
+        expected = F.scaled_dot_product_attention(q, k[:, :, keys].repeat_interleave(4, 1),
+                                                  v[:, :, keys].repeat_interleave(4, 1))
+        torch.testing.assert_close(out, expected, **({} if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+        assert out.stride() == portable_ops.layout.strides_like(q)
+    assert seen and all(shape[1:3] == (2, 4) for shape in seen)

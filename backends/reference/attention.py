@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend
 from portable_ops.definitions import attention as definition
 from portable_ops.layout import as_layout_of, empty_like
 
-aten = torch.ops.aten
+aten = torch.ops.aten  # the backward ops; the forward ones through torch's C bindings, a few us a call less
 MASK_BUDGET = 1 << 22  # elements of one query block's additive mask
 MIN_BLOCK_ROWS = 128
 
@@ -56,7 +56,7 @@ def _unit_stride(*tensors):
 
 
 def _cpu_forward(q, k, v, is_causal, mask, scale):
-    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
+    return torch._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)
 
 
 def _cpu_backward(dout, q, k, v, out, lse, is_causal, mask, scale):
@@ -80,7 +80,7 @@ def _out_as(out, dout):
 
 
 def _cudnn_forward(q, k, v, is_causal, mask, scale):
-    out, lse, *_ = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False, scale=scale)
+    out, lse, *_ = torch._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, is_causal, False, scale=scale)
     return out, lse.view(lse.shape[:3])
 
 
@@ -92,7 +92,7 @@ def _cudnn_backward(dout, q, k, v, out, lse, is_causal, mask, scale):
 
 
 def _flash_forward(q, k, v, is_causal, mask, scale):
-    out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+    out, lse, *_ = torch._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
     return out, lse
 
 
@@ -118,7 +118,7 @@ def _groups_summed(d, hkv):
 
 def _efficient_forward(q, k, v, is_causal, mask, scale):
     k, v = _groups_repeated(q, k, v)
-    out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal, scale=scale)
+    out, lse, _, _ = torch._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal, scale=scale)
     return out, lse[..., :q.shape[2]]
 
 
@@ -261,13 +261,25 @@ def _sink_gradient(out, lse, dout, sinks):
     return definition.sink_gradient(sinks, lse, delta)
 
 
+def _whole_forward(fused, q, k, v, is_causal, scale):
+    """``(out, lse)`` of a call the kernel runs whole. One query (decode) of several heads a KV head runs as that
+    KV head's rows, ``[B, Hkv, Hq / Hkv, D]``, not masked (it sees every key given): the kernel then reads each
+    KV head once for its group of query heads, where taking GQA as it comes reads it once a query head."""
+    b, hq, sq, d = q.shape
+    hkv = k.shape[1]
+    if sq == 1 and hq != hkv and not is_causal:
+        q = q.view(b, hkv, hq // hkv, d)
+    q_u, k_u, v_u = _unit_stride(q, k, v)
+    out, lse = fused.pick(q_u, k_u, v_u, is_causal, scale).forward(q_u, k_u, v_u, is_causal, None, scale)
+    return out.reshape(b, hq, sq, v.shape[-1]), lse.reshape(b, hq, sq)
+
+
 def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None, sinks=None):
     fused = _fused_kernel(q, scale, softcap, (k, v))
     whole = None if fused is None else _whole(q, k, causal, window)
     if whole is not None:
         is_causal, keys = whole
-        q_u, k_u, v_u = _unit_stride(q, k[:, :, keys], v[:, :, keys])
-        out, lse = fused.pick(q_u, k_u, v_u, is_causal, scale).forward(q_u, k_u, v_u, is_causal, None, scale)
+        out, lse = _whole_forward(fused, q, k[:, :, keys], v[:, :, keys], is_causal, scale)
         return with_sinks(as_layout_of(out, q), lse.contiguous(), sinks)
     if fused is None or not fused.masks:
         return definition.attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
@@ -299,8 +311,7 @@ def prepare_attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None):
     def run(q, k, v):
         if not every_key:
             k, v = k[:, :, keys], v[:, :, keys]
-        q_u, k_u, v_u = _unit_stride(q, k, v)
-        out, lse = fused.pick(q_u, k_u, v_u, is_causal, scale).forward(q_u, k_u, v_u, is_causal, None, scale)
+        out, lse = _whole_forward(fused, q, k, v, is_causal, scale)
         return as_layout_of(out, q), lse.contiguous()
 
     return run
