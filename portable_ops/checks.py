@@ -51,22 +51,32 @@ def check_number(arg: str, value, *, low: float | None = None, high: float | Non
                  high_open: bool = False, finite: bool = True) -> None:
     """A scalar (a real number, see :func:`as_number`, or a one-element tensor) inside [low, high] or
     [low, high); finite unless ``finite=False`` (NaN is refused either way)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{arg} must be a float or a one-element tensor, "
-                             f"got a tensor of shape {tuple(value.shape)}")
-        if value.device.type != "cpu" and value.device.type != "meta":
+    if value.__class__ is not float:  # a Python float, every step's usual value, skips the conversions
+        value = _checked_float(arg, value)
+        if value is None:
             return  # reading a device tensor would sync; device-resident values are trusted
-        value = value.item()
-    value = as_number(value)
-    if not isinstance(value, float):
-        raise TypeError(f"{arg} must be a number, got {type(value).__name__}")
     if math.isnan(value) or (finite and math.isinf(value)):
         raise ValueError(f"{arg} must be {'finite' if finite else 'a number or inf, not NaN'}, got {value}")
     if low is not None and value < low:
         raise ValueError(f"{arg} must be >= {low}, got {value}")
     if high is not None and (value >= high if high_open else value > high):
         raise ValueError(f"{arg} must be {'<' if high_open else '<='} {high}, got {value}")
+
+
+def _checked_float(arg: str, value) -> float | None:
+    """``value`` as a float (:func:`as_number`; a one-element tensor's value; None for one on a device), or the
+    error naming ``arg``."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{arg} must be a float or a one-element tensor, "
+                             f"got a tensor of shape {tuple(value.shape)}")
+        if value.device.type != "cpu" and value.device.type != "meta":
+            return None
+        value = value.item()
+    value = as_number(value)
+    if not isinstance(value, float):
+        raise TypeError(f"{arg} must be a number, got {type(value).__name__}")
+    return value
 
 
 def check_adam_hyperparameters(*, lr, beta1, beta2, eps, weight_decay) -> None:

@@ -25,7 +25,7 @@ KERNEL_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 KERNEL_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 
 _dtype = operator.attrgetter("dtype")
-_device = operator.attrgetter("device")
+_dtype_and_device = operator.attrgetter("dtype", "device")
 
 
 def _kernels_take(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, amsgrad):
@@ -39,7 +39,7 @@ def _kernels_take(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_s
     dtypes = list(map(_dtype, params))
     if not set(dtypes) <= KERNEL_DTYPES or list(map(_dtype, exp_avgs)) != dtypes:
         return False
-    if set(map(_dtype, state_steps)) != {torch.float32} or set(map(_device, state_steps)) != {device}:
+    if set(map(_dtype_and_device, state_steps)) != {(torch.float32, device)}:
         return False
     # the fused kernel walks each tensor's memory as if dense: a strided view would be misread or overwritten
     moments = (exp_avgs, exp_avg_sqs, max_exp_avg_sqs) if amsgrad else (exp_avgs, exp_avg_sqs)
