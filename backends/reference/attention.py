@@ -33,10 +33,13 @@ MIN_BLOCK_ROWS = 128
 class Kernel(NamedTuple):
     """One fused attention kernel: ``forward(q, k, v, is_causal, mask, scale) -> (out, lse)`` and
     ``backward(dout, q, k, v, out, lse, is_causal, mask, scale) -> (dq, dk, dv)``, top-left causal, GQA
-    taken as it comes (``k``, ``v`` with fewer heads than ``q``), each tensor's last dim dense."""
+    taken as it comes (``k``, ``v`` with fewer heads than ``q``), each tensor's last dim dense.
+    ``rereads_kv``: it reads (or copies) a KV head once for each query head of its group, where a decode call's
+    group is better run as rows of its KV head."""
 
     forward: Callable
     backward: Callable
+    rereads_kv: bool = False
 
 
 class FusedKernel(NamedTuple):
@@ -64,7 +67,7 @@ def _cpu_backward(dout, q, k, v, out, lse, is_causal, mask, scale):
                                                                      attn_mask=mask, scale=scale)
 
 
-CPU_KERNEL = Kernel(_cpu_forward, _cpu_backward)
+CPU_KERNEL = Kernel(_cpu_forward, _cpu_backward, rereads_kv=True)
 
 
 @functools.cache
@@ -147,7 +150,7 @@ def _efficient_backward(dout, q, k, v, out, lse, is_causal, mask, scale):
 # cuDNN's and FlashAttention-2's aten ops take GQA as it comes; the memory-efficient kernel's get k, v repeated
 CUDA_KERNELS = {int(SDPBackend.CUDNN_ATTENTION): Kernel(_cudnn_forward, _cudnn_backward),
                 int(SDPBackend.FLASH_ATTENTION): Kernel(_flash_forward, _flash_backward)}
-EFFICIENT_KERNEL = Kernel(_efficient_forward, _efficient_backward)
+EFFICIENT_KERNEL = Kernel(_efficient_forward, _efficient_backward, rereads_kv=True)
 
 
 def _cuda_pick(q, k, v, is_causal, scale):
@@ -263,15 +266,16 @@ def _sink_gradient(out, lse, dout, sinks):
 
 def _whole_forward(fused, q, k, v, is_causal, scale):
     """``(out, lse)`` of a call the kernel runs whole. One query (decode) of several heads a KV head runs as that
-    KV head's rows, ``[B, Hkv, Hq / Hkv, D]``, not masked (it sees every key given): the kernel then reads each
-    KV head once for its group of query heads, where taking GQA as it comes reads it once a query head."""
+    KV head's rows, ``[B, Hkv, Hq / Hkv, D]``, not masked (it sees every key given), where the kernel would
+    read the KV head once for each of them (:attr:`Kernel.rereads_kv`)."""
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
-    if sq == 1 and hq != hkv and not is_causal:
-        q = q.view(b, hkv, hq // hkv, d)
     q_u, k_u, v_u = _unit_stride(q, k, v)
-    out, lse = fused.pick(q_u, k_u, v_u, is_causal, scale).forward(q_u, k_u, v_u, is_causal, None, scale)
-    return out.reshape(b, hq, sq, v.shape[-1]), lse.reshape(b, hq, sq)
+    kernel = fused.pick(q_u, k_u, v_u, is_causal, scale)
+    if sq == 1 and hq != hkv and not is_causal and kernel.rereads_kv:
+        out, lse = kernel.forward(q_u.view(b, hkv, hq // hkv, d), k_u, v_u, False, None, scale)
+        return out.reshape(b, hq, sq, v.shape[-1]), lse.reshape(b, hq, sq)
+    return kernel.forward(q_u, k_u, v_u, is_causal, None, scale)
 
 
 def attention_fwd(q, k, v, *, causal, scale, window=None, softcap=None, sinks=None):
