@@ -2,13 +2,21 @@
 writes the grads back) and the reference attention's GQA decode.
 
 Each test failed before its fix: grads that were overlapping views of one buffer passed the shared-grad check
-(only the same start address was refused) and were scaled twice where they overlap."""
+(only the same start address was refused) and were scaled twice where they overlap; a grad shared by params of two
+param groups was clipped (or unscaled) twice, the check looking within a group; the optimizers chose each call's
+backend before setting the clip's coefficient in it, so the nki kernels, which decline a non-contiguous grad only
+when the step writes the grads, took a clipped one and clipped a copy, leaving the grad as it was."""
+
+import warnings
 
 import pytest
 import torch
 
 import portable_ops
-from portable_ops import functional
+from portable_ops import dispatch, functional
+from portable_ops.conformance.runner import default_device, usable_backends
+
+OPTIMIZERS = {"adamw": (portable_ops.optim.AdamW, torch.optim.AdamW), "sgd": (portable_ops.optim.SGD, torch.optim.SGD)}
 
 
 def _views_of_one_buffer(starts_and_sizes, length=16):
@@ -43,3 +51,52 @@ def test_grads_that_are_views_of_one_buffer_apart_step_as_separate_tensors():
         results.append([*params, *grads])
     assert all(torch.equal(a, b) for a, b in zip(*results))
     assert torch.equal(buffer, torch.cat(separate))
+
+
+@pytest.mark.parametrize("scaled_by", ["clip", "grad_scale"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_grad_shared_by_params_of_two_groups_is_refused_before_anything_is_written(name, scaled_by):
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, 6)) for _ in range(2)]
+    shared = torch.linspace(8, -4, 6)
+    params[0].grad = params[1].grad = shared
+    opt = OPTIMIZERS[name][0]([{"params": [params[0]]}, {"params": [params[1]]}], lr=0.1,
+                              max_grad_norm=0.5 if scaled_by == "clip" else None)
+    if scaled_by == "grad_scale":
+        opt.grad_scale, opt.found_inf = torch.tensor(4.0), torch.tensor(0.0)
+    before = [t.clone() for t in (*params, shared)]
+    with portable_ops.use_backend("reference"), pytest.raises(
+            ValueError, match=r'param_groups\[1\]\["params"\]\[0\]\.grad is param_groups\[0\]\["params"\]\[0\]\.grad'):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, (*params, shared)))
+    assert not opt.state
+
+
+@pytest.mark.parametrize("backend", usable_backends())
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_clipped_step_leaves_a_noncontiguous_grad_clipped_on_every_backend(name, backend, monkeypatch):
+    """A backend whose kernels write flat views declines the call (a readable reason) and the reference steps it;
+    the grad is left as torch's clip_grad_norm_ leaves it, the params as torch's step after it."""
+    monkeypatch.setattr(dispatch, "_warned", set())
+    device = default_device(backend)
+    g = torch.Generator().manual_seed(0)
+    values = [(torch.randn(5, 3, generator=g), 3 * torch.randn(3, 5, generator=g).t()),
+              (torch.randn(7, generator=g), 3 * torch.randn(7, generator=g))]
+    ours, theirs = ([torch.nn.Parameter(value.to(device)) for value, _ in values] for _ in range(2))
+    for params in (ours, theirs):
+        for p, (_, grad) in zip(params, values):
+            p.grad = grad.to(device).clone(memory_format=torch.preserve_format)
+    assert not ours[0].grad.is_contiguous()
+    with portable_ops.use_backend(backend), warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        OPTIMIZERS[name][0](ours, lr=0.1, max_grad_norm=0.5).step()
+    torch.nn.utils.clip_grad_norm_(theirs, 0.5)
+    OPTIMIZERS[name][1](theirs, lr=0.1, foreach=False).step()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad)
+        torch.testing.assert_close(a.detach(), b.detach())
+    step_op = "sgd" if name == "sgd" else "adam"
+    reasons = [str(w.message) for w in warned if str(w.message).startswith(f"portable_ops.{step_op}:")]
+    if backend == "reference":
+        assert reasons == []
+    else:
+        assert len(reasons) == 1 and "can't take this call (grads[0] is not contiguous" in reasons[0]
