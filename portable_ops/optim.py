@@ -23,7 +23,7 @@ import torch
 from . import checks, sgd_checks
 from .clip import checked_total_norm, clip_coefficient
 from .distributed import global_norm, is_dtensor, local
-from .functional import adam_call, sgd_call, skipped_before_buffers_exist
+from .functional import adam_call, check_written_grads, sgd_call, skipped_before_buffers_exist
 from .dispatch import dispatch
 
 _grad = operator.attrgetter("grad")
@@ -106,8 +106,8 @@ class _FusedOptimizer(torch.optim.Optimizer):
             # an infinite max_grad_norm measures, never clips: its coefficient inf / inf of an overflowed norm is NaN
             coef = None if max_grad_norm == math.inf else clip_coefficient(norm, max_grad_norm)
         if coef is not None or (grad_scale is not None and len(calls) > 1):
-            # the step writes the grads: none may share memory with another, in any group (each call checked its own)
-            self._check_grads_distinct(calls)
+            # the step writes the grads: checked across the calls, as each call checked its own
+            self._check_grads_written(calls)
         for _, call in calls if coef is not None else ():
             call["clip_coef"] = coef.to(call["params"][0].device)
         kernels = [dispatch(op, call, call["params"][0].device) for _, call in calls]
@@ -115,14 +115,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
             self.last_grad_norm = norm
         return kernels
 
-    def _check_grads_distinct(self, calls) -> None:
-        """No grad of the step's calls sharing memory with another, named as the user sees them."""
+    def _check_grads_written(self, calls) -> None:
+        """The step's grads, which it writes, checked together (:func:`check_written_grads`), named as the user
+        sees them."""
         keys = [p for keys, _ in calls for p in keys]
 
         def name(i):
             where = {id(p): (g, j) for g, group in enumerate(self.param_groups) for j, p in enumerate(group["params"])}
             return _AS_THE_USER_SEES["grads"].format(p='param_groups[{}]["params"][{}]'.format(*where[id(keys[i])]))
-        checks.check_distinct("grads", [g for _, call in calls for g in call["grads"]], name)
+        check_written_grads([g for _, call in calls for g in call["grads"]], name)
 
     def _max_grad_norm(self) -> float | None:
         """Every group's ``max_grad_norm``, checked: one value (the clip is one global norm), or None."""

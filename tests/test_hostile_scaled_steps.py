@@ -1,11 +1,13 @@
 """Regressions found by a hostile-user pass over the scaled optimizer steps (a step under a clip or a GradScaler
-writes the grads back) and the reference attention's GQA decode.
+writes the grads back).
 
 Each test failed before its fix: grads that were overlapping views of one buffer passed the shared-grad check
 (only the same start address was refused) and were scaled twice where they overlap; a grad shared by params of two
 param groups was clipped (or unscaled) twice, the check looking within a group; the optimizers chose each call's
 backend before setting the clip's coefficient in it, so the nki kernels, which decline a non-contiguous grad only
-when the step writes the grads, took a clipped one and clipped a copy, leaving the grad as it was."""
+when the step writes the grads, took a clipped one and clipped a copy, leaving the grad as it was; an expanded
+grad (its elements sharing memory) under a clip was refused by the reference backend mid-step, after the groups
+before it were stepped."""
 
 import warnings
 
@@ -68,6 +70,19 @@ def test_a_grad_shared_by_params_of_two_groups_is_refused_before_anything_is_wri
             ValueError, match=r'param_groups\[1\]\["params"\]\[0\]\.grad is param_groups\[0\]\["params"\]\[0\]\.grad'):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, (*params, shared)))
+    assert not opt.state
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_an_expanded_grad_of_a_later_group_is_refused_before_the_first_group_is_stepped(name):
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, 6)) for _ in range(2)]
+    params[0].grad, params[1].grad = torch.linspace(8, -4, 6), torch.full((1,), 2.0).expand(6)
+    opt = OPTIMIZERS[name][0]([{"params": [params[0]]}, {"params": [params[1]]}], lr=0.1, max_grad_norm=0.5)
+    before = [t.clone() for t in (*params, params[0].grad)]
+    with portable_ops.use_backend("reference"), pytest.raises(
+            ValueError, match=r'param_groups\[1\]\["params"\]\[0\]\.grad has elements that share memory'):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, (*params, params[0].grad)))
     assert not opt.state
 
 
