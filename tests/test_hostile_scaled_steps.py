@@ -7,7 +7,8 @@ param groups was clipped (or unscaled) twice, the check looking within a group; 
 backend before setting the clip's coefficient in it, so the nki kernels, which decline a non-contiguous grad only
 when the step writes the grads, took a clipped one and clipped a copy, leaving the grad as it was; an expanded
 grad (its elements sharing memory) under a clip was refused by the reference backend mid-step, after the groups
-before it were stepped."""
+before it were stepped; the nki kernels took a one-dimensional strided grad they only read as it was (its flat
+view is itself), which the emulator refused as no dense HBM view."""
 
 import warnings
 
@@ -115,3 +116,19 @@ def test_a_clipped_step_leaves_a_noncontiguous_grad_clipped_on_every_backend(nam
         assert reasons == []
     else:
         assert len(reasons) == 1 and "can't take this call (grads[0] is not contiguous" in reasons[0]
+
+
+@pytest.mark.parametrize("backend", usable_backends())
+def test_a_one_dimensional_strided_grad_is_read_by_the_norm_and_an_unscaled_step(backend):
+    g = torch.Generator().manual_seed(0)
+    device = default_device(backend)
+    value, grad = torch.randn(6, generator=g).to(device), torch.randn(12, generator=g).to(device)[::2]
+    ours, theirs = torch.nn.Parameter(value.clone()), torch.nn.Parameter(value.clone())
+    ours.grad, theirs.grad = grad, grad.clone()
+    opt = portable_ops.optim.AdamW([ours], lr=0.1, max_grad_norm=float("inf"))
+    with portable_ops.use_backend(backend):
+        opt.step()
+    torch.optim.AdamW([theirs], lr=0.1, foreach=False).step()
+    torch.testing.assert_close(opt.last_grad_norm, torch.linalg.vector_norm(grad))
+    torch.testing.assert_close(ours.detach(), theirs.detach())
+    assert torch.equal(ours.grad, theirs.grad)
