@@ -231,9 +231,9 @@ def check_distinct(arg: str, tensors, name=None) -> None:
     such an element twice in turn). Views that don't overlap (DDP's gradient buckets) are distinct; interleaved ones
     (``buf[0::2]``, ``buf[1::2]``) are refused with overlapping ones, as their address ranges meet. ``name(i)``: how
     the message names ``tensors[i]`` (default ``arg[i]``)."""
-    starts = np.fromiter(map(_data_ptr, tensors), np.int64, len(tensors))
+    starts = np.fromiter(map(_data_ptr, tensors), np.uint64, len(tensors))  # addresses may use the top bit (tags)
     extents = map(_nbytes, tensors) if all(map(torch.Tensor.is_contiguous, tensors)) else map(_extent, tensors)
-    ends = starts + np.fromiter(extents, np.int64, len(tensors))
+    ends = starts + np.fromiter(extents, np.uint64, len(tensors))
     order = starts.argsort(kind="stable")
     if (ends[order[:-1]] <= starts[order[1:]]).all():  # vectorised: the common call, every step
         return
