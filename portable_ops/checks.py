@@ -106,6 +106,7 @@ def state_dtype_for(param_dtype: torch.dtype, state_dtype: torch.dtype | None) -
 
 _layout = operator.attrgetter("shape", "dtype", "device", "layout")  # C-level: runs per tensor per step
 _data_ptr = operator.methodcaller("data_ptr")
+_nbytes = operator.attrgetter("nbytes")
 _dtype, _device, _storage = operator.itemgetter(1), operator.itemgetter(2), operator.itemgetter(3)  # of a _layout
 
 
@@ -224,19 +225,41 @@ def check_scalar_tensor(arg: str, t, device: torch.device | None):
     return t.reshape(())
 
 
-def check_distinct(arg: str, tensors) -> None:
-    """No tensor twice: a fused step updates every tensor of a launch at once, so one listed twice
-    would be read and written by two programs in a race (torch's loop steps it twice in turn)."""
-    if len(set(map(_data_ptr, tensors))) == len(tensors):  # C-level: the common call, every step
+def check_distinct(arg: str, tensors, name=None) -> None:
+    """No two tensors sharing an element: a fused step updates every tensor of a launch at once, so one listed twice,
+    or two views of one buffer that overlap, would be read and written by two programs in a race (torch's loop steps
+    such an element twice in turn). Views that don't overlap (DDP's gradient buckets) are distinct; interleaved ones
+    (``buf[0::2]``, ``buf[1::2]``) are refused with overlapping ones, as their address ranges meet. ``name(i)``: how
+    the message names ``tensors[i]`` (default ``arg[i]``)."""
+    starts = np.fromiter(map(_data_ptr, tensors), np.uint64, len(tensors))  # addresses may use the top bit (tags)
+    extents = map(_nbytes, tensors) if all(map(torch.Tensor.is_contiguous, tensors)) else map(_extent, tensors)
+    ends = starts + np.fromiter(extents, np.uint64, len(tensors))
+    order = starts.argsort(kind="stable")
+    if (ends[order[:-1]] <= starts[order[1:]]).all():  # vectorised: the common call, every step
         return
-    seen: dict = {}
-    for i, t in enumerate(tensors):
+    reach: dict = {}  # per device, (end, index) of the tensor reaching furthest so far in address order
+    for i in order.tolist():
+        t = tensors[i]
         if t.numel() == 0 or t.device.type == "meta":
             continue
-        first = seen.setdefault((t.device, t.data_ptr()), i)
-        if first != i:
-            raise ValueError(f"{arg}[{i}] is {arg}[{first}] (the same memory): each tensor may be stepped once "
-                             f"per step; pass it once")
+        furthest, j = reach.get(t.device, (starts[i], i))
+        if furthest > starts[i]:
+            named = name or (lambda k: f"{arg}[{k}]")
+            later, first = named(max(i, j)), named(min(i, j))
+            if starts[i] == starts[j] and (t.shape, t.stride()) == (tensors[j].shape, tensors[j].stride()):
+                raise ValueError(f"{later} is {first} (the same memory): each tensor may be stepped once per step; "
+                                 f"pass it once")
+            raise ValueError(f"{later} overlaps {first} in memory (views of one buffer whose address ranges meet): "
+                             f"each element may be stepped once per step; give each tensor memory of its own")
+        if ends[i] > furthest:
+            reach[t.device] = (ends[i], i)
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to the end of its last (strides are never negative)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * stride for n, stride in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def _check_rank(arg: str, t, layout: str) -> None:

@@ -8,6 +8,13 @@ from . import checks, sgd_checks
 from .dispatch import dispatch
 
 
+def check_written_grads(grads, name=None) -> None:
+    """Grads a step writes back (scaled): none sharing an element with another or among its own (an expanded
+    view), refused before anything is written. ``name(i)``: how a message names ``grads[i]``."""
+    checks.check_distinct("grads", grads, name)
+    sgd_checks.check_no_internal_overlap("grads", grads, name)
+
+
 def adam_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, amsgrad=False, beta1=0.9,
               beta2=0.999, lr=1e-3, weight_decay=0.0, eps=1e-8, maximize=False, decoupled_weight_decay=False,
               grad_scale=None, found_inf=None, clip_coef=None, state_dtype=None, checked_layouts=None):
@@ -41,7 +48,7 @@ def adam_call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
     scalars = (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef))
     grad_scale, found_inf, clip_coef = (checks.check_scalar_tensor(arg, t, device) for arg, t in scalars)
     if grad_scale is not None or clip_coef is not None:  # the step writes the scaled grads back
-        checks.check_distinct("grads", grads)
+        check_written_grads(grads)
     if isinstance(lr, torch.Tensor):
         lr = checks.check_scalar_tensor("lr", lr, device)
     max_exp_avg_sqs = max_exp_avg_sqs if amsgrad else []
@@ -114,7 +121,7 @@ def sgd_call(params, grads, momentum_buffer_list, *, lr=1e-3, momentum=0.0, damp
     scalars = (("grad_scale", grad_scale), ("found_inf", found_inf), ("clip_coef", clip_coef))
     grad_scale, found_inf, clip_coef = (checks.check_scalar_tensor(arg, t, device) for arg, t in scalars)
     if grad_scale is not None or clip_coef is not None:  # the step writes the scaled grads back
-        checks.check_distinct("grads", grads)
+        check_written_grads(grads)
     if isinstance(lr, torch.Tensor):
         lr = checks.check_scalar_tensor("lr", lr, device)
     buffers, first_steps = [], ()

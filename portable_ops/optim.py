@@ -23,7 +23,7 @@ import torch
 from . import checks, sgd_checks
 from .clip import checked_total_norm, clip_coefficient
 from .distributed import global_norm, is_dtensor, local
-from .functional import adam_call, sgd_call, skipped_before_buffers_exist
+from .functional import adam_call, check_written_grads, sgd_call, skipped_before_buffers_exist
 from .dispatch import dispatch
 
 _grad = operator.attrgetter("grad")
@@ -98,17 +98,32 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _kernels(self, op, calls, max_grad_norm, grad_scale) -> list:
         """The backend kernel of ``op`` for each ``(params, call)``, chosen before anything is written (strict mode
-        may refuse one), with the global clip's coefficient set in every call when ``max_grad_norm`` is finite (the
-        norm is measured when it is not None)."""
-        kernels = [dispatch(op, call, call["params"][0].device) for _, call in calls]
+        may refuse one), with the global clip's coefficient set in every call first when ``max_grad_norm`` is finite
+        (a backend may decline a call that writes its grads; the norm is measured when it is not None)."""
+        norm = coef = None
         if max_grad_norm is not None and calls:
-            coef = self._clip_coefficient([p.grad for keys, _ in calls for p in keys], max_grad_norm, grad_scale)
-            if coef is not None:
-                for _, call in calls:  # the step writes the clipped grads back
-                    checks.check_distinct("grads", call["grads"])
-                for _, call in calls:
-                    call["clip_coef"] = coef.to(call["params"][0].device)
+            norm = self._grad_norm([p.grad for keys, _ in calls for p in keys], grad_scale)
+            # an infinite max_grad_norm measures, never clips: its coefficient inf / inf of an overflowed norm is NaN
+            coef = None if max_grad_norm == math.inf else clip_coefficient(norm, max_grad_norm)
+        if coef is not None or (grad_scale is not None and len(calls) > 1):
+            # the step writes the grads: checked across the calls, as each call checked its own
+            self._check_grads_written(calls)
+        for _, call in calls if coef is not None else ():
+            call["clip_coef"] = coef.to(call["params"][0].device)
+        kernels = [dispatch(op, call, call["params"][0].device) for _, call in calls]
+        if norm is not None:
+            self.last_grad_norm = norm
         return kernels
+
+    def _check_grads_written(self, calls) -> None:
+        """The step's grads, which it writes, checked together (:func:`check_written_grads`), named as the user
+        sees them."""
+        keys = [p for keys, _ in calls for p in keys]
+
+        def name(i):
+            where = {id(p): (g, j) for g, group in enumerate(self.param_groups) for j, p in enumerate(group["params"])}
+            return _AS_THE_USER_SEES["grads"].format(p='param_groups[{}]["params"][{}]'.format(*where[id(keys[i])]))
+        check_written_grads([g for _, call in calls for g in call["grads"]], name)
 
     def _max_grad_norm(self) -> float | None:
         """Every group's ``max_grad_norm``, checked: one value (the clip is one global norm), or None."""
@@ -122,14 +137,12 @@ class _FusedOptimizer(torch.optim.Optimizer):
                                  f"norm): param_groups[{i}] has {value}, param_groups[0] has {values[0]}")
         return values[0] if values else None
 
-    def _clip_coefficient(self, grads, max_grad_norm, grad_scale):
+    def _grad_norm(self, grads, grad_scale):
         norm = global_norm(grads, 2.0, checked_total_norm)
         if grad_scale is not None:
             # 0-d as the calls hold it: a [1] scale (older GradScalers') would make the coefficient [1]
             norm = norm / grad_scale.to(norm.device).reshape(())
-        self.last_grad_norm = norm
-        # an infinite max_grad_norm measures, never clips: its coefficient inf / inf of an overflowed norm is NaN
-        return None if max_grad_norm == math.inf else clip_coefficient(norm, max_grad_norm)
+        return norm
 
 
 class Adam(_FusedOptimizer):

@@ -58,17 +58,19 @@ def check_momentum_buffers(buffers, params, *, checked: bool = False) -> list[in
             raise ValueError(f"{name} is on {b.device} but params[{i}] is on {p.device}")
     made_buffers = [buffers[i] for i in made]
     checks.check_distinct("momentum_buffer_list", made_buffers)
-    check_no_internal_overlap("momentum_buffer_list", made_buffers, made)
+    check_no_internal_overlap("momentum_buffer_list", made_buffers, lambda i: f"momentum_buffer_list[{made[i]}]")
     return new
 
 
-def check_no_internal_overlap(arg: str, tensors, positions=None) -> None:
+def check_no_internal_overlap(arg: str, tensors, name=None) -> None:
     """No tensor whose elements share memory (an expanded view: a stride 0 over a dim of two or more), which the
     step writes element by element: torch's in-place ops refuse it, after the tensors before it were written.
-    ``positions``: each tensor's index in ``arg`` (default: its own)."""
+    ``name(i)``: how the message names ``tensors[i]`` (default ``arg[i]``)."""
+    if all(map(torch.Tensor.is_contiguous, tensors)):  # C-level: a contiguous tensor's elements are apart
+        return
     overlap = list(map(torch._debug_has_internal_overlap, tensors))  # 0 no, 1 yes, 2 can't tell (torch's ops write)
     if 1 in overlap:
         i = overlap.index(1)
-        raise ValueError(f"{arg}[{i if positions is None else positions[i]}] has elements that share memory (an "
-                         f"expanded view, strides {tuple(tensors[i].stride())}); the step writes every element: pass "
-                         f"a tensor of its own (.clone())")
+        raise ValueError(f"{name(i) if name else f'{arg}[{i}]'} has elements that share memory (an expanded view, "
+                         f"strides {tuple(tensors[i].stride())}); the step writes every element: pass a tensor of its "
+                         f"own (.clone())")

@@ -239,8 +239,7 @@ def adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, 
     for start in range(0, len(live), MAX_TENSORS):
         chosen = live[start:start + MAX_TENSORS]
         lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs)  # the last empty unless amsgrad
-        # views, the kernel writing through them (a grad only read, not scaled, may be a copy)
-        flat = [[lst[i].reshape(-1) for i in chosen] if lst else [] for lst in lists]
+        flat = [[tensor_table.flat(lst[i]) for i in chosen] if lst else [] for lst in lists]
         blocks = tensor_table.tail_blocks([p.numel() for p in flat[0]],
                                           [tuple(lst[j].dtype for lst in flat if lst) for j in range(len(chosen))])
         hyper = hyperparameters([state_steps[i] for i in chosen], blocks, device=params[chosen[0]].device,

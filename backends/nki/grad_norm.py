@@ -90,7 +90,7 @@ def norm_op(grads: list[torch.Tensor], norm_inf: bool) -> torch.Tensor:
 
 
 def grad_norm(grads, norm_type):
-    live = [g.reshape(-1) for g in grads if g.numel()]
+    live = [tensor_table.flat(g) for g in grads if g.numel()]
     if not live:
         return torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
     return norm_op(live, math.isinf(float(norm_type))).reshape(())

@@ -194,5 +194,6 @@ def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening
         chosen = [i for i in live if not with_momentum or bool(first_steps[i]) == first]
         for start in range(0, len(chosen), MAX_TENSORS):
             part = chosen[start:start + MAX_TENSORS]
-            flat = [[lst[i].reshape(-1) for i in part] if lst else [] for lst in (params, grads, momentum_buffers)]
+            lists = (params, grads, momentum_buffers)
+            flat = [[tensor_table.flat(lst[i]) for i in part] if lst else [] for lst in lists]
             sgd_step(*flat, hyper, first=first, **flags)  # flat views: the kernel writes through them

@@ -83,6 +83,12 @@ def as_dtype(tile, dtype, negate=False, engine=nisa.engine.scalar):
     return out
 
 
+def flat(t):
+    """``t`` as one dense dim: a view of a contiguous tensor, which a kernel may write through, else a copy (a
+    tensor only read; the ops decline a non-contiguous one they would write)."""
+    return t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+
+
 def first_noncontiguous(call, keys) -> str | None:
     """``"key[i]"`` naming the first non-contiguous tensor of an optimizer call's lists ``keys``, and of its grads
     when the step scales them (``grad_scale`` or ``clip_coef`` set: the kernels write them back); None if none."""
