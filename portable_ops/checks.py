@@ -231,14 +231,15 @@ def check_distinct(arg: str, tensors, name=None) -> None:
     such an element twice in turn). Views that don't overlap (DDP's gradient buckets) are distinct; interleaved ones
     (``buf[0::2]``, ``buf[1::2]``) are refused with overlapping ones, as their address ranges meet. ``name(i)``: how
     the message names ``tensors[i]`` (default ``arg[i]``)."""
-    starts = np.fromiter(map(_data_ptr, tensors), np.uint64, len(tensors))  # addresses may use the top bit (tags)
+    starts = list(map(_data_ptr, tensors))
     extents = map(_nbytes, tensors) if all(map(torch.Tensor.is_contiguous, tensors)) else map(_extent, tensors)
-    ends = starts + np.fromiter(extents, np.uint64, len(tensors))
-    order = starts.argsort(kind="stable")
-    if (ends[order[:-1]] <= starts[order[1:]]).all():  # vectorised: the common call, every step
+    ends = list(map(operator.add, starts, extents))
+    order = sorted(range(len(tensors)), key=starts.__getitem__)
+    # C-level passes, the common call on every step: each tensor ends before the next one in address order starts
+    if all(map(operator.le, map(ends.__getitem__, order[:-1]), map(starts.__getitem__, order[1:]))):
         return
     reach: dict = {}  # per device, (end, index) of the tensor reaching furthest so far in address order
-    for i in order.tolist():
+    for i in order:
         t = tensors[i]
         if t.numel() == 0 or t.device.type == "meta":
             continue
