@@ -65,7 +65,7 @@ class Plan:
     gpt2_shrunk: bool = False
 
 
-PLANS = {"full": Plan(7, 0.2, 3, 200, 0.5, 3, 150), "quick": Plan(3, 0.12, 3, 100, 0.2, 1, 60),
+PLANS = {"full": Plan(7, 0.2, 3, 200, 0.5, 5, 150), "quick": Plan(3, 0.12, 3, 100, 0.2, 1, 60),
          "tiny": Plan(2, 0.0, 1, 2, 0.0, 1, 12, gpt2_shrunk=True)}
 
 
