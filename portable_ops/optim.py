@@ -260,14 +260,20 @@ class Adam(_FusedOptimizer):
                 grads = list(map(_grad, lists["keys"]))  # C-level: hundreds of tensors per step
                 if lists["sharded"]:
                     grads = list(map(local, grads))
-                with _named_as_the_user_sees_them(g, group, lists["keys"]):
-                    call = adam_call(
-                        lists["params"], grads, lists["exp_avgs"], lists["exp_avg_sqs"],
-                        lists["max"] if group["amsgrad"] else [], lists["steps"], amsgrad=group["amsgrad"],
-                        beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                        maximize=group["maximize"], decoupled_weight_decay=self.decoupled_weight_decay,
-                        grad_scale=_on(grad_scale, device), found_inf=_on(found_inf, device),
-                        state_dtype=group["state_dtype"], checked_layouts=lists["layouts"] if checked else None)
+                plain = checked and grad_scale is None and found_inf is None
+                call = _steady_call(lists, group, grads) if plain else None
+                if call is None:
+                    with _named_as_the_user_sees_them(g, group, lists["keys"]):
+                        call = adam_call(
+                            lists["params"], grads, lists["exp_avgs"], lists["exp_avg_sqs"],
+                            lists["max"] if group["amsgrad"] else [], lists["steps"], amsgrad=group["amsgrad"],
+                            beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                            eps=group["eps"], maximize=group["maximize"],
+                            decoupled_weight_decay=self.decoupled_weight_decay, grad_scale=_on(grad_scale, device),
+                            found_inf=_on(found_inf, device), state_dtype=group["state_dtype"],
+                            checked_layouts=lists["layouts"] if checked else None)
+                    if plain:
+                        _keep_steady_call(lists, group, call)
                 calls.append((lists["keys"], call, checked))
         return calls, new_state
 
@@ -494,6 +500,37 @@ class SGD(_FusedOptimizer):
             self._lists_cache.clear()
             raise
         return loss
+
+
+_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "state_dtype")
+_PLAIN = (float, int, bool, type(None), torch.dtype)
+
+
+def _hyperparameters(group) -> tuple | None:
+    """``group``'s step options, or None where one is not a plain Python value (a tensor lr is read each step)."""
+    values = tuple(map(group.__getitem__, _HYPERPARAMETERS))
+    betas = values[1]
+    if betas.__class__ is not tuple or not all(v.__class__ in _PLAIN for v in (*betas, *values[:1], *values[2:])):
+        return None
+    return values
+
+
+def _keep_steady_call(lists, group, call) -> None:
+    """Keep a checked call of cached lists (no grad scale, no found_inf) for the steps after it: the checks of
+    its state and options hold while the lists do and the options are equal (:func:`_steady_call`)."""
+    real = not any(dtype.is_complex for dtype in map(operator.attrgetter("dtype"), lists["params"]))
+    options = _hyperparameters(group)
+    lists["steady"] = (options, call) if real and options is not None else None
+
+
+def _steady_call(lists, group, grads):
+    """The call kept by :func:`_keep_steady_call` with this step's ``grads``, where its options are still the
+    group's and the grads are laid out as its params (the only check a step of unchanged lists and options
+    needs); else None, and the step is checked whole."""
+    steady = lists.get("steady")
+    if steady is None or steady[0] != _hyperparameters(group) or checks.layouts(grads) != lists["layouts"]:
+        return None
+    return {**steady[1], "grads": grads}
 
 
 def _state_like(buffer, p):

@@ -475,3 +475,39 @@ def test_a_step_between_forward_and_backward_is_caught_as_torchs(backend, functi
         assert all(t._version > v for t, v in zip((w, *state[:2]), versions))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_a_step_after_unchanged_ones_still_checks_what_changed():
+    """Steps of unchanged lists and options reuse the checked call (optim._steady_call): an option changed
+    since, a bad one, or grads of another layout are still seen, before anything is written."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3, generator=g)) for _ in range(2)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = portable_ops.optim.AdamW(params, lr=1e-2)
+    torch_opt = torch.optim.AdamW(twins, lr=1e-2)
+    changes = [{}, {}, {"lr": 0.05}, {"betas": (0.8, 0.99)}, {"weight_decay": 0.0}, {"eps": 1e-3}, {}]
+    for change in changes:
+        for group in (opt.param_groups[0], torch_opt.param_groups[0]):
+            group.update(change)
+        for a, b in zip(params, twins):
+            a.grad = b.grad = torch.randn(5, 3, generator=g)
+        with portable_ops.use_backend("reference"):
+            opt.step()
+        torch_opt.step()
+        for a, b in zip(params, twins):
+            torch.testing.assert_close(a, b)
+    before = [p.detach().clone() for p in params]
+    for bad, match in (({"lr": float("nan")}, "lr"), ({"betas": (0.9, 1.5)}, "betas")):
+        good = dict(opt.param_groups[0])
+        opt.param_groups[0].update(bad)
+        with portable_ops.use_backend("reference"), pytest.raises(ValueError, match=match):
+            opt.step()
+        opt.param_groups[0].update({k: good[k] for k in bad})
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+    for a, b in zip(params, twins):  # strided grads, which the fused kernel can't read: the definition steps them
+        a.grad = b.grad = torch.randn(3, 5, generator=g).t()
+    with portable_ops.use_backend("reference"):
+        opt.step()
+    torch_opt.step()
+    for a, b in zip(params, twins):
+        torch.testing.assert_close(a, b)
