@@ -322,6 +322,9 @@ def device_present(device_type: str) -> bool:
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Force every op inside the block onto backend ``name`` (overrides ``PORTABLE_OPS_BACKEND``)."""
+    if torch.compiler.is_compiling():  # the compiled ops dispatch when the graph runs, outside this block
+        raise RuntimeError(f"use_backend({name!r}) inside a function torch.compile traces: enter it around the call "
+                           f"of the compiled function instead (its graph is traced again for each forced backend)")
     get_backend(name)  # validates the name early
     previous = _forced.name
     _forced.name = name

@@ -142,6 +142,26 @@ def test_backend_is_chosen_when_the_compiled_graph_runs(fake_backend):
     assert counters["stats"]["unique_graphs"] == 1
 
 
+def test_use_backend_inside_a_traced_function_says_where_it_belongs(fake_backend):
+    """The compiled ops dispatch when the graph runs, outside a block entered while tracing: under fullgraph the
+    trace stops with that said; without it the block runs eagerly, on the backend it forces."""
+    calls = []
+    stand_in = fake_backend("triton")
+    run = stand_in.ops["attention_fwd"].run
+    stand_in.ops["attention_fwd"] = dispatch.OpImpl(run=lambda **call: calls.append("triton") or run(**call))
+
+    def body(q, k, v):
+        with portable_ops.use_backend("triton"):
+            return portable_ops.attention(q, k, v, causal=True)
+
+    q, k, v = inputs("contiguous", torch.device("cpu"))
+    with pytest.raises(Exception, match="use_backend.*inside a function torch.compile traces"):
+        torch.compile(body, backend="aot_eager", fullgraph=True)(q, k, v)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(body, backend="aot_eager")(q, k, v), body(q, k, v))
+    assert calls == ["triton", "triton"]
+
+
 TINY = LlamaConfig(d_model=64, layers=2, heads=4, kv_heads=2, seq=16, batch=2, vocab=128)
 
 
