@@ -520,7 +520,8 @@ def _keep_steady_call(lists, group, call) -> None:
     its state and options hold while the lists do and the options are equal (:func:`_steady_call`)."""
     real = not any(dtype.is_complex for dtype in map(operator.attrgetter("dtype"), lists["params"]))
     options = _hyperparameters(group)
-    lists["steady"] = (options, call) if real and options is not None else None
+    # a copy: the step sets this one's clip_coef, which a later step without a clip must not inherit
+    lists["steady"] = (options, {**call}) if real and options is not None else None
 
 
 def _steady_call(lists, group, grads):

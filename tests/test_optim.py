@@ -511,3 +511,27 @@ def test_a_step_after_unchanged_ones_still_checks_what_changed():
     torch_opt.step()
     for a, b in zip(params, twins):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("later", [None, float("inf")])
+def test_a_clip_switched_off_after_unchanged_steps_no_longer_clips(later):
+    """The call kept for unchanged steps (optim._steady_call) holds no clip of its own: with max_grad_norm set to
+    None (or inf, which only measures) the next step takes the grads as they are, as torch's AdamW."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3, generator=g)) for _ in range(2)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = portable_ops.optim.AdamW(params, lr=1e-2, max_grad_norm=0.5)
+    torch_opt = torch.optim.AdamW(twins, lr=1e-2)
+    for step in range(3):
+        if step == 2:
+            opt.param_groups[0]["max_grad_norm"] = later
+        for a, b in zip(params, twins):  # each its own grad: the fused clip writes ours
+            a.grad = torch.randn(4, 3, generator=g)
+            b.grad = a.grad.clone()
+        if step < 2:
+            torch.nn.utils.clip_grad_norm_(twins, 0.5)
+        with portable_ops.use_backend("reference"):
+            opt.step()
+        torch_opt.step()
+        for a, b in zip(params, twins):
+            torch.testing.assert_close(a, b)
