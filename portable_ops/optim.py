@@ -332,6 +332,7 @@ class Adam(_FusedOptimizer):
     def _refresh_lists(self, lists):
         lists["states"] = [self.state[p] for p in lists["keys"]]
         lists["steps"] = [state["step"] for state in lists["states"]]
+        lists["state_layouts"] = _state_layouts(lists, _ADAM_STATE)
 
     def _state_unchanged(self, by_device, amsgrad) -> bool:
         """Whether each cached param's step and moments are still the tensors its lists hold: one assigned since
@@ -349,6 +350,9 @@ class Adam(_FusedOptimizer):
                     tensors = map(local, tensors)
                 if not all(map(operator.is_, tensors, lists[name])):
                     return False
+            # the same tensors, resized or given other data since (.data, resize_): the kernels would write past them
+            if _state_layouts(lists, _ADAM_STATE) != lists["state_layouts"]:
+                return False
         return True
 
 
@@ -435,12 +439,15 @@ class SGD(_FusedOptimizer):
                 buffers = map(local, buffers)
             if not all(map(operator.is_, buffers, lists["buffers"])):
                 return False
+            if _state_layouts(lists, ("buffers",)) != lists.get("state_layouts"):  # resized or given other data
+                return False
         return True
 
     def _refresh_lists(self, lists):
         if lists["buffers"]:
             lists["states"] = [self.state[p] for p in lists["keys"]]
             lists["buffers"] = [local(state["momentum_buffer"]) for state in lists["states"]]
+        lists["state_layouts"] = _state_layouts(lists, ("buffers",))
 
     def _calls(self, grad_scale, found_inf):
         """(params, checked functional call) for every (group, device)."""
@@ -500,6 +507,18 @@ class SGD(_FusedOptimizer):
             self._lists_cache.clear()
             raise
         return loss
+
+
+_ADAM_STATE = ("exp_avgs", "exp_avg_sqs", "max", "steps")
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _state_layouts(lists, names) -> list:
+    """Where the state tensors ``lists`` holds under ``names`` (None entries: no such state) start and how many
+    elements they hold, as the step's checks saw them when the lists were made: a tensor resized or given other
+    data since (``resize_``, ``.data = ...``) changes one. C-level passes, every step."""
+    return [(list(map(_data_ptr, ts)), list(map(torch.Tensor.numel, ts)))
+            for ts in map(lists.__getitem__, names) if ts and ts[0] is not None]
 
 
 _HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "state_dtype")

@@ -535,3 +535,27 @@ def test_a_clip_switched_off_after_unchanged_steps_no_longer_clips(later):
         torch_opt.step()
         for a, b in zip(params, twins):
             torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq", "step", "momentum_buffer"])
+@pytest.mark.parametrize("how", ["data", "resize_"])
+def test_a_state_tensor_resized_in_place_after_cached_steps_is_refused_by_name(key, how):
+    """The cached lists hold the same state tensor objects; one given other data or resized since (the kernels
+    would write past its end) is seen, and the step refuses it before anything is written."""
+    params = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(2)]
+    opt = (portable_ops.optim.SGD(params, lr=0.1, momentum=0.9) if key == "momentum_buffer"
+           else portable_ops.optim.AdamW(params, lr=0.1))
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(4, 3)
+        with portable_ops.use_backend("reference"):
+            opt.step()
+    state = opt.state[params[1]][key]
+    if how == "data":
+        state.data = torch.zeros(2, 2)
+    else:
+        state.resize_(2)
+    before = [p.detach().clone() for p in params]
+    with portable_ops.use_backend("reference"), pytest.raises((ValueError, TypeError), match=key):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
