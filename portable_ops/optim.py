@@ -160,11 +160,9 @@ class Adam(_FusedOptimizer):
     created, when loaded (``load_state_dict``) and on the next step after it is changed.
     """
 
-    decoupled_weight_decay = False
-
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  maximize=False, max_grad_norm=None, state_dtype=None, foreach=None, fused=None,
-                 capturable=False, differentiable=False):
+                 capturable=False, differentiable=False, decoupled_weight_decay=False):
         if differentiable:
             raise ValueError("differentiable=True is not supported: the fused step is not differentiable")
         if not isinstance(betas, (tuple, list, np.ndarray)) or len(betas) != 2:
@@ -173,7 +171,8 @@ class Adam(_FusedOptimizer):
         _check_max_grad_norm(max_grad_norm)
         checks.check_state_dtype(state_dtype)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize, max_grad_norm=max_grad_norm, state_dtype=state_dtype)
+                        maximize=maximize, max_grad_norm=max_grad_norm, state_dtype=state_dtype,
+                        decoupled_weight_decay=bool(decoupled_weight_decay))
         super().__init__(params, defaults)
 
     def __setstate__(self, state):
@@ -183,6 +182,7 @@ class Adam(_FusedOptimizer):
             group.setdefault("maximize", False)
             group.setdefault("max_grad_norm", self.defaults.get("max_grad_norm"))
             group.setdefault("state_dtype", self.defaults.get("state_dtype"))
+            group.setdefault("decoupled_weight_decay", False)  # torch's Adam's default for its older checkpoints
             for p in group["params"]:  # checkpoints older than torch 1.12 count steps in Python numbers
                 p_state = self.state.get(p, {})
                 if "step" in p_state and not isinstance(p_state["step"], torch.Tensor):
@@ -269,7 +269,7 @@ class Adam(_FusedOptimizer):
                             lists["max"] if group["amsgrad"] else [], lists["steps"], amsgrad=group["amsgrad"],
                             beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                             eps=group["eps"], maximize=group["maximize"],
-                            decoupled_weight_decay=self.decoupled_weight_decay, grad_scale=_on(grad_scale, device),
+                            decoupled_weight_decay=group["decoupled_weight_decay"], grad_scale=_on(grad_scale, device),
                             found_inf=_on(found_inf, device), state_dtype=group["state_dtype"],
                             checked_layouts=lists["layouts"] if checked else None)
                     if plain:
@@ -359,14 +359,17 @@ class Adam(_FusedOptimizer):
 class AdamW(Adam):
     """AdamW: decoupled weight decay (``torch.optim.AdamW``), plus ``max_grad_norm``."""
 
-    decoupled_weight_decay = True
-
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, max_grad_norm=None, state_dtype=None, foreach=None, fused=None,
                  capturable=False, differentiable=False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          max_grad_norm=max_grad_norm, state_dtype=state_dtype, foreach=foreach, fused=fused,
-                         capturable=capturable, differentiable=differentiable)
+                         capturable=capturable, differentiable=differentiable, decoupled_weight_decay=True)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:  # as torch's AdamW: decoupled, whatever a loaded checkpoint says
+            group["decoupled_weight_decay"] = True
 
 
 class SGD(_FusedOptimizer):
@@ -521,7 +524,8 @@ def _state_layouts(lists, names) -> list:
             for ts in map(lists.__getitem__, names) if ts and ts[0] is not None]
 
 
-_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "state_dtype")
+_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "state_dtype",
+                    "decoupled_weight_decay")
 _PLAIN = (float, int, bool, type(None), torch.dtype)
 
 

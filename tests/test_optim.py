@@ -559,3 +559,42 @@ def test_a_state_tensor_resized_in_place_after_cached_steps_is_refused_by_name(k
     with portable_ops.use_backend("reference"), pytest.raises((ValueError, TypeError), match=key):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_adams_decoupled_weight_decay_option_and_checkpoints_are_torchs():
+    """torch's Adam takes ``decoupled_weight_decay`` (a group option, kept in its checkpoints) and its AdamW is
+    decoupled whatever a checkpoint says: ours the same, so a checkpoint of either moves both ways unchanged."""
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(5, 3, generator=g) for _ in range(2)]
+    grads = [[torch.randn(5, 3, generator=g) for _ in init] for _ in range(4)]
+    kw = dict(lr=0.05, weight_decay=0.1)
+
+    def run(make, steps, start=init, load=None):
+        params = [torch.nn.Parameter(t.clone()) for t in start]
+        opt = make(params)
+        if load is not None:  # a copy: a loaded state dict shares its tensors with the optimizer it came from
+            opt.load_state_dict(copy.deepcopy(load))
+        for step in steps:
+            for p, grad in zip(params, grads[step]):
+                p.grad = grad.clone()
+            with portable_ops.use_backend("reference"):
+                opt.step()
+        return [p.detach() for p in params], opt
+
+    def same(a, b):
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x, y)
+
+    for decoupled in (True, False):
+        ours = lambda ps: portable_ops.optim.Adam(ps, decoupled_weight_decay=decoupled, **kw)  # noqa: E731
+        theirs = lambda ps: torch.optim.Adam(ps, decoupled_weight_decay=decoupled, **kw)  # noqa: E731
+        whole, _ = run(theirs, range(4))
+        same(run(ours, range(4))[0], whole)
+        half, first = run(theirs, range(2))  # two steps by torch, two by ours from its checkpoint: and back
+        same(run(lambda ps: portable_ops.optim.Adam(ps, **kw), range(2, 4), half, first.state_dict())[0], whole)
+        half, first = run(ours, range(2))
+        same(run(lambda ps: torch.optim.Adam(ps, **kw), range(2, 4), half, first.state_dict())[0], whole)
+    half, l2 = run(lambda ps: torch.optim.Adam(ps, **kw), range(2))  # an L2 checkpoint into AdamW: decoupled
+    resumed, opt = run(lambda ps: portable_ops.optim.AdamW(ps, **kw), range(2, 4), half, l2.state_dict())
+    assert opt.param_groups[0]["decoupled_weight_decay"] is True
+    same(resumed, run(lambda ps: torch.optim.AdamW(ps, **kw), range(2, 4), half, l2.state_dict())[0])
