@@ -332,7 +332,7 @@ class Adam(_FusedOptimizer):
     def _refresh_lists(self, lists):
         lists["states"] = [self.state[p] for p in lists["keys"]]
         lists["steps"] = [state["step"] for state in lists["states"]]
-        lists["state_layouts"] = _state_layouts(lists, _ADAM_STATE)
+        lists["state_spans"] = _state_spans(lists, _ADAM_STATE)
 
     def _state_unchanged(self, by_device, amsgrad) -> bool:
         """Whether each cached param's step and moments are still the tensors its lists hold: one assigned since
@@ -351,7 +351,7 @@ class Adam(_FusedOptimizer):
                 if not all(map(operator.is_, tensors, lists[name])):
                     return False
             # the same tensors, resized or given other data since (.data, resize_): the kernels would write past them
-            if _state_layouts(lists, _ADAM_STATE) != lists["state_layouts"]:
+            if _state_spans(lists, _ADAM_STATE) != lists["state_spans"]:
                 return False
         return True
 
@@ -442,7 +442,7 @@ class SGD(_FusedOptimizer):
                 buffers = map(local, buffers)
             if not all(map(operator.is_, buffers, lists["buffers"])):
                 return False
-            if _state_layouts(lists, ("buffers",)) != lists.get("state_layouts"):  # resized or given other data
+            if _state_spans(lists, ("buffers",)) != lists["state_spans"]:  # resized or given other data
                 return False
         return True
 
@@ -450,7 +450,7 @@ class SGD(_FusedOptimizer):
         if lists["buffers"]:
             lists["states"] = [self.state[p] for p in lists["keys"]]
             lists["buffers"] = [local(state["momentum_buffer"]) for state in lists["states"]]
-        lists["state_layouts"] = _state_layouts(lists, ("buffers",))
+        lists["state_spans"] = _state_spans(lists, ("buffers",))
 
     def _calls(self, grad_scale, found_inf):
         """(params, checked functional call) for every (group, device)."""
@@ -516,7 +516,7 @@ _ADAM_STATE = ("exp_avgs", "exp_avg_sqs", "max", "steps")
 _data_ptr = torch.Tensor.data_ptr
 
 
-def _state_layouts(lists, names) -> list:
+def _state_spans(lists, names) -> list:
     """Where the state tensors ``lists`` holds under ``names`` (None entries: no such state) start and how many
     elements they hold, as the step's checks saw them when the lists were made: a tensor resized or given other
     data since (``resize_``, ``.data = ...``) changes one. C-level passes, every step."""

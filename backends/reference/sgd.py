@@ -81,6 +81,7 @@ def sgd(params, grads, momentum_buffers, first_steps, *, lr, momentum, dampening
     scaled = grad_scale is not None or clip_coef is not None
     torch.autograd.graph.increment_version([*params, *momentum_buffers, *(grads if scaled else ())])
 
+
 def _fused(params, grads, momentum_buffers, first_steps, grad_scale, found_inf, clip_coef, options):
     device = params[0].device
     lr, found_inf = kernel_scalars(options["lr"], found_inf, device)
